@@ -1,0 +1,149 @@
+"""Decoder-only transformer for in-context regression, built on transformer_lens (SPEC §4).
+
+TransformerLens 4.x dropped `HookedTransformer`; its `TransformerBridge` wraps token-vocabulary
+language models, while this task feeds real-valued (x, y) tokens. The library's supported path
+for custom models is `HookedRootModule` + `HookPoint`, used here: every activation a probe needs
+has a hook point (`run_with_hooks`, `run_with_cache` work as usual) and an unhooked HookPoint is
+an identity module, so training pays almost nothing for them (measured in bench/).
+
+Inputs are interleaved tokens x_1, y_1, ..., x_K, y_K in R^(D+1): x-tokens carry (x_k, 0),
+y-tokens (0, y_k). A linear map embeds them, learned positional embeddings are added, pre-LN
+blocks follow, and the prediction for y_k is a linear readout at the x_k position.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformer_lens import HookedRootModule
+from transformer_lens.hook_points import HookPoint
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    D: int = 4
+    K: int = 8
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    d_mlp: int = 64
+    layer_norm: bool = True
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, dh, d = cfg.n_heads, cfg.d_head, cfg.d_model
+        self.W_Q = nn.Parameter(torch.empty(h, d, dh))
+        self.W_K = nn.Parameter(torch.empty(h, d, dh))
+        self.W_V = nn.Parameter(torch.empty(h, d, dh))
+        self.W_O = nn.Parameter(torch.empty(h, dh, d))
+        self.b_Q = nn.Parameter(torch.zeros(h, dh))
+        self.b_K = nn.Parameter(torch.zeros(h, dh))
+        self.b_V = nn.Parameter(torch.zeros(h, dh))
+        self.b_O = nn.Parameter(torch.zeros(d))
+        n = 2 * cfg.K
+        self.register_buffer("mask", torch.triu(torch.ones(n, n, dtype=torch.bool), 1), persistent=False)
+        self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
+        self.hook_attn_scores, self.hook_pattern = HookPoint(), HookPoint()
+        self.hook_z = HookPoint()  # (batch, pos, head, d_head): zero it to ablate a head
+        self.scale = 1.0 / math.sqrt(cfg.d_head)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.hook_q(torch.einsum("bpd,hde->bphe", x, self.W_Q) + self.b_Q)
+        k = self.hook_k(torch.einsum("bpd,hde->bphe", x, self.W_K) + self.b_K)
+        v = self.hook_v(torch.einsum("bpd,hde->bphe", x, self.W_V) + self.b_V)
+        n = x.shape[1]
+        scores = torch.einsum("bqhe,bkhe->bhqk", q, k) * self.scale
+        scores = self.hook_attn_scores(scores.masked_fill(self.mask[:n, :n], float("-inf")))
+        pattern = self.hook_pattern(F.softmax(scores, dim=-1))
+        z = self.hook_z(torch.einsum("bhqk,bkhe->bqhe", pattern, v))
+        return torch.einsum("bqhe,hed->bqd", z, self.W_O) + self.b_O
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc_in = nn.Linear(cfg.d_model, cfg.d_mlp)
+        self.fc_out = nn.Linear(cfg.d_mlp, cfg.d_model)
+        self.hook_post = HookPoint()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(self.hook_post(F.gelu(self.fc_in(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        norm = (lambda: nn.LayerNorm(cfg.d_model)) if cfg.layer_norm else nn.Identity
+        self.ln1, self.ln2 = norm(), norm()
+        self.attn, self.mlp = Attention(cfg), MLP(cfg)
+        self.hook_resid_pre, self.hook_attn_out = HookPoint(), HookPoint()
+        self.hook_resid_mid, self.hook_mlp_out, self.hook_resid_post = HookPoint(), HookPoint(), HookPoint()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.hook_resid_pre(x)
+        x = self.hook_resid_mid(x + self.hook_attn_out(self.attn(self.ln1(x))))
+        return self.hook_resid_post(x + self.hook_mlp_out(self.mlp(self.ln2(x))))
+
+
+def encode(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+    """(B, K, D), (B, K) → interleaved tokens (B, 2K, D+1): x-token (x_k, 0), y-token (0, y_k)."""
+    B, K, D = xs.shape
+    tok = xs.new_zeros(B, K, 2, D + 1)
+    tok[:, :, 0, :D] = xs
+    tok[:, :, 1, D] = ys
+    return tok.reshape(B, 2 * K, D + 1)
+
+
+class ICLTransformer(HookedRootModule):
+    """f(xs, ys) → predictions (B, K); prediction k is read at the x_k token (causal)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Linear(cfg.D + 1, cfg.d_model)
+        self.pos_embed = nn.Parameter(torch.empty(2 * cfg.K, cfg.d_model))
+        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layers)])
+        self.ln_final = nn.LayerNorm(cfg.d_model) if cfg.layer_norm else nn.Identity()
+        self.unembed = nn.Linear(cfg.d_model, 1, bias=False)
+        self.hook_embed, self.hook_resid_final = HookPoint(), HookPoint()
+        self._init_weights()
+        self.setup()
+
+    def _init_weights(self) -> None:
+        for name, p in self.named_parameters():
+            if name.endswith(("W_Q", "W_K", "W_V", "W_O")):
+                nn.init.normal_(p, std=0.02)
+        nn.init.normal_(self.pos_embed, std=0.02)
+
+    def forward(self, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+        n = 2 * xs.shape[1]
+        h = self.hook_embed(self.embed(encode(xs, ys)) + self.pos_embed[:n])
+        for block in self.blocks:
+            h = block(h)
+        h = self.hook_resid_final(self.ln_final(h))
+        return self.unembed(h[:, 0::2]).squeeze(-1)
+
+
+def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> ICLTransformer:
+    """Deterministic initialisation from `seed` (the global RNG is left untouched)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = ICLTransformer(cfg)
+    return model.to(device)
+
+
+def mse_loss(model: nn.Module, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+    """The training objective: mean over sequences and tokens of (f − y)², divided by D."""
+    return (model(xs, ys) - ys).square().mean() / xs.shape[-1]

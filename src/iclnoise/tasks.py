@@ -1,0 +1,118 @@
+"""Nested multi-task in-context linear regression (SPEC §2).
+
+A task is t ~ N(0, I_D); a sequence is (x_1, y_1, ..., x_K, y_K) with x_k ~ N(0, I_D) and
+y_k = t·x_k + e_k, e_k ~ N(0, σ²). Pools are nested prefixes of one task stream drawn from the
+pool seed, so T_M ⊂ T_M' for M < M' and the root task t_1 is in every pool. M = M_INF (-1) means
+a fresh Gaussian task for every sequence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+M_INF = -1  # the documented encoding of M = ∞ in every table
+
+
+def m_label(M: int) -> str:
+    """'inf' for M_INF, else the decimal number."""
+    return "inf" if M == M_INF else str(M)
+
+
+def parse_m(value: int | str | float) -> int:
+    """Accept 'inf', '∞', float('inf') or -1 as M_INF; positive integers as themselves."""
+    if isinstance(value, str) and value.strip().lower() in ("inf", "∞", "infinity", "-1"):
+        return M_INF
+    if isinstance(value, float) and np.isinf(value):
+        return M_INF
+    m = int(value)
+    if m != M_INF and m < 1:
+        raise ValueError(f"M must be a positive integer or 'inf', got {value!r}")
+    return m
+
+
+def _seed_mix(*keys: int) -> int:
+    """A 63-bit seed from integer keys (SeedSequence hashing, stable across platforms)."""
+    return int(np.random.SeedSequence([int(k) & 0xFFFFFFFF for k in keys]).generate_state(2, np.uint64)[0] >> 1)
+
+
+_POOL, _EVAL, _BATCH = 0x9001, 0xE7A1, 0xBA7C
+
+
+def task_pool(pool_seed: int, M: int, D: int) -> torch.Tensor:
+    """T_M = the first M tasks of the stream seeded by `pool_seed`, shape (M, D), float32.
+
+    NumPy's Generator draws standard normals sequentially, so pools are prefixes of each other.
+    """
+    if M == M_INF:
+        raise ValueError("M = inf has no finite pool; sample fresh tasks instead")
+    rng = np.random.Generator(np.random.PCG64(_seed_mix(_POOL, pool_seed)))
+    return torch.from_numpy(rng.standard_normal((M, D))).float()
+
+
+@dataclass(frozen=True)
+class Batch:
+    """xs (B, K, D), ys (B, K), tasks (B, D) — the task behind each sequence."""
+
+    xs: torch.Tensor
+    ys: torch.Tensor
+    tasks: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.xs.shape[0]
+
+    def split(self, n: int) -> list["Batch"]:
+        """Split into n equal micro-batches along the sequence axis."""
+        return [Batch(x, y, t) for x, y, t in zip(self.xs.chunk(n), self.ys.chunk(n), self.tasks.chunk(n))]
+
+    def to(self, device: torch.device | str) -> "Batch":
+        return Batch(self.xs.to(device), self.ys.to(device), self.tasks.to(device))
+
+
+def _draw(gen: torch.Generator, pool: torch.Tensor | None, B: int, K: int, D: int, noise_var: float,
+          device: torch.device | str) -> Batch:
+    if pool is None:
+        tasks = torch.randn(B, D, generator=gen, device=device)
+    else:
+        idx = torch.randint(0, pool.shape[0], (B,), generator=gen, device=device)
+        tasks = pool[idx]
+    xs = torch.randn(B, K, D, generator=gen, device=device)
+    ys = torch.einsum("bkd,bd->bk", xs, tasks) + noise_var**0.5 * torch.randn(B, K, generator=gen, device=device)
+    return Batch(xs, ys, tasks)
+
+
+class BatchSampler:
+    """Training batches drawn on `device`; batch `step` depends only on (data_seed, step).
+
+    Counter-based seeding makes the stream independent of micro-batching (a step's batch is
+    drawn whole, then split) and makes resuming trivial: the stream position is the step.
+    """
+
+    def __init__(self, pool: torch.Tensor | None, K: int, D: int, noise_var: float, data_seed: int,
+                 device: torch.device | str = "cpu"):
+        self.pool = None if pool is None else pool.to(device)
+        self.K, self.D, self.noise_var, self.data_seed, self.device = K, D, noise_var, data_seed, device
+        self._gen = torch.Generator(device=device)
+
+    def batch(self, step: int, size: int) -> Batch:
+        self._gen.manual_seed(_seed_mix(_BATCH, self.data_seed, step))
+        return _draw(self._gen, self.pool, size, self.K, self.D, self.noise_var, self.device)
+
+
+def eval_set(kind: str, M: int, n: int, K: int, D: int, noise_var: float, pool_seed: int,
+             eval_seed: int) -> Batch:
+    """Fixed evaluation sets, generated on the CPU from their own seed (hardware independent).
+
+    kind: 'id' (q_M), 'ood' (q_∞) or 'root' (q_1, the root task t_1 only). The 'ood' and 'root'
+    sets do not depend on M, so every run is evaluated on the same sequences.
+    """
+    kinds = {"id": 1, "ood": 2, "root": 3}
+    if kind not in kinds:
+        raise ValueError(f"eval kind must be one of {sorted(kinds)}, got {kind!r}")
+    if kind == "id" and M == M_INF:
+        kind = "ood"
+    pool = {"id": lambda: task_pool(pool_seed, M, D), "root": lambda: task_pool(pool_seed, 1, D),
+            "ood": lambda: None}[kind]()
+    gen = torch.Generator().manual_seed(_seed_mix(_EVAL, eval_seed, kinds[kind], M if kind == "id" else 0))
+    return _draw(gen, pool, n, K, D, noise_var, "cpu")
