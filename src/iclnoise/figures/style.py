@@ -1,0 +1,68 @@
+"""One look for every figure: seaborn theme, M palette, and saving PDF + PNG + the data."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+import seaborn as sns  # noqa: E402
+
+from ..io import atomic_path  # noqa: E402
+from ..tasks import M_INF, m_label  # noqa: E402
+
+
+def setup() -> None:
+    sns.set_theme(context="paper", style="whitegrid", font_scale=1.1)
+    plt.rcParams.update({"figure.dpi": 110, "savefig.dpi": 200, "axes.titleweight": "bold",
+                         "legend.frameon": False, "pdf.fonttype": 42})
+
+
+def m_order(ms) -> list[int]:
+    """Finite M ascending, then ∞."""
+    ms = sorted(set(int(m) for m in ms))
+    return [m for m in ms if m != M_INF] + ([M_INF] if M_INF in ms else [])
+
+
+def m_palette(ms) -> dict[int, tuple]:
+    """Sequential colours by log M (dMMSE-like dark → ridge-like light); ∞ gets its own hue."""
+    order = m_order(ms)
+    finite = [m for m in order if m != M_INF]
+    colours = sns.color_palette("viridis", max(len(finite), 1))
+    pal = {m: colours[i] for i, m in enumerate(finite)}
+    if M_INF in order:
+        pal[M_INF] = (0.85, 0.2, 0.2)
+    return pal
+
+
+def m_legend_label(M: int) -> str:
+    return "M = ∞" if M == M_INF else f"M = {m_label(M)}"
+
+
+def save_figure(fig: plt.Figure, path: str | os.PathLike, data: pd.DataFrame | None = None) -> list[Path]:
+    """Save `path` as .pdf and .png (atomically) and `data` beside it as .parquet; close fig."""
+    base = Path(path).with_suffix("")
+    written = []
+    for ext in (".pdf", ".png"):
+        final, tmp = atomic_path(base.with_suffix(ext))
+        try:
+            fig.savefig(tmp, format=ext[1:], bbox_inches="tight")
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+        written.append(final)
+    if data is not None:
+        final, tmp = atomic_path(base.with_suffix(".parquet"))
+        try:
+            pq.write_table(pa.Table.from_pandas(data, preserve_index=False), tmp)
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+        written.append(final)
+    plt.close(fig)
+    return written
