@@ -83,20 +83,21 @@ def _draw(gen: torch.Generator, pool: torch.Tensor | None, B: int, K: int, D: in
 
 
 class BatchSampler:
-    """Training batches drawn on `device`; batch `step` depends only on (data_seed, step).
+    """Training batches drawn on `device`; batch `step` depends only on (stream, data_seed, step).
 
     Counter-based seeding makes the stream independent of micro-batching (a step's batch is
     drawn whole, then split) and makes resuming trivial: the stream position is the step.
     """
 
     def __init__(self, pool: torch.Tensor | None, K: int, D: int, noise_var: float, data_seed: int,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", stream: int = 0):
         self.pool = None if pool is None else pool.to(device)
         self.K, self.D, self.noise_var, self.data_seed, self.device = K, D, noise_var, data_seed, device
+        self.stream = stream  # independent streams from one seed: 0 training, 1 held-out, 2+ probes
         self._gen = torch.Generator(device=device)
 
     def batch(self, step: int, size: int) -> Batch:
-        self._gen.manual_seed(_seed_mix(_BATCH, self.data_seed, step))
+        self._gen.manual_seed(_seed_mix(_BATCH, self.stream, self.data_seed, step))
         return _draw(self._gen, self.pool, size, self.K, self.D, self.noise_var, self.device)
 
 

@@ -1,0 +1,182 @@
+"""params.yaml: load, validate (schema + cross-field rules), expand the grid, run ids, run specs.
+
+`validate_params` is the one gate: every invalid value is rejected with a message naming the key
+and what is allowed, before any job starts (the Snakefile calls it at parse time).
+"""
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from .tasks import M_INF, m_label, parse_m
+
+
+class ParamsError(ValueError):
+    """An invalid parameter; the message names the key and the allowed values."""
+
+
+def schema() -> dict:
+    return yaml.safe_load(resources.files("iclnoise").joinpath("params.schema.yaml").read_text())
+
+
+def load_params(path: str | Path = "params.yaml") -> dict:
+    with open(path) as f:
+        return validate_params(yaml.safe_load(f))
+
+
+def _key(path) -> str:
+    return ".".join(str(p) for p in path) or "<top level>"
+
+
+def _describe(err: jsonschema.ValidationError) -> str:
+    key = _key(err.absolute_path)
+    s = err.schema if isinstance(err.schema, dict) else {}
+    if err.validator == "enum":
+        return f"{key} = {err.instance!r} is not allowed; allowed values: {', '.join(map(str, s['enum']))}"
+    if err.validator == "additionalProperties":
+        allowed = ", ".join(sorted(s.get("properties", {})))
+        extra = sorted(set(err.instance) - set(s.get("properties", {})))
+        return f"{key}: unknown key(s) {', '.join(extra)}; allowed keys: {allowed}"
+    if err.validator == "required":
+        return f"{key}: {err.message}"
+    if err.validator == "anyOf" and err.absolute_path and "M" in list(err.absolute_path):
+        return f"{key} = {err.instance!r} is not allowed; M must be an integer >= 1 or 'inf'"
+    if err.validator in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+        op = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}[err.validator]
+        return f"{key} = {err.instance!r} is not allowed; it must be {op} {err.validator_value}"
+    if err.validator == "pattern":
+        return f"{key} = {err.instance!r} is not allowed; it must match {err.validator_value} (lowercase letters, digits, _)"
+    desc = s.get("description", "")
+    return f"{key}: {err.message}" + (f" ({desc})" if desc else "")
+
+
+def validate_params(params: dict) -> dict:
+    """Check `params` against the schema and the cross-field rules; return it unchanged."""
+    if not isinstance(params, dict):
+        raise ParamsError("params.yaml must be a mapping of sections (grid, data, model, train, eval, noise, ...)")
+    validator = jsonschema.Draft7Validator(schema())
+    errors = sorted(validator.iter_errors(params), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
+    if errors:
+        lines = "\n  - ".join(_describe(e) for e in errors[:10])
+        raise ParamsError(f"invalid params:\n  - {lines}")
+    _cross_checks(params)
+    return params
+
+
+def _cross_checks(p: dict) -> None:
+    t, m, d = p["train"], p["model"], p["data"]
+    budget = t["budget"]
+    if budget["mode"] not in budget:
+        raise ParamsError(f"train.budget.mode = {budget['mode']!r} needs train.budget.{budget['mode']} to be set")
+    for B in p["grid"]["batch_sizes"]:
+        mb = min(t["micro_batch"], B)
+        if B % mb:
+            raise ParamsError(f"grid.batch_sizes: batch {B} is not divisible by train.micro_batch = {t['micro_batch']}; "
+                              f"allowed: batch sizes that are multiples of the micro-batch (or smaller than it)")
+        if budget["mode"] == "sequences" and budget["sequences"] < B:
+            raise ParamsError(f"train.budget.sequences = {budget['sequences']} is smaller than batch {B}; "
+                              f"allowed: at least one full batch")
+    if m["d_model"] % m["n_heads"]:
+        raise ParamsError(f"model.d_model = {m['d_model']} is not divisible by model.n_heads = {m['n_heads']}")
+    k1, k2 = p["eval"]["icl_tokens"]
+    if not (1 <= k1 < k2 <= d["K"]):
+        raise ParamsError(f"eval.icl_tokens = {[k1, k2]} is not allowed; need 1 <= k_early < k_late <= data.K = {d['K']}")
+    conditions = p["noise"]["conditions"]
+    unknown = [n for n in p["grid"]["noise"] if n not in conditions]
+    if unknown:
+        raise ParamsError(f"grid.noise: {unknown} not defined; allowed: the names under noise.conditions "
+                          f"({', '.join(sorted(conditions))})")
+    Ms = [parse_m(x) for x in p["grid"]["M"]]
+    if len(set(Ms)) != len(Ms):
+        raise ParamsError(f"grid.M has duplicates: {p['grid']['M']}")
+
+
+@dataclass(frozen=True, order=True)
+class RunKeys:
+    M: int
+    batch: int
+    noise: str
+    seed: int
+
+    @property
+    def run_id(self) -> str:
+        return f"M{m_label(self.M)}-B{self.batch}-{self.noise}-s{self.seed}"
+
+    def to_dict(self) -> dict:
+        return {"run_id": self.run_id, "M": self.M, "seed": self.seed, "batch": self.batch, "noise": self.noise}
+
+
+_RUN_RE = re.compile(r"^M(?P<M>inf|\d+)-B(?P<batch>\d+)-(?P<noise>[a-z0-9_]+)-s(?P<seed>\d+)$")
+
+
+def parse_run_id(run_id: str) -> RunKeys:
+    m = _RUN_RE.match(run_id)
+    if not m:
+        raise ValueError(f"not a run id: {run_id!r} (expected e.g. M64-B128-none-s0)")
+    return RunKeys(parse_m(m["M"]), int(m["batch"]), m["noise"], int(m["seed"]))
+
+
+def expand_grid(params: dict) -> list[RunKeys]:
+    """Every (M, batch, noise, seed) of the grid, in a stable order."""
+    g = params["grid"]
+    return [RunKeys(parse_m(M), B, n, s) for M in g["M"] for B in g["batch_sizes"] for n in g["noise"]
+            for s in g["seeds"]]
+
+
+def grid_ms(params: dict) -> list[int]:
+    return [parse_m(M) for M in params["grid"]["M"]]
+
+
+def steps_for(params: dict, batch: int) -> int:
+    b = params["train"]["budget"]
+    return b["steps"] if b["mode"] == "steps" else max(1, b["sequences"] // batch)
+
+
+def run_spec(params: dict, run_id: str) -> dict[str, Any]:
+    """Everything one run needs, resolved (steps, micro-batch, noise condition); JSON-serialisable."""
+    keys = parse_run_id(run_id)
+    train = copy.deepcopy(params["train"])
+    train["steps"] = steps_for(params, keys.batch)
+    train["micro_batch"] = min(train["micro_batch"], keys.batch)
+    spec = {
+        "keys": keys.to_dict(),
+        "data": copy.deepcopy(params["data"]),
+        "model": copy.deepcopy(params["model"]),
+        "train": train,
+        "eval": copy.deepcopy(params["eval"]),
+        "noise": copy.deepcopy(params["noise"]["conditions"][keys.noise]),
+        "exposure": copy.deepcopy(params.get("exposure")),
+    }
+    return spec
+
+
+def section(params: dict, name: str) -> dict:
+    """A top-level section (e.g. 'llc') as a plain dict, for rules that pass it to a command."""
+    return copy.deepcopy(params.get(name) or {})
+
+
+__all__ = ["ParamsError", "RunKeys", "M_INF", "load_params", "validate_params", "expand_grid", "grid_ms",
+           "parse_run_id", "run_spec", "section", "steps_for", "schema"]
+
+
+def cli(argv: list[str]) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="iclnoise check", description="Validate a params file and list its runs.")
+    ap.add_argument("params", nargs="?", default="params.yaml")
+    a = ap.parse_args(argv)
+    try:
+        params = load_params(a.params)
+    except ParamsError as e:
+        raise SystemExit(f"{a.params}: {e}")
+    runs = expand_grid(params)
+    print(f"{a.params}: valid; {len(runs)} runs")
+    for k in runs:
+        print(f"  {k.run_id}  ({steps_for(params, k.batch)} steps)")

@@ -1,0 +1,94 @@
+"""Per-checkpoint behavioural metrics against dMMSE_M and ridge on fixed evaluation sets (SPEC §3)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from .io import KEY_FIELDS
+from .predictors import delta, dmmse, icl_score, ridge, ridge_likeness, token_losses
+from .tasks import M_INF, Batch, eval_set, task_pool
+
+METRICS_SCHEMA = pa.schema(KEY_FIELDS + [
+    pa.field("step", pa.int64()),
+    pa.field("sequences", pa.int64()),
+    pa.field("lr", pa.float64()),
+    pa.field("train_loss", pa.float64()),    # mean training loss / D over the updates since the last checkpoint
+    pa.field("id_loss", pa.float64()),       # losses are mean squared error / D
+    pa.field("ood_loss", pa.float64()),
+    pa.field("id_loss_dmmse", pa.float64()),
+    pa.field("id_loss_ridge", pa.float64()),
+    pa.field("ood_loss_dmmse", pa.float64()),
+    pa.field("ood_loss_ridge", pa.float64()),
+    pa.field("delta_dmmse", pa.float64()),   # Δ(f, dMMSE_M) on the in-distribution set
+    pa.field("delta_ridge", pa.float64()),   # Δ(f, ridge) on the in-distribution set
+    pa.field("r", pa.float64()),             # ridge-likeness; NaN for M = ∞ (dMMSE_∞ is ridge)
+    pa.field("icl_score", pa.float64()),     # OOD ℓ_{k_early} − ℓ_{k_late}
+    pa.field("diverged", pa.bool_()),
+])
+
+TOKEN_SCHEMA = pa.schema([pa.field("run_id", pa.string()), pa.field("step", pa.int64()),
+                          pa.field("split", pa.string()), pa.field("k", pa.int64()),
+                          pa.field("loss", pa.float64())])
+
+
+def root_preds_schema(length: int) -> pa.Schema:
+    return pa.schema([pa.field("run_id", pa.string()), pa.field("step", pa.int64()),
+                      pa.field("preds", pa.list_(pa.float32(), length))])
+
+
+@dataclass
+class _Split:
+    batch: Batch
+    dmmse: torch.Tensor | None
+    ridge: torch.Tensor
+
+
+class Evaluator:
+    """Holds the fixed evaluation sets and the predictors' outputs on them (computed once)."""
+
+    def __init__(self, spec: dict, device: torch.device | str = "cpu"):
+        d, e = spec["data"], spec["eval"]
+        self.M, self.D, self.K = spec["keys"]["M"], d["D"], d["K"]
+        self.icl_tokens = e["icl_tokens"]
+        self.device = device
+        pool = None if self.M == M_INF else task_pool(d["pool_seed"], self.M, d["D"])
+        self.splits: dict[str, _Split] = {}
+        for kind, n in (("id", e["n_sequences"]), ("ood", e["n_sequences"]), ("root", e["n_root"])):
+            b = eval_set(kind, self.M, n, d["K"], d["D"], d["noise_var"], d["pool_seed"], e["eval_seed"])
+            dm = None if pool is None else dmmse(b.xs, b.ys, pool, d["noise_var"])
+            self.splits[kind] = _Split(b.to(device), None if dm is None else dm.to(device),
+                                       ridge(b.xs, b.ys, d["noise_var"]).to(device))
+        self.reference = self._reference_losses()
+
+    def _reference_losses(self) -> dict[str, float]:
+        out = {}
+        for split in ("id", "ood"):
+            s = self.splits[split]
+            out[f"{split}_loss_ridge"] = float(token_losses(s.ridge, s.batch.ys, self.D).mean())
+            out[f"{split}_loss_dmmse"] = (math.nan if s.dmmse is None
+                                          else float(token_losses(s.dmmse, s.batch.ys, self.D).mean()))
+        return out
+
+    @torch.no_grad()
+    def __call__(self, model: torch.nn.Module) -> tuple[dict[str, float], dict[str, np.ndarray], np.ndarray]:
+        """(scalar metrics, per-token losses by split, root-task predictions flattened (n_root·K,))."""
+        was_training = model.training
+        model.eval()
+        preds = {k: model(s.batch.xs, s.batch.ys) for k, s in self.splits.items()}
+        model.train(was_training)
+        tok = {k: token_losses(preds[k], self.splits[k].batch.ys, self.D) for k in ("id", "ood")}
+        sid = self.splits["id"]
+        d_ridge = delta(preds["id"], sid.ridge, self.D)
+        d_dmmse = math.nan if sid.dmmse is None else delta(preds["id"], sid.dmmse, self.D)
+        metrics = {
+            "id_loss": float(tok["id"].mean()), "ood_loss": float(tok["ood"].mean()),
+            "delta_dmmse": d_dmmse, "delta_ridge": d_ridge,
+            "r": math.nan if sid.dmmse is None else ridge_likeness(d_dmmse, d_ridge),
+            "icl_score": icl_score(tok["ood"], *self.icl_tokens),
+            **self.reference,
+        }
+        return metrics, {k: v.cpu().numpy() for k, v in tok.items()}, preds["root"].float().cpu().numpy().ravel()

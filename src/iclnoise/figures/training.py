@@ -1,0 +1,104 @@
+"""Figure 1 (OOD loss over training per M, t_crit marked, predictor levels) and the run summary."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from ..io import KEY_FIELDS, read_parquet, write_parquet, write_text
+from ..tasks import m_label
+from . import style
+
+SUMMARY_SCHEMA = pa.schema(KEY_FIELDS + [
+    pa.field("steps", pa.int64()), pa.field("ood_loss", pa.float64()), pa.field("id_loss", pa.float64()),
+    pa.field("ood_loss_dmmse", pa.float64()), pa.field("ood_loss_ridge", pa.float64()),
+    pa.field("id_loss_dmmse", pa.float64()), pa.field("id_loss_ridge", pa.float64()),
+    pa.field("delta_dmmse", pa.float64()), pa.field("delta_ridge", pa.float64()), pa.field("r", pa.float64()),
+    pa.field("icl_score", pa.float64()), pa.field("t_crit", pa.int64()), pa.field("ood_loss_at_t_crit", pa.float64()),
+    pa.field("diverged", pa.bool_()),
+])
+
+
+def load_metrics(paths: list[str | Path]) -> pd.DataFrame:
+    return pd.concat([read_parquet(p) for p in paths], ignore_index=True)
+
+
+def t_crit(metrics: pd.DataFrame) -> pd.DataFrame:
+    """Per run: the checkpoint with minimal OOD loss (the transient-ridge dip), excluding step 0."""
+    m = metrics[metrics.step > 0]
+    idx = m.groupby("run_id").ood_loss.idxmin()
+    return m.loc[idx, ["run_id", "step", "ood_loss"]].rename(columns={"step": "t_crit", "ood_loss": "ood_loss_at_t_crit"})
+
+
+def summary(metrics: pd.DataFrame) -> pd.DataFrame:
+    """One row per run at the end of training, with t_crit."""
+    last = metrics.sort_values("step").groupby("run_id").tail(1).rename(columns={"step": "steps"})
+    last = last.merge(t_crit(metrics), on="run_id", how="left")
+    last["diverged"] = metrics.groupby("run_id").diverged.any().reindex(last.run_id).to_numpy()
+    return last[SUMMARY_SCHEMA.names].sort_values(["noise", "batch", "M", "seed"],
+                                                  key=lambda s: s.where(s != -1, 1 << 40) if s.name == "M" else s)
+
+
+def fig_ood_loss(metrics: pd.DataFrame, path: str | Path) -> None:
+    """Figure 1: OOD loss/D over training per M; rows = batch size, columns = noise condition."""
+    style.setup()
+    noises, batches = sorted(metrics.noise.unique()), sorted(metrics.batch.unique())
+    pal = style.m_palette(metrics.M)
+    fig, axes = plt.subplots(len(batches), len(noises), figsize=(5.2 * len(noises), 3.6 * len(batches)),
+                             squeeze=False, sharex=True, sharey=True)
+    tc = t_crit(metrics).set_index("run_id")
+    for i, B in enumerate(batches):
+        for j, noise in enumerate(noises):
+            ax = axes[i, j]
+            sub = metrics[(metrics.batch == B) & (metrics.noise == noise)]
+            for M in style.m_order(sub.M):
+                runs = sub[sub.M == M]
+                mean = runs.groupby("step").ood_loss.mean()
+                ax.plot(mean.index + 1, mean.values, color=pal[M], lw=2, label=style.m_legend_label(M))
+                for rid, r in runs.groupby("run_id"):
+                    ax.plot(r.step + 1, r.ood_loss, color=pal[M], lw=0.6, alpha=0.35)
+                    ax.scatter(tc.loc[rid, "t_crit"] + 1, tc.loc[rid, "ood_loss_at_t_crit"], s=22,
+                               facecolor="white", edgecolor=pal[M], zorder=3, lw=1.2)
+                dm = runs.ood_loss_dmmse.iloc[0]
+                if np.isfinite(dm):
+                    ax.axhline(dm, color=pal[M], ls=":", lw=1, alpha=0.8)
+            ax.axhline(sub.ood_loss_ridge.iloc[0], color="black", ls="--", lw=1.2, label="ridge (Bayes for q∞)")
+            ax.set_xscale("log")
+            ax.set_title(f"noise: {noise}, batch {B}")
+            if i == len(batches) - 1:
+                ax.set_xlabel("training step + 1")
+            if j == 0:
+                ax.set_ylabel("OOD loss / D")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    handles.append(plt.Line2D([], [], color="grey", ls=":", lw=1))
+    labels.append("dMMSE_M (same colour)")
+    handles.append(plt.Line2D([], [], marker="o", ls="", mfc="white", mec="grey"))
+    labels.append("t_crit (min OOD loss)")
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.suptitle("Out-of-distribution loss over training (thin: seeds, thick: mean)", y=1.01)
+    fig.tight_layout()
+    style.save_figure(fig, path, metrics[["run_id", "M", "seed", "batch", "noise", "step", "ood_loss",
+                                          "ood_loss_dmmse", "ood_loss_ridge"]])
+
+
+def _markdown(df: pd.DataFrame) -> str:
+    show = df.assign(M=df.M.map(m_label))
+    return show.to_markdown(index=False, floatfmt=".4g") + "\n"
+
+
+def cli(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="iclnoise figures", description=__doc__)
+    ap.add_argument("metrics", nargs="+", help="per-run metrics.parquet files")
+    ap.add_argument("--out-dir", default="results")
+    a = ap.parse_args(argv)
+    out = Path(a.out_dir)
+    metrics = load_metrics(a.metrics)
+    fig_ood_loss(metrics, out / "figures" / "fig01_ood_loss")
+    s = summary(metrics)
+    write_parquet(s, out / "summary.parquet", SUMMARY_SCHEMA)
+    write_text("# End-of-training summary (losses are MSE / D)\n\n" + _markdown(s), out / "summary.md")
+    print(f"figure: {out / 'figures' / 'fig01_ood_loss.png'}; summary: {out / 'summary.md'} ({len(s)} runs)")
