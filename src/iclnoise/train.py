@@ -203,8 +203,11 @@ def train_run(spec: dict, run_dir: str | Path, progress: bool | None = None) -> 
             loss_sum, loss_n = 0.0, 0
             bar.set_postfix(loss=f"{rows[-1]['train_loss']:.3f}", ood=f"{rows[-1]['ood_loss']:.3f}")
     bar.close()
-    if diverged and rows[-1]["step"] != step:
-        checkpoint(step, sched.get_last_lr()[0])  # the state at divergence, flagged, so nothing is dropped
+    if diverged and not rows[-1]["diverged"]:  # record the state at divergence, flagged; drop nothing
+        if rows[-1]["step"] == step:
+            rows.pop(), root.pop()
+            tokens[:] = [t for t in tokens if t["step"] != step]
+        checkpoint(step, sched.get_last_lr()[0])
 
     metrics = pd.DataFrame(rows)
     write_parquet(pd.DataFrame(tokens), run_dir / "token_losses.parquet", TOKEN_SCHEMA)

@@ -1,0 +1,32 @@
+# Two entry points for a fresh machine: `make run` (embedded default) and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+CORES ?= 2
+export PATH := $(abspath $(BIN)):$(PATH)
+
+.PHONY: setup run test bench figures clean-results
+
+setup: $(VENV)/.installed
+
+# torch is installed first and pinned: the CPU build of 2.13.0 (an unpinned torch pulls CUDA).
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[pipeline,dev]"
+	touch $@
+
+run: setup
+	snakemake --cores $(CORES)
+	@echo "Done. Figures: results/figures/  Summary: results/summary.md  Report: results/report.md"
+
+test: setup
+	pytest -q -p no:cacheprovider
+
+bench: setup
+	$(BIN)/python bench/bench_train.py
+
+# Rerun only aggregation, figures and the report from existing per-run artifacts.
+figures: setup
+	snakemake --cores $(CORES) --forcerun training_figures
