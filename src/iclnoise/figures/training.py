@@ -73,7 +73,13 @@ def fig_ood_loss(metrics: pd.DataFrame, path: str | Path) -> None:
                 ax.set_xlabel("training step + 1")
             if j == 0:
                 ax.set_ylabel("OOD loss / D")
-    handles, labels = axes[0, 0].get_legend_handles_labels()
+    seen: dict[str, object] = {}
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(lab, h)
+    order = [style.m_legend_label(M) for M in style.m_order(metrics.M)]
+    labels = [lab for lab in order if lab in seen] + [lab for lab in seen if lab not in order]
+    handles = [seen[lab] for lab in labels]
     handles.append(plt.Line2D([], [], color="grey", ls=":", lw=1))
     labels.append("dMMSE_M (same colour)")
     handles.append(plt.Line2D([], [], marker="o", ls="", mfc="white", mec="grey"))
