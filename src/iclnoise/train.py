@@ -127,7 +127,7 @@ def train_run(spec: dict, run_dir: str | Path, progress: bool | None = None) -> 
     model = build_model(mcfg, seed, device)
     o = tcfg["optimizer"]
     opt = torch.optim.AdamW(model.parameters(), lr=o["lr"], betas=tuple(o["betas"]),
-                            weight_decay=o["weight_decay"], eps=o["eps"])
+                            weight_decay=o["weight_decay"], eps=o["eps"], fused=True)
     s = tcfg["lr_schedule"]
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lr_lambda(s["kind"], total, s.get("warmup_frac", 0.0), s.get("min_lr_frac", 0.0)))
