@@ -88,3 +88,31 @@ def test_divergence_is_recorded_not_dropped(tiny, tmp_path):
     m = train_run(run_spec(p, "Minf-B16-none-s0"), tmp_path, progress=False)
     assert m.diverged.iloc[-1] and m.step.iloc[-1] < 60
     assert (tmp_path / "metrics.parquet").exists()
+
+
+def test_killed_process_resumes_to_the_same_numbers(tiny, tmp_path):
+    """SIGKILL a real `iclnoise train` process mid-run, start it again, compare with a clean run."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    p = copy.deepcopy(tiny)
+    p["train"]["budget"]["steps"] = 400
+    p["train"]["checkpoints"] = {"linear": 8, "log": 0}
+    spec = json.dumps(run_spec(p, "M4-B16-none-s0"))
+    cmd = [str(Path(sys.executable).parent / "iclnoise"), "train", "--spec", spec, "--no-progress"]
+    clean = train_run(json.loads(spec), tmp_path / "clean", progress=False)
+    run_dir = tmp_path / "killed"
+    proc = subprocess.Popen(cmd + ["--run-dir", str(run_dir)])
+    deadline = time.time() + 120
+    while len(list((run_dir / "checkpoints").glob("step_*.pt"))) < 3 and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (run_dir / "metrics.parquet").exists(), "the run finished before it could be killed"
+    subprocess.run(cmd + ["--run-dir", str(run_dir)], check=True)
+    pd.testing.assert_frame_equal(clean, read_parquet(run_dir / "metrics.parquet"))

@@ -209,7 +209,7 @@ def train_run(spec: dict, run_dir: str | Path, progress: bool | None = None) -> 
             tokens[:] = [t for t in tokens if t["step"] != step]
         checkpoint(step, sched.get_last_lr()[0])
 
-    metrics = pd.DataFrame(rows)
+    metrics = pd.DataFrame(rows)[METRICS_SCHEMA.names]
     write_parquet(pd.DataFrame(tokens), run_dir / "token_losses.parquet", TOKEN_SCHEMA)
     write_parquet(pd.DataFrame(root), run_dir / "root_preds.parquet",
                   root_preds_schema(spec["eval"]["n_root"] * data["K"]))
