@@ -30,9 +30,17 @@ wildcard_constraints:
 include: "workflow/rules/common.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/figures.smk"
+include: "workflow/rules/llc.smk"
+
+
+def final_outputs():
+    out = list(rules.training_figures.output)
+    if PARAMS.get("llc", {}).get("enabled", False):
+        out += rules.llc_figures.output
+    return out
 
 
 rule all:
     input:
-        rules.training_figures.output,
+        final_outputs(),
     default_target: True

@@ -22,6 +22,9 @@ def tiny_params(Ms=(1, "inf")) -> dict:
     p["train"]["checkpoints"] = {"linear": 2, "log": 3}
     p["eval"].update(n_sequences=64, n_root=16)
     p["model"].update(d_model=16, d_mlp=16)
+    if "llc" in p:
+        p["llc"]["every"] = 3
+        p["llc"]["sampler"].update(chains=2, burn_in=5, draws=10, batch=16, n=64)
     return p
 
 

@@ -10,6 +10,7 @@ COMMANDS = {
     "llc": ("iclnoise.llc", "local learning coefficient per checkpoint of a run"),
     "llc-calibrate": ("iclnoise.llc", "sweep SGLD step size / localization on one checkpoint"),
     "stages": ("iclnoise.stages", "developmental stages from a run's LLC curve"),
+    "llc-figures": ("iclnoise.figures.llc", "figures 3 (loss and LLC against M) and 4 (LLC over training)"),
     "ed": ("iclnoise.ed", "essential dynamics of a family of runs"),
     "geometry": ("iclnoise.geometry", "Hessian trace, top eigenvalue, SAM sharpness per checkpoint"),
     "mech": ("iclnoise.mech", "attention, head ablation, layer-norm and linear probes per checkpoint"),

@@ -1,0 +1,102 @@
+"""Figure 3 (end-of-training loss and LLC against M) and figure 4 (LLC over training with stages)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from ..io import read_parquet
+from ..tasks import M_INF, m_label
+from . import style
+
+
+def _m_positions(ms) -> dict[int, float]:
+    """log2 M on the x axis; ∞ one step (2 octaves) right of the largest finite M."""
+    finite = [m for m in style.m_order(ms) if m != M_INF]
+    pos = {m: float(np.log2(m)) for m in finite}
+    if M_INF in set(ms):
+        pos[M_INF] = (max(pos.values()) if pos else 0.0) + 2.0
+    return pos
+
+
+def fig_llc_vs_m(summary: pd.DataFrame, llc: pd.DataFrame, path: str | Path) -> None:
+    """Figure 3: end-of-training OOD/ID loss (transformer vs dMMSE_M, ridge) and final LLC against M."""
+    style.setup()
+    last = llc.sort_values("step").groupby("run_id").tail(1)[["run_id", "llc_mean", "llc_std"]]
+    df = summary.merge(last, on="run_id", how="left")
+    pos = _m_positions(df.M)
+    df["x"] = df.M.map(pos)
+    batches = sorted(df.batch.unique())
+    fig, axes = plt.subplots(2, len(batches), figsize=(5 * len(batches), 7), squeeze=False, sharex=True)
+    for j, B in enumerate(batches):
+        sub = df[df.batch == B]
+        ax = axes[0, j]
+        for col, lab, kw in (("ood_loss", "transformer, OOD", dict(color="C0", marker="o")),
+                             ("id_loss", "transformer, in-distribution", dict(color="C0", marker="o", ls="--", mfc="white")),
+                             ("ood_loss_dmmse", "dMMSE_M, OOD", dict(color="C3", marker="D", ls=":")),
+                             ("ood_loss_ridge", "ridge, OOD", dict(color="black", ls="-", lw=1))):
+            g = sub.groupby("x")[col].agg(["mean", "std"]).reset_index()
+            ax.errorbar(g.x, g["mean"], yerr=g["std"].fillna(0), label=lab, capsize=2, **kw)
+        ax.set_title(f"batch {B}: end-of-training loss")
+        ax.set_ylabel("loss / D")
+        ax = axes[1, j]
+        g = sub.groupby("x").llc_mean.agg(["mean", "std"]).reset_index()
+        ax.errorbar(g.x, g["mean"], yerr=g["std"].fillna(0), marker="s", color="C2", capsize=2, label="LLC (mean ± sd over seeds)")
+        inf = sub[sub.M == M_INF].llc_mean
+        if len(inf) and np.isfinite(inf).any():
+            ax.axhline(inf.mean(), color="black", ls="--", lw=1, label="M = ∞ (ridge reference)")
+        ax.set_ylabel("final LLC λ̂")
+        ax.set_xlabel("task diversity M")
+        ax.set_xticks(sorted(pos.values()), [m_label(m) if m != M_INF else "∞" for m in sorted(pos, key=pos.get)])
+    axes[0, 0].legend(fontsize=8)
+    axes[1, 0].legend(fontsize=8)
+    fig.suptitle("End of training against task diversity", y=1.0)
+    fig.tight_layout()
+    style.save_figure(fig, path, df.drop(columns=["x"]))
+
+
+def fig_llc_over_training(llc: pd.DataFrame, stages: pd.DataFrame | None, path: str | Path) -> None:
+    """Figure 4: LLC over training per M (seed 0, every batch size), stage boundaries dashed."""
+    style.setup()
+    pal = style.m_palette(llc.M)
+    batches = sorted(llc.batch.unique())
+    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 3.8), squeeze=False, sharey=True)
+    for j, B in enumerate(batches):
+        ax = axes[0, j]
+        sub = llc[llc.batch == B]
+        for M in style.m_order(sub.M):
+            for seed, r in sub[sub.M == M].groupby("seed"):
+                r = r.sort_values("step")
+                ax.errorbar(r.step + 1, r.llc_mean, yerr=r.llc_std, color=pal[M], lw=1.6 if seed == sub.seed.min() else 0.7,
+                            alpha=1 if seed == sub.seed.min() else 0.4, capsize=1.5,
+                            label=style.m_legend_label(M) if seed == sub.seed.min() else None)
+                if stages is not None and seed == sub.seed.min():
+                    st = stages[(stages.run_id == r.run_id.iloc[0]) & (stages.kind != "end")]
+                    for s in st.step:
+                        ax.axvline(s + 1, color=pal[M], ls="--", lw=0.8, alpha=0.7)
+        ax.set_xscale("log")
+        ax.set_title(f"batch {B}")
+        ax.set_xlabel("training step + 1")
+    axes[0, 0].set_ylabel("LLC λ̂ (± sd over chains)")
+    axes[0, -1].legend(loc="center left", bbox_to_anchor=(1.0, 0.5), title="dashed: stage boundaries")
+    fig.suptitle("Local learning coefficient over training", y=1.02)
+    fig.tight_layout()
+    style.save_figure(fig, path, llc.drop(columns=["llc_per_chain"], errors="ignore"))
+
+
+def cli(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="iclnoise llc-figures", description=__doc__)
+    ap.add_argument("--summary", required=True)
+    ap.add_argument("--llc", nargs="+", required=True)
+    ap.add_argument("--stages", nargs="*", default=[])
+    ap.add_argument("--out-dir", default="results/figures")
+    a = ap.parse_args(argv)
+    llc = pd.concat([read_parquet(p) for p in a.llc], ignore_index=True)
+    stages = pd.concat([read_parquet(p) for p in a.stages], ignore_index=True) if a.stages else None
+    out = Path(a.out_dir)
+    fig_llc_vs_m(read_parquet(a.summary), llc, out / "fig03_loss_llc_vs_m")
+    fig_llc_over_training(llc, stages, out / "fig04_llc_over_training")
+    print(f"wrote {out / 'fig03_loss_llc_vs_m.png'}, {out / 'fig04_llc_over_training.png'}")
