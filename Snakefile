@@ -2,6 +2,7 @@
 # parse time, so a bad value stops the workflow before any job starts. Rules stay thin: each
 # calls one `iclnoise <command>`; the package never imports Snakemake.
 import json
+from pathlib import Path
 
 from snakemake.utils import min_version, validate
 
@@ -31,16 +32,10 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/figures.smk"
 include: "workflow/rules/llc.smk"
-
-
-def final_outputs():
-    out = list(rules.training_figures.output)
-    if PARAMS.get("llc", {}).get("enabled", False):
-        out += rules.llc_figures.output
-    return out
+include: "workflow/rules/aggregate.smk"
 
 
 rule all:
     input:
-        final_outputs(),
+        rules.report.output,
     default_target: True
