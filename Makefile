@@ -29,4 +29,4 @@ bench: setup
 
 # Rerun only aggregation, figures and the report from existing per-run artifacts.
 figures: setup
-	snakemake --cores $(CORES) --forcerun training_figures
+	snakemake --cores $(CORES) --forcerun training_figures llc_figures aggregate report
