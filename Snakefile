@@ -6,7 +6,7 @@ from pathlib import Path
 
 from snakemake.utils import min_version, validate
 
-from iclnoise.config import ParamsError, expand_grid, grid_ms, run_spec, section, validate_params
+from iclnoise.config import ParamsError, ed_families, expand_grid, run_spec, validate_params
 
 min_version("9.0")
 
@@ -26,12 +26,14 @@ RES = "results"
 
 wildcard_constraints:
     run=r"M(inf|\d+)-B\d+-[a-z0-9_]+-s\d+",
+    family=r"(bym|bynoise)-[A-Za-z0-9_-]+",
 
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/figures.smk"
 include: "workflow/rules/llc.smk"
+include: "workflow/rules/ed.smk"
 include: "workflow/rules/aggregate.smk"
 
 

@@ -134,6 +134,22 @@ def grid_ms(params: dict) -> list[int]:
     return [parse_m(M) for M in params["grid"]["M"]]
 
 
+def ed_families(params: dict) -> dict[str, list[str]]:
+    """Essential-dynamics families: name → run ids. by_m: all M at one (noise, batch, seed);
+    by_noise: all noise conditions at one (M, batch, seed) (only when there are ≥ 2 conditions)."""
+    ed = params.get("ed") or {}
+    if not ed.get("enabled"):
+        return {}
+    runs = [k for k in expand_grid(params) if k.seed in ed["seeds"]]
+    fams: dict[str, list[str]] = {}
+    for k in runs:
+        if "by_m" in ed["families"]:
+            fams.setdefault(f"bym-{k.noise}-B{k.batch}-s{k.seed}", []).append(k.run_id)
+        if "by_noise" in ed["families"] and len(params["grid"]["noise"]) > 1:
+            fams.setdefault(f"bynoise-M{m_label(k.M)}-B{k.batch}-s{k.seed}", []).append(k.run_id)
+    return {f: r for f, r in fams.items() if len(r) >= 2}
+
+
 def steps_for(params: dict, batch: int) -> int:
     b = params["train"]["budget"]
     return b["steps"] if b["mode"] == "steps" else max(1, b["sequences"] // batch)
@@ -162,7 +178,7 @@ def section(params: dict, name: str) -> dict:
     return copy.deepcopy(params.get(name) or {})
 
 
-__all__ = ["ParamsError", "RunKeys", "M_INF", "load_params", "validate_params", "expand_grid", "grid_ms",
+__all__ = ["ParamsError", "RunKeys", "M_INF", "load_params", "validate_params", "expand_grid", "grid_ms", "ed_families",
            "parse_run_id", "run_spec", "section", "steps_for", "schema"]
 
 

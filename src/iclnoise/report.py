@@ -55,9 +55,10 @@ def build(results: Path, params: dict, root: Path) -> str:
         lines.append("")
     lines += ["## Figures", ""]
     for stem, caption in FIGURES:
-        png = figs / f"{stem}.png"
-        if png.exists():
-            lines += [f"### {caption}", "", f"![{caption}]({os.path.relpath(png, results)})", ""]
+        pngs = sorted(figs.glob(f"{stem}.png")) + sorted(figs.glob(f"{stem}_*.png"))
+        if pngs:
+            lines += [f"### {caption}", ""]
+            lines += [f"![{png.stem}]({os.path.relpath(png, results)})" for png in pngs] + [""]
     for name, title in (("thresholds", "Task-diversity thresholds"), ("outcomes", "Outcomes per run"),
                         ("tests", "Hypothesis tests (full table)")):
         md = agg / f"{name}.md"

@@ -32,6 +32,7 @@ rule report:
         rules.aggregate.output,
         rules.training_figures.output,
         lambda w: rules.llc_figures.output if PARAMS.get("llc", {}).get("enabled", False) else [],
+        expand(f"{RES}/ed/{{family}}/forms.parquet", family=list(ED_FAMILIES)),
     output:
         f"{RES}/report.md",
     params:
