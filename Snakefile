@@ -34,6 +34,7 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/figures.smk"
 include: "workflow/rules/llc.smk"
 include: "workflow/rules/ed.smk"
+include: "workflow/rules/probes.smk"
 include: "workflow/rules/aggregate.smk"
 
 

@@ -22,9 +22,11 @@ def tiny_params(Ms=(1, "inf")) -> dict:
     p["train"]["checkpoints"] = {"linear": 2, "log": 3}
     p["eval"].update(n_sequences=64, n_root=16)
     p["model"].update(d_model=16, d_mlp=16)
-    if "llc" in p:
-        p["llc"]["every"] = 3
-        p["llc"]["sampler"].update(chains=2, burn_in=5, draws=10, batch=16, n=64)
+    p["llc"]["every"] = 3
+    p["llc"]["sampler"].update(chains=2, burn_in=5, draws=10, batch=16, n=64)
+    p["geometry"].update(every=3, probes=2, lanczos_iters=3, n_heldout=16)
+    p["mech"].update(every=3, n_sequences=16, n_probe=32)
+    p["stats"]["n_boot"] = 10
     return p
 
 
@@ -46,6 +48,12 @@ def test_snakemake_minimal_grid_produces_parquet_and_figure(tmp_path):
     m = read_parquet(tmp_path / "results/runs/M1-B16-none-s0/metrics.parquet")
     assert m.step.iloc[-1] == 30 and {"ood_loss", "r", "delta_ridge"} <= set(m.columns)
     assert (tmp_path / "results/figures/fig01_ood_loss.png").stat().st_size > 10_000
+    for f in ("llc", "stages", "geometry", "mech"):
+        assert (tmp_path / f"results/runs/M1-B16-none-s0/{f}.parquet").exists()
+    assert (tmp_path / "results/ed/bym-none-B16-s0/forms.parquet").exists()
+    tests = read_parquet(tmp_path / "results/aggregate/tests.parquet")
+    assert set(tests.hypothesis) == {"H1", "H2", "H3", "H4"}
+    assert "Hypothesis verdicts" in (tmp_path / "results/report.md").read_text()
     assert (tmp_path / "logs/train/Minf-B16-none-s0.log").exists()
     # a second invocation has nothing to do
     assert "Nothing to be done" in snakemake(tmp_path, "-n").stdout

@@ -201,7 +201,9 @@ def cli(argv: list[str]) -> None:
     write_parquet(tests, out_dir / "tests.parquet", TESTS_SCHEMA)
     for name, df in (("outcomes", out), ("thresholds", th), ("tests", tests)):
         write_text(markdown(df), out_dir / f"{name}.md")
+    from .figures.probes import fig_geometry
     from .figures.stats import fig_icl_vs_exposure, fig_threshold_vs_noise
     fig_threshold_vs_noise(th, Path(a.figures) / "fig06_threshold_vs_noise")
     fig_icl_vs_exposure(out, Path(a.figures) / "fig07_icl_vs_exposure")
+    fig_geometry(out, Path(a.figures) / "fig09_geometry")
     print(tests[["hypothesis", "test", "outcome", "estimate", "p_holm", "status"]].to_string(index=False))

@@ -7,6 +7,8 @@ rule aggregate:
     input:
         metrics=run_files("metrics.parquet"),
         llc=optional_run_files("llc.parquet", PARAMS.get("llc", {}).get("enabled", False)),
+        geometry=optional_run_files("geometry.parquet", PARAMS.get("geometry", {}).get("enabled", False)),
+        mech=optional_run_files("mech.parquet", PARAMS.get("mech", {}).get("enabled", False)),
     output:
         outcomes=f"{RES}/aggregate/outcomes.parquet",
         thresholds=f"{RES}/aggregate/thresholds.parquet",

@@ -26,8 +26,12 @@ def fig_threshold_vs_noise(th: pd.DataFrame, path: str | Path) -> None:
                     label=f"source: {src}")
         for _, r in g[~g.in_range].iterrows():
             ax.annotate("extrapolated", (r.level, r.M_star), textcoords="offset points", xytext=(5, 5), fontsize=7)
-    ax.set_xscale("log")
-    ax.set_yscale("log", base=2)
+    if np.isfinite(df.M_star).any():
+        ax.set_xscale("log")
+        ax.set_yscale("log", base=2)
+    else:
+        ax.text(0.5, 0.5, "no threshold could be fitted\n(needs ≥ 3 finite M with r crossing 0.5)",
+                transform=ax.transAxes, ha="center", va="center", color="grey")
     ax.set_xlabel("noise level (1 / batch size for batch noise)")
     ax.set_ylabel("task-diversity threshold M*  (95 % bootstrap CI)")
     ax.set_title("Does more noise lower the task-diversity threshold?")

@@ -1,0 +1,58 @@
+"""Per-run head figure (attention to y/x tokens and ablation effects over training) and figure 9."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from . import style
+
+
+def fig_heads(mech: pd.DataFrame, path: str | Path) -> None:
+    """Per head: attention mass to earlier y vs x tokens, and Δ OOD loss when ablated, over training."""
+    style.setup()
+    panels = [("attn_to_y", "attention mass to earlier y-tokens"), ("attn_to_x", "attention mass to earlier x-tokens"),
+              ("ablation_delta_ood_loss", "Δ OOD loss / D when zero-ablated")]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    heads = mech[mech["head"] >= 0][["layer", "head"]].drop_duplicates().sort_values(["layer", "head"])
+    colours = plt.get_cmap("tab10")
+    for ax, (probe, label) in zip(axes, panels):
+        for i, (_, h) in enumerate(heads.iterrows()):
+            d = mech[(mech.probe == probe) & (mech.layer == h.layer) & (mech["head"] == h["head"])].sort_values("step")
+            ax.plot(d.step + 1, d.value, marker="o", ms=3, color=colours(i), label=f"L{h.layer}H{h['head']}")
+        ax.set_xscale("log")
+        ax.set_xlabel("training step + 1")
+        ax.set_title(label, fontsize=10)
+    axes[-1].legend(loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.suptitle(f"Attention heads of {mech.run_id.iloc[0]}", y=1.03)
+    fig.tight_layout()
+    style.save_figure(fig, path, mech[mech["head"] >= 0])
+
+
+def fig_geometry(out: pd.DataFrame, path: str | Path) -> None:
+    """Figure 9: end-of-training geometry (Hessian trace, top eigenvalue, SAM) against exposure and r."""
+    cols = [c for c in ("hessian_trace", "top_eigenvalue", "sam_sharpness") if c in out and out[c].notna().any()]
+    if not cols:
+        return
+    style.setup()
+    xcol = "integrated_pne" if "integrated_pne" in out and out.integrated_pne.notna().any() else "integrated_lr_over_b"
+    pal = style.m_palette(out.M)
+    fig, axes = plt.subplots(2, len(cols), figsize=(4.2 * len(cols), 7), squeeze=False)
+    for j, c in enumerate(cols):
+        for M, g in out.groupby("M"):
+            axes[0, j].scatter(g[xcol], g[c], color=pal[M], s=28, label=style.m_legend_label(M), edgecolor="white", lw=0.5)
+            if M != -1:
+                axes[1, j].scatter(g.r, g[c], color=pal[M], s=28, edgecolor="white", lw=0.5)
+        axes[0, j].set_xscale("log")
+        axes[0, j].set_xlabel(xcol.replace("_", " "))
+        axes[1, j].set_xlabel("ridge-likeness r")
+        for i in range(2):
+            axes[i, j].set_ylabel(c.replace("_", " "))
+            if np.nanmin(out[c]) > 0:
+                axes[i, j].set_yscale("log")
+    axes[0, -1].legend(loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.suptitle("Loss-landscape geometry at the end of training (H4; held-out batches)", y=1.01)
+    fig.tight_layout()
+    style.save_figure(fig, path, out)

@@ -1,0 +1,40 @@
+def probe_cfg(name):
+    return json.dumps({k: v for k, v in PARAMS.get(name, {}).items() if k not in ("enabled", "every")})
+
+
+rule geometry:
+    """Hessian trace, top eigenvalue, SAM sharpness (and A·H·A trace) on held-out batches."""
+    input:
+        f"{RES}/runs/{{run}}/metrics.parquet",
+    output:
+        f"{RES}/runs/{{run}}/geometry.parquet",
+    params:
+        cfg=lambda w: probe_cfg("geometry"),
+        every=PARAMS.get("geometry", {}).get("every", 1),
+        run_dir=lambda w: f"{RES}/runs/{w.run}",
+    log:
+        "logs/geometry/{run}.log",
+    benchmark:
+        "benchmarks/geometry/{run}.tsv"
+    shell:
+        "iclnoise geometry --run-dir {params.run_dir} --every {params.every} --cfg {params.cfg:q} > {log} 2>&1"
+
+
+rule mech:
+    """Attention to x/y tokens, head ablations, layer-norm collapse, linear probes; per-run head figure."""
+    input:
+        f"{RES}/runs/{{run}}/metrics.parquet",
+    output:
+        mech=f"{RES}/runs/{{run}}/mech.parquet",
+        fig=multiext(f"{RES}/figures/heads/{{run}}", ".pdf", ".png", ".parquet"),
+    params:
+        cfg=lambda w: probe_cfg("mech"),
+        every=PARAMS.get("mech", {}).get("every", 1),
+        run_dir=lambda w: f"{RES}/runs/{w.run}",
+    log:
+        "logs/mech/{run}.log",
+    benchmark:
+        "benchmarks/mech/{run}.tsv"
+    shell:
+        "iclnoise mech --run-dir {params.run_dir} --every {params.every} --cfg {params.cfg:q} "
+        "--figure {RES}/figures/heads/{wildcards.run} > {log} 2>&1"
