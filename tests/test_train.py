@@ -10,7 +10,8 @@ import yaml
 
 from iclnoise.config import run_spec, validate_params
 from iclnoise.io import read_parquet
-from iclnoise.train import checkpoint_steps, lr_lambda, train_run
+from iclnoise.schedules import checkpoint_steps, lr_lambda
+from iclnoise.train import train_run
 
 
 @pytest.fixture(scope="module")

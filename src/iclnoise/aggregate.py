@@ -18,7 +18,7 @@ import yaml
 from . import stats
 from .io import KEY_FIELDS, read_json, read_parquet, write_parquet, write_text
 from .tasks import M_INF, m_label
-from .train import lr_lambda
+from .schedules import lr_lambda
 
 OUTCOME_FIELDS = KEY_FIELDS + [
     pa.field("steps", pa.int64()), pa.field("diverged", pa.bool_()),
