@@ -56,10 +56,30 @@ def test_budget_modes(params):
 def test_grid_and_run_ids(params):
     runs = expand_grid(params)
     g = params["grid"]
-    assert len(runs) == len(g["M"]) * len(g["seeds"]) * len(g["batch_sizes"]) * len(g["noise"])
+    conds = params["noise"]["conditions"]
+    pairs = [(B, n) for B in g["batch_sizes"] for n in g["noise"] if B in conds[n].get("batch_sizes", [B])]
+    assert len(runs) == len(g["M"]) * len(g["seeds"]) * len(pairs)
+    assert {(k.batch, k.noise) for k in runs} == set(pairs) and (16, "grad_b16") not in pairs  # restricted to B=64
     for k in runs:
         assert parse_run_id(k.run_id) == k
     assert parse_run_id("Minf-B32-none-s1").M == -1
     spec = run_spec(params, "M16-B16-none-s1")
     assert spec["keys"] == {"run_id": "M16-B16-none-s1", "M": 16, "seed": 1, "batch": 16, "noise": "none"}
     assert spec["train"]["micro_batch"] == 16
+
+
+@pytest.mark.parametrize("edit, key, allowed", [
+    (lambda p: p["noise"]["conditions"]["early"].pop("budget"), "noise.conditions.early", "budget"),
+    (lambda p: p["noise"]["conditions"]["grad_b16"].update(shape="spiky"), "noise.conditions.grad_b16.shape", "lowrank"),
+    (lambda p: p["noise"]["conditions"]["grad_b16"].update(source="both"), "noise.conditions.grad_b16.source", "param"),
+    (lambda p: p["noise"]["conditions"]["late"].update(schedule="middle"), "noise.conditions.late.schedule", "controlled"),
+    (lambda p: p["exposure"].update(groups=6), "exposure.groups", "divisor"),
+    (lambda p: p["noise"]["conditions"]["grad_b16"].update(rank=8), "noise.conditions.grad_b16.rank", "rank ≤ 7"),
+    (lambda p: p["noise"]["conditions"]["none"].update(shape="diagonal"), "noise.conditions.none", "no other keys"),
+])
+def test_noise_and_exposure_errors_name_the_key(params, edit, key, allowed):
+    p = copy.deepcopy(params)
+    edit(p)
+    with pytest.raises(ParamsError) as e:
+        validate_params(p)
+    assert key in str(e.value) and allowed in str(e.value), str(e.value)

@@ -17,7 +17,10 @@ ENV = {**os.environ, "PATH": BIN + os.pathsep + os.environ.get("PATH", "")}
 
 def tiny_params(Ms=(1, "inf")) -> dict:
     p = yaml.safe_load((ROOT / "params.yaml").read_text())
-    p["grid"].update(M=list(Ms), seeds=[0], batch_sizes=[16], noise=["none"])
+    p["grid"].update(M=list(Ms), seeds=[0], batch_sizes=[8, 16], noise=["none", "inj"])
+    p["noise"]["conditions"]["inj"] = {"source": "grad", "shape": "lowrank", "rank": 2, "schedule": "constant",
+                                       "emulate_batch": 8, "batch_sizes": [16]}
+    p["exposure"].update(every=10, groups=4, curvature_probes=2, heldout=8)
     p["train"]["budget"] = {"mode": "steps", "steps": 30}
     p["train"]["checkpoints"] = {"linear": 2, "log": 3}
     p["eval"].update(n_sequences=64, n_root=16)
@@ -43,7 +46,7 @@ def snakemake(workdir, *args, check=True):
 
 
 def test_snakemake_minimal_grid_produces_parquet_and_figure(tmp_path):
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny_params()))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny_params(Ms=(1, 4, "inf"))))
     snakemake(tmp_path)
     m = read_parquet(tmp_path / "results/runs/M1-B16-none-s0/metrics.parquet")
     assert m.step.iloc[-1] == 30 and {"ood_loss", "r", "delta_ridge"} <= set(m.columns)
@@ -53,6 +56,17 @@ def test_snakemake_minimal_grid_produces_parquet_and_figure(tmp_path):
     assert (tmp_path / "results/ed/bym-none-B16-s0/forms.parquet").exists()
     tests = read_parquet(tmp_path / "results/aggregate/tests.parquet")
     assert set(tests.hypothesis) == {"H1", "H2", "H3", "H4"}
+    # the noise axis: batch 8 against batch 16 + injection emulating 8, with exposure logged in every run
+    assert not (tmp_path / "results/runs/M1-B8-inj-s0").exists()  # inj runs only at batch 16
+    inj = read_parquet(tmp_path / "results/runs/M1-B16-inj-s0/injection.parquet")
+    assert len(inj) == 30 and (inj.trace_injected > 0).all()
+    exp = read_parquet(tmp_path / "results/runs/M1-B8-none-s0/exposure.parquet")
+    assert list(exp.step) == [9, 19, 29] and (exp.curv > 0).all()
+    out = read_parquet(tmp_path / "results/aggregate/outcomes.parquet")
+    assert out.integrated_pne.notna().all() and len(out) == 9
+    h3 = tests[tests.hypothesis == "H3"]
+    assert h3.status.tolist() == ["run"] and h3.term.iloc[0] == "batch 8 − inj"
+    assert (tmp_path / "results/figures/fig10_exposure_series.png").exists()
     assert "Hypothesis verdicts" in (tmp_path / "results/report.md").read_text()
     assert (tmp_path / "logs/train/Minf-B16-none-s0.log").exists()
     # a second invocation has nothing to do

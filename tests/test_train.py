@@ -39,18 +39,22 @@ def test_lr_schedules():
     assert t(49) == pytest.approx(1.0) and t(100) == 0 and t(75) == pytest.approx(0.5)
 
 
-def test_resume_gives_identical_numbers(tiny, tmp_path):
-    spec = run_spec(tiny, "M4-B16-none-s0")  # 2 micro-batches per step
+def full_and_resumed(spec: dict, tmp_path, killed_after: int = 20):
+    """Train `spec` uninterrupted and as a job killed after checkpoint `killed_after` (later checkpoints and
+    outputs dropped) then rerun; return both metric tables and run directories."""
     full = train_run(spec, tmp_path / "full", progress=False)
     part = tmp_path / "part"
     train_run(spec, part, progress=False)
-    # simulate a job killed after checkpoint 20: drop later checkpoints and outputs, then rerun
     for f in (part / "checkpoints").glob("step_*.pt"):
-        if int(f.stem.split("_")[1]) > 20:
+        if int(f.stem.split("_")[1]) > killed_after:
             f.unlink()
     for f in part.glob("*.parquet"):
         f.unlink()
-    resumed = train_run(spec, part, progress=False)
+    return full, train_run(spec, part, progress=False), tmp_path / "full", part
+
+
+def test_resume_gives_identical_numbers(tiny, tmp_path):
+    full, resumed, _, part = full_and_resumed(run_spec(tiny, "M4-B16-none-s0"), tmp_path)  # 2 micro-batches per step
     pd.testing.assert_frame_equal(full, resumed)
     a = torch.load(tmp_path / "full/checkpoints/step_0000060.pt", weights_only=False)["model"]
     b = torch.load(part / "checkpoints/step_0000060.pt", weights_only=False)["model"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -96,6 +97,54 @@ def _cross_checks(p: dict) -> None:
     Ms = [parse_m(x) for x in p["grid"]["M"]]
     if len(set(Ms)) != len(Ms):
         raise ParamsError(f"grid.M has duplicates: {p['grid']['M']}")
+    _noise_checks(p)
+
+
+# which level key each schedule takes (SPEC §5; iclnoise.noise)
+_LEVELS = {"constant": ("emulate_batch", "budget"), "early": ("budget",), "late": ("budget",),
+           "controlled": ("target",)}
+
+
+def _noise_checks(p: dict) -> None:
+    exp = p.get("exposure") or {}
+    used = {n: p["noise"]["conditions"][n] for n in p["grid"]["noise"]}
+    if exp.get("enabled") and not exp.get("per_example"):
+        for B in p["grid"]["batch_sizes"]:
+            if B % exp["groups"]:
+                raise ParamsError(f"exposure.groups = {exp['groups']} does not divide batch {B}; allowed: a divisor "
+                                  f"of every grid.batch_sizes value (or exposure.per_example: true)")
+    for name, c in p["noise"]["conditions"].items():
+        key = f"noise.conditions.{name}"
+        if name in used and "batch_sizes" in c and not set(c["batch_sizes"]) & set(p["grid"]["batch_sizes"]):
+            raise ParamsError(f"{key}.batch_sizes = {c['batch_sizes']} shares no value with grid.batch_sizes = "
+                              f"{p['grid']['batch_sizes']}; the condition would have no runs")
+        if c["source"] == "none":
+            extra = sorted(set(c) - {"source", "batch_sizes"})
+            if extra:
+                raise ParamsError(f"{key}: source none takes no other keys, got {', '.join(extra)}")
+            continue
+        if not exp:
+            raise ParamsError(f"{key}: injected noise needs the exposure section (it measures the covariance)")
+        for k in ("shape", "schedule"):
+            if k not in c:
+                raise ParamsError(f"{key}.{k} is required for source {c['source']}")
+        allowed = _LEVELS[c["schedule"]]
+        given = [k for k in ("emulate_batch", "budget", "target") if k in c]
+        if len(given) != 1 or given[0] not in allowed:
+            raise ParamsError(f"{key}: schedule {c['schedule']} needs exactly one of {', '.join(allowed)}"
+                              f" (got {', '.join(given) or 'none'})")
+        if c["schedule"] in ("early", "late") and "fraction" not in c:
+            raise ParamsError(f"{key}.fraction is required for schedule {c['schedule']} (0 < f ≤ 1)")
+        if c["schedule"] == "controlled" and not exp.get("enabled"):
+            raise ParamsError(f"{key}: schedule controlled needs exposure.enabled: true (it measures P-NE*)")
+        if c["shape"] == "lowrank" and not exp.get("per_example") and c.get("rank", 8) >= exp["groups"] \
+                and name in used:
+            raise ParamsError(f"{key}.rank = {c.get('rank', 8)} is not allowed; with exposure.groups = "
+                              f"{exp['groups']} the covariance has rank ≤ {exp['groups'] - 1}")
+        runs_at = [B for B in p["grid"]["batch_sizes"] if B in c.get("batch_sizes", [B])]
+        if "emulate_batch" in c and name in used and runs_at and c["emulate_batch"] >= min(runs_at):
+            warnings.warn(f"{key}.emulate_batch = {c['emulate_batch']} is not below every batch size; the "
+                          f"negative residual is clipped to zero and logged (injection.parquet clipped_trace)")
 
 
 @dataclass(frozen=True, order=True)
@@ -124,10 +173,11 @@ def parse_run_id(run_id: str) -> RunKeys:
 
 
 def expand_grid(params: dict) -> list[RunKeys]:
-    """Every (M, batch, noise, seed) of the grid, in a stable order."""
-    g = params["grid"]
+    """Every (M, batch, noise, seed) of the grid, in a stable order; a noise condition with its own
+    `batch_sizes` runs only at those."""
+    g, conds = params["grid"], params["noise"]["conditions"]
     return [RunKeys(parse_m(M), B, n, s) for M in g["M"] for B in g["batch_sizes"] for n in g["noise"]
-            for s in g["seeds"]]
+            for s in g["seeds"] if B in conds[n].get("batch_sizes", [B])]
 
 
 def grid_ms(params: dict) -> list[int]:
@@ -167,7 +217,8 @@ def run_spec(params: dict, run_id: str) -> dict[str, Any]:
         "model": copy.deepcopy(params["model"]),
         "train": train,
         "eval": copy.deepcopy(params["eval"]),
-        "noise": copy.deepcopy(params["noise"]["conditions"][keys.noise]),
+        "noise": {k: v for k, v in copy.deepcopy(params["noise"]["conditions"][keys.noise]).items()
+                  if k != "batch_sizes"},  # which runs exist is the grid's business, not the run's
         "exposure": copy.deepcopy(params.get("exposure")),
     }
     return spec

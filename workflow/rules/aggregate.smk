@@ -3,19 +3,22 @@ def optional_run_files(name, enabled):
 
 
 rule aggregate:
-    """Outcomes per run, task-diversity thresholds, hypothesis tests (H1-H4), figures 6-7."""
+    """Outcomes per run, task-diversity thresholds, hypothesis tests (H1-H4), figures 6-8 and 10 (9 with geometry)."""
     input:
         metrics=run_files("metrics.parquet"),
         llc=optional_run_files("llc.parquet", PARAMS.get("llc", {}).get("enabled", False)),
         geometry=optional_run_files("geometry.parquet", PARAMS.get("geometry", {}).get("enabled", False)),
         mech=optional_run_files("mech.parquet", PARAMS.get("mech", {}).get("enabled", False)),
+        exposure=optional_run_files("exposure.parquet", EXPOSURE),
     output:
         outcomes=f"{RES}/aggregate/outcomes.parquet",
         thresholds=f"{RES}/aggregate/thresholds.parquet",
         tests=f"{RES}/aggregate/tests.parquet",
         md=multiext(f"{RES}/aggregate/", "outcomes.md", "thresholds.md", "tests.md"),
         figs=multiext(f"{RES}/figures/fig06_threshold_vs_noise", ".pdf", ".png", ".parquet")
-        + multiext(f"{RES}/figures/fig07_icl_vs_exposure", ".pdf", ".png", ".parquet"),
+        + multiext(f"{RES}/figures/fig07_icl_vs_exposure", ".pdf", ".png", ".parquet")
+        + multiext(f"{RES}/figures/fig08_early_late", ".pdf", ".png", ".parquet")
+        + multiext(f"{RES}/figures/fig10_exposure_series", ".pdf", ".png", ".parquet"),
     params:
         cfg=json.dumps(PARAMS.get("stats", {})),
         run_dirs=lambda w, input: sorted({str(Path(p).parent) for p in input.metrics}),

@@ -5,3 +5,6 @@ def spec_json(wildcards):
 
 def run_files(name):
     return expand(f"{RES}/runs/{{run}}/{name}", run=RUNS)
+
+
+EXPOSURE = PARAMS.get("exposure", {}).get("enabled", False)

@@ -4,6 +4,7 @@ rule train:
         metrics=f"{RES}/runs/{{run}}/metrics.parquet",
         tokens=f"{RES}/runs/{{run}}/token_losses.parquet",
         root=f"{RES}/runs/{{run}}/root_preds.parquet",
+        exposure=[f"{RES}/runs/{{run}}/exposure.parquet"] if EXPOSURE else [],
     params:
         spec=spec_json,
         run_dir=lambda w: f"{RES}/runs/{w.run}",

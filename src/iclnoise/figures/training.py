@@ -55,6 +55,9 @@ def fig_ood_loss(metrics: pd.DataFrame, path: str | Path) -> None:
         for j, noise in enumerate(noises):
             ax = axes[i, j]
             sub = metrics[(metrics.batch == B) & (metrics.noise == noise)]
+            if sub.empty:  # a noise condition restricted to other batch sizes
+                ax.axis("off")
+                continue
             for M in style.m_order(sub.M):
                 runs = sub[sub.M == M]
                 mean = runs.groupby("step").ood_loss.mean()

@@ -1,0 +1,222 @@
+"""Preconditioned noise exposure (SPEC §6): gradient-noise covariance, Adam's preconditioner, P-NE.
+
+At a logged step t, with B the batch, η_t the learning rate and A_t = diag(a), a = 1/(sqrt(v̂_t) + δ):
+
+    diag(C_t) ≈ m · Var_k(ĝ_k)          K group gradients of m sequences each (m = 1: per-example)
+    NE_t      = η_t · κ · Σ_i a_i² C_ii / B        κ = κ(β1) = 1/(1 − β1)² unless configured
+    Curv_t    = Tr(A_t Ĥ_t A_t)                    Ĥ = Gauss–Newton (default) or Hessian, Hutchinson
+                                                   probes on a held-out batch (never trained on)
+    P-NE*_t   = NE_t / max(ε, Curv_t);   integrated exposure = Σ_t P-NE*_t · (steps the row stands for)
+    seed-001 form: η_t² · Tr(A C A) / B;  B_simple = Tr(C) / |G|²  with |G|² = |ḡ|² − Tr(C)/B (unbiased)
+
+Injected noise (iclnoise.noise) adds its own covariance R' to C/B; `ne_total` counts both, and the
+post-clip columns multiply by c², c the factor gradient clipping applied to the step.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import torch
+from torch.func import functional_call, grad, jvp, vmap
+
+from .io import KEY_FIELDS
+
+LossFn = Callable[[Callable, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def group_grads(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: torch.Tensor,
+                groups: int) -> torch.Tensor:
+    """(groups, P): the flat gradient of the mean loss over each of `groups` equal slices of the batch,
+    all slices in one vmapped pass (groups = batch size gives per-example gradients)."""
+    B = xs.shape[0]
+    if B % groups:
+        raise ValueError(f"batch {B} is not divisible into {groups} gradient groups")
+    names = [n for n, _ in model.named_parameters()]
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    buffers = {n: b.detach() for n, b in model.named_buffers()}
+
+    def loss(p, x, y):
+        return loss_fn(lambda a, b: functional_call(model, (p, buffers), (a, b)), x, y)
+
+    m = B // groups
+    g = vmap(grad(loss), in_dims=(None, 0, 0))(params, xs.reshape(groups, m, *xs.shape[1:]),
+                                               ys.reshape(groups, m, *ys.shape[1:]))
+    return torch.cat([g[n].reshape(groups, -1) for n in names], dim=1)
+
+
+@dataclass
+class GradNoise:
+    """Sample statistics of K group gradients of m sequences each.
+
+    mean: ḡ (the batch gradient); diag: diag(Ĉ) of the per-example covariance; factor F (K, P) with
+    FᵀF = Ĉ = m · Σ_k (ĝ_k − ḡ)(ĝ_k − ḡ)ᵀ / (K − 1), so spectra come from a K × P matrix."""
+
+    mean: torch.Tensor
+    diag: torch.Tensor
+    factor: torch.Tensor
+    m: int
+
+    @property
+    def trace(self) -> float:
+        return float(self.diag.sum())
+
+
+def grad_noise(G: torch.Tensor, m: int) -> GradNoise:
+    """GradNoise from the (K, P) group-gradient matrix; needs K ≥ 2."""
+    K = G.shape[0]
+    if K < 2:
+        raise ValueError("the noise covariance needs at least 2 gradient groups")
+    mean = G.mean(0)
+    factor = (G - mean) * math.sqrt(m / (K - 1))
+    return GradNoise(mean, factor.square().sum(0), factor, m)
+
+
+def b_simple(noise: GradNoise, batch: int) -> float:
+    """Gradient noise scale Tr(C)/|G|² (McCandlish et al.), |G|² estimated without the Tr(C)/B bias;
+    NaN when the noise swamps the signal (|ḡ|² ≤ Tr(C)/B)."""
+    g2 = float(noise.mean.square().sum()) - noise.trace / batch
+    return noise.trace / g2 if g2 > 0 else math.nan
+
+
+def leading_eigs(factor: torch.Tensor, a: torch.Tensor | None, r: int) -> tuple[np.ndarray, float, float]:
+    """Leading r eigenvalues of A Ĉ A = (F A)ᵀ(F A), their tail index and the participation ratio.
+
+    Exact thin SVD of the K × P matrix when K is small, randomised (torch.svd_lowrank) otherwise.
+    tail index α: slope of −log λ_i against log i over the positive leading eigenvalues (λ_i ∝ i^−α);
+    participation ratio (Σλ)² / Σλ² over the whole spectrum (1 = one direction, P = isotropic)."""
+    FA = factor if a is None else factor * a
+    K = FA.shape[0]
+    if K <= 4 * r:
+        s = torch.linalg.svdvals(FA)
+    else:
+        s = torch.svd_lowrank(FA, q=min(r + 8, K), niter=4)[1]
+    lam = (s.square().double().cpu().numpy())[:r]
+    gram = FA @ FA.T
+    pr = float(torch.trace(gram) ** 2 / gram.square().sum()) if float(gram.abs().sum()) > 0 else math.nan
+    pos = lam[lam > lam[0] * 1e-12] if len(lam) and lam[0] > 0 else lam[:0]
+    alpha = float(-np.polyfit(np.log(np.arange(1, len(pos) + 1)), np.log(pos), 1)[0]) if len(pos) >= 3 else math.nan
+    return lam, alpha, pr
+
+
+def preconditioner(opt: torch.optim.Optimizer, fallback_grads: bool = True) -> torch.Tensor | None:
+    """Flat a = 1/(sqrt(v̂) + δ) from a live Adam(W) optimizer (bias-corrected second moment).
+
+    Before the first update there is no v; then v̂_1 = g² is what the first update will use, so the
+    current gradients stand in (or None when `fallback_grads` is False or there are none)."""
+    group = opt.param_groups[0]
+    b2, eps = group["betas"][1], group["eps"]
+    parts = []
+    for p in (p for g in opt.param_groups for p in g["params"]):
+        st = opt.state.get(p)
+        if st and "exp_avg_sq" in st:
+            t = float(st["step"])
+            v = st["exp_avg_sq"] / (1 - b2 ** t)
+        elif fallback_grads and p.grad is not None:
+            v = p.grad.detach().square()
+        else:
+            return None
+        parts.append((1.0 / (v.sqrt() + eps)).reshape(-1))
+    return torch.cat(parts)
+
+
+def _flat_fn(model: torch.nn.Module, fn: Callable) -> tuple[Callable, torch.Tensor]:
+    """w ↦ fn(model called with the flat parameter vector w), and the current w."""
+    names = [n for n, _ in model.named_parameters()]
+    shapes = [p.shape for _, p in model.named_parameters()]
+    sizes = [p.numel() for _, p in model.named_parameters()]
+    buffers = {n: b.detach() for n, b in model.named_buffers()}
+
+    def f(w):
+        params = {n: t.view(s) for n, t, s in zip(names, w.split(sizes), shapes)}
+        return fn(lambda x, y: functional_call(model, (params, buffers), (x, y)))
+
+    return f, flat_params(model)
+
+
+def _rademacher(shape: tuple, generator: torch.Generator, like: torch.Tensor) -> torch.Tensor:
+    return torch.randint(0, 2, shape, generator=generator, device=like.device).to(like.dtype) * 2 - 1
+
+
+def _mean_se(vals: torch.Tensor) -> tuple[float, float]:
+    v = vals.double().cpu().numpy()
+    return float(v.mean()), float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else math.nan
+
+
+def precond_hessian_trace(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: torch.Tensor,
+                          a: torch.Tensor | None, probes: int, generator: torch.Generator) -> tuple[float, float]:
+    """Tr(A H A) ≈ mean_k z_kᵀ A H A z_k (Rademacher z_k over parameters), all probes in one vmapped
+    forward-over-reverse pass; returns (estimate, standard error). a = None gives Tr(H)."""
+    f, w0 = _flat_fn(model, lambda fm: loss_fn(fm, xs, ys))
+    V = _rademacher((probes, w0.numel()), generator, w0)
+    V = V if a is None else V * a
+    HV = vmap(lambda v: jvp(grad(f), (w0,), (v,))[1])(V)
+    return _mean_se((V * HV).sum(1))
+
+
+def precond_ggn_trace(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor, a: torch.Tensor | None,
+                      probes: int, generator: torch.Generator, loss_scale: float = 1.0) -> tuple[float, float]:
+    """Tr(A G A) for the Gauss–Newton matrix of L = loss_scale · mean_n (f_n − y_n)² over N outputs,
+    G = (2 loss_scale / N) JᵀJ: mean_k ‖A Jᵀ u_k‖² · 2 loss_scale / N with Rademacher u_k over the
+    outputs (E[u uᵀ] = I), one vmapped vector-Jacobian product per probe. PSD, so never negative."""
+    f, w0 = _flat_fn(model, lambda fm: fm(xs, ys))
+    out, vjp_fn = torch.func.vjp(f, w0)
+    U = _rademacher((probes, *out.shape), generator, out)
+    JtU = vmap(vjp_fn)(U)[0]
+    if a is not None:
+        JtU = JtU * a
+    return _mean_se(JtU.square().sum(1) * (2 * loss_scale / out.numel()))
+
+
+def kappa(cfg: dict, beta1: float) -> float:
+    """κ(β1) = 1/(1 − β1)² (SPEC §6, the heavy-ball convention) unless `kappa` is configured. For a fixed
+    β1 it is a constant factor, so it cancels in every comparison between runs of one optimizer."""
+    k = cfg.get("kappa")
+    return float(k) if k is not None else 1.0 / (1.0 - beta1) ** 2
+
+
+EIG_FIELD = pa.field("aca_eigs", pa.list_(pa.float64()))  # leading eigenvalues of A Ĉ A (per-example C)
+EXPOSURE_SCHEMA = pa.schema(KEY_FIELDS + [
+    pa.field("step", pa.int64()),            # the update the row measures (0-based)
+    pa.field("interval", pa.int64()),        # steps this row stands for in integrals
+    pa.field("lr", pa.float64()), pa.field("kappa", pa.float64()), pa.field("groups", pa.int64()),
+    pa.field("group_size", pa.int64()),
+    pa.field("grad_norm", pa.float64()),     # |ḡ|, batch gradient before injection and clipping
+    pa.field("trace_c", pa.float64()),       # Tr(Ĉ), per-example gradient covariance
+    pa.field("trace_aca", pa.float64()),     # Σ a_i² Ĉ_ii
+    pa.field("b_simple", pa.float64()),
+    pa.field("ne", pa.float64()),            # batch noise only: η κ Σ a² C / B
+    pa.field("ne_injected", pa.float64()),   # injected noise: η κ Σ a² R'_ii
+    pa.field("ne_total", pa.float64()),      # before clipping
+    pa.field("ne_simple", pa.float64()),     # seed-001 form η² Σ a² (C/B + R')_ii, before clipping
+    pa.field("curv", pa.float64()), pa.field("curv_se", pa.float64()),   # Tr(A Ĥ A), held-out batch
+    pa.field("pne", pa.float64()),           # P-NE* before clipping
+    pa.field("clip_coef", pa.float64()),     # c: factor clipping applied to this step's gradient
+    pa.field("clip_frac", pa.float64()),     # fraction of the steps since the last row that were clipped
+    pa.field("ne_postclip", pa.float64()), pa.field("pne_postclip", pa.float64()),
+    pa.field("ne_simple_postclip", pa.float64()),
+    EIG_FIELD, pa.field("tail_index", pa.float64()), pa.field("participation_ratio", pa.float64()),
+])
+
+
+def summarize(df: pd.DataFrame) -> dict:
+    """Per-run integrals Σ_t x_t · interval_t of the exposure series (post-clip unless named pre-clip)."""
+    if df.empty:
+        return {k: math.nan for k in ("integrated_pne", "integrated_pne_preclip", "integrated_ne",
+                                      "integrated_ne_injected", "integrated_ne_simple")}
+    w = df.interval.to_numpy(float)
+    s = lambda c: float((df[c].to_numpy(float) * w).sum())  # noqa: E731
+    return {"integrated_pne": s("pne_postclip"), "integrated_pne_preclip": s("pne"),
+            "integrated_ne": s("ne_postclip"), "integrated_ne_injected": s("ne_injected"),
+            "integrated_ne_simple": s("ne_simple_postclip")}
+
+
+SUMMARY_COLUMNS = list(summarize(pd.DataFrame()).keys())

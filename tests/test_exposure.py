@@ -1,0 +1,153 @@
+"""Exposure estimators against closed forms (linear regression) and exact matrices (tiny transformer)."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from iclnoise.exposure import (b_simple, grad_noise, group_grads, leading_eigs, precond_ggn_trace,
+                               precond_hessian_trace, preconditioner, summarize)
+from iclnoise.geometry import adam_preconditioner
+from iclnoise.model import ModelConfig, build_model, mse_loss
+
+
+class Linear(nn.Module):
+    """f(x) = wᵀx; per-example loss ½(wᵀx − y)², per-example gradient (wᵀx − y) x."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.w = nn.Parameter(w.clone())
+
+    def forward(self, xs, ys):
+        return xs @ self.w
+
+
+def half_mse(fm, xs, ys):
+    return 0.5 * (fm(xs, ys) - ys).square().mean()
+
+
+def linreg_case(P=6, sigma2=0.25, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(P, generator=g, dtype=torch.float64)
+    delta = 0.7 * torch.randn(P, generator=g, dtype=torch.float64)
+    model = Linear(t + delta).double()
+    # x ~ N(0, I), e ~ N(0, σ²): Cov g = (|δ|² + σ²) I + δδᵀ (Isserlis), E g = δ
+    C = (delta.square().sum() + sigma2) * torch.eye(P, dtype=torch.float64) + torch.outer(delta, delta)
+
+    def batch(B, i):
+        gi = torch.Generator().manual_seed(1000 + i)
+        xs = torch.randn(B, P, generator=gi, dtype=torch.float64)
+        ys = xs @ t + math.sqrt(sigma2) * torch.randn(B, generator=gi, dtype=torch.float64)
+        return xs, ys
+
+    return model, C, delta, batch
+
+
+@pytest.mark.parametrize("groups", [16, 256])  # micro-batch groups of 16 sequences, and per-example
+def test_diag_and_trace_of_c_match_the_closed_form_within_sampling_error(groups):
+    model, C, _, batch = linreg_case()
+    ests = []
+    for i in range(40):
+        xs, ys = batch(256, i)
+        n = grad_noise(group_grads(model, half_mse, xs, ys, groups), 256 // groups)
+        ests.append(n.diag.numpy())
+    ests = np.array(ests)
+    mean, se = ests.mean(0), ests.std(0, ddof=1) / math.sqrt(len(ests))
+    truth = C.diag().numpy()
+    assert np.all(np.abs(mean - truth) < 4 * se + 1e-9), (mean, truth, se)
+    tr, tr_se = ests.sum(1).mean(), ests.sum(1).std(ddof=1) / math.sqrt(len(ests))
+    assert abs(tr - truth.sum()) < 4 * tr_se
+    assert tr_se / truth.sum() < 0.05  # and the check has teeth: a 20 % error would fail
+
+
+def test_group_gradients_average_to_the_batch_gradient():
+    model, _, _, batch = linreg_case()
+    xs, ys = batch(64, 0)
+    G = group_grads(model, half_mse, xs, ys, 8)
+    model.zero_grad()
+    half_mse(model, xs, ys).backward()
+    torch.testing.assert_close(G.mean(0), model.w.grad)
+
+
+def test_b_simple_matches_its_formula():
+    model, C, delta, batch = linreg_case()
+    vals = []
+    for i in range(20):
+        xs, ys = batch(2048, i)
+        vals.append(b_simple(grad_noise(group_grads(model, half_mse, xs, ys, 64), 32), 2048))
+    truth = float(torch.trace(C) / delta.square().sum())
+    assert np.mean(vals) == pytest.approx(truth, rel=0.1)
+
+
+def test_leading_eigenvalues_match_a_dense_eigendecomposition():
+    g = torch.Generator().manual_seed(0)
+    F = torch.randn(12, 30, generator=g, dtype=torch.float64)
+    a = torch.rand(30, generator=g, dtype=torch.float64) + 0.5
+    M = (F * a).T @ (F * a)
+    ev = np.sort(np.linalg.eigvalsh(M.numpy()))[::-1]
+    lam, alpha, pr = leading_eigs(F, a, 5)
+    np.testing.assert_allclose(lam, ev[:5], rtol=1e-8)
+    assert pr == pytest.approx(ev.sum() ** 2 / (ev ** 2).sum(), rel=1e-8)
+    # a planted power law λ_i = i^-2 gives tail index 2
+    U = torch.linalg.qr(torch.randn(30, 10, generator=g, dtype=torch.float64))[0]
+    Fp = (U * torch.arange(1, 11, dtype=torch.float64).pow(-1.0)).T  # singular values i^-1 → λ = i^-2
+    assert leading_eigs(Fp, None, 10)[1] == pytest.approx(2.0, abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    cfg = ModelConfig(D=2, K=3, d_model=4, n_layers=1, n_heads=1, d_mlp=4)
+    model = build_model(cfg, 0).double()
+    g = torch.Generator().manual_seed(1)
+    xs = torch.randn(16, 3, 2, generator=g, dtype=torch.float64)
+    ys = torch.randn(16, 3, generator=g, dtype=torch.float64)
+    w0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    a = torch.rand(w0.numel(), generator=g, dtype=torch.float64) + 0.5
+    return model, xs, ys, w0, a
+
+
+def _flat(model, fn):
+    names = [n for n, _ in model.named_parameters()]
+    shapes = [p.shape for _, p in model.named_parameters()]
+    sizes = [p.numel() for _, p in model.named_parameters()]
+
+    def f(w):
+        params = {n: t.view(s) for n, t, s in zip(names, w.split(sizes), shapes)}
+        return fn(lambda x, y: torch.func.functional_call(model, params, (x, y)))
+    return f
+
+
+def test_curvature_estimators_match_exact_hessian_and_gauss_newton(tiny_model):
+    model, xs, ys, w0, a = tiny_model
+    H = torch.autograd.functional.hessian(_flat(model, lambda fm: mse_loss(fm, xs, ys)), w0)
+    J = torch.autograd.functional.jacobian(_flat(model, lambda fm: fm(xs, ys)), w0).reshape(-1, w0.numel())
+    G = 2.0 / (xs.shape[-1] * J.shape[0]) * J.T @ J   # mse_loss = mean (f − y)² / D
+    A = torch.diag(a)
+    for est_fn, exact in ((lambda gen: precond_hessian_trace(model, mse_loss, xs, ys, a, 4000, gen), A @ H @ A),
+                          (lambda gen: precond_ggn_trace(model, xs, ys, a, 4000, gen, 1.0 / xs.shape[-1]), A @ G @ A)):
+        est, se = est_fn(torch.Generator().manual_seed(0))
+        truth = float(torch.trace(exact))
+        assert abs(est - truth) < 4 * se, (est, truth, se)
+        assert se < 0.1 * abs(truth)
+    # a = None is the plain trace
+    est, se = precond_ggn_trace(model, xs, ys, None, 4000, torch.Generator().manual_seed(1), 0.5)
+    assert abs(est - float(torch.trace(G))) < 4 * se
+
+
+def test_live_preconditioner_matches_the_checkpointed_one(tiny_model):
+    model = tiny_model[0]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        opt.zero_grad()
+        mse_loss(model, tiny_model[1], tiny_model[2]).backward()
+        opt.step()
+    torch.testing.assert_close(preconditioner(opt), adam_preconditioner(opt.state_dict(), list(model.parameters())))
+
+
+def test_summaries_integrate_rows_over_their_intervals():
+    import pandas as pd
+    df = pd.DataFrame({"interval": [10, 10, 5], "pne_postclip": [1.0, 2.0, 4.0], "pne": [1, 1, 1],
+                       "ne_postclip": [0, 0, 1.0], "ne_injected": [1.0, 0, 0], "ne_simple_postclip": [0, 0, 0]})
+    s = summarize(df)
+    assert s["integrated_pne"] == 10 + 20 + 20 and s["integrated_pne_preclip"] == 25 and s["integrated_ne"] == 5
