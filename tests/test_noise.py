@@ -6,9 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-import yaml
 
-from iclnoise.config import run_spec, validate_params
+from iclnoise.config import run_spec
 from iclnoise.exposure import grad_noise, group_grads, preconditioner
 from iclnoise.io import read_parquet
 from iclnoise.noise import CovModel, NoiseInjector, NoiseMeter, psd_clip, shaped_covariance
@@ -156,18 +155,6 @@ def test_parameter_injection_has_covariance_eta2_A_R_A():
     Z = torch.stack(draws)
     target = lr ** 2 * (a[:, None] * inj.cov.dense() * a[None, :])
     assert torch.allclose(Z.T @ Z / len(Z), target, rtol=0.08, atol=0.03 * float(target.diag().max()))
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    with open("params.yaml") as f:
-        p = validate_params(yaml.safe_load(f))
-    p["train"]["budget"] = {"mode": "steps", "steps": 60}
-    p["train"]["checkpoints"] = {"linear": 3, "log": 3}
-    p["eval"].update(n_sequences=64, n_root=16)
-    p["model"].update(d_model=16, d_mlp=16)
-    p["exposure"].update(every=10, groups=4, curvature_probes=4, heldout=16)
-    return p
 
 
 def test_early_and_late_have_equal_integrated_injected_exposure(tiny, tmp_path):

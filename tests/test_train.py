@@ -1,29 +1,15 @@
 """Training: learns, checkpoints on the schedule, resumes exactly, records divergence."""
 import copy
-import math
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
-import yaml
 
-from iclnoise.config import run_spec, validate_params
+from iclnoise.config import run_spec
 from iclnoise.io import read_parquet
 from iclnoise.schedules import checkpoint_steps, lr_lambda
 from iclnoise.train import train_run
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    with open("params.yaml") as f:
-        p = validate_params(yaml.safe_load(f))
-    p["train"]["budget"] = {"mode": "steps", "steps": 60}
-    p["train"]["checkpoints"] = {"linear": 3, "log": 3}
-    p["train"]["micro_batch"] = 8
-    p["eval"].update(n_sequences=64, n_root=16)
-    p["model"].update(d_model=16, d_mlp=16)
-    return p
 
 
 def test_checkpoint_schedule_is_union_of_linear_and_log():

@@ -38,7 +38,6 @@ import torch
 
 from .exposure import (EXPOSURE_SCHEMA, GradNoise, b_simple, grad_noise, group_grads, kappa, leading_eigs,
                        precond_ggn_trace, precond_hessian_trace, preconditioner)
-from .io import KEY_FIELDS
 from .tasks import _seed_mix
 
 _NOISE, _PROBE = 0x7015E, 0xC0A7

@@ -1,0 +1,18 @@
+"""Shared fixtures: the shipped params.yaml shrunk to a few seconds of training."""
+import pytest
+import yaml
+
+from iclnoise.config import validate_params
+
+
+@pytest.fixture(scope="module")
+def tiny() -> dict:
+    with open("params.yaml") as f:
+        p = validate_params(yaml.safe_load(f))
+    p["train"]["budget"] = {"mode": "steps", "steps": 60}
+    p["train"]["checkpoints"] = {"linear": 3, "log": 3}
+    p["train"]["micro_batch"] = 8
+    p["eval"].update(n_sequences=64, n_root=16)
+    p["model"].update(d_model=16, d_mlp=16)
+    p["exposure"].update(every=10, groups=4, curvature_probes=4, heldout=16)
+    return p
