@@ -26,6 +26,8 @@ test: setup
 
 bench: setup
 	$(BIN)/python bench/bench_train.py
+	$(BIN)/python bench/bench_llc.py
+	$(BIN)/python bench/bench_noise.py
 
 # Rerun only aggregation, figures and the report from existing per-run artifacts.
 figures: setup

@@ -1,0 +1,78 @@
+"""Cost of exposure logging and of each injection shape, relative to plain training, side by side in one run.
+
+Every variant is the real training loop (iclnoise.train.train_run) on the default model, with checkpoints
+only at the start and the end so evaluation does not dilute the per-step cost; rounds are interleaved
+and the fastest of each variant kept (machines here are noisy: read the ratios).
+
+Usage: python bench/bench_noise.py [--steps 600] [--batch 64] [--every 100] [--rounds 3] [--device cpu]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import tempfile
+import time
+
+import torch
+import yaml
+
+from iclnoise.config import run_spec, validate_params
+from iclnoise.train import train_run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--every", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    base = validate_params(yaml.safe_load(open(a.params)))
+    base["grid"].update(batch_sizes=[a.batch])
+    base["train"].update(budget={"mode": "steps", "steps": a.steps}, checkpoints={"linear": 0, "log": 0},
+                         device=a.device)
+    base["eval"].update(n_sequences=64, n_root=8)
+    base["exposure"]["every"] = a.every
+    emulate = max(1, a.batch // 4)
+    variants = {  # name: (exposure logging, noise condition)
+        "plain": (False, {"source": "none"}),
+        "exposure": (True, {"source": "none"}),
+        "grad_lowrank": (False, {"source": "grad", "shape": "lowrank", "rank": 4, "schedule": "constant",
+                                 "emulate_batch": emulate}),
+        "grad_diagonal": (False, {"source": "grad", "shape": "diagonal", "schedule": "constant", "emulate_batch": emulate}),
+        "grad_isotropic": (False, {"source": "grad", "shape": "isotropic", "schedule": "constant",
+                                   "emulate_batch": emulate}),
+        "param_lowrank": (False, {"source": "param", "shape": "lowrank", "rank": 4, "schedule": "constant",
+                                  "emulate_batch": emulate}),
+        "grad_lowrank+exposure": (True, {"source": "grad", "shape": "lowrank", "rank": 4, "schedule": "constant",
+                                         "emulate_batch": emulate}),
+    }
+    def run(log: bool, cond: dict, steps: int) -> float:
+        p = copy.deepcopy(base)
+        p["exposure"]["enabled"] = log
+        p["noise"]["conditions"]["bench"] = cond
+        p["train"]["budget"]["steps"] = steps
+        with tempfile.TemporaryDirectory() as d:
+            t0 = time.perf_counter()
+            train_run(run_spec(p, f"M64-B{a.batch}-bench-s0"), d, progress=False)
+            return time.perf_counter() - t0
+
+    for log, cond in variants.values():  # warm-up: imports, allocator, first vmap traces
+        run(log, cond, a.every)
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(a.rounds):
+        for name, (log, cond) in variants.items():
+            times[name].append(run(log, cond, a.steps))
+    best = {k: min(v) for k, v in times.items()}
+    print(f"device={a.device} threads={a.threads} batch={a.batch} steps={a.steps} log/refresh every {a.every} steps; "
+          f"injection emulates batch {emulate}")
+    for k, t in best.items():
+        print(f"  {k:22s} {1e3 * t / a.steps:7.3f} ms/step   ratio to plain: {t / best['plain']:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
