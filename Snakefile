@@ -6,7 +6,7 @@ from pathlib import Path
 
 from snakemake.utils import min_version, validate
 
-from iclnoise.config import ParamsError, ed_families, expand_grid, run_spec, validate_params
+from iclnoise.config import ParamsError, ed_families, expand_grid, parse_run_id, run_spec, validate_params
 
 min_version("9.0")
 

@@ -159,7 +159,8 @@ class NoiseMeter:
 INJECTION_SCHEMA = pa.schema([
     pa.field("run_id", pa.string()), pa.field("step", pa.int64()), pa.field("active", pa.bool_()),
     pa.field("scale", pa.float64()),            # s_t multiplying R'
-    pa.field("ne_injected", pa.float64()),      # η_t κ Σ a_i² s R'_ii (a from the state before this update)
+    pa.field("ne_injected", pa.float64()),      # η_t κ Σ a_i² s R'_ii, a before this update (NaN on steps that
+                                                # need no A: emulated batch between exposure logs)
     pa.field("trace_injected", pa.float64()),   # Tr(s R')
     pa.field("clipped_trace", pa.float64()),    # s · trace removed by PSD clipping (what could not be matched)
     pa.field("clipped_frac", pa.float64()),     # clipped / (clipped + injected) trace
@@ -187,7 +188,7 @@ class NoiseInjector:
                     if self.schedule == "controlled" else None)
         self.meter, self.shared, self.device = meter, shared, device
         self.cov: CovModel | None = None
-        self.clipped = 0.0
+        self.clipped, self._diag, self._trace = 0.0, None, 0.0
         self._rows: list[dict] = []
         self._eps: torch.Tensor | None = None
 
@@ -198,18 +199,22 @@ class NoiseInjector:
         if self.budget is None:
             return 1.0
         per_step = self.budget / (self.stop - self.start)
-        unit = ctx.lr * self.kappa * float((a.square() * self.cov.diag()).sum()) if a is not None else 0.0
+        unit = ctx.lr * self.kappa * float((a.square() * self._diag).sum()) if a is not None else 0.0
         return per_step / unit if unit > 0 else 0.0
 
     def on_grads(self, ctx) -> None:
-        if self.meter.due(ctx.step) or self.cov is None:
+        due = self.meter.due(ctx.step)
+        if due or self.cov is None:
             self.cov, self.clipped = shaped_covariance(self.meter.measure(ctx), self.coef, self.shape, self.rank)
+            self._diag = self.cov.diag()
+            self._trace = float(self._diag.sum())
         active = self.start <= ctx.step < self.stop
-        a = preconditioner(ctx.optimizer)
+        # A is read only where it is needed: budget scaling, and the steps the exposure logger records
+        a = preconditioner(ctx.optimizer) if active and (self.budget is not None or due) else None
         s = self._scale(ctx, a) if active else 0.0
-        diag = self.cov.diag()
-        ne = ctx.lr * self.kappa * s * float((a.square() * diag).sum()) if (a is not None and s > 0) else 0.0
-        tr, clip = s * float(diag.sum()), s * self.clipped
+        ne = (0.0 if s <= 0 else math.nan if a is None
+              else ctx.lr * self.kappa * s * float((a.square() * self._diag).sum()))
+        tr, clip = s * self._trace, s * self.clipped
         self.shared["ne_injected"] = ne
         self._rows.append({"run_id": self.run_id, "step": ctx.step, "active": active, "scale": s, "ne_injected": ne,
                            "trace_injected": tr, "clipped_trace": clip,
@@ -246,6 +251,9 @@ class NoiseInjector:
 
     def load_state_dict(self, state: dict) -> None:
         self.cov = None if state["cov"] is None else CovModel(**{k: v.to(self.device) for k, v in state["cov"].items()})
+        if self.cov is not None:
+            self._diag = self.cov.diag()
+            self._trace = float(self._diag.sum())
         self.clipped, self._rows = state["clipped"], list(state["rows"])
         if self.ctl is not None:
             self.ctl.u, self.ctl.log_s = state["ctl"]

@@ -1,15 +1,11 @@
-def optional_run_files(name, enabled):
-    return run_files(name) if enabled else []
-
-
 rule aggregate:
     """Outcomes per run, task-diversity thresholds, hypothesis tests (H1-H4), figures 6-8 and 10 (9 with geometry)."""
     input:
         metrics=run_files("metrics.parquet"),
-        llc=optional_run_files("llc.parquet", PARAMS.get("llc", {}).get("enabled", False)),
-        geometry=optional_run_files("geometry.parquet", PARAMS.get("geometry", {}).get("enabled", False)),
-        mech=optional_run_files("mech.parquet", PARAMS.get("mech", {}).get("enabled", False)),
-        exposure=optional_run_files("exposure.parquet", EXPOSURE),
+        llc=probe_files("llc", "llc.parquet"),
+        geometry=probe_files("geometry", "geometry.parquet"),
+        mech=probe_files("mech", "mech.parquet"),
+        exposure=run_files("exposure.parquet") if EXPOSURE else [],
     output:
         outcomes=f"{RES}/aggregate/outcomes.parquet",
         thresholds=f"{RES}/aggregate/thresholds.parquet",

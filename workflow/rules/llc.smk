@@ -42,8 +42,8 @@ rule llc_figures:
     """SPEC §12 figures 3 and 4."""
     input:
         summary=f"{RES}/summary.parquet",
-        llc=run_files("llc.parquet"),
-        stages=run_files("stages.parquet"),
+        llc=probe_files("llc", "llc.parquet"),
+        stages=probe_files("llc", "stages.parquet"),
     output:
         multiext(f"{RES}/figures/fig03_loss_llc_vs_m", ".pdf", ".png", ".parquet"),
         multiext(f"{RES}/figures/fig04_llc_over_training", ".pdf", ".png", ".parquet"),

@@ -1,5 +1,5 @@
 def probe_cfg(name):
-    return json.dumps({k: v for k, v in PARAMS.get(name, {}).items() if k not in ("enabled", "every")})
+    return json.dumps({k: v for k, v in PARAMS.get(name, {}).items() if k not in ("enabled", "every", "seeds")})
 
 
 rule geometry:
