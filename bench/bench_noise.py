@@ -5,6 +5,7 @@ only at the start and the end so evaluation does not dilute the per-step cost; r
 and the fastest of each variant kept (machines here are noisy: read the ratios).
 
 Usage: python bench/bench_noise.py [--steps 600] [--batch 64] [--every 100] [--rounds 3] [--device cpu]
+       python bench/bench_noise.py --override configs/paper.yaml --device cuda --batch 256   (paper scale)
 """
 from __future__ import annotations
 
@@ -17,12 +18,22 @@ import torch
 import yaml
 
 from iclnoise.config import run_spec, validate_params
+from iclnoise.model import ModelConfig, build_model
 from iclnoise.train import train_run
+
+
+def deep_update(base: dict, over: dict) -> dict:
+    """Merge `over` into `base` key by key, as Snakemake merges a --configfile."""
+    for k, v in over.items():
+        base[k] = deep_update(base.get(k, {}), v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return base
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--override", help="a YAML merged over the params key by key (e.g. configs/paper.yaml)")
+    ap.add_argument("--variants", nargs="*", help="only these variants (default: all)")
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--every", type=int, default=100)
@@ -31,7 +42,10 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    base = validate_params(yaml.safe_load(open(a.params)))
+    base = yaml.safe_load(open(a.params))
+    if a.override:
+        deep_update(base, yaml.safe_load(open(a.override)))
+    base = validate_params(base)
     base["grid"].update(batch_sizes=[a.batch])
     base["train"].update(budget={"mode": "steps", "steps": a.steps}, checkpoints={"linear": 0, "log": 0},
                          device=a.device)
@@ -51,6 +65,8 @@ def main() -> None:
         "grad_lowrank+exposure": (True, {"source": "grad", "shape": "lowrank", "rank": 4, "schedule": "constant",
                                          "emulate_batch": emulate}),
     }
+    variants = {k: v for k, v in variants.items() if not a.variants or k in a.variants or k == "plain"}
+
     def run(log: bool, cond: dict, steps: int) -> float:
         p = copy.deepcopy(base)
         p["exposure"]["enabled"] = log
@@ -68,6 +84,10 @@ def main() -> None:
         for name, (log, cond) in variants.items():
             times[name].append(run(log, cond, a.steps))
     best = {k: min(v) for k, v in times.items()}
+    n_params = sum(p.numel() for p in build_model(
+        ModelConfig(D=base["data"]["D"], K=base["data"]["K"], **base["model"]),
+        0).parameters())
+    print(f"params={n_params} d_model={base['model']['d_model']} D={base['data']['D']} K={base['data']['K']}")
     print(f"device={a.device} threads={a.threads} batch={a.batch} steps={a.steps} log/refresh every {a.every} steps; "
           f"injection emulates batch {emulate}")
     for k, t in best.items():

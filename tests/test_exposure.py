@@ -151,3 +151,38 @@ def test_summaries_integrate_rows_over_their_intervals():
                        "ne_postclip": [0, 0, 1.0], "ne_injected": [1.0, 0, 0], "ne_simple_postclip": [0, 0, 0]})
     s = summarize(df)
     assert s["integrated_pne"] == 10 + 20 + 20 and s["integrated_pne_preclip"] == 25 and s["integrated_ne"] == 5
+
+
+@pytest.mark.parametrize("beta1", [0.0, 0.9])
+def test_update_variance_matches_real_adamw_steps_and_calibrates_kappa_to_one(beta1):
+    """The functional AdamW update equals torch's on each group gradient; the calibrated κ is the long-run
+    diffusion factor of an EMA-momentum optimizer, 1 for every β1 (the filter's DC gain)."""
+    import copy
+    from iclnoise.exposure import calibrated_kappa, update_innovation_variance
+    model, _, _, batch = linreg_case()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(beta1, 0.999), weight_decay=0.01)
+    for i in range(300):
+        xs, ys = batch(64, 5000 + i)
+        opt.zero_grad()
+        half_mse(model, xs, ys).backward()
+        opt.step()
+    obs, pred = [], []
+    for i in range(8):
+        xs, ys = batch(64, 9000 + i)
+        G = group_grads(model, half_mse, xs, ys, 16)
+        real = []
+        shrunk = G.mean(0) + (G - G.mean(0)) / 4  # batch-64 noise from groups of 4: √(m/B) = 1/4
+        for g in shrunk:  # brute force: a real AdamW step from a copy of the state with this gradient
+            m2, o2 = copy.deepcopy(model), None
+            o2 = torch.optim.AdamW(m2.parameters(), lr=1e-3, betas=(beta1, 0.999), weight_decay=0.01)
+            o2.load_state_dict(copy.deepcopy(opt.state_dict()))
+            m2.w.grad = g.clone()
+            o2.step()
+            real.append((m2.w - model.w).detach())
+        v = update_innovation_variance(opt, G, 64)
+        assert v == pytest.approx(float(torch.stack(real).var(0).sum()), rel=1e-6)
+        a = preconditioner(opt, fallback_grads=False)
+        noise = grad_noise(G, 4)
+        obs.append(v)
+        pred.append(1e-6 * float((a.square() * noise.diag).sum()) / 64)
+    assert calibrated_kappa(obs, pred, beta1) == pytest.approx(1.0, rel=0.05)

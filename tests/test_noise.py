@@ -190,8 +190,12 @@ def test_controller_tracks_a_constant_target(tiny, tmp_path):
     assert abs(np.median(late)) < 0.25 and np.abs(late).max() < math.log(3), late.tolist()
 
 
-def test_resume_with_injection_and_exposure_gives_identical_numbers(tiny, tmp_path):
-    full, resumed, full_dir, part = full_and_resumed(run_spec(tiny, "M4-B64-param_b16-s0"), tmp_path)
+def test_resume_with_injection_and_calibrated_exposure_gives_identical_numbers(tiny, tmp_path):
+    p = copy.deepcopy(tiny)
+    p["exposure"]["kappa"] = "calibrated"
+    full, resumed, full_dir, part = full_and_resumed(run_spec(p, "M4-B64-param_b16-s0"), tmp_path)
     pd.testing.assert_frame_equal(full, resumed)
     for name in ("exposure", "injection"):
         pd.testing.assert_frame_equal(read_parquet(full_dir / f"{name}.parquet"), read_parquet(part / f"{name}.parquet"))
+    # AdamW's EMA momentum diffuses batch noise with factor ≈ 1, not the heavy-ball 1/(1 − β1)² = 100
+    assert read_parquet(full_dir / "exposure.parquet").kappa.between(0.7, 1.3).all()

@@ -177,17 +177,58 @@ def precond_ggn_trace(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor
 
 
 def kappa(cfg: dict, beta1: float) -> float:
-    """κ(β1) = 1/(1 − β1)² (SPEC §6, the heavy-ball convention) unless `kappa` is configured. For a fixed
-    β1 it is a constant factor, so it cancels in every comparison between runs of one optimizer."""
+    """κ(β1) = 1/(1 − β1)² (SPEC §6, the heavy-ball convention) unless `kappa` is a number. For a fixed
+    β1 it is a constant factor, so it cancels in every comparison between runs of one optimizer.
+    `kappa: calibrated` starts from this value and is replaced by `calibrated_kappa` once measured."""
     k = cfg.get("kappa")
-    return float(k) if k is not None else 1.0 / (1.0 - beta1) ** 2
+    return float(k) if isinstance(k, (int, float)) else 1.0 / (1.0 - beta1) ** 2
+
+
+def update_innovation_variance(opt: torch.optim.Optimizer, G: torch.Tensor, batch: int) -> float:
+    """Σ_i Var(Δw_i) of one AdamW update from the current state, for batch-B gradient noise.
+
+    The K group gradients (rows of G, means over m = B/K sequences, noise C/m) are first shrunk towards
+    their mean, ḡ + (g_k − ḡ)·√(m/B), so each carries batch-B noise C/B; the AdamW update rule
+    (bias-corrected moments, the v update included) is applied to each from the same state and the
+    variance across them taken. Shrinking before the update, not after, keeps Adam's nonlinearity
+    (g² enters v) at the batch's noise level. NaN before step 1."""
+    g0 = opt.param_groups[0]
+    b1, b2, eps, lr = g0["betas"][0], g0["betas"][1], g0["eps"], g0["lr"]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if any("exp_avg" not in opt.state.get(p, {}) for p in params):
+        return math.nan
+    m = torch.cat([opt.state[p]["exp_avg"].reshape(-1) for p in params])
+    v = torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1) for p in params])
+    t = float(opt.state[params[0]]["step"]) + 1
+    K = G.shape[0]
+    mean = G.mean(0)
+    G = mean + (G - mean) * math.sqrt(1.0 / K)   # m/B = 1/K
+    m1 = (b1 * m + (1 - b1) * G) / (1 - b1 ** t)
+    v1 = (b2 * v + (1 - b2) * G.square()) / (1 - b2 ** t)
+    u = lr * m1 / (v1.sqrt() + eps)  # weight decay shifts every row alike: no variance
+    return float(u.var(0, unbiased=True).sum())
+
+
+def calibrated_kappa(observed: list[float], predicted: list[float], beta1: float) -> float:
+    """κ from the regression through the origin of observed update innovation variance on its prediction
+    η²·Σ a² C / B (slope κ_step), converted to long-run diffusion: momentum m_t = β1 m_{t−1} + innovation is an
+    AR(1) whose long-run variance is the innovation variance / (1 − β1)², so κ = κ_step / (1 − β1)².
+    (PyTorch's AdamW feeds (1 − β1)·g into m: κ_step ≈ (1 − β1)², κ ≈ 1; heavy-ball momentum gives 1/(1 − β1)².)"""
+    o, p = np.asarray(observed, float), np.asarray(predicted, float)
+    ok = np.isfinite(o) & np.isfinite(p) & (p > 0)
+    if not ok.any():
+        return math.nan
+    return float((o[ok] * p[ok]).sum() / np.square(p[ok]).sum()) / (1.0 - beta1) ** 2
 
 
 EIG_FIELD = pa.field("aca_eigs", pa.list_(pa.float64()))  # leading eigenvalues of A Ĉ A (per-example C)
 EXPOSURE_SCHEMA = pa.schema(KEY_FIELDS + [
     pa.field("step", pa.int64()),            # the update the row measures (0-based)
     pa.field("interval", pa.int64()),        # steps this row stands for in integrals
-    pa.field("lr", pa.float64()), pa.field("kappa", pa.float64()), pa.field("groups", pa.int64()),
+    pa.field("lr", pa.float64()), pa.field("kappa", pa.float64()),   # κ in use (calibrated: running estimate)
+    pa.field("update_var", pa.float64()),    # observed Σ Var(Δw) of one update for batch-B noise
+    pa.field("update_var_pred", pa.float64()),  # its prediction η² Σ a² C / B (κ_step = ratio)
+    pa.field("groups", pa.int64()),
     pa.field("group_size", pa.int64()),
     pa.field("grad_norm", pa.float64()),     # |ḡ|, batch gradient before injection and clipping
     pa.field("trace_c", pa.float64()),       # Tr(Ĉ), per-example gradient covariance

@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import torch
 
-from .exposure import (EXPOSURE_SCHEMA, GradNoise, b_simple, grad_noise, group_grads, kappa, leading_eigs,
-                       precond_ggn_trace, precond_hessian_trace, preconditioner)
+from .exposure import (EXPOSURE_SCHEMA, GradNoise, b_simple, calibrated_kappa, grad_noise, group_grads, kappa,
+                       leading_eigs, precond_ggn_trace, precond_hessian_trace, preconditioner,
+                       update_innovation_variance)
 from .tasks import _seed_mix
 
 _NOISE, _PROBE = 0x7015E, 0xC0A7
@@ -151,8 +152,8 @@ class NoiseMeter:
         if self._step != ctx.step:
             B = len(ctx.batch)
             K = B if self.per_example else min(self.groups, B)
-            G = group_grads(ctx.model, ctx.loss_fn, ctx.batch.xs, ctx.batch.ys, K)
-            self._noise, self._step = grad_noise(G, B // K), ctx.step
+            self.G = group_grads(ctx.model, ctx.loss_fn, ctx.batch.xs, ctx.batch.ys, K)
+            self._noise, self._step = grad_noise(self.G, B // K), ctx.step
         return self._noise
 
 
@@ -199,7 +200,7 @@ class NoiseInjector:
         if self.budget is None:
             return 1.0
         per_step = self.budget / (self.stop - self.start)
-        unit = ctx.lr * self.kappa * float((a.square() * self._diag).sum()) if a is not None else 0.0
+        unit = ctx.lr * self.shared.get("kappa", self.kappa) * float((a.square() * self._diag).sum()) if a is not None else 0.0
         return per_step / unit if unit > 0 else 0.0
 
     def on_grads(self, ctx) -> None:
@@ -213,7 +214,7 @@ class NoiseInjector:
         a = preconditioner(ctx.optimizer) if active and (self.budget is not None or due) else None
         s = self._scale(ctx, a) if active else 0.0
         ne = (0.0 if s <= 0 else math.nan if a is None
-              else ctx.lr * self.kappa * s * float((a.square() * self._diag).sum()))
+              else ctx.lr * self.shared.get("kappa", self.kappa) * s * float((a.square() * self._diag).sum()))
         tr, clip = s * self._trace, s * self.clipped
         self.shared["ne_injected"] = ne
         self._rows.append({"run_id": self.run_id, "step": ctx.step, "active": active, "scale": s, "ne_injected": ne,
@@ -268,7 +269,8 @@ class ExposureLogger:
                  device: torch.device):
         cfg = spec.get("exposure") or {}
         self.keys, self.batch, self.total = spec["keys"], spec["keys"]["batch"], spec["train"]["steps"]
-        self.kappa = kappa(cfg, spec["train"]["optimizer"]["betas"][0])
+        self.beta1 = spec["train"]["optimizer"]["betas"][0]
+        self.kappa, self.calibrate = kappa(cfg, self.beta1), cfg.get("kappa") == "calibrated"
         self.probes, self.n_heldout = cfg.get("curvature_probes", 8), cfg.get("heldout", 64)
         self.floor, self.rank = cfg.get("floor", 1e-12), cfg.get("eig_rank", 8)
         self.curvature, self.D = cfg.get("curvature", "ggn"), spec["data"]["D"]
@@ -279,6 +281,16 @@ class ExposureLogger:
 
     def on_grads(self, ctx) -> None:
         self._noise = self.meter.measure(ctx) if self.meter.due(ctx.step) else None
+        if self._noise is not None:  # the optimizer state before this update
+            self._upd_var = update_innovation_variance(ctx.optimizer, self.meter.G, self.batch)
+            a = preconditioner(ctx.optimizer, fallback_grads=False)
+            self._upd_pred = (ctx.lr ** 2 * float((a.square() * self._noise.diag).sum()) / self.batch
+                              if a is not None else math.nan)
+            if self.calibrate:
+                k = calibrated_kappa([r["update_var"] for r in self._rows] + [self._upd_var],
+                                     [r["update_var_pred"] for r in self._rows] + [self._upd_pred], self.beta1)
+                if math.isfinite(k):
+                    self.kappa = self.shared["kappa"] = k
 
     def on_update(self, ctx) -> None:
         self._steps += 1
@@ -304,7 +316,8 @@ class ExposureLogger:
         lam, alpha, pr = leading_eigs(noise.factor, a, self.rank)
         self._rows.append({
             **self.keys, "step": ctx.step, "interval": self.meter.every, "lr": lr,
-            "kappa": self.kappa, "groups": noise.factor.shape[0], "group_size": noise.m,
+            "kappa": self.kappa, "update_var": self._upd_var, "update_var_pred": self._upd_pred,
+            "groups": noise.factor.shape[0], "group_size": noise.m,
             "grad_norm": float(noise.mean.norm()), "trace_c": noise.trace, "trace_aca": tr_aca,
             "b_simple": b_simple(noise, B), "ne": ne, "ne_injected": ne_inj, "ne_total": ne_total,
             "ne_simple": simple * ne_total, "curv": curv, "curv_se": curv_se, "pne": ne_total / den,
@@ -324,6 +337,8 @@ class ExposureLogger:
     def load_state_dict(self, state: dict) -> None:
         self._rows = list(state["rows"])
         self._clipped_steps, self._steps = state["counts"]
+        if self.calibrate and self._rows:
+            self.kappa = self.shared["kappa"] = self._rows[-1]["kappa"]
         if state["pne"] is not None:
             self.shared["pne_postclip"] = state["pne"]
 
