@@ -46,7 +46,8 @@ TESTS_SCHEMA = pa.schema([
 ])
 THRESHOLD_SCHEMA = pa.schema([
     pa.field("batch", pa.int64()), pa.field("noise", pa.string()), pa.field("noise_source", pa.string()),
-    pa.field("noise_schedule", pa.string()), pa.field("emulate_batch", pa.int64()), pa.field("noise_level", pa.float64()), pa.field("M_star", pa.float64()), pa.field("M_star_lo", pa.float64()),
+    pa.field("noise_schedule", pa.string()), pa.field("emulate_batch", pa.int64()),
+    pa.field("noise_level", pa.float64()), pa.field("M_star", pa.float64()), pa.field("M_star_lo", pa.float64()),
     pa.field("M_star_hi", pa.float64()), pa.field("log2_M_star", pa.float64()), pa.field("scale", pa.float64()),
     pa.field("in_range", pa.bool_()), pa.field("n_seeds", pa.int64()), pa.field("n_boot_ok", pa.int64()),
 ])
@@ -235,5 +236,6 @@ def cli(argv: list[str]) -> None:
     fig_schedules(out, figs / "fig08_early_late")
     fig_geometry(out, figs / "fig09_geometry")
     exp = [Path(d) / "exposure.parquet" for d in a.run_dirs if (Path(d) / "exposure.parquet").exists()]
-    fig_exposure_series(pd.concat([read_parquet(f) for f in exp]) if exp else pd.DataFrame(), figs / "fig10_exposure_series")
+    fig_exposure_series(pd.concat([read_parquet(f) for f in exp]) if exp else pd.DataFrame(),
+                        figs / "fig10_exposure_series")
     print(tests[["hypothesis", "test", "outcome", "estimate", "p_holm", "status"]].to_string(index=False))

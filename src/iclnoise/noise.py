@@ -200,8 +200,13 @@ class NoiseInjector:
         if self.budget is None:
             return 1.0
         per_step = self.budget / (self.stop - self.start)
-        unit = ctx.lr * self.shared.get("kappa", self.kappa) * float((a.square() * self._diag).sum()) if a is not None else 0.0
+        unit = self._ne_unit(ctx, a)
         return per_step / unit if unit > 0 else 0.0
+
+    def _ne_unit(self, ctx, a: torch.Tensor | None) -> float:
+        """Injected NE at scale 1: η κ Σ a_i² R'_ii (0 without A)."""
+        k = self.shared.get("kappa", self.kappa)
+        return ctx.lr * k * float((a.square() * self._diag).sum()) if a is not None else 0.0
 
     def on_grads(self, ctx) -> None:
         due = self.meter.due(ctx.step)
@@ -213,8 +218,7 @@ class NoiseInjector:
         # A is read only where it is needed: budget scaling, and the steps the exposure logger records
         a = preconditioner(ctx.optimizer) if active and (self.budget is not None or due) else None
         s = self._scale(ctx, a) if active else 0.0
-        ne = (0.0 if s <= 0 else math.nan if a is None
-              else ctx.lr * self.shared.get("kappa", self.kappa) * s * float((a.square() * self._diag).sum()))
+        ne = 0.0 if s <= 0 else math.nan if a is None else s * self._ne_unit(ctx, a)
         tr, clip = s * self._trace, s * self.clipped
         self.shared["ne_injected"] = ne
         self._rows.append({"run_id": self.run_id, "step": ctx.step, "active": active, "scale": s, "ne_injected": ne,
