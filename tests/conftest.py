@@ -14,5 +14,5 @@ def tiny() -> dict:
     p["train"]["micro_batch"] = 8
     p["eval"].update(n_sequences=64, n_root=16)
     p["model"].update(d_model=16, d_mlp=16)
-    p["exposure"].update(every=10, groups=4, curvature_probes=4, heldout=16)
+    p["exposure"].update(every=10, groups=8, curvature_probes=4, heldout=16)
     return p

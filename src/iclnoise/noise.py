@@ -23,16 +23,18 @@ Levels and schedules (noise.conditions.<name> in params.yaml):
 - `budget: E` (schedules constant, early, late): within the window (all steps; the first or last
   fraction f) the scale is set per step so that the injected NE_t = η_t κ Σ a_i² R'_ii equals E / W
   (W = window length): every schedule with the same E has integrated injected exposure E by construction;
-- `schedule: controlled`, `target: P`: a PI controller on log P-NE* (measured after clipping, at every
-  logged step) sets log s so the total P-NE* follows the target. Under gradient clipping the post-clip
+- `schedule: controlled`, `target: P` (or a trajectory [[fraction, P], ...], log-interpolated): a PI
+  controller on log P-NE* (measured after clipping, at every logged step) sets log s so the total
+  P-NE* follows the target. Under gradient clipping the post-clip
   P-NE* of grad-space noise saturates as s grows (c² ∝ 1/s), so a target above that is not reachable:
   the exposure log shows the gap.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 import torch
 
@@ -115,20 +117,27 @@ def window(schedule: str, total: int, fraction: float) -> tuple[int, int]:
     return {"early": (0, w), "late": (total - w, total)}.get(schedule, (0, total))
 
 
+def target_at(target: float | list, progress: float) -> float:
+    """A constant target, or a trajectory [[fraction of training, P-NE*], ...] interpolated in log P-NE*."""
+    if isinstance(target, (int, float)):
+        return float(target)
+    fr, val = zip(*sorted(target))
+    return float(np.exp(np.interp(progress, fr, np.log(val))))
+
+
 @dataclass
 class PIController:
-    """log s_t = u + kp·e, u ← u + ki·e, with e = log(target) − log(measured P-NE*) at each measurement."""
+    """log s_t = u + kp·e, u ← u + ki·e, with e = log(target_t) − log(measured P-NE*) at each measurement."""
 
-    target: float
+    target: float | list
     kp: float = 0.5
     ki: float = 0.3
     u: float = 0.0
     log_s: float = 0.0
-    history: list = field(default_factory=list)
 
-    def update(self, measured: float) -> float:
+    def update(self, measured: float, progress: float = 0.0) -> float:
         if measured > 0 and math.isfinite(measured):
-            e = math.log(self.target) - math.log(measured)
+            e = math.log(target_at(self.target, progress)) - math.log(measured)
             self.u = min(30.0, max(-30.0, self.u + self.ki * e))  # bounded integral: no wind-up
             self.log_s = min(30.0, max(-30.0, self.u + self.kp * e))
         return math.exp(self.log_s)
@@ -196,7 +205,7 @@ class NoiseInjector:
     def _scale(self, ctx, a: torch.Tensor | None) -> float:
         if self.ctl is not None:
             pne = self.shared.pop("pne_postclip", None)
-            return self.ctl.update(pne) if pne is not None else math.exp(self.ctl.log_s)
+            return self.ctl.update(pne, ctx.step / self.total) if pne is not None else math.exp(self.ctl.log_s)
         if self.budget is None:
             return 1.0
         per_step = self.budget / (self.stop - self.start)
@@ -361,5 +370,5 @@ def build_hooks(spec: dict, device: torch.device) -> list:
     return hooks
 
 
-__all__ = ["CovModel", "psd_clip", "shaped_covariance", "window", "PIController", "NoiseMeter", "NoiseInjector",
+__all__ = ["CovModel", "psd_clip", "shaped_covariance", "window", "target_at", "PIController", "NoiseMeter", "NoiseInjector",
            "ExposureLogger", "build_hooks", "SHAPES", "SCHEDULES", "INJECTION_SCHEMA"]

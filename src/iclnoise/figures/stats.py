@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+from matplotlib.ticker import NullFormatter, ScalarFormatter
 import numpy as np
 import pandas as pd
 
@@ -29,7 +30,14 @@ def fig_threshold_vs_noise(th: pd.DataFrame, path: str | Path) -> None:
             ax.annotate("extrapolated", (r.level, r.M_star), textcoords="offset points", xytext=(5, 5), fontsize=7)
     if np.isfinite(df.M_star).any():
         ax.set_xscale("log")
-        ax.set_yscale("log", base=2)
+        vals = df[["M_star", "M_star_lo", "M_star_hi"]].to_numpy(float)
+        vals = vals[np.isfinite(vals) & (vals > 0)]
+        if vals.max() / vals.min() > 8:  # log2 axis only when it spans several octaves: else it shows no ticks
+            ax.set_yscale("log", base=2)
+            ax.yaxis.set_major_formatter(ScalarFormatter())
+        xs = np.sort(df.level.unique())
+        ax.set_xticks(xs, [f"1/{1 / x:.0f}" for x in xs])
+        ax.xaxis.set_minor_formatter(NullFormatter())
     else:
         ax.text(0.5, 0.5, "no threshold could be fitted\n(needs ≥ 3 finite M with r crossing 0.5)",
                 transform=ax.transAxes, ha="center", va="center", color="grey")
