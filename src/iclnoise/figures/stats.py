@@ -21,11 +21,13 @@ def fig_threshold_vs_noise(th: pd.DataFrame, path: str | Path) -> None:
     df = th[(th.noise_source == "batch") | (th.emulate_batch > 0)].copy()
     df["level"] = df.noise_level
     fig, ax = plt.subplots(figsize=(5.5, 4))
-    for i, (src, g) in enumerate(df.groupby("noise_source")):
+    # one line for batch noise across batch sizes, one per injected condition (source, shape)
+    df["series"] = np.where(df.noise_source == "batch", "batch noise", "injected: " + df.noise)
+    for i, (label, g) in enumerate(df.groupby("series")):
         g = g.sort_values("level")
         yerr = np.vstack([g.M_star - g.M_star_lo, g.M_star_hi - g.M_star]).clip(min=0)
         ax.errorbar(g.level, g.M_star, yerr=np.nan_to_num(yerr), marker="o", capsize=4, lw=1.5, color=f"C{i}",
-                    label=f"source: {src}")
+                    label=label)
         for _, r in g[~g.in_range].iterrows():
             ax.annotate("extrapolated", (r.level, r.M_star), textcoords="offset points", xytext=(5, 5), fontsize=7)
     if np.isfinite(df.M_star).any():
