@@ -72,3 +72,36 @@ def test_aggregate_outcomes_thresholds_tests_and_report(runs):
     report_cli(["--results", str(root), "--params", "{grid: {M: [1]}}", "--out", str(root / "report.md")])
     text = (root / "report.md").read_text()
     assert "Hypothesis verdicts" in text and "not run" in text and "grid:" in text
+
+
+def _outcomes(rng, planted_late_gain: float, inj_shift: float) -> pd.DataFrame:
+    """Synthetic outcomes: batch-16 runs, batch-64 runs emulating 16 (r shifted by inj_shift) and early/late
+    runs at batch 64 (late r higher by planted_late_gain), 4 finite M × 6 seeds."""
+    rows = []
+    for M in (4, 16, 64, 256):
+        for seed in range(6):
+            base = 0.2 + 0.1 * np.log2(M) / 8 + 0.02 * rng.standard_normal()
+            common = {"M": M, "seed": seed, "diverged": False, "id_loss": 0.5, "ood_loss": 1.0 - base,
+                      "integrated_lr_over_b": 1.0, "integrated_pne": 1.0 + rng.random()}
+            rows.append({**common, "batch": 16, "noise": "none", "noise_source": "batch", "noise_schedule": "none",
+                         "emulate_batch": 0, "r": base + 0.005 * rng.standard_normal()})
+            rows.append({**common, "batch": 64, "noise": "grad_b16", "noise_source": "grad",
+                         "noise_schedule": "constant", "emulate_batch": 16,
+                         "r": base + inj_shift + 0.005 * rng.standard_normal()})
+            for sched, gain in (("early", 0.0), ("late", planted_late_gain)):
+                rows.append({**common, "batch": 64, "noise": sched, "noise_source": "grad", "noise_schedule": sched,
+                             "emulate_batch": 0, "r": base + gain + 0.005 * rng.standard_normal()})
+    return pd.DataFrame(rows)
+
+
+def test_h2_recovers_a_planted_late_advantage_and_h3_matches_by_emulated_batch():
+    from iclnoise.aggregate import hypothesis_tests
+    cfg = {"alpha": 0.05, "equivalence_margin": 0.05}
+    t = hypothesis_tests(_outcomes(np.random.default_rng(0), 0.1, 0.0), cfg).set_index("hypothesis")
+    h2, h3 = t.loc["H2"], t.loc["H3"]
+    assert h2.status == "run" and h2.n == 24 and abs(h2.estimate - 0.1) < 0.01 and h2.ci_lo > 0.05
+    assert h3.term == "batch 16 − grad_b16" and h3.n == 24 and "equivalent" in h3.verdict and h3.p < 0.05
+    # no planted gain: H2 finds none; injected noise shifted by 2× the margin: equivalence is not shown
+    t = hypothesis_tests(_outcomes(np.random.default_rng(1), 0.0, 0.1), cfg).set_index("hypothesis")
+    assert t.loc["H2"].ci_lo < 0 < t.loc["H2"].ci_hi
+    assert "not shown" in t.loc["H3"].verdict

@@ -65,6 +65,20 @@ def test_tost():
     assert res["p"] == pytest.approx(p_ref, rel=1e-6)
 
 
+def test_paired_tost_matches_statsmodels_and_uses_the_pairing():
+    from statsmodels.stats.weightstats import ttost_paired
+    from iclnoise.stats import paired_tost
+    rng = np.random.default_rng(5)
+    level = rng.normal(0, 1, 30)               # a large shared per-pair effect (like M)
+    a, b = level + rng.normal(0, 0.05, 30), level + rng.normal(0, 0.05, 30)
+    res = paired_tost(a, b, margin=0.1)
+    assert res["equivalent"] and res["ci_lo"] > -0.1 and res["ci_hi"] < 0.1
+    assert not tost(a, b, margin=0.1)["equivalent"]  # unpaired, the shared level swamps the comparison
+    assert not paired_tost(a, b + 0.2, margin=0.1)["equivalent"]
+    p_ref, _, _ = ttost_paired(a, b, -0.1, 0.1)
+    assert res["p"] == pytest.approx(p_ref, rel=1e-6)
+
+
 def test_paired_test_and_correlation():
     rng = np.random.default_rng(3)
     early = rng.normal(0, 1, 30)

@@ -150,6 +150,27 @@ def tost(a: np.ndarray, b: np.ndarray, margin: float, alpha: float = 0.05) -> di
             "effect_size": diff / pooled if pooled > 0 else math.nan}
 
 
+def paired_tost(a: np.ndarray, b: np.ndarray, margin: float, alpha: float = 0.05) -> dict:
+    """TOST on paired differences d = a − b (e.g. matched by M and seed): equivalence is declared when
+    both one-sided paired t-tests reject, i.e. the (1 − 2α) CI of mean(d) lies inside ±margin.
+    Effect size: Cohen's d_z = mean(d) / sd(d)."""
+    d = np.asarray(a, float) - np.asarray(b, float)
+    n = len(d)
+    mean, sd = float(d.mean()), float(d.std(ddof=1)) if n > 1 else math.nan
+    se, dof = sd / math.sqrt(n) if n > 1 else math.nan, n - 1
+    if not se > 0:
+        p_lower, p_upper = float(mean <= -margin), float(mean >= margin)
+        lo = hi = mean
+    else:
+        p_lower, p_upper = float(stats.t.sf((mean + margin) / se, dof)), float(stats.t.cdf((mean - margin) / se, dof))
+        tq = stats.t.ppf(1 - alpha, dof)
+        lo, hi = mean - tq * se, mean + tq * se
+    p = max(p_lower, p_upper)
+    return {"estimate": mean, "ci_lo": lo, "ci_hi": hi, "p_lower": p_lower, "p_upper": p_upper, "p": p,
+            "equivalent": bool(p < alpha), "margin": margin, "effect_size": mean / sd if sd and sd > 0 else math.nan,
+            "n": n}
+
+
 def correlation(x: np.ndarray, y: np.ndarray, alpha: float = 0.05) -> dict:
     """Spearman ρ with a Fisher-z CI (SE 1.03/√(n−3), Fieller et al.), and Pearson r with its CI."""
     x, y = np.asarray(x, float), np.asarray(y, float)
