@@ -22,15 +22,12 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import torch
-from torch.func import functional_call, grad, jvp, vmap
+from torch.func import functional_call, grad, vmap
 
+from .geometry import FlatLoss, adam_a
 from .io import KEY_FIELDS
 
 LossFn = Callable[[Callable, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def flat_params(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
 def group_grads(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: torch.Tensor,
@@ -118,28 +115,12 @@ def preconditioner(opt: torch.optim.Optimizer, fallback_grads: bool = True) -> t
     for p in (p for g in opt.param_groups for p in g["params"]):
         st = opt.state.get(p)
         if st and "exp_avg_sq" in st:
-            t = float(st["step"])
-            v = st["exp_avg_sq"] / (1 - b2 ** t)
+            parts.append(adam_a(st["exp_avg_sq"], st["step"], b2, eps))
         elif fallback_grads and p.grad is not None:
-            v = p.grad.detach().square()
+            parts.append(adam_a(p.grad.detach().square(), 1.0, 0.0, eps))  # v̂_1 = g²
         else:
             return None
-        parts.append((1.0 / (v.sqrt() + eps)).reshape(-1))
     return torch.cat(parts)
-
-
-def _flat_fn(model: torch.nn.Module, fn: Callable) -> tuple[Callable, torch.Tensor]:
-    """w ↦ fn(model called with the flat parameter vector w), and the current w."""
-    names = [n for n, _ in model.named_parameters()]
-    shapes = [p.shape for _, p in model.named_parameters()]
-    sizes = [p.numel() for _, p in model.named_parameters()]
-    buffers = {n: b.detach() for n, b in model.named_buffers()}
-
-    def f(w):
-        params = {n: t.view(s) for n, t, s in zip(names, w.split(sizes), shapes)}
-        return fn(lambda x, y: functional_call(model, (params, buffers), (x, y)))
-
-    return f, flat_params(model)
 
 
 def _rademacher(shape: tuple, generator: torch.Generator, like: torch.Tensor) -> torch.Tensor:
@@ -155,11 +136,10 @@ def precond_hessian_trace(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Ten
                           a: torch.Tensor | None, probes: int, generator: torch.Generator) -> tuple[float, float]:
     """Tr(A H A) ≈ mean_k z_kᵀ A H A z_k (Rademacher z_k over parameters), all probes in one vmapped
     forward-over-reverse pass; returns (estimate, standard error). a = None gives Tr(H)."""
-    f, w0 = _flat_fn(model, lambda fm: loss_fn(fm, xs, ys))
-    V = _rademacher((probes, w0.numel()), generator, w0)
+    f = FlatLoss(model, loss_fn, xs, ys)
+    V = _rademacher((probes, f.w0.numel()), generator, f.w0)
     V = V if a is None else V * a
-    HV = vmap(lambda v: jvp(grad(f), (w0,), (v,))[1])(V)
-    return _mean_se((V * HV).sum(1))
+    return _mean_se((V * vmap(f.hvp)(V)).sum(1))
 
 
 def precond_ggn_trace(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor, a: torch.Tensor | None,
@@ -167,8 +147,8 @@ def precond_ggn_trace(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor
     """Tr(A G A) for the Gauss–Newton matrix of L = loss_scale · mean_n (f_n − y_n)² over N outputs,
     G = (2 loss_scale / N) JᵀJ: mean_k ‖A Jᵀ u_k‖² · 2 loss_scale / N with Rademacher u_k over the
     outputs (E[u uᵀ] = I), one vmapped vector-Jacobian product per probe. PSD, so never negative."""
-    f, w0 = _flat_fn(model, lambda fm: fm(xs, ys))
-    out, vjp_fn = torch.func.vjp(f, w0)
+    f = FlatLoss(model, None, xs, ys)
+    out, vjp_fn = torch.func.vjp(lambda w: functional_call(model, (f.unflatten(w), f.buffers), (xs, ys)), f.w0)
     U = _rademacher((probes, *out.shape), generator, out)
     JtU = vmap(vjp_fn)(U)[0]
     if a is not None:

@@ -99,18 +99,18 @@ def sam_sharpness(f: FlatLoss, rho: float) -> float:
         return float(f(f.w0 + rho * g / g.norm().clamp_min(1e-12)) - f(f.w0))
 
 
+def adam_a(exp_avg_sq: torch.Tensor, step: float, beta2: float, eps: float) -> torch.Tensor:
+    """a = 1/(sqrt(v̂) + eps), v̂ = v / (1 − β2^t): Adam's diagonal preconditioner, flattened."""
+    return (1.0 / ((exp_avg_sq / (1 - beta2 ** float(step))).sqrt() + eps)).reshape(-1)
+
+
 def adam_preconditioner(opt_state: dict, params: list[torch.nn.Parameter]) -> torch.Tensor | None:
-    """Flat a = 1/(sqrt(v̂) + eps) from an AdamW state_dict (bias-corrected), or None before step 1."""
+    """Flat a from an AdamW state_dict (bias-corrected), or None before step 1."""
     state, group = opt_state["state"], opt_state["param_groups"][0]
     if not state:
         return None
     b2, eps = group["betas"][1], group["eps"]
-    parts = []
-    for i, p in enumerate(params):
-        s = state[i]
-        t = float(s["step"])
-        parts.append((1.0 / ((s["exp_avg_sq"] / (1 - b2 ** t)).sqrt() + eps)).reshape(-1))
-    return torch.cat(parts)
+    return torch.cat([adam_a(state[i]["exp_avg_sq"], state[i]["step"], b2, eps) for i in range(len(params))])
 
 
 GEOMETRY_SCHEMA = pa.schema(KEY_FIELDS + [
