@@ -208,8 +208,8 @@ def steps_for(params: dict, batch: int) -> int:
 def run_spec(params: dict, run_id: str) -> dict[str, Any]:
     """Everything one run needs, resolved (steps, micro-batch, noise condition); JSON-serialisable."""
     keys = parse_run_id(run_id)
-    train = copy.deepcopy(params["train"])
-    train["steps"] = steps_for(params, keys.batch)
+    train = {k: v for k, v in copy.deepcopy(params["train"]).items() if k != "ensemble_runs"}  # how runs are
+    train["steps"] = steps_for(params, keys.batch)                                            # grouped ≠ what they are
     train["micro_batch"] = min(train["micro_batch"], keys.batch)
     spec = {
         "keys": keys.to_dict(),
@@ -224,13 +224,42 @@ def run_spec(params: dict, run_id: str) -> dict[str, Any]:
     return spec
 
 
+def ensemble_groups(params: dict) -> dict[str, list[str]]:
+    """Ensembles: runs trained together in one process (iclnoise.train). Runs of one (batch, noise condition)
+    share model shape, step count and training configuration; each such set is split into chunks of at
+    most `train.ensemble_runs` runs (in grid order). Group id `B{batch}-{noise}` (+ `-c{k}` when chunked)."""
+    cap = params["train"].get("ensemble_runs", 1 << 30)
+    by_key: dict[str, list[str]] = {}
+    for k in expand_grid(params):
+        by_key.setdefault(f"B{k.batch}-{k.noise}", []).append(k.run_id)
+    groups = {}
+    for key, runs in by_key.items():
+        chunks = [runs[i:i + cap] for i in range(0, len(runs), cap)]
+        for i, c in enumerate(chunks):
+            groups[key if len(chunks) == 1 else f"{key}-c{i}"] = c
+    return groups
+
+
+def shared_spec(params: dict, runs: list[str]) -> dict:
+    """The spec an ensemble's runs share: a run spec without its keys (iclnoise.train rebuilds them per run)."""
+    spec = run_spec(params, runs[0])
+    spec.pop("keys")
+    return spec
+
+
+def member_specs(shared: dict, runs: list[str]) -> list[dict]:
+    """Each run's full spec from the shared spec; equal to `run_spec(params, run)` for every run of a group."""
+    return [{"keys": parse_run_id(r).to_dict(), **copy.deepcopy(shared)} for r in runs]
+
+
 def section(params: dict, name: str) -> dict:
     """A top-level section (e.g. 'llc') as a plain dict, for rules that pass it to a command."""
     return copy.deepcopy(params.get(name) or {})
 
 
 __all__ = ["ParamsError", "RunKeys", "M_INF", "load_params", "validate_params", "expand_grid", "grid_ms", "ed_families",
-           "parse_run_id", "run_spec", "section", "steps_for", "schema"]
+           "ensemble_groups", "member_specs", "parse_run_id", "run_spec", "section", "shared_spec", "steps_for",
+           "schema"]
 
 
 def cli(argv: list[str]) -> None:

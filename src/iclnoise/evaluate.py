@@ -1,6 +1,7 @@
 """Per-checkpoint behavioural metrics against dMMSE_M and ridge on fixed evaluation sets (SPEC §3)."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -10,7 +11,7 @@ import torch
 
 from .io import KEY_FIELDS
 from .predictors import delta, dmmse, icl_score, ridge, ridge_likeness, token_losses
-from .tasks import M_INF, Batch, eval_set, task_pool
+from .tasks import Batch, eval_set, pool_for
 
 METRICS_SCHEMA = pa.schema(KEY_FIELDS + [
     pa.field("step", pa.int64()),
@@ -47,6 +48,17 @@ class _Split:
     ridge: torch.Tensor
 
 
+@functools.lru_cache(maxsize=64)
+def _split(kind: str, M: int, n: int, K: int, D: int, noise_var: float, pool_seed: int,
+           eval_seed: int) -> tuple[Batch, torch.Tensor | None, torch.Tensor]:
+    """An evaluation set with dMMSE_M (None for M = ∞) and ridge on it, on the CPU; cached, because the
+    OOD and root sets (and their ridge predictions) are the same for every run of an ensemble."""
+    b = eval_set(kind, M, n, K, D, noise_var, pool_seed, eval_seed)
+    pool = pool_for(M, {"pool_seed": pool_seed, "D": D})
+    dm = None if pool is None else dmmse(b.xs, b.ys, pool, noise_var)
+    return b, dm, ridge(b.xs, b.ys, noise_var)
+
+
 class Evaluator:
     """Holds the fixed evaluation sets and the predictors' outputs on them (computed once)."""
 
@@ -55,13 +67,10 @@ class Evaluator:
         self.M, self.D, self.K = spec["keys"]["M"], d["D"], d["K"]
         self.icl_tokens = e["icl_tokens"]
         self.device = device
-        pool = None if self.M == M_INF else task_pool(d["pool_seed"], self.M, d["D"])
         self.splits: dict[str, _Split] = {}
         for kind, n in (("id", e["n_sequences"]), ("ood", e["n_sequences"]), ("root", e["n_root"])):
-            b = eval_set(kind, self.M, n, d["K"], d["D"], d["noise_var"], d["pool_seed"], e["eval_seed"])
-            dm = None if pool is None else dmmse(b.xs, b.ys, pool, d["noise_var"])
-            self.splits[kind] = _Split(b.to(device), None if dm is None else dm.to(device),
-                                       ridge(b.xs, b.ys, d["noise_var"]).to(device))
+            b, dm, rd = _split(kind, self.M, n, d["K"], d["D"], d["noise_var"], d["pool_seed"], e["eval_seed"])
+            self.splits[kind] = _Split(b.to(device), None if dm is None else dm.to(device), rd.to(device))
         self.reference = self._reference_losses()
 
     def _reference_losses(self) -> dict[str, float]:

@@ -3,14 +3,16 @@
 At a logged step t, with B the batch, η_t the learning rate and A_t = diag(a), a = 1/(sqrt(v̂_t) + δ):
 
     diag(C_t) ≈ m · Var_k(ĝ_k)          K group gradients of m sequences each (m = 1: per-example)
-    NE_t      = η_t · κ · Σ_i a_i² C_ii / B        κ = κ(β1) = 1/(1 − β1)² unless configured
+    NE_t      = η_t · κ · Σ_i a_i² C_ii / B        κ = 1 for AdamW (dampened momentum; SPEC §6)
     Curv_t    = Tr(A_t Ĥ_t A_t)                    Ĥ = Gauss–Newton (default) or Hessian, Hutchinson
                                                    probes on a held-out batch (never trained on)
     P-NE*_t   = NE_t / max(ε, Curv_t);   integrated exposure = Σ_t P-NE*_t · (steps the row stands for)
     seed-001 form: η_t² · Tr(A C A) / B;  B_simple = Tr(C) / |G|²  with |G|² = |ḡ|² − Tr(C)/B (unbiased)
 
 Injected noise (iclnoise.noise) adds its own covariance R' to C/B; `ne_total` counts both, and the
-post-clip columns multiply by c², c the factor gradient clipping applied to the step.
+post-clip columns multiply by c², c the factor gradient clipping applied to the step. The injected
+columns of a row are exact sums over the steps the row stands for (logged per step by the injector),
+so integrals of injected exposure are exact, not point values times an interval.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ import pyarrow as pa
 import torch
 from torch.func import functional_call, grad, vmap
 
-from .geometry import FlatLoss, adam_a
+from .adam import adam_a
+from .geometry import FlatLoss
 from .io import KEY_FIELDS
 
 LossFn = Callable[[Callable, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -105,21 +108,22 @@ def leading_eigs(factor: torch.Tensor, a: torch.Tensor | None, r: int) -> tuple[
 
 
 def preconditioner(opt: torch.optim.Optimizer, fallback_grads: bool = True) -> torch.Tensor | None:
-    """Flat a = 1/(sqrt(v̂) + δ) from a live Adam(W) optimizer (bias-corrected second moment).
+    """Flat a = 1/(sqrt(v̂) + δ) from a live Adam(W) optimizer (bias-corrected second moment, each parameter
+    group with its own β2 and δ; a = 0 on coordinates that never had a gradient, iclnoise.adam).
 
     Before the first update there is no v; then v̂_1 = g² is what the first update will use, so the
     current gradients stand in (or None when `fallback_grads` is False or there are none)."""
-    group = opt.param_groups[0]
-    b2, eps = group["betas"][1], group["eps"]
     parts = []
-    for p in (p for g in opt.param_groups for p in g["params"]):
-        st = opt.state.get(p)
-        if st and "exp_avg_sq" in st:
-            parts.append(adam_a(st["exp_avg_sq"], st["step"], b2, eps))
-        elif fallback_grads and p.grad is not None:
-            parts.append(adam_a(p.grad.detach().square(), 1.0, 0.0, eps))  # v̂_1 = g²
-        else:
-            return None
+    for group in opt.param_groups:
+        b2, eps = group["betas"][1], group["eps"]
+        for p in group["params"]:
+            st = opt.state.get(p)
+            if st and "exp_avg_sq" in st:
+                parts.append(adam_a(st["exp_avg_sq"], st["step"], b2, eps))
+            elif fallback_grads and p.grad is not None:
+                parts.append(adam_a(p.grad.detach().square(), 1.0, 0.0, eps))  # v̂_1 = g²
+            else:
+                return None
     return torch.cat(parts)
 
 
@@ -157,11 +161,34 @@ def precond_ggn_trace(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor
 
 
 def kappa(cfg: dict, beta1: float) -> float:
-    """κ(β1) = 1/(1 − β1)² (SPEC §6, the heavy-ball convention) unless `kappa` is a number. For a fixed
-    β1 it is a constant factor, so it cancels in every comparison between runs of one optimizer.
-    `kappa: calibrated` starts from this value and is replaced by `calibrated_kappa` once measured."""
+    """κ, the long-run diffusion factor of the optimizer's momentum (SPEC §6): 1 for Adam/AdamW, whose momentum
+    is dampened (m ← β1 m + (1 − β1) g, so one gradient moves the weights by η·A·g in total whatever β1),
+    unless `kappa` is a number. (1/(1 − β1)² is the undampened heavy-ball value; it would overstate AdamW's
+    diffusion 100× at β1 = 0.9.) `kappa: calibrated` starts from 1 and is replaced by `calibrated_kappa`."""
     k = cfg.get("kappa")
-    return float(k) if isinstance(k, (int, float)) else 1.0 / (1.0 - beta1) ** 2
+    return float(k) if isinstance(k, (int, float)) else 1.0
+
+
+def ne_unit(lr: float, kappa_: float, a: torch.Tensor, diag: torch.Tensor) -> float:
+    """NE of a covariance with diagonal `diag` in gradient space: η · κ · Σ_i a_i² diag_i."""
+    return lr * kappa_ * float((a.square() * diag).sum())
+
+
+def budget_scale(target: float, curv: float, unit: float, grad_sq: float, trace_r: float,
+                 clip: float | None) -> float:
+    """Scale s of injected noise N(0, s R') whose post-clip P-NE* is `target` at this step.
+
+    Injected P-NE* = s · unit · c² / curv with unit = η κ Σ a² R'_ii and c the clipping factor. Without
+    clipping s = target · curv / unit. With clipping at norm G the expected squared norm is |g|² + s·Tr R',
+    so c² = G² / (|g|² + s Tr R') once clipped, and s · unit · G² = target · curv · (|g|² + s Tr R') gives
+    s = target·curv·|g|² / (unit·G² − target·curv·Tr R') (∞ when unreachable: the caller caps it)."""
+    if unit <= 0 or curv <= 0 or target <= 0:
+        return 0.0
+    s = target * curv / unit
+    if clip is None or grad_sq + s * trace_r <= clip ** 2:
+        return s
+    den = unit * clip ** 2 - target * curv * trace_r
+    return target * curv * grad_sq / den if den > 0 else math.inf
 
 
 def update_innovation_variance(opt: torch.optim.Optimizer, G: torch.Tensor, batch: int) -> float:
@@ -215,7 +242,7 @@ EXPOSURE_SCHEMA = pa.schema(KEY_FIELDS + [
     pa.field("trace_aca", pa.float64()),     # Σ a_i² Ĉ_ii
     pa.field("b_simple", pa.float64()),
     pa.field("ne", pa.float64()),            # batch noise only: η κ Σ a² C / B
-    pa.field("ne_injected", pa.float64()),   # injected noise: η κ Σ a² R'_ii
+    pa.field("ne_injected", pa.float64()),   # injected noise η κ Σ a² sR'_ii: exact mean over the row's steps
     pa.field("ne_total", pa.float64()),      # before clipping
     pa.field("ne_simple", pa.float64()),     # seed-001 form η² Σ a² (C/B + R')_ii, before clipping
     pa.field("curv", pa.float64()), pa.field("curv_se", pa.float64()),   # Tr(A Ĥ A), held-out batch
@@ -223,21 +250,24 @@ EXPOSURE_SCHEMA = pa.schema(KEY_FIELDS + [
     pa.field("clip_coef", pa.float64()),     # c: factor clipping applied to this step's gradient
     pa.field("clip_frac", pa.float64()),     # fraction of the steps since the last row that were clipped
     pa.field("ne_postclip", pa.float64()), pa.field("pne_postclip", pa.float64()),
+    pa.field("pne_injected_postclip", pa.float64()),  # realised injected P-NE* after clipping, exact interval mean
     pa.field("ne_simple_postclip", pa.float64()),
     EIG_FIELD, pa.field("tail_index", pa.float64()), pa.field("participation_ratio", pa.float64()),
 ])
 
 
+SUMMARY_COLUMNS = ["integrated_pne", "integrated_pne_preclip", "integrated_ne", "integrated_ne_injected",
+                   "integrated_pne_injected", "integrated_ne_simple"]
+
+
 def summarize(df: pd.DataFrame) -> dict:
-    """Per-run integrals Σ_t x_t · interval_t of the exposure series (post-clip unless named pre-clip)."""
+    """Per-run integrals Σ_rows x · interval of the exposure series (post-clip unless named pre-clip). Rows tile
+    the run (intervals add up to its steps); injected columns are exact interval means of per-step values, so
+    their integrals are exact sums over steps."""
     if df.empty:
-        return {k: math.nan for k in ("integrated_pne", "integrated_pne_preclip", "integrated_ne",
-                                      "integrated_ne_injected", "integrated_ne_simple")}
+        return {k: math.nan for k in SUMMARY_COLUMNS}
     w = df.interval.to_numpy(float)
     s = lambda c: float((df[c].to_numpy(float) * w).sum())  # noqa: E731
     return {"integrated_pne": s("pne_postclip"), "integrated_pne_preclip": s("pne"),
             "integrated_ne": s("ne_postclip"), "integrated_ne_injected": s("ne_injected"),
-            "integrated_ne_simple": s("ne_simple_postclip")}
-
-
-SUMMARY_COLUMNS = list(summarize(pd.DataFrame()).keys())
+            "integrated_pne_injected": s("pne_injected_postclip"), "integrated_ne_simple": s("ne_simple_postclip")}

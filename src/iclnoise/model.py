@@ -98,12 +98,13 @@ class Block(nn.Module):
 
 
 def encode(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
-    """(B, K, D), (B, K) → interleaved tokens (B, 2K, D+1): x-token (x_k, 0), y-token (0, y_k)."""
+    """(B, K, D), (B, K) → interleaved tokens (B, 2K, D+1): x-token (x_k, 0), y-token (0, y_k).
+
+    Written without in-place writes so that it works under torch.func.vmap (the ensemble trainer)."""
     B, K, D = xs.shape
-    tok = xs.new_zeros(B, K, 2, D + 1)
-    tok[:, :, 0, :D] = xs
-    tok[:, :, 1, D] = ys
-    return tok.reshape(B, 2 * K, D + 1)
+    x_tok = torch.cat([xs, xs.new_zeros(B, K, 1)], -1)
+    y_tok = torch.cat([xs.new_zeros(B, K, D), ys.unsqueeze(-1)], -1)
+    return torch.stack([x_tok, y_tok], 2).reshape(B, 2 * K, D + 1)
 
 
 class ICLTransformer(HookedRootModule):
