@@ -4,9 +4,10 @@
 import json
 from pathlib import Path
 
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version
 
-from iclnoise.config import ParamsError, ed_families, expand_grid, parse_run_id, run_spec, validate_params
+from iclnoise.config import (ParamsError, ed_families, ensemble_groups, expand_grid, parse_run_id, shared_spec,
+                             validate_params)
 
 min_version("9.0")
 
@@ -15,12 +16,12 @@ configfile: "params.yaml"
 
 
 try:
-    PARAMS = validate_params(config)
+    PARAMS = validate_params({k: v for k, v in config.items() if k != "train_resources"})
 except ParamsError as err:
     raise WorkflowError(f"params.yaml: {err}") from None
-validate(config, "workflow/schemas/params.schema.yaml")
 
 RUNS = [k.run_id for k in expand_grid(PARAMS)]
+GROUPS = ensemble_groups(PARAMS)
 RES = "results"
 
 
@@ -39,6 +40,8 @@ include: "workflow/rules/aggregate.smk"
 
 
 rule all:
+    """The report, and every run's training, probe and essential-dynamics outputs (a deleted run is rebuilt)."""
     input:
         rules.report.output,
+        [f for r in RUNS for f in train_outputs(r)],
     default_target: True

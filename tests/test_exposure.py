@@ -8,7 +8,7 @@ from torch import nn
 
 from iclnoise.exposure import (b_simple, grad_noise, group_grads, leading_eigs, precond_ggn_trace,
                                precond_hessian_trace, preconditioner, summarize)
-from iclnoise.geometry import adam_preconditioner
+from iclnoise.adam import adam_preconditioner
 from iclnoise.model import ModelConfig, build_model, mse_loss
 
 
@@ -148,9 +148,31 @@ def test_live_preconditioner_matches_the_checkpointed_one(tiny_model):
 def test_summaries_integrate_rows_over_their_intervals():
     import pandas as pd
     df = pd.DataFrame({"interval": [10, 10, 5], "pne_postclip": [1.0, 2.0, 4.0], "pne": [1, 1, 1],
-                       "ne_postclip": [0, 0, 1.0], "ne_injected": [1.0, 0, 0], "ne_simple_postclip": [0, 0, 0]})
+                       "ne_postclip": [0, 0, 1.0], "ne_injected": [1.0, 0, 0], "ne_simple_postclip": [0, 0, 0],
+                       "pne_injected_postclip": [0.5, 0, 0]})
     s = summarize(df)
     assert s["integrated_pne"] == 10 + 20 + 20 and s["integrated_pne_preclip"] == 25 and s["integrated_ne"] == 5
+    assert s["integrated_pne_injected"] == 5
+
+
+def test_kappa_is_the_optimizers_long_run_diffusion_factor():
+    """AdamW's dampened momentum: κ = 1 by default (not the heavy-ball 1/(1 − β1)² = 100 at β1 = 0.9)."""
+    from iclnoise.exposure import kappa
+    assert kappa({}, 0.9) == 1.0 and kappa({"kappa": None}, 0.99) == 1.0 and kappa({"kappa": 2.5}, 0.9) == 2.5
+
+
+def test_preconditioner_uses_each_param_groups_own_eps_and_zeroes_dead_coordinates():
+    from iclnoise.adam import adam_a
+    a_, b_ = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.AdamW([{"params": [a_], "eps": 1e-8}, {"params": [b_], "eps": 1e-1}], lr=1e-3)
+    a_.grad, b_.grad = torch.tensor([1.0, 0.0, 2.0]), torch.tensor([3.0, 4.0])
+    opt.step()
+    st = opt.state
+    want = torch.cat([adam_a(st[a_]["exp_avg_sq"], st[a_]["step"], 0.999, 1e-8),
+                      adam_a(st[b_]["exp_avg_sq"], st[b_]["step"], 0.999, 1e-1)])
+    got = preconditioner(opt)
+    torch.testing.assert_close(got, want)
+    assert got[1] == 0 and got[3] < 1 / (3.0 + 0.1) + 1e-6   # never-updated coordinate: a = 0, not 1/δ
 
 
 @pytest.mark.parametrize("beta1", [0.0, 0.9])

@@ -10,12 +10,12 @@ import torch
 from iclnoise.config import run_spec, validate_params
 from iclnoise.exposure import grad_noise, group_grads, preconditioner
 from iclnoise.io import read_parquet
-from iclnoise.noise import CovModel, NoiseInjector, NoiseMeter, psd_clip, shaped_covariance, target_at
+from iclnoise.hooks import NoiseInjector, NoiseMeter, StepContext
+from iclnoise.noise import CovModel, psd_clip, shaped_covariance, target_at
 from iclnoise.tasks import Batch
-from iclnoise.train import StepContext, train_run
+from iclnoise.train import train_ensemble, train_run
 
 from test_exposure import half_mse, linreg_case
-from test_train import full_and_resumed
 
 
 def random_noise(K=6, P=10, seed=0):
@@ -65,8 +65,8 @@ def test_psd_clip_removes_exactly_the_negative_directions():
     U = torch.linalg.qr(torch.randn(8, 4, generator=g, dtype=torch.float64))[0]
     lam = torch.tensor([2.0, -1.0, 0.5, -0.25], dtype=torch.float64)
     R = (U * lam) @ U.T
-    lam_c, d_c, removed = psd_clip(lam, torch.zeros(8, dtype=torch.float64))
-    R_c = CovModel(U, lam_c, d_c).dense()
+    cov_c, removed = psd_clip(U, lam, torch.zeros(8, dtype=torch.float64))
+    R_c = cov_c.dense()
     ev, V = torch.linalg.eigh(R)
     proj = (V * ev.clamp(min=0)) @ V.T            # the PSD projection of R
     torch.testing.assert_close(R_c, proj)
@@ -78,14 +78,32 @@ def test_psd_clip_removes_exactly_the_negative_directions():
     assert float(cov.diag().abs().max()) == 0 and clipped == pytest.approx(n.trace / 64)
 
 
+def test_psd_clip_projects_the_whole_matrix_not_its_parts():
+    """R = −uuᵀ + 2I is PSD (eigenvalues 1 and 2): nothing is removed, although its low-rank part is negative
+    (clipping the parts separately removed 1.0); and a truly indefinite R loses exactly its negative part."""
+    u = torch.zeros(5, 1, dtype=torch.float64)
+    u[0, 0] = 1.0
+    cov, removed = psd_clip(u, torch.tensor([-1.0], dtype=torch.float64), torch.full((5,), 2.0, dtype=torch.float64))
+    assert removed == pytest.approx(0.0, abs=1e-12)
+    torch.testing.assert_close(cov.dense(), -u @ u.T + 2 * torch.eye(5, dtype=torch.float64))
+    cov, removed = psd_clip(u, torch.tensor([-3.0], dtype=torch.float64), torch.full((5,), 2.0, dtype=torch.float64))
+    assert removed == pytest.approx(1.0) and float(torch.linalg.eigvalsh(cov.dense()).min()) > -1e-12
+
 def _ctx(model, opt, xs, ys, step, lr, mb):
     return StepContext(step, 10_000, model, opt, Batch(xs, ys, xs[:, 0]), mb, lr, half_mse, None)
 
 
 def _injection_spec(source, emulate, B, shape="diagonal", every=10 ** 9):  # tests set the covariance themselves
-    return {"keys": {"run_id": "t", "seed": 0, "batch": B}, "train": {"steps": 10 ** 6, "optimizer": {"betas": [0.9, 0.999]}},
+    return {"keys": {"run_id": "t", "seed": 0, "batch": B},
+            "train": {"steps": 10 ** 6, "grad_clip": None, "optimizer": {"betas": [0.9, 0.999]}},
             "noise": {"source": source, "shape": shape, "schedule": "constant", "emulate_batch": emulate},
             "exposure": {"every": every, "groups": B, "per_example": True}}
+
+
+def _meter(spec):
+    m = NoiseMeter(spec["exposure"], spec["train"]["steps"])
+    m.extra = set()  # tests set the covariance themselves: never due
+    return m
 
 
 def test_gradient_injection_emulating_a_smaller_batch_matches_its_update_noise():
@@ -116,12 +134,15 @@ def test_gradient_injection_emulating_a_smaller_batch_matches_its_update_noise()
             if inject_to:
                 if inj is None:  # the covariance is measured once, on a large batch at w0 (per-example)
                     spec = _injection_spec("grad", inject_to, B)
-                    inj = NoiseInjector(spec, NoiseMeter(spec["exposure"]), {}, torch.device("cpu"))
+                    inj = NoiseInjector(spec, _meter(spec), {"curv": 1.0}, torch.device("cpu"))
                     bx, by = (t.float() for t in batch(4096, 7))
                     inj.cov, _ = shaped_covariance(grad_noise(group_grads(model, half_mse, bx, by, 4096), 1),
                                                    1 / inject_to - 1 / B, "diagonal")
-                inj.on_grads(_ctx(model, opt, xs, ys, r + 1, lr, B))
+                ctx = _ctx(model, opt, xs, ys, r + 1, lr, B)
+                inj.on_grads(ctx)
             opt.step()
+            if inject_to:
+                inj.on_update(ctx)
             out.append((model.w.detach() - w0).numpy())
         return np.array(out)
 
@@ -137,7 +158,7 @@ def test_parameter_injection_has_covariance_eta2_A_R_A():
     n = random_noise(K=8, P=5)
     spec = _injection_spec("param", 4, 16)
     spec["noise"]["shape"] = "lowrank"
-    inj = NoiseInjector(spec, NoiseMeter(spec["exposure"]), {}, torch.device("cpu"))
+    inj = NoiseInjector(spec, _meter(spec), {"curv": 1.0}, torch.device("cpu"))
     inj.cov, _ = shaped_covariance(n, 1 / 4 - 1 / 16, "lowrank", rank=7)
     model = torch.nn.Linear(5, 1, bias=False).double()
     model.weight.grad = torch.zeros_like(model.weight)
@@ -157,20 +178,65 @@ def test_parameter_injection_has_covariance_eta2_A_R_A():
     assert torch.allclose(Z.T @ Z / len(Z), target, rtol=0.08, atol=0.03 * float(target.diag().max()))
 
 
-def test_early_and_late_have_equal_integrated_injected_exposure(tiny, tmp_path):
+def test_isotropic_parameter_noise_is_isotropic_in_parameter_space():
+    """source param, shape isotropic: Cov ζ = τ² I with τ² P = η² Tr(A R' A) (SPEC §5), not ∝ A²."""
+    n = random_noise(K=8, P=5)
+    spec = _injection_spec("param", 4, 16, shape="isotropic")
+    inj = NoiseInjector(spec, _meter(spec), {"curv": 1.0}, torch.device("cpu"))
+    inj.cov, _ = shaped_covariance(n, 1 / 4 - 1 / 16, "isotropic")
+    inj._diag = inj.cov.diag()
+    model = torch.nn.Linear(5, 1, bias=False).double()
+    model.weight.grad = torch.zeros_like(model.weight)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    opt.state[model.weight] = {"step": torch.tensor(10.0), "exp_avg": torch.zeros(1, 5, dtype=torch.float64),
+                               "exp_avg_sq": torch.linspace(0.5, 4.0, 5, dtype=torch.float64).view(1, 5)}
+    a = preconditioner(opt)
+    draws = []
+    for step in range(1, 20001):
+        w = model.weight.detach().clone()
+        ctx = StepContext(step, 10 ** 6, model, opt, None, 16, 0.1, half_mse, None)
+        inj.on_grads(ctx)
+        inj.on_update(ctx)
+        draws.append((model.weight.detach() - w).reshape(-1))
+    Z = torch.stack(draws)
+    tau2 = 0.1 ** 2 * float((a.square() * inj._diag).sum()) / 5
+    emp = Z.T @ Z / len(Z)
+    torch.testing.assert_close(emp, tau2 * torch.eye(5, dtype=torch.float64), rtol=0.06, atol=0.04 * tau2)
+    assert float(a.max() / a.min()) > 2  # A is far from isotropic, so a ∝ A² covariance would fail
+
+
+def _early_late(tiny, tmp_path, clip):
     p = copy.deepcopy(tiny)
+    p["train"]["budget"] = {"mode": "steps", "steps": 80}
+    p["train"]["grad_clip"] = clip
     for name in ("early", "late"):
-        p["noise"]["conditions"][name].update(fraction=0.5, budget=2.5e4)
-    sums = {}
+        p["noise"]["conditions"][name].update(fraction=0.4, budget=50.0)
+    out = {}
     for name in ("early", "late"):
         rd = tmp_path / name
         train_run(run_spec(p, f"M4-B16-{name}-s0"), rd, progress=False)
-        inj, exp = read_parquet(rd / "injection.parquet"), read_parquet(rd / "exposure.parquet")
+        out[name] = (read_parquet(rd / "injection.parquet"), read_parquet(rd / "exposure.parquet"))
+    return out
+
+
+def test_early_and_late_reach_equal_realised_exposure_after_clipping(tiny, tmp_path):
+    """Budget E = 50 of injected P-NE* after clipping, windows of 32 steps, clipping at 0.3 (active on most
+    steps, and differently early and late): both schedules realise E within 2 %, hence each other; the
+    exposure rows never straddle a window boundary, tile the run, and integrate to the exact per-step sum."""
+    from iclnoise.exposure import summarize
+    out = _early_late(tiny, tmp_path, 0.3)
+    for name, (inj, exp) in out.items():
         active = inj[inj.active]
-        assert len(active) == 30 and (active.step < 30).all() == (name == "early")
-        sums[name] = (inj.ne_injected.sum(), (exp.ne_injected * exp.interval).sum())
-    for per_step, logged in sums.values():
-        assert per_step == pytest.approx(2.5e4, rel=1e-9) and logged == pytest.approx(2.5e4, rel=1e-9)
+        assert len(active) == 32 and (active.step < 32).all() == (name == "early")
+        assert (inj.clip_coef < 1).mean() > 0.5                       # clipping really acts
+        assert inj.pne_injected.sum() == pytest.approx(50.0, rel=0.02)
+        assert exp.interval.sum() == 80 and exp.step.iloc[-1] == 79
+        starts = np.r_[0, exp.step.to_numpy()[:-1] + 1]
+        for lo, hi in zip(starts, exp.step):                            # one schedule state per row
+            assert inj[(inj.step >= lo) & (inj.step <= hi)].active.nunique() == 1
+        s = summarize(exp)
+        assert s["integrated_pne_injected"] == pytest.approx(inj.pne_injected.sum(), rel=1e-9)
+        assert s["integrated_ne_injected"] == pytest.approx(inj.ne_injected.sum(), rel=1e-9)
 
 
 @pytest.mark.parametrize("trajectory", [False, True])
@@ -199,9 +265,27 @@ def test_controller_tracks_a_target(tiny, tmp_path, trajectory):
 def test_resume_with_injection_and_calibrated_exposure_gives_identical_numbers(tiny, tmp_path):
     p = copy.deepcopy(tiny)
     p["exposure"]["kappa"] = "calibrated"
-    full, resumed, full_dir, part = full_and_resumed(run_spec(p, "M4-B64-param_b16-s0"), tmp_path)
+    specs = [run_spec(p, "M4-B64-param_b16-s0"), run_spec(p, "M1-B64-param_b16-s1")]
+    full_dir, part = tmp_path / "full", tmp_path / "part"
+    full = train_ensemble(specs, [full_dir, tmp_path / "full1"], progress=False)[0]
+    train_ensemble(specs, [part, tmp_path / "part1"], progress=False, stop_after=25)
+    resumed = train_ensemble(specs, [part, tmp_path / "part1"], progress=False)[0]
     pd.testing.assert_frame_equal(full, resumed)
     for name in ("exposure", "injection"):
         pd.testing.assert_frame_equal(read_parquet(full_dir / f"{name}.parquet"), read_parquet(part / f"{name}.parquet"))
     # AdamW's EMA momentum diffuses batch noise with factor ≈ 1, not the heavy-ball 1/(1 − β1)² = 100
     assert read_parquet(full_dir / "exposure.parquet").kappa.between(0.7, 1.3).all()
+
+
+def test_controller_starts_from_the_open_loop_estimate(tiny, tmp_path):
+    """The first P-NE* measured after the controller starts is within 3× of a target 30× the batch noise's
+    (the old start at s = 1/B was ~100× off and needed ~20 measurements)."""
+    p = copy.deepcopy(tiny)
+    p["train"]["grad_clip"] = None
+    train_run(run_spec(p, "M4-B16-none-s0"), tmp_path / "none", progress=False)
+    base = float(read_parquet(tmp_path / "none/exposure.parquet").pne_postclip.median())
+    p["noise"]["conditions"]["pid"]["target"] = 30 * base
+    train_run(run_spec(p, "M4-B16-pid-s0"), tmp_path / "pid", progress=False)
+    e = read_parquet(tmp_path / "pid/exposure.parquet")
+    first = e[e.step > 0].pne_postclip.iloc[0]
+    assert abs(math.log(first / (30 * base))) < math.log(3), (first, 30 * base)

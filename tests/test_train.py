@@ -1,5 +1,6 @@
-"""Training: learns, checkpoints on the schedule, resumes exactly, records divergence."""
+"""Training: runs inside an ensemble equal runs alone, resume exactly, diverge alone, restart on a changed spec."""
 import copy
+import json
 
 import numpy as np
 import pandas as pd
@@ -8,8 +9,13 @@ import torch
 
 from iclnoise.config import run_spec
 from iclnoise.io import read_parquet
+from iclnoise.model import ModelConfig, build_model, mse_loss
+from iclnoise.runs import checkpoint_path, load_model, manifest, sha256
 from iclnoise.schedules import checkpoint_steps, lr_lambda
-from iclnoise.train import train_run
+from iclnoise.tasks import BatchSampler, task_pool
+from iclnoise.train import train_ensemble, train_run
+
+RUNS = ["M4-B16-none-s0", "M1-B16-none-s1", "Minf-B16-none-s0"]
 
 
 def test_checkpoint_schedule_is_union_of_linear_and_log():
@@ -25,26 +31,60 @@ def test_lr_schedules():
     assert t(49) == pytest.approx(1.0) and t(100) == 0 and t(75) == pytest.approx(0.5)
 
 
-def full_and_resumed(spec: dict, tmp_path, killed_after: int = 20):
-    """Train `spec` uninterrupted and as a job killed after checkpoint `killed_after` (later checkpoints and
-    outputs dropped) then rerun; return both metric tables and run directories."""
-    full = train_run(spec, tmp_path / "full", progress=False)
-    part = tmp_path / "part"
-    train_run(spec, part, progress=False)
-    for f in (part / "checkpoints").glob("step_*.pt"):
-        if int(f.stem.split("_")[1]) > killed_after:
-            f.unlink()
-    for f in part.glob("*.parquet"):
-        f.unlink()
-    return full, train_run(spec, part, progress=False), tmp_path / "full", part
+def reference_steps(spec: dict, steps: int) -> dict:
+    """One run trained the plain way, independently of the ensemble code: the hooked module, torch AdamW,
+    torch's clip_grad_norm_, micro-batches accumulated, the run's own data stream."""
+    d, t, k = spec["data"], spec["train"], spec["keys"]
+    model = build_model(ModelConfig(D=d["D"], K=d["K"], **spec["model"]), k["seed"])
+    o = t["optimizer"]
+    opt = torch.optim.AdamW(model.parameters(), lr=o["lr"], betas=tuple(o["betas"]), weight_decay=o["weight_decay"],
+                            eps=o["eps"])
+    pool = None if k["M"] == -1 else task_pool(d["pool_seed"], k["M"], d["D"])
+    sampler = BatchSampler(pool, d["K"], d["D"], d["noise_var"], k["seed"], "cpu", stream=0)
+    f = lr_lambda(t["lr_schedule"]["kind"], t["steps"], t["lr_schedule"]["warmup_frac"], t["lr_schedule"]["min_lr_frac"])
+    n_micro = k["batch"] // t["micro_batch"]
+    for step in range(steps):
+        opt.param_groups[0]["lr"] = o["lr"] * f(step)
+        opt.zero_grad()
+        for mb in sampler.batch(step, k["batch"]).split(n_micro):
+            (mse_loss(model, mb.xs, mb.ys) / n_micro).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t["grad_clip"])
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def test_resume_gives_identical_numbers(tiny, tmp_path):
-    full, resumed, _, part = full_and_resumed(run_spec(tiny, "M4-B16-none-s0"), tmp_path)  # 2 micro-batches per step
-    pd.testing.assert_frame_equal(full, resumed)
-    a = torch.load(tmp_path / "full/checkpoints/step_0000060.pt", weights_only=False)["model"]
-    b = torch.load(part / "checkpoints/step_0000060.pt", weights_only=False)["model"]
-    assert all(torch.equal(a[k], b[k]) for k in a)
+def test_a_run_in_an_ensemble_is_the_run_trained_alone(tiny, tmp_path):
+    """Three runs (different M, seed, pool) with per-run clipping active (clip 0.05 < every gradient norm,
+    and the norms differ between runs): after 1 and after 7 steps every run's parameters equal an
+    independent plain training loop of that run alone, to float32 round-off."""
+    p = copy.deepcopy(tiny)
+    p["exposure"]["enabled"] = False
+    p["train"]["grad_clip"] = 0.05
+    p["train"]["checkpoints"] = {"linear": 60, "log": 0}   # a checkpoint after every step
+    specs = [run_spec(p, r) for r in RUNS]
+    train_ensemble(specs, [tmp_path / r for r in RUNS], progress=False, stop_after=7)
+    for steps in (1, 7):
+        for spec, r in zip(specs, RUNS):
+            ours = dict(load_model(tmp_path / r, steps).named_parameters())
+            ref = reference_steps(spec, steps)
+            for n, w in ref.items():
+                torch.testing.assert_close(ours[n].detach(), w, rtol=2e-5, atol=2e-6, msg=f"{r} {n} step {steps}")
+
+
+def test_resume_inside_an_ensemble_is_bitwise_identical(tiny, tmp_path):
+    """An ensemble stopped after step 25 (last resume state at the step-20 checkpoint, like a kill) and run
+    again ends bitwise identical to an uninterrupted ensemble: metrics, checkpoints, exposure logs."""
+    specs = [run_spec(tiny, r) for r in RUNS]
+    full = train_ensemble(specs, [tmp_path / "full" / r for r in RUNS], progress=False)
+    part = [tmp_path / "part" / r for r in RUNS]
+    assert train_ensemble(specs, part, progress=False, stop_after=25) == [None] * 3
+    assert not (part[0] / "metrics.parquet").exists()
+    resumed = train_ensemble(specs, part, progress=False)
+    for r, a, b in zip(RUNS, full, resumed):
+        pd.testing.assert_frame_equal(a, b)
+        pd.testing.assert_frame_equal(read_parquet(tmp_path / "full" / r / "exposure.parquet"),
+                                      read_parquet(tmp_path / "part" / r / "exposure.parquet"))
+        assert manifest(tmp_path / "full" / r) == manifest(tmp_path / "part" / r)  # same bytes, checkpoint by checkpoint
 
 
 def test_micro_batching_does_not_change_the_data_stream(tiny, tmp_path):
@@ -69,21 +109,80 @@ def test_outputs_and_learning(tiny, tmp_path):
     assert set(tok.split) == {"id", "ood"} and tok.k.max() == p["data"]["K"]
     root = read_parquet(tmp_path / "root_preds.parquet")
     assert len(root.preds.iloc[0]) == 16 * p["data"]["K"]
+    # analysis checkpoints: weights only, each in the sha256 manifest
+    man = manifest(tmp_path)
+    assert sorted(man) == list(m.step)
+    assert all(sha256(checkpoint_path(tmp_path, s)) == h for s, h in man.items())
+    state = torch.load(checkpoint_path(tmp_path, 200), weights_only=False)
+    assert set(state) == {"model", "model_config", "adam", "spec_hash"}
 
 
-def test_divergence_is_recorded_not_dropped(tiny, tmp_path):
+def test_a_diverging_run_is_frozen_and_recorded_while_the_others_go_on(tiny, tmp_path):
+    """Run 1's targets blow up from step 30: it is recorded as diverged at step 30 and kept; runs 0 and 2
+    end exactly as in an ensemble without it going wrong."""
+    specs = [run_spec(tiny, r) for r in RUNS]
+    clean = train_ensemble(specs, [tmp_path / "clean" / r for r in RUNS], progress=False)
+    import iclnoise.train as tr
+
+    orig = tr.Member.setup
+
+    def setup(self):
+        orig(self)
+        if self.run_id == RUNS[1]:
+            draw = self.sampler.batch
+            self.sampler.batch = lambda step, size: (lambda b: type(b)(b.xs, b.ys * (1e4 if step >= 30 else 1.0),
+                                                                       b.tasks))(draw(step, size))
+    tr.Member.setup = setup
+    try:
+        out = train_ensemble(specs, [tmp_path / "bad" / r for r in RUNS], progress=False)
+    finally:
+        tr.Member.setup = orig
+    bad = out[1]
+    assert bad.diverged.iloc[-1] and bad.step.iloc[-1] == 30 and not bad.diverged.iloc[:-1].any()
+    assert (tmp_path / "bad" / RUNS[1] / "metrics.parquet").exists()
+    for i in (0, 2):
+        pd.testing.assert_frame_equal(out[i], clean[i], check_exact=False, rtol=1e-5)
+
+
+def test_a_changed_spec_starts_fresh_never_resumes(tiny, tmp_path):
+    """The lr-change scenario of issue 14: the rerun equals a fresh run with the new lr and differs from the old."""
     p = copy.deepcopy(tiny)
-    p["train"]["optimizer"]["lr"] = 50.0
-    p["train"]["grad_clip"] = None
-    p["train"]["diverge_loss"] = 5.0
-    m = train_run(run_spec(p, "Minf-B16-none-s0"), tmp_path, progress=False)
-    assert m.diverged.iloc[-1] and m.step.iloc[-1] < 60
-    assert (tmp_path / "metrics.parquet").exists()
+    old = train_run(run_spec(p, "M4-B16-none-s0"), tmp_path / "run", progress=False)
+    p["train"]["optimizer"]["lr"] = 0.02
+    new_spec = run_spec(p, "M4-B16-none-s0")
+    rerun = train_run(new_spec, tmp_path / "run", progress=False)
+    fresh = train_run(new_spec, tmp_path / "fresh", progress=False)
+    pd.testing.assert_frame_equal(rerun, fresh)
+    assert not np.allclose(rerun.train_loss.iloc[1:], old.train_loss.iloc[1:])
+    assert json.loads((tmp_path / "run/run.json").read_text())["train"]["optimizer"]["lr"] == 0.02
+
+
+def test_a_corrupt_newest_resume_state_falls_back_to_the_previous_one(tiny, tmp_path):
+    specs = [run_spec(tiny, RUNS[0])]
+    full = train_ensemble(specs, [tmp_path / "full"], progress=False)[0]
+    rd = tmp_path / "part"
+    train_ensemble(specs, [rd], progress=False, stop_after=25)
+    data = (rd / "resume.pt").read_bytes()
+    (rd / "resume.pt").write_bytes(data[: len(data) // 2])           # a truncated newest state
+    resumed = train_ensemble(specs, [rd], progress=False)[0]
+    pd.testing.assert_frame_equal(full, resumed)
+
+
+def test_an_ensemble_of_mixed_shapes_or_too_big_is_refused_before_training(tiny, tmp_path):
+    a, b = run_spec(tiny, RUNS[0]), run_spec(tiny, RUNS[1])
+    b["model"]["d_model"] = 32
+    with pytest.raises(ValueError, match=RUNS[1]):
+        train_ensemble([a, b], [tmp_path / "a", tmp_path / "b"], progress=False)
+    huge = copy.deepcopy(a)
+    huge["model"].update(d_model=16384, d_mlp=65536)
+    with pytest.raises(MemoryError, match="ensemble_runs"):
+        train_ensemble([huge], [tmp_path / "h"], progress=False)
+    assert not (tmp_path / "h" / "checkpoints").exists()
 
 
 def test_killed_process_resumes_to_the_same_numbers(tiny, tmp_path):
-    """SIGKILL a real `iclnoise train` process mid-run, start it again, compare with a clean run."""
-    import json
+    """SIGKILL a real `iclnoise train` process (an ensemble of two runs) mid-run, start it again, compare
+    with a clean run."""
     import os
     import signal
     import subprocess
@@ -91,19 +190,25 @@ def test_killed_process_resumes_to_the_same_numbers(tiny, tmp_path):
     import time
     from pathlib import Path
 
+    from iclnoise.config import shared_spec
+
     p = copy.deepcopy(tiny)
-    p["train"]["budget"]["steps"] = 400
+    p["train"]["budget"]["steps"] = 240
     p["train"]["checkpoints"] = {"linear": 8, "log": 0}
-    spec = json.dumps(run_spec(p, "M4-B16-none-s0"))
-    cmd = [str(Path(sys.executable).parent / "iclnoise"), "train", "--spec", spec, "--no-progress"]
-    clean = train_run(json.loads(spec), tmp_path / "clean", progress=False)
-    run_dir = tmp_path / "killed"
-    proc = subprocess.Popen(cmd + ["--run-dir", str(run_dir)])
+    p["exposure"]["enabled"] = False  # resume of the hooks' state is covered in test_noise
+    runs = ["M4-B16-none-s0", "M1-B16-none-s0"]
+    spec = json.dumps(shared_spec(p, runs))
+    clean = train_ensemble([run_spec(p, r) for r in runs], [tmp_path / "clean" / r for r in runs], progress=False)
+    cmd = [str(Path(sys.executable).parent / "iclnoise"), "train", "--spec", spec, "--runs", ",".join(runs),
+           "--results", str(tmp_path / "killed"), "--no-progress"]
+    ck = tmp_path / "killed/runs" / runs[0] / "checkpoints"
+    proc = subprocess.Popen(cmd)
     deadline = time.time() + 120
-    while len(list((run_dir / "checkpoints").glob("step_*.pt"))) < 3 and time.time() < deadline:
+    while len(list(ck.glob("step_*.pt"))) < 3 and time.time() < deadline:
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert not (run_dir / "metrics.parquet").exists(), "the run finished before it could be killed"
-    subprocess.run(cmd + ["--run-dir", str(run_dir)], check=True)
-    pd.testing.assert_frame_equal(clean, read_parquet(run_dir / "metrics.parquet"))
+    assert not (ck.parent / "metrics.parquet").exists(), "the run finished before it could be killed"
+    subprocess.run(cmd, check=True)
+    for r, c in zip(runs, clean):
+        pd.testing.assert_frame_equal(c, read_parquet(tmp_path / "killed/runs" / r / "metrics.parquet"))

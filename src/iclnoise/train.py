@@ -124,9 +124,12 @@ def _check_shared(specs: list[dict]) -> None:
 
 def _memory_check(specs: list[dict], device: torch.device) -> None:
     """Refuse, before training, an ensemble whose parameters, optimizer state and activations do not fit."""
+    from .model import ICLTransformer
+
     s = specs[0]
     m, d, t = s["model"], s["data"], s["train"]
-    P = sum(p.numel() for p in build_model(ModelConfig(D=d["D"], K=d["K"], **m), 0).parameters())
+    with torch.device("meta"):  # count parameters without allocating them
+        P = sum(p.numel() for p in ICLTransformer(ModelConfig(D=d["D"], K=d["K"], **m)).parameters())
     R, n = len(specs), 2 * d["K"]
     act = t["micro_batch"] * n * (m["d_model"] * 16 + m["d_mlp"] * 4 + m["n_heads"] * n * 3) * m["n_layers"]
     need = 4 * R * (4 * P + 3 * act)
@@ -276,7 +279,7 @@ class Ensemble:
         _save_resume(m, params, opt, step)
 
     # ---------------------------------------------------------------- the loop
-    def run(self, progress: bool) -> None:
+    def run(self, progress: bool, stop_after: int | None = None) -> None:
         R, members = len(self.members), self.members
         frozen = torch.tensor([m.diverged for m in members])
         if self.start == 0:
@@ -287,7 +290,7 @@ class Ensemble:
                    disable=not progress, mininterval=1.0, dynamic_ncols=True)
         clip, thr = self.t["grad_clip"], self.t["diverge_loss"]
         for step in bar:
-            if frozen.all():
+            if frozen.all() or (stop_after is not None and step >= stop_after):
                 break
             lr = self.lr(step)
             self.opt.param_groups[0]["lr"] = lr
@@ -363,13 +366,17 @@ class Ensemble:
 
 
 def train_ensemble(specs: list[dict], run_dirs: list[str | Path], progress: bool | None = None,
-                   device: torch.device | None = None) -> list[pd.DataFrame]:
+                   device: torch.device | None = None, stop_after: int | None = None) -> list[pd.DataFrame | None]:
     """Train every run of `specs` (one per run directory) to completion, together; resume each from its own
-    resume state where its spec hash matches. Returns the metrics table of every run, in order."""
+    resume state where its spec hash matches. Returns the metrics table of every run, in order.
+
+    `stop_after`: stop once this many steps are done (e.g. under a cluster time limit); the runs keep their
+    last resume state, a later call goes on from there, and unfinished runs return None."""
     if len(specs) != len(run_dirs):
         raise ValueError("one run directory per spec")
     _check_shared(specs)
     device = device or resolve_device(specs[0]["train"].get("device", "auto"))
+    _memory_check(specs, device)
     members = []
     for spec, rd in zip(specs, run_dirs):
         m = Member(spec, Path(rd), spec_hash(spec), device)
@@ -393,12 +400,10 @@ def train_ensemble(specs: list[dict], run_dirs: list[str | Path], progress: bool
             todo.append(m)
         else:  # finished earlier: restore its final weights so outputs match the state
             m.model.load_state_dict({**m.model.state_dict(), **m.resume["params"]})
-    if todo:
-        _memory_check([m.spec for m in todo], device)
     for start in sorted({m.step for m in todo}):
         group = [m for m in todo if m.step == start]
-        Ensemble(group, start).run(show)
-    return [_write_outputs(m) for m in members]
+        Ensemble(group, start).run(show, stop_after)
+    return [_write_outputs(m) if m.diverged or m.step >= m.spec["train"]["steps"] else None for m in members]
 
 
 def train_run(spec: dict, run_dir: str | Path, progress: bool | None = None) -> pd.DataFrame:

@@ -1,8 +1,3 @@
-def spec_json(wildcards):
-    """The run's resolved spec: a params value, so Snakemake reruns a run when its spec changes."""
-    return json.dumps(run_spec(PARAMS, wildcards.run), sort_keys=True)
-
-
 def run_files(name):
     return expand(f"{RES}/runs/{{run}}/{name}", run=RUNS)
 
@@ -19,3 +14,14 @@ def probe_files(section, name):
     seeds = cfg.get("seeds")
     runs = [r for r in RUNS if seeds is None or parse_run_id(r).seed in seeds]
     return expand(f"{RES}/runs/{{run}}/{name}", run=runs)
+
+
+CONDA_ENV = "../envs/iclnoise.yaml"
+
+
+def figure(stem, caption, category, subcategory=None):
+    """A figure's outputs: the PNG in `snakemake --report` (with its caption), the PDF and the plotted data."""
+    base = f"{RES}/figures/{stem}"
+    return {"png": report(f"{base}.png", caption=f"../report/{caption}.rst", category=category,
+                          subcategory=subcategory),
+            "pdf": f"{base}.pdf", "data": f"{base}.parquet"}

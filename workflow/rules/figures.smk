@@ -3,10 +3,14 @@ rule training_figures:
     input:
         run_files("metrics.parquet"),
     output:
-        fig=multiext(f"{RES}/figures/fig01_ood_loss", ".pdf", ".png", ".parquet"),
+        **figure("fig01_ood_loss", "fig01", "Training"),
         summary=f"{RES}/summary.parquet",
         summary_md=f"{RES}/summary.md",
     log:
         "logs/figures/training.log",
+    benchmark:
+        "benchmarks/figures/training.tsv"
+    conda:
+        CONDA_ENV
     shell:
         "iclnoise figures --out-dir {RES} {input} > {log} 2>&1"

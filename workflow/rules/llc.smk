@@ -2,6 +2,7 @@ rule llc:
     """Local learning coefficient at every k-th checkpoint of a run (SPEC §7)."""
     input:
         f"{RES}/runs/{{run}}/metrics.parquet",
+        f"{RES}/runs/{{run}}/checkpoints.json",
     output:
         llc=f"{RES}/runs/{{run}}/llc.parquet",
         traces=f"{RES}/runs/{{run}}/llc_traces.parquet",

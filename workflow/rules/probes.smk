@@ -6,6 +6,7 @@ rule geometry:
     """Hessian trace, top eigenvalue, SAM sharpness (and A·H·A trace) on held-out batches."""
     input:
         f"{RES}/runs/{{run}}/metrics.parquet",
+        f"{RES}/runs/{{run}}/checkpoints.json",
     output:
         f"{RES}/runs/{{run}}/geometry.parquet",
     params:
@@ -24,6 +25,7 @@ rule mech:
     """Attention to x/y tokens, head ablations, layer-norm collapse, linear probes; per-run head figure."""
     input:
         f"{RES}/runs/{{run}}/metrics.parquet",
+        f"{RES}/runs/{{run}}/checkpoints.json",
     output:
         mech=f"{RES}/runs/{{run}}/mech.parquet",
         fig=multiext(f"{RES}/figures/heads/{{run}}", ".pdf", ".png", ".parquet"),

@@ -1,22 +1,39 @@
-rule train:
-    """One training run; resumes from results/runs/{run}/checkpoints if it was killed."""
-    output:
-        metrics=f"{RES}/runs/{{run}}/metrics.parquet",
-        tokens=f"{RES}/runs/{{run}}/token_losses.parquet",
-        root=f"{RES}/runs/{{run}}/root_preds.parquet",
-        exposure=[f"{RES}/runs/{{run}}/exposure.parquet"] if EXPOSURE else [],
-    params:
-        spec=spec_json,
-        run_dir=lambda w: f"{RES}/runs/{w.run}",
-    log:
-        "logs/train/{run}.log",
-    benchmark:
-        "benchmarks/train/{run}.tsv"
-    threads: 1
-    resources:
-        mem_mb=2000,
-        runtime=120,
-    group:
-        "train"
-    shell:
-        "iclnoise train --spec {params.spec:q} --run-dir {params.run_dir} --threads {threads} > {log} 2>&1"
+# One rule per ensemble (iclnoise.config.ensemble_groups): one job trains all its runs in one process.
+# Its outputs are every member run's files, so a deleted or incomplete run reruns its ensemble; the
+# members' specs are a rule parameter, so a changed spec reruns it (runs whose spec did not change
+# rewrite their outputs from their final resume state without training; a changed run trains afresh).
+# Cluster resources of these jobs: config key `train_resources` (see slurm/config.yaml).
+TRAIN_RESOURCES = config.get("train_resources") or {}
+
+
+def train_outputs(run):
+    keys = parse_run_id(run)
+    cond = PARAMS["noise"]["conditions"][keys.noise]
+    names = ["metrics.parquet", "token_losses.parquet", "root_preds.parquet", "checkpoints.json"]
+    names += ["exposure.parquet"] if EXPOSURE or cond["source"] != "none" else []
+    names += ["injection.parquet"] if cond["source"] != "none" else []
+    return [f"{RES}/runs/{run}/{n}" for n in names]
+
+
+for _group, _runs in GROUPS.items():
+
+    rule:
+        name:
+            f"train_{_group}".replace("-", "_")
+        output:
+            [f for r in _runs for f in train_outputs(r)],
+        params:
+            spec=json.dumps(shared_spec(PARAMS, _runs), sort_keys=True),
+            runs=",".join(_runs),
+        log:
+            f"logs/train/{_group}.log",
+        benchmark:
+            f"benchmarks/train/{_group}.tsv"
+        threads: 1
+        resources:
+            mem_mb=4000,
+            runtime=240,
+            **TRAIN_RESOURCES,
+        shell:
+            "iclnoise train --spec {params.spec:q} --runs {params.runs} --results {RES} "
+            "--threads {threads} --no-progress > {log} 2>&1"

@@ -1,0 +1,104 @@
+"""Ensemble training against one run per process, measured side by side in one process run (ratios).
+
+  alone    : N runs trained one after another, each an ensemble of one (today's one-run-per-job path,
+             without the process start-up, which only favours it)
+  ensemble : the same N runs trained together (iclnoise.train.train_ensemble)
+
+Both arms are the real training path (data, hooks and exposure logging, evaluation, checkpoints) for
+`--steps` steps of runs of one ensemble group of the params (default: params.yaml, first group), and
+alternate in rounds so machine noise hits both. Prints aggregate run-steps per second and the ratio.
+
+Usage: python bench/bench_ensemble.py [--runs 12 36] [--steps 100] [--rounds 2] [--device cpu]
+                                      [--override configs/paper.yaml]
+Also: python bench/bench_ensemble.py --dag results benchmarks   (run-steps per job-second of a finished DAG)
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+import yaml
+
+from iclnoise.config import ensemble_groups, run_spec, validate_params
+from iclnoise.train import train_ensemble
+
+
+def merge(a: dict, b: dict) -> dict:
+    out = copy.deepcopy(a)
+    for k, v in b.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def runs_for(params: dict, n: int) -> list[str]:
+    """n runs of one ensemble group (cycling seeds beyond the grid's if the group is smaller)."""
+    group = max(ensemble_groups(params).values(), key=len)
+    p = copy.deepcopy(params)
+    seeds = list(p["grid"]["seeds"])
+    while len(group) < n:
+        seeds.append(max(seeds) + 1)
+        p["grid"]["seeds"] = seeds
+        group = max(ensemble_groups(p).values(), key=len)
+    return group[:n]
+
+
+def timed(specs: list[dict], steps: int, device: torch.device, together: bool) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = [Path(tmp) / s["keys"]["run_id"] for s in specs]
+        t0 = time.perf_counter()
+        if together:
+            train_ensemble(specs, dirs, progress=False, device=device, stop_after=steps)
+        else:
+            for s, d in zip(specs, dirs):
+                train_ensemble([s], [d], progress=False, device=device, stop_after=steps)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+
+def dag_throughput(results: Path, benchmarks: Path) -> None:
+    """Run-steps per job-second of the training rules of a finished DAG (issue 12's measure)."""
+    steps = sum(int(pd.read_parquet(f, columns=["step"]).step.max()) for f in results.glob("runs/*/metrics.parquet"))
+    secs = sum(float(pd.read_csv(f, sep="\t").s.iloc[0]) for f in (benchmarks / "train").glob("*.tsv"))
+    print(f"training rules: {steps} run-steps in {secs:.1f} job-seconds = {steps / secs:.0f} run-steps per job-second")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, nargs="+", default=[12, 36])
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--override", default=None)
+    ap.add_argument("--dag", nargs=2, metavar=("RESULTS", "BENCHMARKS"), default=None)
+    a = ap.parse_args()
+    if a.dag:
+        return dag_throughput(Path(a.dag[0]), Path(a.dag[1]))
+    torch.set_num_threads(a.threads)
+    params = yaml.safe_load(Path(a.params).read_text())
+    if a.override:
+        params = merge(params, yaml.safe_load(Path(a.override).read_text()))
+    params["train"]["budget"] = {"mode": "steps", "steps": max(a.steps * 10, 1000)}
+    validate_params(params)
+    device = torch.device(a.device)
+    for n in a.runs:
+        specs = [run_spec(params, r) for r in runs_for(params, n)]
+        t_alone = t_ens = 0.0
+        for _ in range(a.rounds):
+            t_alone += timed(specs, a.steps, device, together=False)
+            t_ens += timed(specs, a.steps, device, together=True)
+        rs = n * a.steps * a.rounds
+        print(f"N = {n:3d} runs × {a.steps} steps (batch {specs[0]['keys']['batch']}, {specs[0]['keys']['noise']}, "
+              f"{device}): one per process {rs / t_alone:7.1f} run-steps/s, ensemble {rs / t_ens:7.1f} run-steps/s, "
+              f"ratio {t_alone / t_ens:.2f}×")
+
+
+if __name__ == "__main__":
+    main()
