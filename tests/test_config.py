@@ -162,7 +162,7 @@ BAD_FILES = [
     ("lr-nan", sub("lr: 0.002", "lr: .nan"), ["train.optimizer.lr = nan", "a finite number"]),
     ("lr-inf", sub("lr: 0.002", "lr: .inf"), ["train.optimizer.lr = inf", "a finite number"]),
     ("diverge-nan", sub("diverge_loss: 1000.0", "diverge_loss: .NaN"), ["train.diverge_loss = nan", "a finite number"]),
-    ("budget-minus-inf", sub("schedule: early, fraction: 0.3, budget: 4.0e+6", "schedule: early, fraction: 0.3, budget: -.inf"),
+    ("budget-minus-inf", sub("early, fraction: 0.3, budget: 4.0e+6", "early, fraction: 0.3, budget: -.inf"),
      ["noise.conditions.early.budget = -inf", "a finite number"]),
     ("M-float-inf", sub("M: [1, 4, 16, 64, 256, inf]", "M: [1, 4, 16, 64, 256, .inf]"),
      ["grid.M.5 = inf", "a finite number", "written inf, a string"]),
@@ -308,23 +308,23 @@ def test_log_level_option_env_and_format(monkeypatch, capsys):
         logging.captureWarnings(False)
 
 
-def test_pool_memory_estimate_matches_a_measured_peak(tmp_path):
-    """The pool term against the peak RSS of drawing a pool and running dMMSE on it (one evaluator pool, i.e.
-    the estimate minus the training pool's M·D·4): measured 260 MiB vs 241 MiB for M = 2^18, D = 64."""
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to reset the peak RSS")
+def test_pool_memory_estimate_matches_a_measured_peak():
+    """The pool term against the peak RSS (VmHWM, reset first) of drawing a pool and running dMMSE on it (one
+    evaluator pool: the estimate minus the training pool's M·D·4). Measured 143.7 MB vs 126.4 MB estimated
+    for M = 2^17, D = 64 (ratio 1.14, three runs)."""
     import subprocess
     import sys
     M, D = 2**17, 64
-    code = ("import resource, torch; torch.set_num_threads(1)\n"
+    code = ("import torch; torch.set_num_threads(1)\n"
             "from iclnoise.tasks import task_pool, eval_set\nfrom iclnoise.predictors import dmmse\n"
-            "r0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+            "def kb(k): return next(int(x.split()[1]) for x in open('/proc/self/status') if x.startswith(k))\n"
+            "open('/proc/self/clear_refs', 'w').write('5')\nr0 = kb('VmRSS:')\n"
             f"pool = task_pool(0, {M}, {D}); b = eval_set('id', {M}, 32, 8, {D}, 0.125, 0, 1)\n"
-            "dmmse(b.xs, b.ys, pool, 0.125)\n"
-            "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - r0) * 1024)\n")
+            "dmmse(b.xs, b.ys, pool, 0.125)\nprint((kb('VmHWM:') - r0) * 1024)\n")
     measured = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     p = yaml.safe_load(Path("params.yaml").read_text())
     p["grid"]["M"], p["data"]["D"] = [M], D
     from iclnoise.config import memory_estimate
     evaluator_part = memory_estimate(p)["pool"] - M * D * 4
-    # the check must not underestimate; the lower bound only guards against absurd overestimates (RSS under
-    # memory pressure from other processes can read low)
-    assert 0.5 * evaluator_part < measured < 1.25 * evaluator_part, (measured, evaluator_part)
+    assert 0.7 * evaluator_part < measured < 1.3 * evaluator_part, (measured, evaluator_part)

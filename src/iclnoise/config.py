@@ -241,7 +241,7 @@ def _seed_checks(p: dict) -> None:
         missing = [s for s in sec.get("seeds") or [] if s not in grid]
         if sec.get("enabled") and missing:
             raise ParamsError(f"{name}.seeds = {sec['seeds']}: seed(s) {missing} not in grid.seeds = {grid}; allowed: "
-                              f"a subset of grid.seeds (those runs do not exist, the analysis would silently skip them)")
+                              f"a subset of grid.seeds (those runs do not exist and would be skipped silently)")
 
 
 def memory_estimate(params: dict) -> dict[str, int]:
@@ -261,7 +261,8 @@ def memory_estimate(params: dict) -> dict[str, int]:
         "pool": M * (16 * D + 196),
         "eval": (2 * e["n_sequences"] + e["n_root"]) * K * (D + 1) * 8
         + e["n_sequences"] * T * (4 * dm + dmlp + T * h) * 8,
-        "train": min(t["micro_batch"], max(params["grid"]["batch_sizes"])) * T * L * (10 * dm + 2 * dmlp + 3 * T * h) * 4,
+        "train": min(t["micro_batch"], max(params["grid"]["batch_sizes"])) * T * L
+        * (10 * dm + 2 * dmlp + 3 * T * h) * 4,
         "params": 16 * L * (4 * dm * dm + 2 * dm * dmlp),
     }
     est["total"] = sum(est.values())
@@ -285,11 +286,16 @@ def _memory_check(p: dict) -> None:
                           f"eval.n_sequences × data.K × model.d_mlp, training with train.micro_batch")
 
 
-# Measured rate of the training loop (iclnoise.train.train_run, 1 thread, evaluation, checkpoints and exposure
-# logging amortised) on the default params.yaml and one 16x larger model; see step_ms. Re-measure on new hardware.
-STEP_MS_BASE = 5.7
-STEP_MS_PER_MFLOP = 0.094
-INJECTED_FACTOR = 2.2
+# CPU milliseconds per training step = STEP_MS_BASE + STEP_MS_PER_MFLOP · step_flops / 1e6, × INJECTED_FACTOR[source].
+# Measured (process CPU time of iclnoise.train.train_run, 1 thread, evaluation, checkpoints and exposure logging
+# amortised; the shared 2-core dev machine, 2026-11-23), params.yaml unless noted, M = 16:
+#   batch 16: 8.55 ms (28.3 MFLOP); batch 64: 11.98 ms (113 MFLOP); d_model 128, d_mlp 512, 4 heads, K = 16,
+#   batch 64, 1000 steps: 152.0 ms (5033 MFLOP); batch 64 + grad_b16: 14.96 ms (×1.25), + param_b16: 14.25 (×1.19).
+# The line through the batch-64 and the large-model points: exact there, +12 % at batch 16. For the default grid it
+# predicts 0.30 core-hours of training; the three measured run types sum to 0.296. Re-measure on new hardware.
+STEP_MS_BASE = 8.76
+STEP_MS_PER_MFLOP = 0.0285
+INJECTED_FACTOR = {"none": 1.0, "grad": 1.25, "param": 1.19}
 COST_CONFIRM_CORE_HOURS = 2.0
 
 
@@ -301,11 +307,10 @@ def step_flops(params: dict, batch: int) -> float:
     return 6.0 * batch * T * m["n_layers"] * (4 * d * d + 2 * d * m["d_mlp"] + 2 * T * d)
 
 
-def step_ms(params: dict, batch: int, injected: bool = False) -> float:
-    """Estimated milliseconds per training step on one CPU core: STEP_MS_BASE + STEP_MS_PER_MFLOP · MFLOPs,
-    × INJECTED_FACTOR for injected noise."""
-    ms = STEP_MS_BASE + STEP_MS_PER_MFLOP * step_flops(params, batch) / 1e6
-    return ms * (INJECTED_FACTOR if injected else 1.0)
+def step_ms(params: dict, batch: int, source: str = "none") -> float:
+    """Estimated CPU milliseconds per training step (one core): STEP_MS_BASE + STEP_MS_PER_MFLOP · MFLOPs,
+    × INJECTED_FACTOR[source] (noise source none, grad or param)."""
+    return (STEP_MS_BASE + STEP_MS_PER_MFLOP * step_flops(params, batch) / 1e6) * INJECTED_FACTOR[source]
 
 
 def cost_estimate(params: dict) -> dict[str, Any]:
@@ -322,13 +327,13 @@ def cost_estimate(params: dict) -> dict[str, Any]:
     jobs = (len(runs) + 2 * probed["llc"] + (1 if probed["llc"] else 0) + probed["geometry"] + probed["mech"]
             + families + 4)  # + training figures, aggregate, report, all
     run_steps = sum(steps_for(params, k.batch) for k in runs)
-    ms = sum(steps_for(params, k.batch) * step_ms(params, k.batch, conds[k.noise]["source"] != "none") for k in runs)
+    ms = sum(steps_for(params, k.batch) * step_ms(params, k.batch, conds[k.noise]["source"]) for k in runs)
     return {"runs": len(runs), "jobs": jobs, "run_steps": run_steps, "core_hours": ms / 3.6e6,
             "peak_job_memory": memory_estimate(params)["total"], "threshold_core_hours": COST_CONFIRM_CORE_HOURS}
 
 
 def format_cost(est: dict) -> str:
-    return (f"{est['runs']} runs, {est['jobs']} jobs, {est['run_steps']:,} training steps, ≈ {est['core_hours']:.2f} "
+    return (f"{est['runs']} runs, {est['jobs']} jobs, {est['run_steps']:,} training steps, ≈ {est['core_hours']:,.2f} "
             f"core-hours of training (CPU rate measured on the default model; probes extra; a GPU is faster), "
             f"≈ {_bytes(est['peak_job_memory'])} per training job")
 
