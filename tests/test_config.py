@@ -173,6 +173,8 @@ BAD_FILES = [
     ("steps-float", sub("steps: 2500}", "steps: 2.5e+3}"), ["train.budget.steps = 2500.0", "an integer", "write 2500"]),
     ("M-float", sub("M: [1, 4, 16, 64, 256, inf]", "M: [1, 4.0, 16, 64, 256, inf]"),
      ["grid.M.1 = 4.0", "integer 1 <= M <= 1048576", "'inf'"]),
+    ("eps-yaml-string", sub("eps: 1.0e-8", "eps: 1e-8"),
+     ["train.optimizer.eps = '1e-8'", "it must be a number", "write it with a dot"]),
     # absurd sizes
     ("M-2^40", sub("M: [1, 4, 16, 64, 256, inf]", "M: [1, 4, 16, 1099511627776, inf]"),
      ["grid.M.3 = 1099511627776", "1 <= M <= 1048576 (2^20)", "'inf'"]),
@@ -295,16 +297,26 @@ def test_log_level_option_env_and_format(monkeypatch, capsys):
         monkeypatch.setenv("ICLNOISE_LOG_LEVEL", "loud")
         iclnoise_cli.pop_log_level(["train"])
     import logging
-    root = logging.getLogger()
-    saved = (root.handlers[:], root.level)
+    root, pkg = logging.getLogger(), logging.getLogger("iclnoise")
+    saved = (root.handlers[:], root.level, pkg.level)
     try:
         iclnoise_cli.setup_logging("WARNING", "llc")
         logging.getLogger("iclnoise.llc").info("hidden")
         logging.getLogger("iclnoise.llc").warning("shown")
         err = capsys.readouterr().err
         assert "hidden" not in err and "WARNING iclnoise llc iclnoise.llc: shown" in err
+        iclnoise_cli.setup_logging("DEBUG", "train")
+        logging.getLogger("iclnoise.train").debug("step detail")
+        logging.getLogger("pydot").debug("third-party chatter")
+        import warnings
+        warnings.warn("a warning becomes a log record")
+        err = capsys.readouterr().err
+        assert "DEBUG iclnoise train iclnoise.train: step detail" in err and "chatter" not in err
+        assert "a warning becomes a log record" in err
     finally:
-        root.handlers[:], _ = saved[0], root.setLevel(saved[1])
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+        pkg.setLevel(saved[2])
         logging.captureWarnings(False)
 
 

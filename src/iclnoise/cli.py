@@ -52,7 +52,8 @@ def pop_log_level(argv: list[str]) -> tuple[str, list[str]]:
 
 
 def setup_logging(level: str, command: str) -> None:
-    """One stderr handler on the root logger (replacing any earlier one), format naming the command."""
+    """One stderr handler on the root logger (replacing any earlier one), format naming the command. The
+    package logs at `level`; other libraries' records below WARNING are dropped (pydot, matplotlib debug)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s iclnoise {command} %(name)s: %(message)s",
                                            datefmt="%H:%M:%S"))
@@ -60,7 +61,8 @@ def setup_logging(level: str, command: str) -> None:
     for h in list(root.handlers):
         root.removeHandler(h)
     root.addHandler(handler)
-    root.setLevel(level)
+    root.setLevel(max(logging.getLevelName(level), logging.WARNING))
+    logging.getLogger("iclnoise").setLevel(level)
     logging.captureWarnings(True)
 
 

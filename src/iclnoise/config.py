@@ -152,6 +152,9 @@ def _describe(err: jsonschema.ValidationError) -> str:
         want = " or ".join(_TYPE_WORDS.get(t, t) for t in types)
         hint = (f" (write {int(err.instance)}, not {err.instance!r})"
                 if "integer" in types and isinstance(err.instance, float) and err.instance.is_integer() else "")
+        if "number" in types and isinstance(err.instance, str) and re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+",
+                                                                              err.instance):
+            hint = f" (YAML reads {err.instance} as a string: write it with a dot, e.g. 1.0e-8)"
         return f"{key} = {err.instance!r} is not allowed; it must be {want}{hint}"
     if err.validator in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
         op = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}[err.validator]
