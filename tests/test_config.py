@@ -340,3 +340,21 @@ def test_pool_memory_estimate_matches_a_measured_peak():
     from iclnoise.config import memory_estimate
     evaluator_part = memory_estimate(p)["pool"] - M * D * 4
     assert 0.7 * evaluator_part < measured < 1.3 * evaluator_part, (measured, evaluator_part)
+
+
+def test_overrides_merge_as_snakemake_does_and_are_read_strictly(tmp_path):
+    """merge_params against Snakemake's own update_config (the reference: what --configfile does)."""
+    from snakemake.utils import update_config
+
+    from iclnoise.config import check_yaml_files, merge_params, read_yaml
+    base = read_yaml("params.yaml")
+    for override in ("configs/paper.yaml", "configs/noise.yaml"):
+        ref = copy.deepcopy(base)
+        update_config(ref, read_yaml(override))
+        assert merge_params(base, read_yaml(override)) == ref
+    assert base == read_yaml("params.yaml")  # not mutated
+    dup = tmp_path / "override.yaml"
+    dup.write_text("grid:\n  seeds: [0]\n  seeds: [0, 1]\n")
+    for call in (lambda: load_params("params.yaml", [dup]), lambda: check_yaml_files(["params.yaml", dup])):
+        with pytest.raises(ParamsError, match=rf"{dup}, line 3: key grid.seeds is given twice \(first at line 2\)"):
+            call()
