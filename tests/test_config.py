@@ -1,10 +1,20 @@
 """Invalid parameters are rejected with a message that names the key and what is allowed."""
 import copy
+import logging
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
 
-from iclnoise.config import ParamsError, expand_grid, parse_run_id, run_spec, validate_params
+from iclnoise import cli as iclnoise_cli
+from iclnoise.config import (COST_CONFIRM_CORE_HOURS, ParamsError, check_cost, check_yaml_files, cost_estimate,
+                             expand_grid, load_params, memory_estimate, merge_params, parse_run_id, read_yaml,
+                             run_spec, schema, validate_params)
 
 
 @pytest.fixture(scope="module")
@@ -86,15 +96,6 @@ def test_noise_and_exposure_errors_name_the_key(params, edit, key, allowed):
 
 
 # ---- bad parameter files, written as YAML text and read with load_params (issue 20) ----
-
-import re  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import jsonschema  # noqa: E402
-
-from iclnoise import cli as iclnoise_cli  # noqa: E402
-from iclnoise.config import (COST_CONFIRM_CORE_HOURS, check_cost, cost_estimate, load_params,  # noqa: E402
-                             schema)
 
 TEXT = Path("params.yaml").read_text()
 
@@ -296,7 +297,6 @@ def test_log_level_option_env_and_format(monkeypatch, capsys):
     with pytest.raises(SystemExit, match="ICLNOISE_LOG_LEVEL = 'loud' is not allowed; allowed: DEBUG, INFO"):
         monkeypatch.setenv("ICLNOISE_LOG_LEVEL", "loud")
         iclnoise_cli.pop_log_level(["train"])
-    import logging
     root, pkg = logging.getLogger(), logging.getLogger("iclnoise")
     saved = (root.handlers[:], root.level, pkg.level)
     try:
@@ -308,7 +308,6 @@ def test_log_level_option_env_and_format(monkeypatch, capsys):
         iclnoise_cli.setup_logging("DEBUG", "train")
         logging.getLogger("iclnoise.train").debug("step detail")
         logging.getLogger("pydot").debug("third-party chatter")
-        import warnings
         warnings.warn("a warning becomes a log record")
         err = capsys.readouterr().err
         assert "DEBUG iclnoise train iclnoise.train: step detail" in err and "chatter" not in err
@@ -325,8 +324,6 @@ def test_pool_memory_estimate_matches_a_measured_peak():
     """The pool term against the peak RSS (VmHWM, reset first) of drawing a pool and running dMMSE on it (one
     evaluator pool: the estimate minus the training pool's M·D·4). Measured 143.7 MB vs 126.4 MB estimated
     for M = 2^17, D = 64 (ratio 1.14, three runs)."""
-    import subprocess
-    import sys
     M, D = 2**17, 64
     code = ("import torch; torch.set_num_threads(1)\n"
             "from iclnoise.tasks import task_pool, eval_set\nfrom iclnoise.predictors import dmmse\n"
@@ -337,16 +334,13 @@ def test_pool_memory_estimate_matches_a_measured_peak():
     measured = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     p = yaml.safe_load(Path("params.yaml").read_text())
     p["grid"]["M"], p["data"]["D"] = [M], D
-    from iclnoise.config import memory_estimate
     evaluator_part = memory_estimate(p)["pool"] - M * D * 4
     assert 0.7 * evaluator_part < measured < 1.3 * evaluator_part, (measured, evaluator_part)
 
 
 def test_overrides_merge_as_snakemake_does_and_are_read_strictly(tmp_path):
     """merge_params against Snakemake's own update_config (the reference: what --configfile does)."""
-    from snakemake.utils import update_config
-
-    from iclnoise.config import check_yaml_files, merge_params, read_yaml
+    update_config = pytest.importorskip("snakemake.utils").update_config
     base = read_yaml("params.yaml")
     for override in ("configs/paper.yaml", "configs/noise.yaml"):
         ref = copy.deepcopy(base)
