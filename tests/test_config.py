@@ -264,7 +264,15 @@ def test_cost_estimate_counts_the_dag():
     assert (paper["runs"], paper["jobs"]) == (595, 1083)
     # 17 M x 5 seeds x (B64: none; B256, B1024: none + 2 injected) with 76.8M sequences / B steps each
     assert paper["run_steps"] == 17 * 5 * (76_800_000 // 64 + 3 * 76_800_000 // 256 + 3 * 76_800_000 // 1024)
-    assert default["core_hours"] < COST_CONFIRM_CORE_HOURS < paper["core_hours"]
+    assert default["train_core_hours"] < default["core_hours"] < COST_CONFIRM_CORE_HOURS < paper["core_hours"]
+
+
+def test_probed_checkpoints_match_a_real_run():
+    """A default run's llc.parquet has steps [0, 145, 1562, 2500], geometry and mech [0, 312, 2500]
+    (snakemake on M16-B64-none-s0)."""
+    from iclnoise.config import probed_checkpoints
+    p = load_params("params.yaml")
+    assert [probed_checkpoints(p, 64, s) for s in ("llc", "geometry", "mech")] == [4, 3, 3]
 
 
 def test_check_cost_refuses_a_large_grid_without_confirmation():

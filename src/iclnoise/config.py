@@ -316,29 +316,65 @@ def step_ms(params: dict, batch: int, source: str = "none") -> float:
     return (STEP_MS_BASE + STEP_MS_PER_MFLOP * step_flops(params, batch) / 1e6) * INJECTED_FACTOR[source]
 
 
+JOB_START_S = 2.5  # CPU seconds to start one `iclnoise` job (python + torch + package imports; measured 2.1–4.2 s)
+
+
+def probed_checkpoints(params: dict, batch: int, section: str) -> int:
+    """How many checkpoints of a run at `batch` a probe section (llc, geometry, mech) analyses."""
+    from .runs import select_steps
+    from .schedules import checkpoint_steps
+    c = params["train"]["checkpoints"]
+    steps = checkpoint_steps(steps_for(params, batch), c["linear"], c["log"])
+    return len(select_steps(steps, params[section]["every"]))
+
+
+def probe_seconds(params: dict, batch: int, section: str) -> float:
+    """Estimated CPU seconds of one probe job, counted in training-step equivalents (step_ms) per checkpoint:
+    llc: chains · (burn_in + draws) SGLD steps at sampler.batch; geometry: (2·probes + lanczos_iters + 2)
+    Hessian-vector products at n_heldout, 2 steps each; mech: (n_layers · n_heads + 2) forward passes (⅓ step)
+    at n_sequences and one at n_probe. Measured on one default run (M16-B64-none-s0, snakemake benchmark
+    cpu_time): llc 25.3 s (estimate 35.7), geometry 5.0 s (5.5), mech 4.7 s (2.8)."""
+    g, m = params[section], params["model"]
+    if section == "llc":
+        sm = g["sampler"]
+        per = sm["chains"] * (sm["burn_in"] + sm["draws"]) * step_ms(params, sm["batch"])
+    elif section == "geometry":
+        per = (2 * g["probes"] + g["lanczos_iters"] + 2) * 2 * step_ms(params, g["n_heldout"])
+    else:
+        heads = m["n_layers"] * m["n_heads"]
+        per = ((heads + 2) * step_ms(params, g["n_sequences"]) + step_ms(params, g["n_probe"])) / 3
+    return JOB_START_S + probed_checkpoints(params, batch, section) * per / 1000
+
+
 def cost_estimate(params: dict) -> dict[str, Any]:
-    """Jobs of the DAG, training steps summed over runs, and estimated training core-hours (step_ms); the
-    probes (LLC, geometry, mech) are counted as jobs but not in the hours."""
+    """Jobs of the DAG, training steps summed over runs, and estimated core-hours: training (step_ms), the
+    llc / geometry / mech probes (probe_seconds) and JOB_START_S for every other job."""
     runs = expand_grid(params)
     conds = params["noise"]["conditions"]
-    probed = {}
+    probes = {}
     for name in ("llc", "geometry", "mech"):
         sec = params.get(name) or {}
         seeds = sec.get("seeds")
-        probed[name] = sum(1 for k in runs if seeds is None or k.seed in seeds) if sec.get("enabled") else 0
+        probes[name] = [k for k in runs if seeds is None or k.seed in seeds] if sec.get("enabled") else []
     families = len(ed_families(params))
-    jobs = (len(runs) + 2 * probed["llc"] + (1 if probed["llc"] else 0) + probed["geometry"] + probed["mech"]
-            + families + 4)  # + training figures, aggregate, report, all
+    # stages per LLC run, llc figures, ed families, training figures, aggregate, report, all
+    other = len(probes["llc"]) + (1 if probes["llc"] else 0) + families + 4
+    jobs = len(runs) + sum(map(len, probes.values())) + other
     run_steps = sum(steps_for(params, k.batch) for k in runs)
-    ms = sum(steps_for(params, k.batch) * step_ms(params, k.batch, conds[k.noise]["source"]) for k in runs)
-    return {"runs": len(runs), "jobs": jobs, "run_steps": run_steps, "core_hours": ms / 3.6e6,
+    train_s = sum(JOB_START_S + steps_for(params, k.batch) * step_ms(params, k.batch, conds[k.noise]["source"]) / 1000
+                  for k in runs)
+    probe_s = sum(probe_seconds(params, k.batch, name) for name, ks in probes.items() for k in ks)
+    return {"runs": len(runs), "jobs": jobs, "run_steps": run_steps, "train_core_hours": train_s / 3600,
+            "core_hours": (train_s + probe_s + other * JOB_START_S) / 3600,
             "peak_job_memory": memory_estimate(params)["total"], "threshold_core_hours": COST_CONFIRM_CORE_HOURS}
 
 
 def format_cost(est: dict) -> str:
-    return (f"{est['runs']} runs, {est['jobs']} jobs, {est['run_steps']:,} training steps, ≈ {est['core_hours']:,.2f} "
-            f"core-hours of training (CPU rate measured on the default model; probes extra; a GPU is faster), "
-            f"≈ {_bytes(est['peak_job_memory'])} per training job")
+    """One line: jobs, steps, CPU core-hours (all jobs; training alone), planned memory per training job."""
+    return (f"{est['runs']} runs, {est['jobs']} jobs, {est['run_steps']:,} training steps, "
+            f"≈ {est['core_hours']:,.2f} CPU core-hours ({est['train_core_hours']:,.2f} of them training; rates "
+            f"measured on the default model, a GPU is faster), ≈ {_bytes(est['peak_job_memory'])} allocated per "
+            f"training job")
 
 
 def check_cost(params: dict, confirmed: bool = False) -> dict[str, Any]:
