@@ -1,10 +1,20 @@
 """Invalid parameters are rejected with a message that names the key and what is allowed."""
 import copy
+import logging
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
 
-from iclnoise.config import ParamsError, expand_grid, parse_run_id, run_spec, validate_params
+from iclnoise import cli as iclnoise_cli
+from iclnoise.config import (COST_CONFIRM_CORE_HOURS, ParamsError, check_cost, check_yaml_files, cost_estimate,
+                             expand_grid, load_params, memory_estimate, merge_params, parse_run_id, read_yaml,
+                             run_spec, schema, validate_params)
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +93,270 @@ def test_noise_and_exposure_errors_name_the_key(params, edit, key, allowed):
     with pytest.raises(ParamsError) as e:
         validate_params(p)
     assert key in str(e.value) and allowed in str(e.value), str(e.value)
+
+
+# ---- bad parameter files, written as YAML text and read with load_params (issue 20) ----
+
+TEXT = Path("params.yaml").read_text()
+
+
+def line_of(text: str, fragment: str) -> int:
+    """1-based line where `fragment` starts in `text`."""
+    return text[:text.index(fragment)].count("\n") + 1
+
+
+def sub(old: str, new: str):
+    def f(text: str) -> str:
+        assert text.count(old) == 1, old
+        return text.replace(old, new)
+    return f
+
+
+def section_block(text: str, name: str) -> re.Match:
+    m = re.search(rf"(?ms)^{name}:.*?(?=^\S|\Z)", text)
+    assert m, name
+    return m
+
+
+def in_section(name: str, old: str, new: str):
+    def f(text: str) -> str:
+        m = section_block(text, name)
+        assert m.group().count(old) == 1, (name, old)
+        return text[:m.start()] + m.group().replace(old, new) + text[m.end():]
+    return f
+
+
+def drop_section(name: str):
+    def f(text: str) -> str:
+        m = section_block(text, name)
+        return text[:m.start()] + text[m.end():]
+    return f
+
+
+def replace_section(name: str, new: str):
+    def f(text: str) -> str:
+        m = section_block(text, name)
+        return text[:m.start()] + new + "\n" + text[m.end():]
+    return f
+
+
+def both(*fs):
+    def f(text: str) -> str:
+        for g in fs:
+            text = g(text)
+        return text
+    return f
+
+
+def write(tmp_path, text: str) -> Path:
+    p = tmp_path / "params.yaml"
+    p.write_text(text)
+    return p
+
+
+D_LINE, K_LINE, OPT_LINE = line_of(TEXT, "  D: 4\n"), line_of(TEXT, "  K: 8\n"), line_of(TEXT, "  optimizer:")
+SEEDS = "grid.seeds = [0, 1]"
+
+# (id, edit of params.yaml, fragments the message must contain: the key and the allowed values)
+BAD_FILES = [
+    # finite numbers only
+    ("lr-nan", sub("lr: 0.002", "lr: .nan"), ["train.optimizer.lr = nan", "a finite number"]),
+    ("lr-inf", sub("lr: 0.002", "lr: .inf"), ["train.optimizer.lr = inf", "a finite number"]),
+    ("diverge-nan", sub("diverge_loss: 1000.0", "diverge_loss: .NaN"), ["train.diverge_loss = nan", "a finite number"]),
+    ("budget-minus-inf", sub("early, fraction: 0.3, budget: 4.0e+6", "early, fraction: 0.3, budget: -.inf"),
+     ["noise.conditions.early.budget = -inf", "a finite number"]),
+    ("M-float-inf", sub("M: [1, 4, 16, 64, 256, inf]", "M: [1, 4, 16, 64, 256, .inf]"),
+     ["grid.M.5 = inf", "a finite number", "written inf, a string"]),
+    # integers are integers
+    ("D-float", sub("  D: 4\n", "  D: 4.0\n"), ["data.D = 4.0", "it must be an integer", "write 4"]),
+    ("D-bool", sub("  D: 4\n", "  D: true\n"), ["data.D = True", "it must be an integer"]),
+    ("seed-float", sub("seeds: [0, 1]", "seeds: [0, 1.0]"), ["grid.seeds.1 = 1.0", "an integer", "write 1"]),
+    ("steps-float", sub("steps: 2500}", "steps: 2.5e+3}"), ["train.budget.steps = 2500.0", "an integer", "write 2500"]),
+    ("M-float", sub("M: [1, 4, 16, 64, 256, inf]", "M: [1, 4.0, 16, 64, 256, inf]"),
+     ["grid.M.1 = 4.0", "integer 1 <= M <= 1048576", "'inf'"]),
+    ("eps-yaml-string", sub("eps: 1.0e-8", "eps: 1e-8"),
+     ["train.optimizer.eps = '1e-8'", "it must be a number", "write it with a dot"]),
+    # absurd sizes
+    ("M-2^40", sub("M: [1, 4, 16, 64, 256, inf]", "M: [1, 4, 16, 1099511627776, inf]"),
+     ["grid.M.3 = 1099511627776", "1 <= M <= 1048576 (2^20)", "'inf'"]),
+    ("pool-memory", both(sub("M: [1, 4, 16, 64, 256, inf]", "M: [1, 4, 16, 64, 1048576, inf]"),
+                         sub("  D: 4\n", "  D: 4096\n")),
+     ["estimated memory of one job", "pool 64.2 GiB", "allowed: <= 32.0 GiB", "grid.M × data.D"]),
+    ("eval-memory", sub("n_sequences: 1024", "n_sequences: 100000000"),
+     ["estimated memory of one job", "allowed: <= 32.0 GiB", "eval.n_sequences"]),
+    # duplicate keys, with file and line
+    ("dup-flow-key", sub("{lr: 0.002, ", "{lr: 0.002, lr: 0.02, "),
+     ["train.optimizer.lr is given twice", f"line {OPT_LINE}", "allowed: each key once"]),
+    ("dup-block-key", sub("  D: 4\n", "  D: 4\n  D: 8\n"),
+     [f"line {D_LINE + 1}: key data.D is given twice (first at line {D_LINE})", "allowed: each key once"]),
+    ("dup-section", lambda t: t + "stats:\n  alpha: 0.1\n", ["key stats is given twice", "allowed: each key once"]),
+    # YAML syntax errors, with file, line and column
+    ("tab-indent", sub("  K: 8\n", "\tK: 8\n"), [f"line {K_LINE}, column 1: YAML syntax error", "no tabs"]),
+    ("unclosed-list", sub("seeds: [0, 1]", "seeds: [0, 1"), ["YAML syntax error", "column", "expected ',' or ']'"]),
+    ("bad-indent", sub("  K: 8\n", "   K: 8\n"), [f"line {K_LINE}, column", "YAML syntax error"]),
+    # every section required, unless switched off with enabled: false
+    *[(f"no-{s}", drop_section(s), [f"{s}: section missing", "every section is required",
+                                    f"`{s}: {{enabled: false}}`"])
+      for s in ("exposure", "llc", "ed", "geometry", "mech")],
+    ("no-stats", drop_section("stats"), ["stats: section missing", "every section is required"]),
+    ("no-grid", drop_section("grid"), ["grid: section missing", "every section is required"]),
+    ("llc-key-missing", in_section("llc", "  every: 8 ", "  # every: 8 "),
+     ["llc.every is required", "allowed: the keys enabled, every, sampler, stages", "llc.enabled: false"]),
+    ("unknown-section", lambda t: t + "typo_section: {enabled: false}\n",
+     ["unknown key(s) typo_section", "allowed keys: data, ed, eval, exposure"]),
+    ("exposure-off-but-injected", replace_section("exposure", "exposure: {enabled: false}"),
+     ["noise.conditions.grad_b16", "needs the full exposure section", "groups"]),
+    # probe seeds must be grid seeds
+    *[(f"{s}-seed-not-in-grid", in_section(s, "  seeds: [0]", "  seeds: [0, 3]"),
+       [f"{s}.seeds = [0, 3]", "seed(s) [3] not in grid.seeds", SEEDS, "a subset of grid.seeds"])
+      for s in ("llc", "geometry", "mech", "ed")],
+]
+
+
+@pytest.mark.parametrize("edit, expect", [c[1:] for c in BAD_FILES], ids=[c[0] for c in BAD_FILES])
+def test_bad_files_are_rejected_naming_key_and_allowed_values(tmp_path, edit, expect):
+    path = write(tmp_path, edit(TEXT))
+    with pytest.raises(ParamsError) as e:
+        load_params(path)
+    msg = str(e.value)
+    assert msg.startswith(str(path)), msg
+    for fragment in expect:
+        assert fragment in msg, f"{fragment!r} not in:\n{msg}"
+
+
+@pytest.mark.parametrize("name", ["exposure", "llc", "ed", "geometry", "mech"])
+def test_a_section_switched_off_needs_no_other_keys(tmp_path, name):
+    text = replace_section(name, f"{name}: {{enabled: false}}")(TEXT)
+    if name == "exposure":  # injected noise needs the exposure keys: run batch noise only
+        text = sub("noise: [none, grad_b16]", "noise: [none]")(text)
+    p = load_params(write(tmp_path, text))
+    assert p[name] == {"enabled": False}
+
+
+def test_the_shipped_configs_are_valid_with_their_overrides():
+    for override in ("configs/noise.yaml", "configs/paper.yaml"):
+        p = load_params("params.yaml", [override])
+        assert p["data"] == yaml.safe_load(Path(override).read_text()).get("data", p["data"])
+    assert load_params("params.yaml", ["configs/noise.yaml"])["llc"]["enabled"] is False
+
+
+def test_schema_is_draft_2020_12_and_validated_once():
+    s = schema()
+    assert s["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    jsonschema.Draft202012Validator.check_schema(s)
+
+    def tuples(node):  # draft-07 tuple `items: [...]` is `prefixItems` in 2020-12
+        if isinstance(node, dict):
+            return [k for k, v in node.items() if k == "items" and isinstance(v, list)] + \
+                [x for v in node.values() for x in tuples(v)]
+        return [x for v in node for x in tuples(v)] if isinstance(node, list) else []
+    assert tuples(s) == []
+    assert set(s["required"]) == set(s["properties"])  # every section required
+
+
+def test_cost_estimate_counts_the_dag():
+    """Job counts checked against Snakemake's own DAG: 116 jobs for params.yaml (README, measured run),
+    100 for configs/noise.yaml (its header, measured run) and 1083 for configs/paper.yaml (issue 20)."""
+    default = cost_estimate(load_params("params.yaml"))
+    assert (default["runs"], default["jobs"], default["run_steps"]) == (36, 116, 36 * 2500)
+    assert cost_estimate(load_params("params.yaml", ["configs/noise.yaml"]))["jobs"] == 100
+    paper = cost_estimate(load_params("params.yaml", ["configs/paper.yaml"]))
+    assert (paper["runs"], paper["jobs"]) == (595, 1083)
+    # 17 M x 5 seeds x (B64: none; B256, B1024: none + 2 injected) with 76.8M sequences / B steps each
+    assert paper["run_steps"] == 17 * 5 * (76_800_000 // 64 + 3 * 76_800_000 // 256 + 3 * 76_800_000 // 1024)
+    assert default["train_core_hours"] < default["core_hours"] < COST_CONFIRM_CORE_HOURS < paper["core_hours"]
+
+
+def test_probed_checkpoints_match_a_real_run():
+    """A default run's llc.parquet has steps [0, 145, 1562, 2500], geometry and mech [0, 312, 2500]
+    (snakemake on M16-B64-none-s0)."""
+    from iclnoise.config import probed_checkpoints
+    p = load_params("params.yaml")
+    assert [probed_checkpoints(p, 64, s) for s in ("llc", "geometry", "mech")] == [4, 3, 3]
+
+
+def test_check_cost_refuses_a_large_grid_without_confirmation():
+    check_cost(load_params("params.yaml"), confirmed=False)
+    paper = load_params("params.yaml", ["configs/paper.yaml"])
+    with pytest.raises(ParamsError) as e:
+        check_cost(paper, confirmed=False)
+    msg = str(e.value)
+    for fragment in ("1083 jobs", "595 runs", "core-hours", "--config confirm_cost=true", "threshold"):
+        assert fragment in msg, msg
+    assert check_cost(paper, confirmed=True)["jobs"] == 1083
+
+
+def test_check_command_prints_the_estimate(capsys):
+    from iclnoise.config import cli
+    cli(["params.yaml"])
+    out = capsys.readouterr().out
+    assert "valid; 36 runs" in out and "cost estimate: 36 runs, 116 jobs, 90,000 training steps" in out
+    cli(["params.yaml", "--configfile", "configs/paper.yaml"])
+    assert "above the 2 core-hour threshold" in capsys.readouterr().out
+
+
+def test_log_level_option_env_and_format(monkeypatch, capsys):
+    monkeypatch.delenv("ICLNOISE_LOG_LEVEL", raising=False)
+    assert iclnoise_cli.pop_log_level(["train", "--spec", "x"]) == ("INFO", ["train", "--spec", "x"])
+    assert iclnoise_cli.pop_log_level(["--log-level", "debug", "train"]) == ("DEBUG", ["train"])
+    assert iclnoise_cli.pop_log_level(["train", "--log-level=warning"]) == ("WARNING", ["train"])
+    monkeypatch.setenv("ICLNOISE_LOG_LEVEL", "error")
+    assert iclnoise_cli.pop_log_level(["train"]) == ("ERROR", ["train"])
+    with pytest.raises(SystemExit, match="ICLNOISE_LOG_LEVEL = 'loud' is not allowed; allowed: DEBUG, INFO"):
+        monkeypatch.setenv("ICLNOISE_LOG_LEVEL", "loud")
+        iclnoise_cli.pop_log_level(["train"])
+    root, pkg = logging.getLogger(), logging.getLogger("iclnoise")
+    saved = (root.handlers[:], root.level, pkg.level)
+    try:
+        iclnoise_cli.setup_logging("WARNING", "llc")
+        logging.getLogger("iclnoise.llc").info("hidden")
+        logging.getLogger("iclnoise.llc").warning("shown")
+        err = capsys.readouterr().err
+        assert "hidden" not in err and "WARNING iclnoise llc iclnoise.llc: shown" in err
+        iclnoise_cli.setup_logging("DEBUG", "train")
+        logging.getLogger("iclnoise.train").debug("step detail")
+        logging.getLogger("pydot").debug("third-party chatter")
+        warnings.warn("a warning becomes a log record")
+        err = capsys.readouterr().err
+        assert "DEBUG iclnoise train iclnoise.train: step detail" in err and "chatter" not in err
+        assert "a warning becomes a log record" in err
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+        pkg.setLevel(saved[2])
+        logging.captureWarnings(False)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to reset the peak RSS")
+def test_pool_memory_estimate_matches_a_measured_peak():
+    """The pool term against the peak RSS (VmHWM, reset first) of drawing a pool and running dMMSE on it (one
+    evaluator pool: the estimate minus the training pool's M·D·4). Measured 143.7 MB vs 126.4 MB estimated
+    for M = 2^17, D = 64 (ratio 1.14, three runs)."""
+    M, D = 2**17, 64
+    code = ("import torch; torch.set_num_threads(1)\n"
+            "from iclnoise.tasks import task_pool, eval_set\nfrom iclnoise.predictors import dmmse\n"
+            "def kb(k): return next(int(x.split()[1]) for x in open('/proc/self/status') if x.startswith(k))\n"
+            "open('/proc/self/clear_refs', 'w').write('5')\nr0 = kb('VmRSS:')\n"
+            f"pool = task_pool(0, {M}, {D}); b = eval_set('id', {M}, 32, 8, {D}, 0.125, 0, 1)\n"
+            "dmmse(b.xs, b.ys, pool, 0.125)\nprint((kb('VmHWM:') - r0) * 1024)\n")
+    measured = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    p = yaml.safe_load(Path("params.yaml").read_text())
+    p["grid"]["M"], p["data"]["D"] = [M], D
+    evaluator_part = memory_estimate(p)["pool"] - M * D * 4
+    assert 0.7 * evaluator_part < measured < 1.3 * evaluator_part, (measured, evaluator_part)
+
+
+def test_overrides_merge_as_snakemake_does_and_are_read_strictly(tmp_path):
+    """merge_params against Snakemake's own update_config (the reference: what --configfile does)."""
+    update_config = pytest.importorskip("snakemake.utils").update_config
+    base = read_yaml("params.yaml")
+    for override in ("configs/paper.yaml", "configs/noise.yaml"):
+        ref = copy.deepcopy(base)
+        update_config(ref, read_yaml(override))
+        assert merge_params(base, read_yaml(override)) == ref
+    assert base == read_yaml("params.yaml")  # not mutated
+    dup = tmp_path / "override.yaml"
+    dup.write_text("grid:\n  seeds: [0]\n  seeds: [0, 1]\n")
+    for call in (lambda: load_params("params.yaml", [dup]), lambda: check_yaml_files(["params.yaml", dup])):
+        with pytest.raises(ParamsError, match=rf"{dup}, line 3: key grid.seeds is given twice \(first at line 2\)"):
+            call()

@@ -1,7 +1,14 @@
-"""`iclnoise <command> ...`: the entry points the Snakemake rules call (one module per command)."""
+"""`iclnoise [--log-level LEVEL] <command> ...`: the entry points the Snakemake rules call (one module per command).
+
+Logging is configured once, here: records go to stderr as `LEVEL iclnoise <command> module: message`, at the
+level of `--log-level` (anywhere on the command line), else $ICLNOISE_LOG_LEVEL, else INFO. Modules log with
+`logging.getLogger(__name__)`; Python warnings are logged too.
+"""
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 import sys
 
 COMMANDS = {
@@ -16,17 +23,59 @@ COMMANDS = {
     "mech": ("iclnoise.mech", "attention, head ablation, layer-norm and linear probes per checkpoint"),
     "aggregate": ("iclnoise.aggregate", "outcomes, thresholds and hypothesis tests over all runs"),
     "report": ("iclnoise.report", "results/report.md from the aggregate tables and figures"),
-    "check": ("iclnoise.config", "validate a params file and print the grid"),
+    "check": ("iclnoise.config", "validate a params file, print the grid and its cost estimate"),
 }
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_ENV = "ICLNOISE_LOG_LEVEL"
+
+
+def pop_log_level(argv: list[str]) -> tuple[str, list[str]]:
+    """(level, argv without `--log-level X` / `--log-level=X`); the level from $ICLNOISE_LOG_LEVEL or INFO when
+    the option is absent. An unknown level raises SystemExit naming the allowed ones."""
+    level, rest, i = os.environ.get(LOG_ENV) or "INFO", [], 0
+    source = f"${LOG_ENV}" if os.environ.get(LOG_ENV) else "default"
+    while i < len(argv):
+        a = argv[i]
+        if a == "--log-level":
+            if i + 1 == len(argv):
+                raise SystemExit(f"--log-level needs a value; allowed: {', '.join(LEVELS)}")
+            level, source, i = argv[i + 1], "--log-level", i + 2
+            continue
+        if a.startswith("--log-level="):
+            level, source = a.split("=", 1)[1], "--log-level"
+        else:
+            rest.append(a)
+        i += 1
+    if level.upper() not in LEVELS:
+        raise SystemExit(f"{source} = {level!r} is not allowed; allowed: {', '.join(LEVELS)} (any case)")
+    return level.upper(), rest
+
+
+def setup_logging(level: str, command: str) -> None:
+    """One stderr handler on the root logger (replacing any earlier one), format naming the command. The
+    package logs at `level`; other libraries' records below WARNING are dropped (pydot, matplotlib debug)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s iclnoise {command} %(name)s: %(message)s",
+                                           datefmt="%H:%M:%S"))
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(handler)
+    root.setLevel(max(logging.getLevelName(level), logging.WARNING))
+    logging.getLogger("iclnoise").setLevel(level)
+    logging.captureWarnings(True)
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = sys.argv[1:] if argv is None else list(argv)
+    level, argv = pop_log_level(argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         width = max(map(len, COMMANDS))
         lines = "\n".join(f"  {c:<{width}}  {h}" for c, (_, h) in COMMANDS.items())
-        print(f"usage: iclnoise <command> [options]\n\ncommands:\n{lines}")
+        print(f"usage: iclnoise [--log-level {{{','.join(LEVELS)}}}] <command> [options]\n\n"
+              f"commands:\n{lines}\n\nlog level: --log-level, else ${LOG_ENV}, else INFO")
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    setup_logging(level, argv[0])
     module = importlib.import_module(COMMANDS[argv[0]][0])
     fn = getattr(module, "cli_" + argv[0].replace("-", "_"), None) or module.cli
     fn(argv[1:])

@@ -6,6 +6,7 @@ and what is allowed, before any job starts (the Snakefile calls it at parse time
 from __future__ import annotations
 
 import copy
+import math
 import re
 import warnings
 from dataclasses import dataclass
@@ -27,13 +28,102 @@ def schema() -> dict:
     return yaml.safe_load(resources.files("iclnoise").joinpath("params.schema.yaml").read_text())
 
 
-def load_params(path: str | Path = "params.yaml") -> dict:
-    with open(path) as f:
-        return validate_params(yaml.safe_load(f))
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that rejects a key given twice in one mapping (PyYAML silently keeps the last)."""
+
+    def construct_document(self, node):
+        _reject_duplicate_keys(node, [], self.name, set())
+        return super().construct_document(node)
+
+
+def _reject_duplicate_keys(node: yaml.Node, path: list, name: str, seen: set) -> None:
+    if id(node) in seen:  # an alias of an anchor already checked
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first: dict[str, int] = {}
+        for k, v in node.value:
+            key = k.value if isinstance(k, yaml.ScalarNode) else str(k)
+            line = k.start_mark.line + 1
+            if key in first:
+                raise ParamsError(f"{name}, line {line}: key {_key(path + [key])} is given twice (first at line "
+                                  f"{first[key]}); allowed: each key once (YAML would silently keep the last)")
+            first[key] = line
+            _reject_duplicate_keys(v, path + [key], name, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _reject_duplicate_keys(item, path + [i], name, seen)
+
+
+def read_yaml(path: str | Path) -> Any:
+    """Parse a YAML file strictly: a duplicate key or a syntax error is a ParamsError naming the file,
+    the line and the column."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            return yaml.load(f, Loader=UniqueKeyLoader)
+        except yaml.MarkedYAMLError as e:
+            mark = e.problem_mark or e.context_mark
+            where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "position unknown"
+            what = "; ".join(x for x in (e.context, e.problem) if x)
+            raise ParamsError(f"{path}, {where}: YAML syntax error: {what}. Allowed: YAML mappings indented with "
+                              f"spaces (no tabs); quote strings that contain ': ' or ' #'") from None
+        except yaml.YAMLError as e:
+            raise ParamsError(f"{path}: not valid YAML: {e}") from None
+
+
+def check_yaml_files(paths: list[str | Path]) -> None:
+    """Parse each config file strictly (duplicate keys, syntax errors); for the Snakefile, which lets
+    Snakemake load the files itself."""
+    for p in paths:
+        read_yaml(p)
+
+
+def merge_params(base: dict, override: dict) -> dict:
+    """`override` merged into a copy of `base` key by key, mappings recursively (as Snakemake merges
+    --configfile into the workflow's configfile); lists and values are replaced whole."""
+    out = copy.deepcopy(base)
+    for k, v in override.items():
+        out[k] = merge_params(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def load_params(path: str | Path = "params.yaml", overrides: list[str | Path] = ()) -> dict:
+    """Read `path` and each override file strictly (read_yaml), merge them (merge_params) and validate
+    the result (validate_params); errors start with the file names."""
+    params = read_yaml(path)
+    for o in overrides:
+        extra = read_yaml(o)
+        if not isinstance(extra, dict) or not isinstance(params, dict):
+            raise ParamsError(f"{o}: a params file must be a mapping of sections")
+        params = merge_params(params, extra)
+    try:
+        return validate_params(params)
+    except ParamsError as e:
+        raise ParamsError(f"{' + '.join(map(str, [path, *overrides]))}: {e}") from None
 
 
 def _key(path) -> str:
     return ".".join(str(p) for p in path) or "<top level>"
+
+
+M_MAX = 2**20  # largest finite task-pool size (the schema's grid.M maximum)
+MAX_JOB_MEMORY = 32 * 2**30  # bytes one job may plan to allocate (memory_estimate)
+_TYPE_WORDS = {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "true or false",
+               "array": "a list", "object": "a mapping", "null": "null"}
+
+
+def _is_integer(checker, instance) -> bool:
+    """JSON Schema counts 4.0 as an integer; a params file must write 4."""
+    return isinstance(instance, int) and not isinstance(instance, bool)
+
+
+_Validator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_integer))
+
+
+def _switchable(s: dict) -> bool:
+    return "enabled" in (s.get("properties") or {})
 
 
 def _describe(err: jsonschema.ValidationError) -> str:
@@ -46,24 +136,66 @@ def _describe(err: jsonschema.ValidationError) -> str:
         extra = sorted(set(err.instance) - set(s.get("properties", {})))
         return f"{key}: unknown key(s) {', '.join(extra)}; allowed keys: {allowed}"
     if err.validator == "required":
-        return f"{key}: {err.message}"
+        missing = [k for k in err.validator_value if k not in err.instance]
+        name = ".".join(str(p) for p in [*err.absolute_path, missing[0]]) if missing else key
+        sub = (s.get("properties") or {}).get(missing[0], {}) if missing else {}
+        if not err.absolute_path:  # a whole section
+            off = f"; to switch it off write `{name}: {{enabled: false}}`" if _switchable(sub) else ""
+            return (f"{name}: section missing; allowed: every section is required (a missing one would silently "
+                    f"drop its part of the pipeline){off}")
+        off = f" (or `{key}.enabled: false` to switch the section off)" if _switchable(s) else ""
+        return f"{name} is required; allowed: the keys {', '.join(err.validator_value)}{off}"
     if err.validator == "anyOf" and err.absolute_path and "M" in list(err.absolute_path):
-        return f"{key} = {err.instance!r} is not allowed; M must be an integer >= 1 or 'inf'"
+        return f"{key} = {err.instance!r} is not allowed; M must be an integer 1 <= M <= {M_MAX} (2^20) or 'inf'"
+    if err.validator == "type":
+        types = [err.validator_value] if isinstance(err.validator_value, str) else list(err.validator_value)
+        want = " or ".join(_TYPE_WORDS.get(t, t) for t in types)
+        hint = (f" (write {int(err.instance)}, not {err.instance!r})"
+                if "integer" in types and isinstance(err.instance, float) and err.instance.is_integer() else "")
+        if "number" in types and isinstance(err.instance, str) and re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+",
+                                                                              err.instance):
+            hint = f" (YAML reads {err.instance} as a string: write it with a dot, e.g. 1.0e-8)"
+        return f"{key} = {err.instance!r} is not allowed; it must be {want}{hint}"
     if err.validator in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
         op = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}[err.validator]
         return f"{key} = {err.instance!r} is not allowed; it must be {op} {err.validator_value}"
     if err.validator == "pattern":
-        return f"{key} = {err.instance!r} is not allowed; it must match {err.validator_value} (lowercase letters, digits, _)"
+        return (f"{key} = {err.instance!r} is not allowed; it must match {err.validator_value} "
+                f"(lowercase letters, digits, _)")
     desc = s.get("description", "")
-    return f"{key}: {err.message}" + (f" ({desc})" if desc else "")
+    return f"{key}: {err.message}" + (f" (allowed: {desc})" if desc else "")
+
+
+def _non_finite(node: Any, path: list) -> list[tuple[list, float]]:
+    """(path, value) of every NaN or ±inf number in a parsed params tree."""
+    if isinstance(node, float):
+        return [] if math.isfinite(node) else [(path, node)]
+    if isinstance(node, dict):
+        return [x for k, v in node.items() for x in _non_finite(v, path + [k])]
+    if isinstance(node, (list, tuple)):
+        return [x for i, v in enumerate(node) for x in _non_finite(v, path + [i])]
+    return []
+
+
+def _switched_off(err: jsonschema.ValidationError) -> bool:
+    """A `required` error inside a section that says `enabled: false`: its other keys may be left out."""
+    return (err.validator == "required" and isinstance(err.instance, dict) and err.instance.get("enabled") is False
+            and bool(err.absolute_path) and _switchable(err.schema))
 
 
 def validate_params(params: dict) -> dict:
-    """Check `params` against the schema and the cross-field rules; return it unchanged."""
+    """Check `params` against the schema (JSON Schema 2020-12; integers must be ints) and the cross-field
+    rules (finite numbers, seeds, sizes, noise conditions); return it unchanged."""
     if not isinstance(params, dict):
         raise ParamsError("params.yaml must be a mapping of sections (grid, data, model, train, eval, noise, ...)")
-    validator = jsonschema.Draft7Validator(schema())
-    errors = sorted(validator.iter_errors(params), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
+    bad = _non_finite(params, [])
+    if bad:
+        lines = "\n  - ".join(
+            f"{_key(p)} = {v!r} is not allowed; allowed: a finite number"
+            + (" (M = ∞ is written inf, a string)" if p[:2] == ["grid", "M"] else "") for p, v in bad)
+        raise ParamsError(f"invalid params:\n  - {lines}")
+    errors = [e for e in _Validator(schema()).iter_errors(params) if not _switched_off(e)]
+    errors.sort(key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
     if errors:
         lines = "\n  - ".join(_describe(e) for e in errors[:10])
         raise ParamsError(f"invalid params:\n  - {lines}")
@@ -97,10 +229,167 @@ def _cross_checks(p: dict) -> None:
     Ms = [parse_m(x) for x in p["grid"]["M"]]
     if len(set(Ms)) != len(Ms):
         raise ParamsError(f"grid.M has duplicates: {p['grid']['M']}")
+    _seed_checks(p)
     _noise_checks(p)
+    _memory_check(p)
+
+
+PROBE_SECTIONS = ("llc", "geometry", "mech", "ed")
+
+
+def _seed_checks(p: dict) -> None:
+    grid = p["grid"]["seeds"]
+    for name in PROBE_SECTIONS:
+        sec = p.get(name) or {}
+        missing = [s for s in sec.get("seeds") or [] if s not in grid]
+        if sec.get("enabled") and missing:
+            raise ParamsError(f"{name}.seeds = {sec['seeds']}: seed(s) {missing} not in grid.seeds = {grid}; allowed: "
+                              f"a subset of grid.seeds (those runs do not exist and would be skipped silently)")
+
+
+def memory_estimate(params: dict) -> dict[str, int]:
+    """Bytes one training job plans to allocate at the largest M of the grid (a floor, not a measurement):
+
+    pool   = M·(16D + 196): the training pool M·D·4 plus the evaluator's peak, max(M·D·12 (float64 draw and
+             float32 copy), M·D·4 + M·(2D+1)·4 + 3·16·M·4 (dMMSE: pool, its two copies, three buffers))
+    eval   = (2·n_sequences + n_root)·K·(D+1)·4·2 (sets, predictions) + n_sequences·2K·(4d + d_mlp + 2K·h)·4·2
+    train  = micro_batch·2K·L·(10d + 2·d_mlp + 3·2K·h)·4 (activations kept for backward)
+    params = 16·P, P = L·(4d² + 2d·d_mlp) (weights, gradients, two Adam moments)
+    """
+    d, m, e, t = params["data"], params["model"], params["eval"], params["train"]
+    finite = [x for x in grid_ms(params) if x != M_INF]
+    M, D, K, T = max(finite, default=0), d["D"], d["K"], 2 * d["K"]
+    dm, dmlp, L, h = m["d_model"], m["d_mlp"], m["n_layers"], m["n_heads"]
+    est = {
+        "pool": M * (16 * D + 196),
+        "eval": (2 * e["n_sequences"] + e["n_root"]) * K * (D + 1) * 8
+        + e["n_sequences"] * T * (4 * dm + dmlp + T * h) * 8,
+        "train": min(t["micro_batch"], max(params["grid"]["batch_sizes"])) * T * L
+        * (10 * dm + 2 * dmlp + 3 * T * h) * 4,
+        "params": 16 * L * (4 * dm * dm + 2 * dm * dmlp),
+    }
+    est["total"] = sum(est.values())
+    return est
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def _memory_check(p: dict) -> None:
+    est = memory_estimate(p)
+    if est["total"] > MAX_JOB_MEMORY:
+        parts = ", ".join(f"{k} {_bytes(v)}" for k, v in est.items() if k != "total")
+        raise ParamsError(f"estimated memory of one job {_bytes(est['total'])} ({parts}) is not allowed; allowed: "
+                          f"<= {_bytes(MAX_JOB_MEMORY)}; the pool grows with grid.M × data.D, evaluation with "
+                          f"eval.n_sequences × data.K × model.d_mlp, training with train.micro_batch")
+
+
+# CPU milliseconds per training step = STEP_MS_BASE + STEP_MS_PER_MFLOP · step_flops / 1e6, × INJECTED_FACTOR[source].
+# Measured (process CPU time of iclnoise.train.train_run, 1 thread, evaluation, checkpoints and exposure logging
+# amortised; the shared 2-core dev machine, 2026-11-23), params.yaml unless noted, M = 16:
+#   batch 16: 8.55 ms (28.3 MFLOP); batch 64: 11.98 ms (113 MFLOP); d_model 128, d_mlp 512, 4 heads, K = 16,
+#   batch 64, 1000 steps: 152.0 ms (5033 MFLOP); batch 64 + grad_b16: 14.96 ms (×1.25), + param_b16: 14.25 (×1.19).
+# The line through the batch-64 and the large-model points: exact there, +12 % at batch 16. For the default grid it
+# predicts 0.30 core-hours of training; the three measured run types sum to 0.296. Re-measure on new hardware.
+STEP_MS_BASE = 8.76
+STEP_MS_PER_MFLOP = 0.0285
+INJECTED_FACTOR = {"none": 1.0, "grad": 1.25, "param": 1.19}
+COST_CONFIRM_CORE_HOURS = 2.0
+
+
+def step_flops(params: dict, batch: int) -> float:
+    """Training FLOPs of one update: 6 · batch · T · L · (4d² + 2d·d_mlp + 2T·d), T = 2K tokens
+    (forward 2 FLOPs per multiply-add, backward twice the forward)."""
+    m, T = params["model"], 2 * params["data"]["K"]
+    d = m["d_model"]
+    return 6.0 * batch * T * m["n_layers"] * (4 * d * d + 2 * d * m["d_mlp"] + 2 * T * d)
+
+
+def step_ms(params: dict, batch: int, source: str = "none") -> float:
+    """Estimated CPU milliseconds per training step (one core): STEP_MS_BASE + STEP_MS_PER_MFLOP · MFLOPs,
+    × INJECTED_FACTOR[source] (noise source none, grad or param)."""
+    return (STEP_MS_BASE + STEP_MS_PER_MFLOP * step_flops(params, batch) / 1e6) * INJECTED_FACTOR[source]
+
+
+JOB_START_S = 2.5  # CPU seconds to start one `iclnoise` job (python + torch + package imports; measured 2.1–4.2 s)
+
+
+def probed_checkpoints(params: dict, batch: int, section: str) -> int:
+    """How many checkpoints of a run at `batch` a probe section (llc, geometry, mech) analyses."""
+    from .runs import select_steps
+    from .schedules import checkpoint_steps
+    c = params["train"]["checkpoints"]
+    steps = checkpoint_steps(steps_for(params, batch), c["linear"], c["log"])
+    return len(select_steps(steps, params[section]["every"]))
+
+
+def probe_seconds(params: dict, batch: int, section: str) -> float:
+    """Estimated CPU seconds of one probe job, counted in training-step equivalents (step_ms) per checkpoint:
+    llc: chains · (burn_in + draws) SGLD steps at sampler.batch; geometry: (2·probes + lanczos_iters + 2)
+    Hessian-vector products at n_heldout, 2 steps each; mech: (n_layers · n_heads + 2) forward passes (⅓ step)
+    at n_sequences and one at n_probe. Measured on one default run (M16-B64-none-s0, snakemake benchmark
+    cpu_time): llc 25.3 s (estimate 35.7), geometry 5.0 s (5.5), mech 4.7 s (2.8)."""
+    g, m = params[section], params["model"]
+    if section == "llc":
+        sm = g["sampler"]
+        per = sm["chains"] * (sm["burn_in"] + sm["draws"]) * step_ms(params, sm["batch"])
+    elif section == "geometry":
+        per = (2 * g["probes"] + g["lanczos_iters"] + 2) * 2 * step_ms(params, g["n_heldout"])
+    else:
+        heads = m["n_layers"] * m["n_heads"]
+        per = ((heads + 2) * step_ms(params, g["n_sequences"]) + step_ms(params, g["n_probe"])) / 3
+    return JOB_START_S + probed_checkpoints(params, batch, section) * per / 1000
+
+
+def cost_estimate(params: dict) -> dict[str, Any]:
+    """Jobs of the DAG, training steps summed over runs, and estimated core-hours: training (step_ms), the
+    llc / geometry / mech probes (probe_seconds) and JOB_START_S for every other job."""
+    runs = expand_grid(params)
+    conds = params["noise"]["conditions"]
+    probes = {}
+    for name in ("llc", "geometry", "mech"):
+        sec = params.get(name) or {}
+        seeds = sec.get("seeds")
+        probes[name] = [k for k in runs if seeds is None or k.seed in seeds] if sec.get("enabled") else []
+    families = len(ed_families(params))
+    # stages per LLC run, llc figures, ed families, training figures, aggregate, report, all
+    other = len(probes["llc"]) + (1 if probes["llc"] else 0) + families + 4
+    jobs = len(runs) + sum(map(len, probes.values())) + other
+    run_steps = sum(steps_for(params, k.batch) for k in runs)
+    train_s = sum(JOB_START_S + steps_for(params, k.batch) * step_ms(params, k.batch, conds[k.noise]["source"]) / 1000
+                  for k in runs)
+    probe_s = sum(probe_seconds(params, k.batch, name) for name, ks in probes.items() for k in ks)
+    return {"runs": len(runs), "jobs": jobs, "run_steps": run_steps, "train_core_hours": train_s / 3600,
+            "core_hours": (train_s + probe_s + other * JOB_START_S) / 3600,
+            "peak_job_memory": memory_estimate(params)["total"], "threshold_core_hours": COST_CONFIRM_CORE_HOURS}
+
+
+def format_cost(est: dict) -> str:
+    """One line: jobs, steps, CPU core-hours (all jobs; training alone), planned memory per training job."""
+    return (f"{est['runs']} runs, {est['jobs']} jobs, {est['run_steps']:,} training steps, "
+            f"≈ {est['core_hours']:,.2f} CPU core-hours ({est['train_core_hours']:,.2f} of them training; rates "
+            f"measured on the default model, a GPU is faster), ≈ {_bytes(est['peak_job_memory'])} allocated per "
+            f"training job")
+
+
+def check_cost(params: dict, confirmed: bool = False) -> dict[str, Any]:
+    """The cost estimate; raises ParamsError above COST_CONFIRM_CORE_HOURS unless `confirmed`."""
+    est = cost_estimate(params)
+    if est["core_hours"] > COST_CONFIRM_CORE_HOURS and not confirmed:
+        raise ParamsError(f"this grid costs {format_cost(est)}: above the {COST_CONFIRM_CORE_HOURS:g} core-hour "
+                          f"threshold. To start it anyway add `--config confirm_cost=true` to the snakemake command "
+                          f"(or shrink grid.M, grid.seeds, grid.batch_sizes or train.budget)")
+    return est
 
 
 # which level key each schedule takes (SPEC §5; iclnoise.noise)
+_EXPOSURE_KEYS = ("every", "groups", "per_example", "kappa", "curvature", "curvature_probes", "heldout", "floor",
+                  "eig_rank")
 _LEVELS = {"constant": ("emulate_batch", "budget"), "early": ("budget",), "late": ("budget",),
            "controlled": ("target",)}
 
@@ -123,8 +412,9 @@ def _noise_checks(p: dict) -> None:
             if extra:
                 raise ParamsError(f"{key}: source none takes no other keys, got {', '.join(extra)}")
             continue
-        if not exp:
-            raise ParamsError(f"{key}: injected noise needs the exposure section (it measures the covariance)")
+        if name in used and "groups" not in exp:
+            raise ParamsError(f"{key}: injected noise needs the full exposure section (it measures the covariance); "
+                              f"allowed: exposure with its keys ({', '.join(_EXPOSURE_KEYS)}), enabled true or false")
         for k in ("shape", "schedule"):
             if k not in c:
                 raise ParamsError(f"{key}.{k} is required for source {c['source']}")
@@ -135,10 +425,10 @@ def _noise_checks(p: dict) -> None:
                               f" (got {', '.join(given) or 'none'})")
         if c["schedule"] in ("early", "late") and "fraction" not in c:
             raise ParamsError(f"{key}.fraction is required for schedule {c['schedule']} (0 < f ≤ 1)")
-        if c["schedule"] == "controlled" and not exp.get("enabled"):
+        if c["schedule"] == "controlled" and name in used and not exp.get("enabled"):
             raise ParamsError(f"{key}: schedule controlled needs exposure.enabled: true (it measures P-NE*)")
-        if c["shape"] == "lowrank" and not exp.get("per_example") and c.get("rank", 8) >= exp["groups"] \
-                and name in used:
+        if c["shape"] == "lowrank" and name in used and not exp.get("per_example") \
+                and c.get("rank", 8) >= exp["groups"]:
             raise ParamsError(f"{key}.rank = {c.get('rank', 8)} is not allowed; with exposure.groups = "
                               f"{exp['groups']} the covariance has rank ≤ {exp['groups'] - 1}")
         runs_at = [B for B in p["grid"]["batch_sizes"] if B in c.get("batch_sizes", [B])]
@@ -265,14 +555,21 @@ __all__ = ["ParamsError", "RunKeys", "M_INF", "load_params", "validate_params", 
 def cli(argv: list[str]) -> None:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="iclnoise check", description="Validate a params file and list its runs.")
+    ap = argparse.ArgumentParser(prog="iclnoise check",
+                                 description="Validate a params file, list its runs and print the cost estimate.")
     ap.add_argument("params", nargs="?", default="params.yaml")
+    ap.add_argument("--configfile", nargs="*", default=[], help="override files merged on top, as snakemake does")
     a = ap.parse_args(argv)
     try:
-        params = load_params(a.params)
+        params = load_params(a.params, a.configfile)
     except ParamsError as e:
-        raise SystemExit(f"{a.params}: {e}")
+        raise SystemExit(str(e))
     runs = expand_grid(params)
-    print(f"{a.params}: valid; {len(runs)} runs")
+    print(f"{' + '.join([a.params, *a.configfile])}: valid; {len(runs)} runs")
     for k in runs:
         print(f"  {k.run_id}  ({steps_for(params, k.batch)} steps)")
+    est = cost_estimate(params)
+    print(f"cost estimate: {format_cost(est)}")
+    if est["core_hours"] > COST_CONFIRM_CORE_HOURS:
+        print(f"above the {COST_CONFIRM_CORE_HOURS:g} core-hour threshold: snakemake refuses it without "
+              f"--config confirm_cost=true")

@@ -1,0 +1,105 @@
+"""Outputs: group-readable under the umask, byte-identical reruns, provenance metadata, corrupt files named."""
+import os
+import stat
+
+import duckdb
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+from iclnoise.io import (KEY_FIELDS, CorruptFileError, atomic_path, content_hash, read_metadata, read_parquet,
+                         write_json, write_parquet, write_text)
+
+SCHEMA = pa.schema([*KEY_FIELDS, pa.field("step", pa.int64()), pa.field("loss", pa.float64())])
+
+
+def frame(n: int = 50) -> pd.DataFrame:
+    rng = np.random.default_rng(0)
+    return pd.DataFrame({"run_id": "M4-B16-none-s0", "M": 4, "seed": 0, "batch": 16, "noise": "none",
+                         "step": np.arange(n), "loss": rng.normal(size=n)})
+
+
+@pytest.fixture
+def umask():
+    """Set a umask for one test and restore the process's own afterwards."""
+    old = os.umask(0o022)
+    yield lambda m: os.umask(m)
+    os.umask(old)
+
+
+@pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_outputs_follow_the_umask(tmp_path, umask, mask, mode):
+    umask(mask)
+    write_parquet(frame(), tmp_path / "a.parquet", SCHEMA)
+    write_json({"a": 1}, tmp_path / "a.json")
+    write_text("x", tmp_path / "a.txt")
+    final, tmp = atomic_path(tmp_path / "b.bin")  # the path callers (checkpoints, figures) write themselves
+    with open(tmp, "wb") as f:
+        f.write(b"x")
+    os.replace(tmp, final)
+    for name in ("a.parquet", "a.json", "a.txt", "b.bin"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == mode, name
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_same_frame_gives_identical_bytes_and_provenance(tmp_path):
+    a, b = tmp_path / "a.parquet", tmp_path / "b.parquet"
+    h = content_hash({"keys": {"run_id": "M4-B16-none-s0"}, "train": {"lr": 0.002}})
+    write_parquet(frame(), a, SCHEMA, spec_hash=h)
+    write_parquet(frame(), b, SCHEMA, spec_hash=h)
+    assert a.read_bytes() == b.read_bytes()
+    meta = read_metadata(a)
+    assert meta["iclnoise.spec_hash"] == h and len(h) == 64
+    assert '"pyarrow"' in meta["iclnoise.versions"] and '"python"' in meta["iclnoise.versions"]
+    assert meta["iclnoise.commit"] == "unknown" or len(meta["iclnoise.commit"].split("+")[0]) == 40
+    write_parquet(frame(), b, SCHEMA, spec_hash=content_hash({"train": {"lr": 0.003}}))
+    assert a.read_bytes() != b.read_bytes()  # the hash is really in the file
+    assert content_hash({"x": 1, "y": [1, 2]}) == content_hash({"y": [1, 2], "x": 1})
+
+
+def test_pandas_and_duckdb_read_it(tmp_path):
+    p = tmp_path / "m.parquet"
+    write_parquet(frame(), p, SCHEMA, spec_hash="abc")
+    pd.testing.assert_frame_equal(pd.read_parquet(p), frame())
+    pd.testing.assert_frame_equal(read_parquet(p, SCHEMA), frame())
+    con = duckdb.connect()
+    n, total = con.execute(f"select count(*), sum(loss) from read_parquet('{p}')").fetchone()
+    assert n == 50 and total == pytest.approx(frame().loss.sum())
+    kv = dict(con.execute(f"select key::varchar, value::varchar from parquet_kv_metadata('{p}')").fetchall())
+    assert kv["iclnoise.spec_hash"] == "abc"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
+def test_corrupt_file_is_named_with_what_to_do(tmp_path, damage):
+    p = tmp_path / "metrics.parquet"
+    write_parquet(frame(), p, SCHEMA)
+    data = p.read_bytes()
+    p.write_bytes({"truncate": data[: len(data) // 2], "garbage": b"x" * len(data), "empty": b""}[damage])
+    with pytest.raises(CorruptFileError) as e:
+        read_parquet(p)
+    assert str(p) in str(e.value) and "truncated or corrupt" in str(e.value) and "rerun snakemake" in str(e.value)
+
+
+def test_schema_mismatch_is_named(tmp_path):
+    p = tmp_path / "metrics.parquet"
+    write_parquet(frame(), p, SCHEMA)
+    expected = pa.schema([*KEY_FIELDS, pa.field("step", pa.int64()), pa.field("loss", pa.float32()),
+                          pa.field("r", pa.float64())])
+    with pytest.raises(CorruptFileError) as e:
+        read_parquet(p, expected)
+    msg = str(e.value)
+    assert str(p) in msg and "missing column r" in msg and "column loss is double, expected float" in msg, msg
+    with pytest.raises(FileNotFoundError):
+        read_parquet(tmp_path / "absent.parquet")
+
+
+def test_failed_write_keeps_the_old_file(tmp_path):
+    p = tmp_path / "m.parquet"
+    write_parquet(frame(), p, SCHEMA)
+    before = p.read_bytes()
+    with pytest.raises(ValueError, match="columns do not match"):
+        write_parquet(frame().drop(columns="loss"), p, SCHEMA)
+    with pytest.raises((pa.ArrowException, TypeError, ValueError)):
+        write_parquet(frame().assign(loss="not a number"), p, SCHEMA)
+    assert p.read_bytes() == before and not list(tmp_path.glob(".*.tmp"))
