@@ -6,8 +6,8 @@ from pathlib import Path
 
 from snakemake.utils import min_version
 
-from iclnoise.config import (ParamsError, ed_families, ensemble_groups, expand_grid, parse_run_id, shared_spec,
-                             validate_params)
+from iclnoise.config import (ParamsError, check_cost, check_yaml_files, ed_families, ensemble_groups, expand_grid,
+                             format_cost, parse_run_id, shared_spec, validate_params)
 
 min_version("9.0")
 
@@ -15,10 +15,15 @@ min_version("9.0")
 configfile: "params.yaml"
 
 
+# Keys that configure how the workflow runs, not what it computes (not part of params.yaml's schema).
+RUN_KEYS = ("train_resources", "confirm_cost")
 try:
-    PARAMS = validate_params({k: v for k, v in config.items() if k != "train_resources"})
+    check_yaml_files(["params.yaml", *workflow.configfiles])  # duplicate keys, syntax errors with line numbers
+    PARAMS = validate_params({k: v for k, v in config.items() if k not in RUN_KEYS})
+    COST = check_cost(PARAMS, confirmed=bool(config.get("confirm_cost")))
 except ParamsError as err:
-    raise WorkflowError(f"params.yaml: {err}") from None
+    raise WorkflowError(f"{' + '.join(['params.yaml', *map(str, workflow.configfiles)])}: {err}") from None
+logger.info(f"grid: {format_cost(COST)}")
 
 RUNS = [k.run_id for k in expand_grid(PARAMS)]
 GROUPS = ensemble_groups(PARAMS)

@@ -184,7 +184,6 @@ def test_isotropic_parameter_noise_is_isotropic_in_parameter_space():
     spec = _injection_spec("param", 4, 16, shape="isotropic")
     inj = NoiseInjector(spec, _meter(spec), {"curv": 1.0}, torch.device("cpu"))
     inj.cov, _ = shaped_covariance(n, 1 / 4 - 1 / 16, "isotropic")
-    inj._diag = inj.cov.diag()
     model = torch.nn.Linear(5, 1, bias=False).double()
     model.weight.grad = torch.zeros_like(model.weight)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)

@@ -125,7 +125,8 @@ class NoiseInjector:
         self.ctl_started = False
         self.meter, self.shared, self.device = meter, shared, device
         self.cov: CovModel | None = None
-        self.clipped, self._diag, self._trace = 0.0, None, 0.0
+        self.clipped = 0.0
+        self._cached: tuple[CovModel | None, torch.Tensor | None] = (None, None)
         self.realised = 0.0                     # Σ injected P-NE* after clipping so far
         self._rows: list[dict] = []
         self._eps: torch.Tensor | None = None
@@ -135,10 +136,19 @@ class NoiseInjector:
     def boundaries(self) -> tuple[int, int]:
         return self.start, self.stop
 
+    @property
+    def _diag(self) -> torch.Tensor:
+        """diag(R') of the current covariance (cached per covariance)."""
+        if self._cached[0] is not self.cov:
+            self._cached = (self.cov, self.cov.diag())
+        return self._cached[1]
+
+    @property
+    def _trace(self) -> float:
+        return float(self._diag.sum())
+
     def _refresh(self, ctx: StepContext) -> None:
         self.cov, self.clipped = shaped_covariance(self.meter.measure(ctx), self.coef, self.shape, self.rank)
-        self._diag = self.cov.diag()
-        self._trace = float(self._diag.sum())
 
     def _scale(self, ctx: StepContext, a: torch.Tensor, curv: float) -> float:
         k = self.shared.get("kappa", self.kappa)
@@ -217,9 +227,6 @@ class NoiseInjector:
 
     def load_state_dict(self, state: dict) -> None:
         self.cov = None if state["cov"] is None else CovModel(**{k: v.to(self.device) for k, v in state["cov"].items()})
-        if self.cov is not None:
-            self._diag = self.cov.diag()
-            self._trace = float(self._diag.sum())
         self.clipped, self._rows, self.realised = state["clipped"], list(state["rows"]), state["realised"]
         self.ctl_started = state["ctl_started"]
         if self.ctl is not None:
