@@ -363,7 +363,8 @@ def cost_estimate(params: dict) -> dict[str, Any]:
     run_steps = sum(steps_for(params, k.batch) for k in runs)
     train_s = sum(JOB_START_S + steps_for(params, k.batch) * step_ms(params, k.batch, conds[k.noise]["source"]) / 1000
                   for k in runs)
-    probe_s = sum(probe_seconds(params, k.batch, name) for name, ks in probes.items() for k in ks)
+    per_job = {(name, B): probe_seconds(params, B, name) for name in probes for B in params["grid"]["batch_sizes"]}
+    probe_s = sum(per_job[name, k.batch] for name, ks in probes.items() for k in ks)
     return {"runs": len(runs), "jobs": jobs, "run_steps": run_steps, "train_core_hours": train_s / 3600,
             "core_hours": (train_s + probe_s + other * JOB_START_S) / 3600,
             "peak_job_memory": memory_estimate(params)["total"], "threshold_core_hours": COST_CONFIRM_CORE_HOURS}
