@@ -20,10 +20,11 @@ RUN_KEYS = ("train_resources", "confirm_cost")
 try:
     check_yaml_files(["params.yaml", *workflow.configfiles])  # duplicate keys, syntax errors with line numbers
     PARAMS = validate_params({k: v for k, v in config.items() if k not in RUN_KEYS})
-    COST = check_cost(PARAMS, confirmed=bool(config.get("confirm_cost")))
+    COST = check_cost(PARAMS, confirmed=bool(config.get("confirm_cost"))) if workflow.is_main_process else None
 except ParamsError as err:
     raise WorkflowError(f"{' + '.join(['params.yaml', *map(str, workflow.configfiles)])}: {err}") from None
-logger.info(f"grid: {format_cost(COST)}")
+if COST:
+    logger.info(f"grid: {format_cost(COST)}")
 
 RUNS = [k.run_id for k in expand_grid(PARAMS)]
 GROUPS = ensemble_groups(PARAMS)
