@@ -205,12 +205,16 @@ def test_isotropic_parameter_noise_is_isotropic_in_parameter_space():
 
 
 def _early_late(tiny, tmp_path, clip):
+    """early and late runs whose budget is half the batch noise's post-clip P-NE* over a window (reachable)."""
     p = copy.deepcopy(tiny)
     p["train"]["budget"] = {"mode": "steps", "steps": 80}
     p["train"]["grad_clip"] = clip
+    train_run(run_spec(p, "M4-B16-none-s0"), tmp_path / "none", progress=False)
+    budget = 0.5 * 0.4 * float((lambda e: (e.pne_postclip * e.interval).sum())(
+        read_parquet(tmp_path / "none/exposure.parquet")))
     for name in ("early", "late"):
-        p["noise"]["conditions"][name].update(fraction=0.4, budget=50.0)
-    out = {}
+        p["noise"]["conditions"][name].update(fraction=0.4, budget=budget)
+    out = {"budget": budget}
     for name in ("early", "late"):
         rd = tmp_path / name
         train_run(run_spec(p, f"M4-B16-{name}-s0"), rd, progress=False)
@@ -219,16 +223,18 @@ def _early_late(tiny, tmp_path, clip):
 
 
 def test_early_and_late_reach_equal_realised_exposure_after_clipping(tiny, tmp_path):
-    """Budget E = 50 of injected P-NE* after clipping, windows of 32 steps, clipping at 0.3 (active on most
-    steps, and differently early and late): both schedules realise E within 2 %, hence each other; the
-    exposure rows never straddle a window boundary, tile the run, and integrate to the exact per-step sum."""
+    """Budget E of injected P-NE* after clipping (half the batch noise's over the window), windows of 32 steps,
+    clipping at 0.3 (active on most steps, and differently early and late): both schedules realise E within
+    2 %, hence each other; the exposure rows never straddle a window boundary, tile the run, and integrate
+    to the exact per-step sum."""
     from iclnoise.exposure import summarize
     out = _early_late(tiny, tmp_path, 0.3)
+    E = out.pop("budget")
     for name, (inj, exp) in out.items():
         active = inj[inj.active]
         assert len(active) == 32 and (active.step < 32).all() == (name == "early")
         assert (inj.clip_coef < 1).mean() > 0.5                       # clipping really acts
-        assert inj.pne_injected.sum() == pytest.approx(50.0, rel=0.02)
+        assert inj.pne_injected.sum() == pytest.approx(E, rel=0.02)
         assert exp.interval.sum() == 80 and exp.step.iloc[-1] == 79
         starts = np.r_[0, exp.step.to_numpy()[:-1] + 1]
         for lo, hi in zip(starts, exp.step):                            # one schedule state per row
