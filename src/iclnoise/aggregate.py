@@ -345,7 +345,7 @@ def h1_noise_beyond_eta_b(fin: pd.DataFrame, common=None) -> dict:
         return _row("H1", name, "r", status="not run: needs ≥ 2 seeds and ≥ 2 noise conditions")
     d = fin.assign(eta_b=np.round(np.log(fin.integrated_lr_over_b), 6))
     try:
-        res = stats.manipulation_lr_test(d, "r", "C(noise)", "C(eta_b) + C(M)")
+        res = stats.manipulation_lr_test(d, "r", "C(noise)", "C(eta_b):C(M)")
     except Exception as err:  # noqa: BLE001 — a singular design is a result to report, not a crash
         return _row("H1", name, "r", status=f"not run: fit failed ({type(err).__name__})")
     if not res["df"]:
