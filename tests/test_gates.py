@@ -137,3 +137,11 @@ def test_noise_beyond_eta_b_holds_its_size_when_exposure_tracks_the_phase():
     assert hits >= 18, hits
     row = h1_noise_beyond_eta_b(phase_panel(rng, 0.1))
     assert row["term"] == "C(noise) | η/B, M (1 df)" and row["effect_size"] < 0   # ΔAIC favours the treatment
+
+
+def test_noise_condition_aliased_with_eta_b_is_not_tested():
+    """Injection only at batch 64 and batch noise only at batch 16: no two conditions share an η/B level, so the
+    design identifies no contrast at equal η/B and the test says so instead of attributing η/B to the noise."""
+    d = phase_panel(np.random.default_rng(7))
+    row = h1_noise_beyond_eta_b(d[~((d.noise == "none") & (d.batch == 64))])
+    assert row["status"] == "not run: no two noise conditions share an η/B level"

@@ -5,7 +5,7 @@ import pytest
 from statsmodels.stats.multitest import multipletests
 from statsmodels.stats.weightstats import ttost_ind
 
-from iclnoise.stats import (compare_models, correlation, crossing, fit_threshold, holm, logistic, logistic4, mixed_model,
+from iclnoise.stats import (correlation, manipulation_lr_test, crossing, fit_threshold, holm, logistic, logistic4, mixed_model,
                             paired_test, threshold_with_ci, tost, transient_ridge_window)
 
 
@@ -118,8 +118,13 @@ def test_mixed_model_recovers_planted_slope():
     t = mixed_model(df, "r ~ log_pne + log2M + id_loss").set_index("term")
     assert t.loc["log_pne", "ci_lo"] <= 0.25 <= t.loc["log_pne", "ci_hi"]
     assert t.loc["log_pne", "p"] < 1e-6
-    cmp = compare_models(df, "r ~ log_pne + log2M + id_loss", "r ~ log2M + id_loss")
-    assert cmp["p"] < 1e-6 and cmp["delta_aic"] < -10
+    cmp = manipulation_lr_test(df, "r", "log_pne", "log2M + id_loss")
+    assert cmp["df"] == 1 and cmp["p"] < 1e-6 and cmp["delta_aic"] < -10
+    # the LR statistic is twice the ML log-likelihood gap of the two formula fits
+    import statsmodels.formula.api as smf
+    llf = [smf.mixedlm(f, df, groups=df.seed).fit(reml=False).llf for f in ("r ~ log_pne + log2M + id_loss",
+                                                                             "r ~ log2M + id_loss")]
+    assert cmp["lr_stat"] == pytest.approx(2 * (llf[0] - llf[1]), rel=1e-4)
 
 
 def test_planted_null_rejects_at_about_the_nominal_rate():

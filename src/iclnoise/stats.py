@@ -204,17 +204,6 @@ def mixed_model(df: pd.DataFrame, formula: str, group: str = "seed", alpha: floa
     return out
 
 
-def compare_models(df: pd.DataFrame, full: str, reduced: str, group: str = "seed") -> dict:
-    """Likelihood-ratio test (ML fits) and AIC of nested mixed models: does `full` explain variance
-    that `reduced` does not?"""
-    f, r = _fit_mixed(df, full, group, False), _fit_mixed(df, reduced, group, False)
-    k = len(f.fe_params) - len(r.fe_params)
-    lr = max(0.0, 2 * (f.llf - r.llf))
-    aic_f, aic_r = -2 * f.llf + 2 * (len(f.fe_params) + 2), -2 * r.llf + 2 * (len(r.fe_params) + 2)
-    return {"lr_stat": lr, "df": k, "p": float(stats.chi2.sf(lr, k)) if k > 0 else math.nan,
-            "aic_full": aic_f, "aic_reduced": aic_r, "delta_aic": aic_f - aic_r}
-
-
 def _independent_columns(base: np.ndarray, extra: np.ndarray, tol: float = 1e-8) -> tuple[np.ndarray, np.ndarray]:
     """Columns of `base` kept in order while they raise the rank, then the columns of `extra` that raise it further
     (an aliased treatment level, e.g. a noise condition that exists at only one η/B, carries no test)."""
