@@ -45,7 +45,8 @@ def runs(tmp_path):
     for B, x0 in ((16, 4.0), (64, 6.0)):           # planted: larger batch (less noise) → higher threshold
         for seed in range(3):
             for M in (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, -1):
-                r = float(np.clip(logistic(np.log2(M), x0, 0.7) + 0.02 * rng.standard_normal(), 0, 1)) if M != -1 else 0.5
+                r = (float(np.clip(logistic(np.log2(M), x0, 0.7) + 0.02 * rng.standard_normal(), 0, 1))
+                     if M != -1 else 0.5)
                 dirs.append(fake_run(tmp_path / "runs", M, B, seed, r, llc=10 + 5 * r if B == 16 else None,
                                      diverged=(M == 2 and seed == 2 and B == 64)))
     return tmp_path, dirs
@@ -86,6 +87,7 @@ def test_aggregate_outcomes_thresholds_tests_and_report(runs):
     assert "Hypothesis verdicts" in text and "not run" in text and "grid:" in text
     shows = text.split("## What this run shows")[1].split("\n## ")[0]
     assert "not converged" in shows and "different amounts of data" in shows and "inconclusive" in shows
+    assert "none/B16 2.00×, none/B64 2.00×; not every condition converged" in shows
 
 
 def test_planted_clean_transition_passes_every_gate_and_recovers_m_star(tmp_path):

@@ -101,7 +101,8 @@ def test_verdict_words_follow_the_holm_decision():
     test with p = 1e-10 reads inconclusive; direction words only for a significant effect."""
     words = ("r increases", "no evidence")
     rows = [_row("H1", "a", "r", p=0.03, words=words), _row("H1", "b", "r", p=0.04, words=words),
-            _row("H4", "c", "r", p=0.2, words=words), _row("H2", "d", "r", p=1e-10, words=words, fails=["unequal data"])]
+            _row("H4", "c", "r", p=0.2, words=words),
+            _row("H2", "d", "r", p=1e-10, words=words, fails=["unequal data"])]
     v = _verdicts(rows, 0.05)
     assert list(v.p_holm) == pytest.approx([0.09, 0.09, 0.2, 4e-10])    # statsmodels' Holm gives the same
     assert v.verdict.tolist()[:3] == ["no evidence (Holm p = 0.09)"] * 2 + ["no evidence (Holm p = 0.2)"]

@@ -33,8 +33,8 @@ OUTCOME_FIELDS = KEY_FIELDS + [
     pa.field("delta_dmmse", pa.float64()), pa.field("delta_ridge", pa.float64()), pa.field("icl_score", pa.float64()),
     pa.field("t_crit", pa.int64()), pa.field("ood_loss_at_t_crit", pa.float64()), pa.field("r_at_t_crit", pa.float64()),
     pa.field("icl_score_at_t_crit", pa.float64()), pa.field("transient_window", pa.float64()),
-    pa.field("noise_source", pa.string()), pa.field("noise_schedule", pa.string()), pa.field("noise_shape", pa.string()),
-    pa.field("noise_level", pa.float64()), pa.field("emulate_batch", pa.int64()),
+    pa.field("noise_source", pa.string()), pa.field("noise_schedule", pa.string()),
+    pa.field("noise_shape", pa.string()), pa.field("noise_level", pa.float64()), pa.field("emulate_batch", pa.int64()),
     pa.field("integrated_lr_over_b", pa.float64()),
 ]
 # Columns from optional per-run files: always in the table (null where the file or the key is absent), so the
@@ -282,7 +282,8 @@ def hypothesis_tests(out: pd.DataFrame, cfg: dict, conv: pd.DataFrame | None = N
     # the phase the model is in, so this row is worded as an association; the causal test is the LR row below.
     for outcome in ("r", "ood_loss"):
         if fin.log_exposure.nunique() < 2 or fin.seed.nunique() < 2:
-            rows.append(_row("H1", "mixed model", outcome, status="not run: needs ≥ 2 exposure levels and ≥ 2 seeds"))
+            rows.append(_row("H1", "mixed model", outcome,
+                             status="not run: needs ≥ 2 exposure levels and ≥ 2 seeds"))
             continue
         try:
             t = stats.mixed_model(fin, f"{outcome} ~ log_exposure{covars}", alpha=alpha).set_index("term")
@@ -318,7 +319,8 @@ def hypothesis_tests(out: pd.DataFrame, cfg: dict, conv: pd.DataFrame | None = N
     for col in ("llc_final", "hessian_trace", "top_eigenvalue", "sam_sharpness"):
         used = fin[fin[col].notna()]
         if len(used) >= 4 and used.log_exposure.nunique() < 2:
-            rows.append(_row("H4", "Spearman correlation", col, status=f"not run: exposure constant where {col} exists"))
+            rows.append(_row("H4", "Spearman correlation", col,
+                             status=f"not run: exposure constant where {col} exists"))
         elif len(used) >= 4:
             res = stats.correlation(used.log_exposure, used[col], alpha)
             fails = common(used) + (_gate_llc(used, gates["llc_flagged_max"]) if col == "llc_final" else [])

@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from . import __version__
-from .io import read_parquet, write_text
+from .io import read_json, read_parquet, write_text
 
 FIGURES = [
     ("fig01_ood_loss", "1. OOD loss over training per M (t_crit circles; dotted: dMMSE_M, dashed: ridge)"),
@@ -69,10 +69,17 @@ def _threshold_sentence(t) -> str:
     return f"{cond}: M* = {_fmt_m(t.M_star)} {ci}, {t.n_seeds} seeds{gate}"
 
 
-def what_this_run_shows(th, tests) -> list[str]:
-    """The opening paragraph, written from the gated tables only: M* per condition with its interval or the reason
-    there is none, each hypothesis verdict, and what the run cannot show and why (the gates that failed)."""
+def what_this_run_shows(th, tests, convergence: dict | None = None) -> list[str]:
+    """The opening paragraph, written from the gated tables only: convergence per condition, M* per condition with
+    its interval or the reason there is none, each hypothesis verdict, and what the run cannot show and why (the
+    gates that failed)."""
     lines = ["## What this run shows", ""]
+    if convergence:
+        parts = [f"{k} {v['ood_loss_over_ridge']:.2f}×" if v["ood_loss_over_ridge"] is not None
+                 else f"{k} no M = ∞ run" for k, v in convergence.items()]
+        ok = all(v["converged"] for v in convergence.values())
+        lines += [f"Convergence (final OOD loss of the M = ∞ runs over ridge's, worst seed): {', '.join(parts)}; "
+                  + ("every condition converged." if ok else "not every condition converged (see below)."), ""]
     if th is not None and len(th):
         lines += ["Task-diversity threshold M* (where ridge-likeness r crosses 0.5; 95 % t-interval over seeds):", ""]
         lines += [f"- {_threshold_sentence(t)}." for t in th.itertuples()] + [""]
@@ -112,8 +119,9 @@ def build(results: Path, params: dict, root: Path) -> str:
              f"Generated {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC} from {code_version(root)}.", ""]
     th = read_parquet(agg / "thresholds.parquet") if (agg / "thresholds.parquet").exists() else None
     tests = read_parquet(agg / "tests.parquet") if (agg / "tests.parquet").exists() else None
+    conv = read_json(agg / "metrics.json").get("convergence") if (agg / "metrics.json").exists() else None
     if th is not None or tests is not None:
-        lines += what_this_run_shows(th, tests)
+        lines += what_this_run_shows(th, tests, conv)
     if tests is not None:
         lines += ["## Hypothesis verdicts", "",
                   "Effect sizes with 95 % CIs; p-values Holm-adjusted across the family, and every verdict "

@@ -138,8 +138,8 @@ def threshold_with_ci(df: pd.DataFrame, level: float = 0.95, min_seeds: int = 3,
     per = {s: fit_threshold(g.M.to_numpy(), g.r.to_numpy(), alpha) for s, g in df.groupby("seed")}
     failed = {s: f["reason"] for s, f in per.items() if f["reason"]}
     out = {**pooled, "M_star_lo": math.nan, "M_star_hi": math.nan, "log2_se": math.nan, "n_seeds": len(seeds),
-           "n_seeds_fit": len(per) - len(failed), "seeds_failed": " | ".join(f"seed {s}: {v}" for s, v in failed.items()),
-           "method": "pooled fit"}
+           "n_seeds_fit": len(per) - len(failed), "method": "pooled fit",
+           "seeds_failed": " | ".join(f"seed {s}: {v}" for s, v in failed.items())}
     if pooled["reason"]:
         out["reason"] = f"no threshold: {pooled['reason']}"
         return out

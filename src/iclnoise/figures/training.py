@@ -57,7 +57,8 @@ def fig_ood_loss(metrics: pd.DataFrame, path: str | Path) -> None:
     """Figure 1: OOD loss/D over training per M; one panel per (noise condition, batch size) that was trained, so a
     condition run at only some batch sizes leaves no empty slot."""
     style.setup()
-    pairs = sorted({(int(b), n) for b, n in zip(metrics.batch, metrics.noise)}, key=lambda p: (p[1] != "none", p[1], p[0]))
+    pairs = sorted({(int(b), n) for b, n in zip(metrics.batch, metrics.noise)},
+                   key=lambda p: (p[1] != "none", p[1], p[0]))   # batch noise first, then by condition and batch
     nrows, ncols = panel_grid(len(pairs))
     pal = style.m_palette(metrics.M)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.6 * nrows), squeeze=False, sharex=True, sharey=True)
