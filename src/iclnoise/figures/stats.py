@@ -20,6 +20,7 @@ def fig_threshold_vs_noise(th: pd.DataFrame, path: str | Path) -> None:
     The level is an effective inverse batch size: 1/B for batch noise, 1/B_target for injected noise
     emulating batch B_target (conditions with other levels are in figures 7, 8 and 10)."""
     style.setup()
+    th = th.astype({c: float for c in ("M_star", "M_star_lo", "M_star_hi", "noise_level")})
     df = th[(th.noise_source == "batch") | (th.emulate_batch > 0)].copy()
     df["level"] = df.noise_level
     fig, ax = plt.subplots(figsize=(5.5, 4))
@@ -47,13 +48,17 @@ def fig_threshold_vs_noise(th: pd.DataFrame, path: str | Path) -> None:
         ax.set_xticks(xs, [f"1/{1 / x:.0f}" for x in xs])
         ax.xaxis.set_minor_formatter(NullFormatter())
     else:
-        reasons = sorted(set(df.reason)) or ["no condition in the grid"]
-        ax.text(0.5, 0.5, "no threshold could be fitted:\n" + "\n".join(reasons), wrap=True,
-                transform=ax.transAxes, ha="center", va="center", color="grey", fontsize=7)
+        reasons = sorted({f"{r.noise}, B{r.batch}: {r.reason.removeprefix('no threshold: ')}"
+                          for r in df.itertuples()}) or ["no condition in the grid"]
+        ax.text(0.5, 0.5, "no threshold could be fitted\n" + "\n".join(reasons), transform=ax.transAxes,
+                ha="center", va="center", color="grey", fontsize=7)
+        ax.set_xticks([])
+        ax.set_yticks([])
     ax.set_xlabel("noise level: 1 / batch size (real or emulated)")
     ax.set_ylabel("task-diversity threshold M*  (95 % t-interval over seeds)")
     ax.set_title("Does more noise lower the task-diversity threshold?")
-    ax.legend()
+    if np.isfinite(df.M_star).any():
+        ax.legend()
     fig.tight_layout()
     style.save_figure(fig, path, df)
 
