@@ -129,10 +129,13 @@ def threshold_with_ci(df: pd.DataFrame, level: float = 0.95, min_seeds: int = 3,
     mean ± t_{n−1} · sd / √n of those n per-seed values (M* reported as 2^mean, the geometric mean).
 
     Seeds differ in their own thresholds, so the seed is the unit of replication; a percentile bootstrap over
-    2-10 seeds under-covers (50-84 % at nominal 95 %, issue 17). Coverage of this interval on planted grids
-    (tests/test_stats.py) is ≥ 0.90 at 3 and 5 seeds. No interval with fewer than `min_seeds` seeds or when a
-    per-seed fit has no threshold; then M* is the fit to all runs pooled. No M* at all when the pooled fit
-    has none (`reason` says why)."""
+    2-10 seeds under-covers (50-84 % at nominal 95 %, issue 17). Measured coverage on planted grids with
+    seed-to-seed sd 0.3 in log2 M* (tests/test_stats.py): floor 0.05, ceiling 0.6, r noise 0.03, 13 M:
+    0.965 at 3 and at 5 seeds (200 grids, every grid with an interval); floor 0, ceiling 0.9, noise 0.05, 11 M:
+    0.957 at 3 seeds, 0.946 at 5 (300 grids). On noisy plateaus (ceiling 0.6, noise 0.06) 14-18 % of grids get
+    no interval (a per-seed fit on a bound) and the rest cover 0.95-0.965.
+    No interval with fewer than `min_seeds` seeds or when a per-seed fit has no threshold; then M* is the fit to
+    all runs pooled. No M* at all when the pooled fit has none (`reason` says why)."""
     pooled = fit_threshold(df.M.to_numpy(), df.r.to_numpy(), alpha)
     seeds = sorted(df.seed.unique())
     per = {s: fit_threshold(g.M.to_numpy(), g.r.to_numpy(), alpha) for s, g in df.groupby("seed")}
