@@ -146,3 +146,8 @@ def test_noise_condition_aliased_with_eta_b_is_not_tested():
     d = phase_panel(np.random.default_rng(7))
     row = h1_noise_beyond_eta_b(d[~((d.noise == "none") & (d.batch == 64))])
     assert row["status"] == "not run: no two noise conditions share an η/B level"
+
+
+def test_a_test_without_p_value_is_inconclusive():
+    v = _verdicts([_row("H1", "a", "r", p=float("nan"), words=("r increases", "no evidence"))], 0.05)
+    assert v.verdict.iloc[0] == "inconclusive: degenerate test (p undefined)" and not v.gates_passed.iloc[0]

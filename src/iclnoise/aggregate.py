@@ -243,6 +243,10 @@ def _row(h, test, outcome, term="", status="run", n=0, words=("", ""), fails=(),
 def _verdicts(rows: list[dict], alpha: float) -> pd.DataFrame:
     """Holm–Bonferroni over every test that ran; each verdict follows the Holm-adjusted decision, and a test that
     failed a validity gate reads 'inconclusive: <gates>' whatever its p."""
+    for r in rows:   # a test that ran but has no p (a degenerate fit) cannot carry a verdict either
+        if r["status"] == "run" and not np.isfinite(r["p"]):
+            r["gate_failures"] = "; ".join(filter(None, [r["gate_failures"], "degenerate test (p undefined)"]))
+            r["gates_passed"] = False
     df = pd.DataFrame(rows)
     df["p_holm"] = stats.holm(df.p.to_numpy())
     verdicts = []
