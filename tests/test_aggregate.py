@@ -131,3 +131,29 @@ def test_figure_1_has_one_panel_per_trained_condition(tmp_path, monkeypatch):
     training.fig_ood_loss(pd.DataFrame(rows), tmp_path / "fig01")
     assert shown["titles"] == ["noise: none, batch 8", "noise: none, batch 16", "noise: inj, batch 16"]
     assert (tmp_path / "fig01.png").stat().st_size > 5_000
+
+
+def _rows_for(schema, keys, n):
+    """n rows filling every field of `schema` (keys from `keys`, numbers from the row index + 1)."""
+    import pyarrow as pa
+    fill = {pa.int64(): lambda i: i + 1, pa.float64(): lambda i: float(i + 1), pa.bool_(): lambda i: False,
+            pa.string(): lambda i: "x"}
+    return pd.DataFrame([{f.name: keys[f.name] if f.name in keys else fill.get(f.type, lambda i: [1.0])(i)
+                          for f in schema} for i in range(n)])
+
+
+def test_exposure_and_geometry_tables_reach_the_outcomes(tmp_path):
+    """The outcome columns come from the probes' own tables and summaries (plumbing, not the formulas)."""
+    from iclnoise.exposure import EXPOSURE_SCHEMA, summarize
+    from iclnoise.geometry import GEOMETRY_SCHEMA
+    d = fake_run(tmp_path / "runs", 4, 16, 0, 0.3)
+    keys = {"run_id": d.name, "M": 4, "seed": 0, "batch": 16, "noise": "none"}
+    exp = _rows_for(EXPOSURE_SCHEMA, keys, 3)
+    write_parquet(exp, d / "exposure.parquet", EXPOSURE_SCHEMA)
+    write_parquet(_rows_for(GEOMETRY_SCHEMA, keys, 2), d / "geometry.parquet", GEOMETRY_SCHEMA)
+    from iclnoise.aggregate import outcomes
+    o, _ = outcomes([d])
+    s = summarize(read_parquet(d / "exposure.parquet"))
+    assert o.integrated_pne.iloc[0] == pytest.approx(s["integrated_pne"]) and np.isfinite(o.integrated_pne.iloc[0])
+    assert o.integrated_pne_injected.iloc[0] == pytest.approx(s.get("integrated_pne_injected", np.nan), nan_ok=True)
+    assert o.hessian_trace.iloc[0] == 2.0 and o.llc_final.isna().all() and o.sequences.iloc[0] == 16_000
