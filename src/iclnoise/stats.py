@@ -72,8 +72,8 @@ def fit_threshold(M: np.ndarray, r: np.ndarray, alpha: float = 0.05) -> dict:
 
     `reason` is '' when M* exists, else why there is none (checked in this order):
     'too few M' (< 5 distinct finite M), 'fit failed', 'flat' (the fit does not beat a constant: F-test of the
-    3 extra parameters, p ≥ alpha; or the curve falls), 'fit at bound (<parameter>)', 'r does not cross 0.5'
-    (both plateaus on one side), 'crossing outside the grid'.
+    3 extra parameters, p ≥ alpha), 'no rise' (the fitted curve falls), 'fit at bound (<parameter>)',
+    'r does not cross 0.5' (both plateaus on one side), 'crossing outside the grid'.
     """
     M, r = np.asarray(M, float), np.asarray(r, float)
     keep = (M != M_INF) & (M > 0) & np.isfinite(r)
@@ -110,7 +110,7 @@ def fit_threshold(M: np.ndarray, r: np.ndarray, alpha: float = 0.05) -> dict:
     elif not p_rise < alpha:
         reason = f"flat (no significant rise: F-test p = {p_rise:.2g})"
     elif c <= f:
-        reason = "flat (r falls with M)"
+        reason = "no rise (r falls with M)"
     elif at_bound:
         reason = f"fit at bound ({', '.join(at_bound)})"
     elif not np.isfinite(xs):
