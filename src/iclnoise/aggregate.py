@@ -213,13 +213,14 @@ def thresholds(out: pd.DataFrame, cfg: dict | None = None, conv: pd.DataFrame | 
                                       alpha=cfg.get("alpha", 0.05))
         mean_r = g.groupby("M").r.mean()
         fails = _gate_convergence(out[(out.batch == B) & (out.noise == noise)], conv)
+        name = _cond(B, noise)
         if est["reason"].startswith("no threshold"):
-            fails.append("threshold fit: " + est["reason"].removeprefix("no threshold: "))
+            fails.append(f"threshold fit ({name}: {est['reason'].removeprefix('no threshold: ')})")
         elif est["seeds_failed"]:
-            fails.append(f"threshold fit: per-seed fits without threshold ({est['seeds_failed']})")
+            fails.append(f"threshold fit ({name}: per-seed fits without threshold: {est['seeds_failed']})")
         if not (mean_r.min() <= gates["r_low"] and mean_r.max() >= gates["r_high"]):
-            fails.append(f"r does not span low to high (seed-mean r {mean_r.min():.2f}–{mean_r.max():.2f}, "
-                         f"needs ≤ {gates['r_low']} and ≥ {gates['r_high']})")
+            fails.append(f"r does not span low to high ({name}: seed-mean r {mean_r.min():.2f}–"
+                         f"{mean_r.max():.2f}, needs ≤ {gates['r_low']} and ≥ {gates['r_high']})")
         fails += _gate_seeds(g, gates["min_seeds"]) + _gate_equal_data(g, gates["data_tol"])
         rows.append({"batch": B, "noise": noise, "noise_source": g.noise_source.iloc[0],
                      "noise_schedule": g.noise_schedule.iloc[0], "emulate_batch": int(g.emulate_batch.iloc[0]),

@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from . import __version__
+from .aggregate import GATES
 from .io import read_json, read_parquet, write_text
 
 FIGURES = [
@@ -48,8 +49,9 @@ LIMITS = [
                          "is not at equal exposure"),
     ("realised exposure not recorded", "the runs do not record their realised injected exposure, so H2's equal "
                                        "exposure cannot be checked"),
-    ("r does not span", "r does not run from dMMSE-like to ridge-like across the grid ({detail}): an r = 0.5 "
-                        "crossing there is not a transition"),
+    ("r does not span low to high", "ridge-likeness r does not run from dMMSE-like to ridge-like across the grid "
+                                    "({detail}; a transition needs some M at r ≤ {r_low} and some at "
+                                    "r ≥ {r_high}): an r = 0.5 crossing there is not a transition"),
     ("threshold fit", "a threshold could not be fitted everywhere ({detail})"),
     ("LLC diagnostics", "too many LLC estimates are unreliable ({detail})"),
 ]
@@ -101,10 +103,11 @@ def what_this_run_shows(th, tests, convergence: dict | None = None) -> list[str]
             if f.startswith(key):   # 'key (a, b)' or 'key: a': the detail; 'unconverged' lists conditions
                 d = f[len(key):].strip(" :")
                 d = d[1:-1] if d.startswith("(") and d.endswith(")") else d
+                d = d.split(", needs")[0]   # the r-span requirement is stated once, in the sentence
                 details += [x for x in (d.split(", ") if key == "unconverged" else [d]) if x and x not in details]
         if details or any(f.startswith(key) for f in failures):
             more = f" and {len(details) - 4} more" if len(details) > 4 else ""
-            limits.append(sentence.format(detail=", ".join(details[:4]) + more or key))
+            limits.append(sentence.format(detail=", ".join(details[:4]) + more or key, **GATES))
     if limits:
         lines += ["What it cannot show:", ""] + [f"- {x[0].upper()}{x[1:]}." for x in limits] + [""]
     elif failures == [] and (th is not None or tests is not None):
