@@ -10,7 +10,8 @@ from pathlib import Path
 import yaml
 
 from . import __version__
-from .io import read_parquet, write_text
+from .aggregate import GATES
+from .io import read_json, read_parquet, write_text
 
 FIGURES = [
     ("fig01_ood_loss", "1. OOD loss over training per M (t_crit circles; dotted: dMMSE_M, dashed: ridge)"),
@@ -37,19 +38,104 @@ def code_version(root: Path) -> str:
     return f"iclnoise {__version__} (no git checkout)"
 
 
+# What a failed gate means for the reader (keyed by the start of a gate failure in aggregate.py).
+LIMITS = [
+    ("unconverged", "the models are not converged ({detail}): r and M* describe undertrained models, not where "
+                    "training ends, so no verdict is drawn from them"),
+    ("insufficient seeds", "too few seeds ({detail}): no interval and no verdict; run ≥ 3 seeds"),
+    ("unequal data", "compared arms saw different amounts of data ({detail}): a difference between them could be "
+                     "data seen rather than noise; compare at equal sequences (budget mode 'sequences')"),
+    ("unequal exposure", "early and late noise reached different realised exposure ({detail}), so H2's comparison "
+                         "is not at equal exposure"),
+    ("realised exposure not recorded", "the runs do not record their realised injected exposure, so H2's equal "
+                                       "exposure cannot be checked"),
+    ("r does not span low to high", "ridge-likeness r does not run from dMMSE-like to ridge-like across the grid "
+                                    "({detail}; a transition needs some M at r ≤ {r_low} and some at "
+                                    "r ≥ {r_high}): an r = 0.5 crossing there is not a transition"),
+    ("threshold fit", "a threshold could not be fitted everywhere ({detail})"),
+    ("LLC diagnostics", "too many LLC estimates are unreliable ({detail})"),
+]
+
+
+def _fmt_m(v: float) -> str:
+    return f"{v:.3g}" if v == v else "–"
+
+
+def _threshold_sentence(t) -> str:
+    cond = f"noise {t.noise}, batch {t.batch}"
+    if not t.M_star == t.M_star:
+        return f"{cond}: no M* ({t.reason.removeprefix('no threshold: ')})"
+    ci = (f"[{_fmt_m(t.M_star_lo)}, {_fmt_m(t.M_star_hi)}]" if t.M_star_lo == t.M_star_lo
+          else f"({t.reason})")
+    gate = " — passes every validity gate" if t.gates_passed else " — inconclusive (gates failed, see below)"
+    return f"{cond}: M* = {_fmt_m(t.M_star)} {ci}, {t.n_seeds} seeds{gate}"
+
+
+def what_this_run_shows(th, tests, convergence: dict | None = None) -> list[str]:
+    """The opening paragraph, written from the gated tables only: convergence per condition, M* per condition with
+    its interval or the reason there is none, each hypothesis verdict, and what the run cannot show and why (the
+    gates that failed)."""
+    lines = ["## What this run shows", ""]
+    if convergence:
+        parts = [f"{k} {v['ood_loss_over_ridge']:.2f}×" if v["ood_loss_over_ridge"] is not None
+                 else f"{k} no M = ∞ run" for k, v in convergence.items()]
+        ok = all(v["converged"] for v in convergence.values())
+        lines += [f"Convergence (final OOD loss of the M = ∞ runs over ridge's, worst seed): {', '.join(parts)}; "
+                  + ("every condition converged." if ok else "not every condition converged (see below)."), ""]
+    if th is not None and len(th):
+        lines += ["Task-diversity threshold M* (where ridge-likeness r crosses 0.5; 95 % t-interval over seeds):", ""]
+        lines += [f"- {_threshold_sentence(t)}." for t in th.itertuples()] + [""]
+    if tests is not None and len(tests):
+        lines += ["Hypotheses (each verdict follows its Holm-adjusted test and passes its validity gates, "
+                  "else it reads 'inconclusive'):", ""]
+        for t in tests.itertuples():
+            what = t.verdict if t.status == "run" else t.status
+            lines.append(f"- {t.hypothesis}, {t.test} [{t.outcome}]: {what}.")
+        lines.append("")
+    failures = []
+    for df in (th, tests):
+        if df is not None and len(df):
+            failures += [f for text in df.gate_failures.fillna("") for f in text.split("; ") if f]
+    limits = []
+    for key, sentence in LIMITS:
+        details = []
+        for f in failures:
+            if f.startswith(key):   # 'key (a, b)' or 'key: a': the detail; 'unconverged' lists conditions
+                d = f[len(key):].strip(" :")
+                d = d[1:-1] if d.startswith("(") and d.endswith(")") else d
+                d = d.split(", needs")[0]   # the r-span requirement is stated once, in the sentence
+                details += [x for x in (d.split(", ") if key == "unconverged" else [d]) if x and x not in details]
+        if details or any(f.startswith(key) for f in failures):
+            more = f" and {len(details) - 4} more" if len(details) > 4 else ""
+            limits.append(sentence.format(detail=", ".join(details[:4]) + more or key, **GATES))
+    if limits:
+        lines += ["What it cannot show:", ""] + [f"- {x[0].upper()}{x[1:]}." for x in limits] + [""]
+    elif failures == [] and (th is not None or tests is not None):
+        lines += ["Every threshold and verdict above passed its validity gates (convergence, threshold fit, "
+                  "seeds, equal data and exposure, LLC diagnostics).", ""]
+    return lines
+
+
 def build(results: Path, params: dict, root: Path) -> str:
     agg, figs = results / "aggregate", results / "figures"
     lines = ["# Does stochastic gradient noise drive in-context learning? — report", "",
              f"Generated {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC} from {code_version(root)}.", ""]
-    if (agg / "tests.parquet").exists():
-        tests = read_parquet(agg / "tests.parquet")
+    th = read_parquet(agg / "thresholds.parquet") if (agg / "thresholds.parquet").exists() else None
+    tests = read_parquet(agg / "tests.parquet") if (agg / "tests.parquet").exists() else None
+    conv = read_json(agg / "metrics.json").get("convergence") if (agg / "metrics.json").exists() else None
+    if th is not None or tests is not None:
+        lines += what_this_run_shows(th, tests, conv)
+    if tests is not None:
         lines += ["## Hypothesis verdicts", "",
-                  "Effect sizes with 95 % CIs; p-values Holm-adjusted across the family. "
-                  "A test that could not run says why.", ""]
+                  "Effect sizes with 95 % CIs; p-values Holm-adjusted across the family, and every verdict "
+                  "follows the Holm-adjusted decision. A verdict whose validity gates fail reads 'inconclusive'; "
+                  "a test that could not run says why.", ""]
         for _, t in tests.iterrows():
             if t.status == "run":
+                gates = " (all validity gates passed)" if t.gates_passed else ""
                 lines.append(f"- **{t.hypothesis}** — {t.test}, {t.outcome}: estimate {t.estimate:.3g} "
-                             f"[{t.ci_lo:.3g}, {t.ci_hi:.3g}], effect size {t.effect_size:.3g}, n = {t.n}. {t.verdict}.")
+                             f"[{t.ci_lo:.3g}, {t.ci_hi:.3g}], effect size {t.effect_size:.3g}, n = {t.n}. "
+                             f"{t.verdict}{gates}.")
             else:
                 lines.append(f"- **{t.hypothesis}** — {t.test}, {t.outcome}: {t.status}.")
         lines.append("")

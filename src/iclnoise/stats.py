@@ -20,45 +20,145 @@ def logistic(x: np.ndarray, x0: float, s: float) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-(x - x0) / s))
 
 
-def fit_threshold(M: np.ndarray, r: np.ndarray) -> dict:
-    """Least-squares logistic fit of ridge-likeness against log2 M (finite M only); M* = 2^x0.
+def logistic4(x: np.ndarray, floor: float, ceiling: float, x0: float, s: float) -> np.ndarray:
+    """r(x) = floor + (ceiling − floor) · logistic(x; x0, s): a sigmoid in x = log2 M whose plateaus are free,
+    because real ridge-likeness curves level off below 1 (and above 0)."""
+    return floor + (ceiling - floor) * logistic(x, x0, s)
 
-    Two parameters (location, scale) with asymptotes fixed at 0 (dMMSE-like) and 1 (ridge-like)
-    because r is a ratio in [0, 1] and SPEC §11 defines M* at r = 0.5; monotone by construction.
-    `in_range` is False when the crossing lies outside the sampled M (an extrapolation).
+
+def crossing(floor: float, ceiling: float, x0: float, s: float, level: float = 0.5) -> float:
+    """x at which logistic4 equals `level`: x0 + s · log((level − floor) / (ceiling − level)); NaN unless the
+    curve passes through `level` (floor < level < ceiling)."""
+    if not floor < level < ceiling:
+        return math.nan
+    return float(x0 + s * math.log((level - floor) / (ceiling - level)))
+
+
+def _logistic4_jac(p: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """∂ logistic4 / ∂(floor, ceiling, x0, s), one row per x."""
+    f, c, x0, s = p
+    g = logistic(x, x0, s)
+    dg = (c - f) * g * (1 - g)
+    return np.column_stack([1 - g, g, -dg / s, -dg * (x - x0) / s ** 2])
+
+
+def _profile_start(x: np.ndarray, y: np.ndarray, x0s: np.ndarray, ss: np.ndarray) -> np.ndarray:
+    """Best (floor, ceiling, x0, s) on a grid of (x0, s): for fixed x0, s the plateaus are a linear least-squares
+    problem (y ≈ a + b·g), solved in closed form for every grid point at once."""
+    X0, S = np.meshgrid(x0s, ss, indexing="ij")
+    g = logistic(x[None, None, :], X0[..., None], S[..., None])
+    gc, yc = g - g.mean(-1, keepdims=True), y - y.mean()
+    var = (gc ** 2).sum(-1)
+    cov = (gc * yc).sum(-1)
+    rss = (yc ** 2).sum() - np.where(var > 1e-12, cov ** 2 / np.maximum(var, 1e-12), 0.0)
+    i, j = np.unravel_index(np.argmin(rss), rss.shape)
+    b = cov[i, j] / var[i, j] if var[i, j] > 1e-12 else 0.0
+    a = y.mean() - b * g[i, j].mean()
+    return np.array([a, a + b, X0[i, j], S[i, j]])
+
+
+NO_THRESHOLD = {"M_star": math.nan, "log2_M_star": math.nan, "floor": math.nan, "ceiling": math.nan,
+                "x0": math.nan, "scale": math.nan, "in_range": False, "p_rise": math.nan}
+
+
+def fit_threshold(M: np.ndarray, r: np.ndarray, alpha: float = 0.05) -> dict:
+    """Task-diversity threshold: least-squares fit of r = logistic4(log2 M) (finite M only), M* = 2^x where the
+    fitted curve crosses r = 0.5 (SPEC §11).
+
+    Floor and ceiling are free, so a curve that plateaus at 0.6 has its crossing where the data cross, not where
+    a 0-to-1 sigmoid would put its midpoint. Fitting: closed-form plateaus on a grid of (location, scale), then
+    bounded least squares from the best grid point. Bounds: plateaus in [−0.5, 1.5], location within 2 octaves of
+    the grid, scale from a tenth of the finest grid spacing to the whole span of the grid.
+
+    `reason` is '' when M* exists, else why there is none (checked in this order):
+    'too few M' (< 5 distinct finite M), 'fit failed', 'flat' (the fit does not beat a constant: F-test of the
+    3 extra parameters, p ≥ alpha), 'no rise' (the fitted curve falls), 'fit at bound (<parameter>)',
+    'r does not cross 0.5' (both plateaus on one side), 'crossing outside the grid'.
     """
     M, r = np.asarray(M, float), np.asarray(r, float)
-    keep = (M != M_INF) & np.isfinite(r)
+    keep = (M != M_INF) & (M > 0) & np.isfinite(r)
     x, y = np.log2(M[keep]), r[keep]
-    if len(np.unique(x)) < 3:
-        return {"M_star": math.nan, "log2_M_star": math.nan, "scale": math.nan, "in_range": False, "n": int(keep.sum())}
-    p0 = (float(np.interp(0.5, np.sort(y), x[np.argsort(y)])) if y.min() < 0.5 < y.max() else float(np.median(x)), 1.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            (x0, s), _ = optimize.curve_fit(logistic, x, y, p0=p0, bounds=([x.min() - 10, 0.05], [x.max() + 10, 20]))
-        except (RuntimeError, ValueError):
-            return {"M_star": math.nan, "log2_M_star": math.nan, "scale": math.nan, "in_range": False, "n": len(x)}
-    return {"M_star": float(2 ** x0), "log2_M_star": float(x0), "scale": float(s),
-            "in_range": bool(x.min() <= x0 <= x.max()), "n": len(x)}
+    n, ux = len(x), np.unique(x)
+    out = {**NO_THRESHOLD, "n": n}
+    if len(ux) < 5:
+        return {**out, "reason": f"too few M ({len(ux)} distinct finite M < 5)"}
+    span, step = ux[-1] - ux[0], np.diff(ux).min()
+    lo = np.array([-0.5, -0.5, ux[0] - 2, 0.1 * step])
+    hi = np.array([1.5, 1.5, ux[-1] + 2, span])
+    p0 = _profile_start(x, y, np.linspace(lo[2], hi[2], 41), np.geomspace(lo[3], hi[3], 16))
+    p0 = np.clip(p0, lo + 1e-6 * (hi - lo), hi - 1e-6 * (hi - lo))
+    try:
+        res = optimize.least_squares(lambda p: logistic4(x, *p) - y, p0, jac=lambda p: _logistic4_jac(p, x),
+                                     bounds=(lo, hi), method="trf", x_scale=hi - lo)
+    except (ValueError, np.linalg.LinAlgError):
+        return {**out, "reason": "fit failed"}
+    f, c, x0, s = (float(v) for v in res.x)
+    rss, tss = float((res.fun ** 2).sum()), float(((y - y.mean()) ** 2).sum())
+    if tss <= 0:
+        p_rise = 1.0
+    elif rss <= 1e-15 * tss:
+        p_rise = 0.0
+    else:
+        p_rise = float(stats.f.sf((tss - rss) / 3 / (rss / (n - 4)), 3, n - 4)) if n > 4 else math.nan
+    xs = crossing(f, c, x0, s)
+    out.update(floor=f, ceiling=c, x0=x0, scale=s, p_rise=p_rise, log2_M_star=xs, M_star=2.0 ** xs,
+               in_range=bool(ux[0] <= xs <= ux[-1]) if np.isfinite(xs) else False)
+    near = np.abs(res.x - lo) < 1e-4 * (hi - lo), np.abs(res.x - hi) < 1e-4 * (hi - lo)
+    at_bound = [name for name, a, b in zip(("floor", "ceiling", "location", "scale"), *near) if a or b]
+    if not res.success:
+        reason = "fit failed"
+    elif not p_rise < alpha:
+        reason = f"flat (no significant rise: F-test p = {p_rise:.2g})"
+    elif c <= f:
+        reason = "no rise (r falls with M)"
+    elif at_bound:
+        reason = f"fit at bound ({', '.join(at_bound)})"
+    elif not np.isfinite(xs):
+        reason = f"r does not cross 0.5 (fitted floor {f:.2f}, ceiling {c:.2f})"
+    elif not out["in_range"]:
+        reason = f"crossing outside the grid (extrapolated M* = {2.0 ** xs:.3g})"
+    else:
+        reason = ""
+    if reason:
+        out.update(M_star=math.nan, log2_M_star=math.nan, in_range=False)
+    return {**out, "reason": reason}
 
 
-def threshold_with_ci(df: pd.DataFrame, n_boot: int = 200, seed: int = 0, level: float = 0.95) -> dict:
-    """M* from all runs of one condition and a percentile bootstrap CI resampling seeds."""
-    est = fit_threshold(df.M.to_numpy(), df.r.to_numpy())
-    rng = np.random.default_rng(seed)
-    seeds = df.seed.unique()
-    boots = []
-    for _ in range(n_boot):
-        pick = rng.choice(seeds, len(seeds), replace=True)
-        b = pd.concat([df[df.seed == s] for s in pick])
-        v = fit_threshold(b.M.to_numpy(), b.r.to_numpy())["log2_M_star"]
-        if np.isfinite(v):
-            boots.append(v)
-    a = (1 - level) / 2
-    lo, hi = (np.quantile(boots, [a, 1 - a]) if len(boots) >= 10 else (math.nan, math.nan))
-    return {**est, "M_star_lo": float(2 ** lo), "M_star_hi": float(2 ** hi), "n_boot_ok": len(boots),
-            "n_seeds": len(seeds)}
+def threshold_with_ci(df: pd.DataFrame, level: float = 0.95, min_seeds: int = 3, alpha: float = 0.05) -> dict:
+    """M* of one condition with a t-interval over seeds: log2 M* is fitted per seed and the interval is
+    mean ± t_{n−1} · sd / √n of those n per-seed values (M* reported as 2^mean, the geometric mean).
+
+    Seeds differ in their own thresholds, so the seed is the unit of replication; a percentile bootstrap over
+    2-10 seeds under-covers (50-84 % at nominal 95 %, issue 17). Measured coverage on planted grids with
+    seed-to-seed sd 0.3 in log2 M* (tests/test_stats.py): floor 0.05, ceiling 0.6, r noise 0.03, 13 M:
+    0.965 at 3 and at 5 seeds (200 grids, every grid with an interval); floor 0, ceiling 0.9, noise 0.05, 11 M:
+    0.957 at 3 seeds, 0.946 at 5 (300 grids). On noisy plateaus (ceiling 0.6, noise 0.06) 14-18 % of grids get
+    no interval (a per-seed fit on a bound) and the rest cover 0.95-0.965.
+    No interval with fewer than `min_seeds` seeds or when a per-seed fit has no threshold; then M* is the fit to
+    all runs pooled. No M* at all when the pooled fit has none (`reason` says why)."""
+    pooled = fit_threshold(df.M.to_numpy(), df.r.to_numpy(), alpha)
+    seeds = sorted(df.seed.unique())
+    per = {s: fit_threshold(g.M.to_numpy(), g.r.to_numpy(), alpha) for s, g in df.groupby("seed")}
+    failed = {s: f["reason"] for s, f in per.items() if f["reason"]}
+    out = {**pooled, "M_star_lo": math.nan, "M_star_hi": math.nan, "log2_se": math.nan, "n_seeds": len(seeds),
+           "n_seeds_fit": len(per) - len(failed), "method": "pooled fit",
+           "seeds_failed": " | ".join(f"seed {s}: {v}" for s, v in failed.items())}
+    if pooled["reason"]:
+        out["reason"] = f"no threshold: {pooled['reason']}"
+        return out
+    if len(seeds) < min_seeds:
+        out["reason"] = f"no interval: insufficient seeds ({len(seeds)} < {min_seeds})"
+        return out
+    if failed:
+        out["reason"] = f"no interval: per-seed fit without threshold ({out['seeds_failed']})"
+        return out
+    v = np.array([per[s]["log2_M_star"] for s in seeds])
+    k = len(v)
+    mean, se = float(v.mean()), float(v.std(ddof=1) / math.sqrt(k))
+    tq = float(stats.t.ppf(0.5 + level / 2, k - 1))
+    return {**out, "M_star": 2.0 ** mean, "log2_M_star": mean, "M_star_lo": 2.0 ** (mean - tq * se),
+            "M_star_hi": 2.0 ** (mean + tq * se), "log2_se": se, "method": f"t-interval over {k} per-seed fits",
+            "reason": ""}
 
 
 def transient_ridge_window(metrics: pd.DataFrame, rel_tol: float = 0.05) -> dict:
@@ -107,15 +207,55 @@ def mixed_model(df: pd.DataFrame, formula: str, group: str = "seed", alpha: floa
     return out
 
 
-def compare_models(df: pd.DataFrame, full: str, reduced: str, group: str = "seed") -> dict:
-    """Likelihood-ratio test (ML fits) and AIC of nested mixed models: does `full` explain variance
-    that `reduced` does not?"""
-    f, r = _fit_mixed(df, full, group, False), _fit_mixed(df, reduced, group, False)
-    k = len(f.fe_params) - len(r.fe_params)
+def _independent_columns(base: np.ndarray, extra: np.ndarray, tol: float = 1e-8) -> tuple[np.ndarray, np.ndarray]:
+    """Columns of `base` kept in order while they raise the rank, then the columns of `extra` that raise it further
+    (an aliased treatment level, e.g. a noise condition that exists at only one η/B, carries no test)."""
+    def grow(cols, cands):
+        for c in cands.T:
+            trial = np.column_stack(cols + [c])
+            if np.linalg.matrix_rank(trial, tol=tol * max(1.0, np.abs(trial).max())) == len(cols) + 1:
+                cols.append(c)
+        return cols
+    kept = grow([], base)
+    n_base = len(kept)
+    kept = grow(kept, extra)
+    return np.column_stack(kept[:n_base]), np.column_stack(kept) if len(kept) > n_base else np.empty((len(base), 0))
+
+
+def _fit_mixed_arrays(y: np.ndarray, X: np.ndarray, groups: np.ndarray):
+    """ML MixedLM with a random intercept per group (L-BFGS, Powell if that did not converge)."""
+    import statsmodels.api as sm
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = sm.MixedLM(y, X, groups)
+        res = model.fit(reml=False)
+        if not (res.converged and np.isfinite(res.llf)):
+            res = model.fit(reml=False, method="powell")
+    return res
+
+
+def manipulation_lr_test(df: pd.DataFrame, outcome: str, treatment: str, controls: str,
+                         group: str = "seed") -> dict:
+    """Likelihood-ratio test (ML MixedLM, random intercept per `group`) of a MANIPULATED treatment, e.g.
+    `C(noise)`, beyond `controls`, e.g. `C(eta_b) + C(M)`: outcome ~ controls + treatment vs outcome ~ controls.
+
+    Treatment levels aliased with the controls (a condition that exists at only one η/B level shared by no other
+    condition) are dropped, so `df` counts only the contrasts the design identifies; `df = 0` means none is.
+    Measured exposure never enters: it responds to the phase the model is in, so regressing on it would let a
+    phase-tracking dose read as a cause (issue 17, point 9)."""
+    import patsy
+
+    Xc = np.asarray(patsy.dmatrix(controls, df, return_type="dataframe"), float)
+    Xt = np.asarray(patsy.dmatrix(f"0 + {treatment}", df, return_type="dataframe"), float)
+    Xr, Xf = _independent_columns(Xc, Xt)
+    k = Xf.shape[1] - Xr.shape[1]
+    if k <= 0:
+        return {"lr_stat": math.nan, "df": 0, "p": math.nan, "delta_aic": math.nan, "n": len(df)}
+    y, g = df[outcome].to_numpy(float), df[group].to_numpy()
+    f, r = _fit_mixed_arrays(y, Xf, g), _fit_mixed_arrays(y, Xr, g)
     lr = max(0.0, 2 * (f.llf - r.llf))
-    aic_f, aic_r = -2 * f.llf + 2 * (len(f.fe_params) + 2), -2 * r.llf + 2 * (len(r.fe_params) + 2)
-    return {"lr_stat": lr, "df": k, "p": float(stats.chi2.sf(lr, k)) if k > 0 else math.nan,
-            "aic_full": aic_f, "aic_reduced": aic_r, "delta_aic": aic_f - aic_r}
+    return {"lr_stat": lr, "df": k, "p": float(stats.chi2.sf(lr, k)), "delta_aic": -lr + 2 * k, "n": len(df)}
 
 
 def paired_test(a: np.ndarray, b: np.ndarray, alpha: float = 0.05) -> dict:
@@ -172,19 +312,25 @@ def paired_tost(a: np.ndarray, b: np.ndarray, margin: float, alpha: float = 0.05
 
 
 def correlation(x: np.ndarray, y: np.ndarray, alpha: float = 0.05) -> dict:
-    """Spearman ρ with a Fisher-z CI (SE 1.03/√(n−3), Fieller et al.), and Pearson r with its CI."""
+    """Spearman ρ with a Fisher-z CI (SE 1.03/√(n−3), Fieller et al.), and Pearson r with its Fisher-z CI
+    tanh(atanh r ± z_{1−α/2}/√(n−3)) (the interval scipy's pearsonr(...).confidence_interval() gives)."""
     x, y = np.asarray(x, float), np.asarray(y, float)
     ok = np.isfinite(x) & np.isfinite(y)
     x, y = x[ok], y[ok]
     n = len(x)
     if n < 4:
-        return {"estimate": math.nan, "ci_lo": math.nan, "ci_hi": math.nan, "p": math.nan, "pearson": math.nan, "n": n}
+        return {"estimate": math.nan, "ci_lo": math.nan, "ci_hi": math.nan, "p": math.nan, "pearson": math.nan,
+                "pearson_ci_lo": math.nan, "pearson_ci_hi": math.nan, "pearson_p": math.nan, "n": n}
     rho, p = stats.spearmanr(x, y)
-    z, zq = np.arctanh(np.clip(rho, -0.999999, 0.999999)), stats.norm.ppf(1 - alpha / 2)
+    zq = stats.norm.ppf(1 - alpha / 2)
+    z = np.arctanh(np.clip(rho, -0.999999, 0.999999))
     se = 1.03 / math.sqrt(n - 3)
     pr = stats.pearsonr(x, y)
+    zp = np.arctanh(np.clip(pr.statistic, -0.999999, 0.999999))
+    sp = 1 / math.sqrt(n - 3)
     return {"estimate": float(rho), "ci_lo": float(np.tanh(z - zq * se)), "ci_hi": float(np.tanh(z + zq * se)),
-            "p": float(p), "pearson": float(pr.statistic), "n": n}
+            "p": float(p), "pearson": float(pr.statistic), "pearson_ci_lo": float(np.tanh(zp - zq * sp)),
+            "pearson_ci_hi": float(np.tanh(zp + zq * sp)), "pearson_p": float(pr.pvalue), "n": n}
 
 
 def holm(pvalues) -> np.ndarray:

@@ -13,11 +13,14 @@ from . import style
 
 
 def fig_threshold_vs_noise(th: pd.DataFrame, path: str | Path) -> None:
-    """M* (r = 0.5 crossing of a logistic in log2 M) with bootstrap CIs, against the noise level.
+    """M* (r = 0.5 crossing of a logistic in log2 M with free plateaus) with 95 % t-intervals over seeds, against
+    the noise level. Conditions without a threshold are listed with the reason; hollow markers: the condition
+    failed a validity gate (thresholds.parquet gate_failures).
 
     The level is an effective inverse batch size: 1/B for batch noise, 1/B_target for injected noise
     emulating batch B_target (conditions with other levels are in figures 7, 8 and 10)."""
     style.setup()
+    th = th.astype({c: float for c in ("M_star", "M_star_lo", "M_star_hi", "noise_level")})
     df = th[(th.noise_source == "batch") | (th.emulate_batch > 0)].copy()
     df["level"] = df.noise_level
     fig, ax = plt.subplots(figsize=(5.5, 4))
@@ -28,8 +31,12 @@ def fig_threshold_vs_noise(th: pd.DataFrame, path: str | Path) -> None:
         yerr = np.vstack([g.M_star - g.M_star_lo, g.M_star_hi - g.M_star]).clip(min=0)
         ax.errorbar(g.level, g.M_star, yerr=np.nan_to_num(yerr), marker="o", capsize=4, lw=1.5, color=f"C{i}",
                     label=label)
-        for _, r in g[~g.in_range].iterrows():
-            ax.annotate("extrapolated", (r.level, r.M_star), textcoords="offset points", xytext=(5, 5), fontsize=7)
+        bad = g[~g.gates_passed.astype(bool) & np.isfinite(g.M_star)]
+        ax.scatter(bad.level, bad.M_star, s=40, facecolor="white", edgecolor=f"C{i}", zorder=4, lw=1.5)
+    missing = df[~np.isfinite(df.M_star)]
+    if len(missing) and np.isfinite(df.M_star).any():
+        note = "\n".join(f"{r.noise}, B{r.batch}: {r.reason}" for r in missing.itertuples())
+        ax.text(0.02, 0.02, "no M*:\n" + note, transform=ax.transAxes, fontsize=6, color="grey", va="bottom")
     if np.isfinite(df.M_star).any():
         ax.set_xscale("log")
         vals = df[["M_star", "M_star_lo", "M_star_hi"]].to_numpy(float)
@@ -41,12 +48,17 @@ def fig_threshold_vs_noise(th: pd.DataFrame, path: str | Path) -> None:
         ax.set_xticks(xs, [f"1/{1 / x:.0f}" for x in xs])
         ax.xaxis.set_minor_formatter(NullFormatter())
     else:
-        ax.text(0.5, 0.5, "no threshold could be fitted\n(needs ≥ 3 finite M with r crossing 0.5)",
-                transform=ax.transAxes, ha="center", va="center", color="grey")
+        reasons = sorted({f"{r.noise}, B{r.batch}: {r.reason.removeprefix('no threshold: ')}"
+                          for r in df.itertuples()}) or ["no condition in the grid"]
+        ax.text(0.5, 0.5, "no threshold could be fitted\n" + "\n".join(reasons), transform=ax.transAxes,
+                ha="center", va="center", color="grey", fontsize=7)
+        ax.set_xticks([])
+        ax.set_yticks([])
     ax.set_xlabel("noise level: 1 / batch size (real or emulated)")
-    ax.set_ylabel("task-diversity threshold M*  (95 % bootstrap CI)")
+    ax.set_ylabel("task-diversity threshold M*  (95 % t-interval over seeds)")
     ax.set_title("Does more noise lower the task-diversity threshold?")
-    ax.legend()
+    if np.isfinite(df.M_star).any():
+        ax.legend()
     fig.tight_layout()
     style.save_figure(fig, path, df)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -43,41 +44,51 @@ def summary(metrics: pd.DataFrame) -> pd.DataFrame:
                                                   key=lambda s: s.where(s != -1, 1 << 40) if s.name == "M" else s)
 
 
+def panel_grid(n: int) -> tuple[int, int]:
+    """(rows, columns) for n panels: one row up to 4; else the column count in 4, 3, 5 that fills every row, else
+    ⌈√n⌉ columns (the unused slots at the end are removed)."""
+    if n <= 4:
+        return 1, max(n, 1)
+    ncols = next((c for c in (4, 3, 5) if n % c == 0), math.ceil(math.sqrt(n)))
+    return math.ceil(n / ncols), ncols
+
+
 def fig_ood_loss(metrics: pd.DataFrame, path: str | Path) -> None:
-    """Figure 1: OOD loss/D over training per M; rows = batch size, columns = noise condition."""
+    """Figure 1: OOD loss/D over training per M; one panel per (noise condition, batch size) that was trained, so a
+    condition run at only some batch sizes leaves no empty slot."""
     style.setup()
-    noises, batches = sorted(metrics.noise.unique()), sorted(metrics.batch.unique())
+    pairs = sorted({(int(b), n) for b, n in zip(metrics.batch, metrics.noise)},
+                   key=lambda p: (p[1] != "none", p[1], p[0]))   # batch noise first, then by condition and batch
+    nrows, ncols = panel_grid(len(pairs))
     pal = style.m_palette(metrics.M)
-    fig, axes = plt.subplots(len(batches), len(noises), figsize=(5.2 * len(noises), 3.6 * len(batches)),
-                             squeeze=False, sharex=True, sharey=True)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.6 * nrows), squeeze=False, sharex=True, sharey=True)
+    for ax in axes.flat[len(pairs):]:
+        fig.delaxes(ax)
     tc = t_crit(metrics).set_index("run_id")
-    for i, B in enumerate(batches):
-        for j, noise in enumerate(noises):
-            ax = axes[i, j]
-            sub = metrics[(metrics.batch == B) & (metrics.noise == noise)]
-            if sub.empty:  # a noise condition restricted to other batch sizes
-                ax.axis("off")
-                continue
-            for M in style.m_order(sub.M):
-                runs = sub[sub.M == M]
-                mean = runs.groupby("step").ood_loss.mean()
-                ax.plot(mean.index + 1, mean.values, color=pal[M], lw=2, label=style.m_legend_label(M))
-                for rid, r in runs.groupby("run_id"):
-                    ax.plot(r.step + 1, r.ood_loss, color=pal[M], lw=0.6, alpha=0.35)
-                    ax.scatter(tc.loc[rid, "t_crit"] + 1, tc.loc[rid, "ood_loss_at_t_crit"], s=22,
-                               facecolor="white", edgecolor=pal[M], zorder=3, lw=1.2)
-                dm = runs.ood_loss_dmmse.iloc[0]
-                if np.isfinite(dm):
-                    ax.axhline(dm, color=pal[M], ls=":", lw=1, alpha=0.8)
-            ax.axhline(sub.ood_loss_ridge.iloc[0], color="black", ls="--", lw=1.2, label="ridge (Bayes for q∞)")
-            ax.set_xscale("log")
-            ax.set_title(f"noise: {noise}, batch {B}")
-            if i == len(batches) - 1:
-                ax.set_xlabel("training step + 1")
-            if j == 0:
-                ax.set_ylabel("OOD loss / D")
+    for k, (B, noise) in enumerate(pairs):
+        ax = axes.flat[k]
+        sub = metrics[(metrics.batch == B) & (metrics.noise == noise)]
+        for M in style.m_order(sub.M):
+            runs = sub[sub.M == M]
+            mean = runs.groupby("step").ood_loss.mean()
+            ax.plot(mean.index + 1, mean.values, color=pal[M], lw=2, label=style.m_legend_label(M))
+            for rid, r in runs.groupby("run_id"):
+                ax.plot(r.step + 1, r.ood_loss, color=pal[M], lw=0.6, alpha=0.35)
+                ax.scatter(tc.loc[rid, "t_crit"] + 1, tc.loc[rid, "ood_loss_at_t_crit"], s=22,
+                           facecolor="white", edgecolor=pal[M], zorder=3, lw=1.2)
+            dm = runs.ood_loss_dmmse.iloc[0]
+            if np.isfinite(dm):
+                ax.axhline(dm, color=pal[M], ls=":", lw=1, alpha=0.8)
+        ax.axhline(sub.ood_loss_ridge.iloc[0], color="black", ls="--", lw=1.2, label="ridge (Bayes for q∞)")
+        ax.set_xscale("log")
+        ax.set_title(f"noise: {noise}, batch {B}")
+        if k + ncols >= len(pairs):      # lowest panel of its column
+            ax.set_xlabel("training step + 1")
+            ax.xaxis.set_tick_params(labelbottom=True)
+        if k % ncols == 0:
+            ax.set_ylabel("OOD loss / D")
     seen: dict[str, object] = {}
-    for ax in axes.flat:
+    for ax in axes.flat[:len(pairs)]:
         for h, lab in zip(*ax.get_legend_handles_labels()):
             seen.setdefault(lab, h)
     order = [style.m_legend_label(M) for M in style.m_order(metrics.M)]

@@ -1,0 +1,153 @@
+"""Verdicts and validity gates of the hypothesis tests on planted outcome tables (issues 13 and 17)."""
+import numpy as np
+import pandas as pd
+import pytest
+
+from iclnoise.aggregate import OUTCOMES_SCHEMA, _row, _verdicts, h1_noise_beyond_eta_b, hypothesis_tests
+from iclnoise.stats import logistic
+
+CFG = {"alpha": 0.05, "equivalence_margin": 0.05}
+
+
+def table(rows: list[dict]) -> pd.DataFrame:
+    """Outcome rows completed to the full outcomes schema: converged, equal data, no probes unless given."""
+    defaults = {"diverged": False, "id_loss": 0.5, "ood_loss_ridge": 0.4, "ood_loss_dmmse": 0.9, "sequences": 64_000,
+                "noise_shape": "isotropic", "noise_level": 1.0}
+    df = pd.DataFrame([{**defaults, **r} for r in rows])
+    for c in OUTCOMES_SCHEMA.names:
+        if c not in df:
+            df[c] = np.nan
+    return df
+
+
+CONDITIONS = {  # noise -> (batch, source, schedule, emulated batch, η/B)
+    "none16": (16, "batch", "none", 0, 4.0), "grad_b16": (64, "grad", "constant", 16, 1.0),
+    "early": (64, "grad", "early", 0, 1.0), "late": (64, "grad", "late", 0, 1.0),
+}
+
+
+def planted(rng, late_gain=0.1, inj_shift=0.0, exposure={"early": 1.0, "late": 1.0}, seq_b16=64_000, seeds=6,
+            llc_flagged=0):
+    """4 finite M × `seeds` seeds in four conditions (batch 16; batch 64 emulating 16; early and late injection at
+    batch 64), each with converged M = ∞ runs (OOD loss 5 % above ridge's)."""
+    rows = []
+    for seed in range(seeds):
+        for M in (4, 16, 64, 256, -1):
+            base = 0.2 + 0.1 * np.log2(abs(M)) / 8 + 0.02 * rng.standard_normal()
+            for noise, (B, src, sched, emu, eta_b) in CONDITIONS.items():
+                shift = {"grad_b16": inj_shift, "late": late_gain}.get(noise, 0.0)
+                rows.append({"M": M, "seed": seed, "batch": B, "noise": noise, "noise_source": src,
+                             "noise_schedule": sched, "emulate_batch": emu, "integrated_lr_over_b": eta_b,
+                             "sequences": seq_b16 if B == 16 else 64_000,
+                             "r": np.nan if M == -1 else base + shift + 0.005 * rng.standard_normal(),
+                             "ood_loss": 0.42 if M == -1 else 1.0 - base, "integrated_pne": 1.0 + rng.random(),
+                             "integrated_pne_injected": exposure.get(sched, np.nan), "llc_final": 5 + rng.random(),
+                             "llc_n_estimates": 10, "llc_n_flagged": llc_flagged})
+    return table(rows)
+
+
+def test_h2_is_two_sided_and_h3_matches_by_emulated_batch():
+    t = hypothesis_tests(planted(np.random.default_rng(0), 0.1, 0.0), CFG).set_index("hypothesis")
+    h2, h3 = t.loc["H2"], t.loc["H3"]
+    assert h2.gates_passed and h2.n == 24 and abs(h2.estimate - 0.1) < 0.01 and h2.ci_lo > 0.05
+    assert h2.verdict.startswith("late noise raises ICL more than early (Holm p")
+    assert h3.term == "batch 16 − grad_b16" and h3.n == 24 and h3.verdict.startswith("equivalent") and h3.gates_passed
+    # planted late − early = −0.10: significant in the other direction, not "no evidence" (issue 17, point 8)
+    t = hypothesis_tests(planted(np.random.default_rng(1), -0.1, 0.1), CFG).set_index("hypothesis")
+    assert t.loc["H2"].verdict.startswith("early noise raises ICL more than late (Holm p")
+    assert t.loc["H3"].verdict.startswith("equivalence within ±0.05 not shown")
+    t = hypothesis_tests(planted(np.random.default_rng(2), 0.0, 0.0), CFG).set_index("hypothesis")
+    assert t.loc["H2"].ci_lo < 0 < t.loc["H2"].ci_hi and t.loc["H2"].verdict.startswith("no evidence")
+
+
+def test_h2_with_unequal_realised_exposure_is_inconclusive():
+    """Late planted with 2× the realised injected exposure: the old H2 read 'late noise raises ICL more,
+    significant'; now it is 'inconclusive: unequal exposure (early 1, late 2)'."""
+    t = hypothesis_tests(planted(np.random.default_rng(3), 0.1, exposure={"early": 1.0, "late": 2.0}), CFG)
+    h2 = t.set_index("hypothesis").loc["H2"]
+    assert not h2.gates_passed and h2.verdict == "inconclusive: unequal exposure (early 1, late 2)"
+    t = hypothesis_tests(planted(np.random.default_rng(3), 0.1, exposure={"early": 1.0, "late": 1.08}), CFG)
+    assert t.set_index("hypothesis").loc["H2"].gates_passed                     # within 10 %: compared
+    t = hypothesis_tests(planted(np.random.default_rng(3), 0.1, exposure={}), CFG)
+    assert "realised exposure not recorded" in t.set_index("hypothesis").loc["H2"].verdict
+
+
+def test_arms_that_saw_different_data_are_inconclusive():
+    """Batch 16 at equal steps sees 4× fewer sequences than batch 64: H3 compares them, so it is gated."""
+    t = hypothesis_tests(planted(np.random.default_rng(4), seq_b16=16_000), CFG).set_index("hypothesis")
+    assert t.loc["H3"].verdict == "inconclusive: unequal data (sequences seen 16,000–64,000)"
+    assert t.loc["H2"].gates_passed     # early and late both at batch 64: equal data, still compared
+
+
+def test_llc_verdicts_are_gated_by_llc_diagnostics():
+    rows = hypothesis_tests(planted(np.random.default_rng(5), llc_flagged=4), CFG)
+    llc = rows[rows.outcome == "llc_final"].iloc[0]
+    assert llc.status == "run" and llc.verdict.startswith("inconclusive: LLC diagnostics (40% of 960 estimates")
+    rows = hypothesis_tests(planted(np.random.default_rng(5), llc_flagged=1), CFG)
+    assert rows[rows.outcome == "llc_final"].iloc[0].gates_passed
+
+
+def test_unconverged_and_too_few_seeds_are_inconclusive():
+    df = planted(np.random.default_rng(6), seeds=2)
+    df.loc[(df.M == -1) & (df.batch == 16), "ood_loss"] = 0.6           # 1.5× ridge's
+    t = hypothesis_tests(df, CFG).set_index("hypothesis")
+    assert t.loc["H3"].verdict.startswith("inconclusive: unconverged (none16/B16: M = ∞ OOD loss 1.50× ridge's)")
+    assert "insufficient seeds (2 < 3)" in t.loc["H2"].verdict and "unconverged" not in t.loc["H2"].verdict
+    assert not t.verdict.str.contains("significant|raises|increases|equivalent within").any()
+
+
+def test_verdict_words_follow_the_holm_decision():
+    """Raw p 0.03 and 0.04 in a family of four: Holm p = 0.09 each, so neither may read as a finding; a gated
+    test with p = 1e-10 reads inconclusive; direction words only for a significant effect."""
+    words = ("r increases", "no evidence")
+    rows = [_row("H1", "a", "r", p=0.03, words=words), _row("H1", "b", "r", p=0.04, words=words),
+            _row("H4", "c", "r", p=0.2, words=words),
+            _row("H2", "d", "r", p=1e-10, words=words, fails=["unequal data"])]
+    v = _verdicts(rows, 0.05)
+    assert list(v.p_holm) == pytest.approx([0.09, 0.09, 0.2, 4e-10])    # statsmodels' Holm gives the same
+    assert v.verdict.tolist()[:3] == ["no evidence (Holm p = 0.09)"] * 2 + ["no evidence (Holm p = 0.2)"]
+    assert v.verdict.iloc[3] == "inconclusive: unequal data" and not v.gates_passed.iloc[3]
+    v = _verdicts([_row("H1", "a", "r", p=0.001, words=words)], 0.05)
+    assert v.verdict.iloc[0] == "r increases (Holm p = 0.001)" and v.gates_passed.iloc[0]
+
+
+def phase_panel(rng, inj_effect=0.0, seeds=4, Ms=(1, 4, 16, 64, 256)):
+    """Batch 16 and 64 without injection, batch 64 with injection: η/B shifts the threshold (log2 M* 4 vs 6),
+    injection shifts r by `inj_effect`. Measured exposure tracks the phase: log P-NE = log(η/B) + 0.5 · r."""
+    rows = []
+    for seed in range(seeds):
+        u = rng.normal(0, 0.05)
+        for M in Ms:
+            for noise, B in (("none", 16), ("none", 64), ("inj", 64)):
+                r = (logistic(np.log2(M), 4.0 if B == 16 else 6.0, 1.0) + u + rng.normal(0, 0.05)
+                     + (inj_effect if noise == "inj" else 0.0))
+                rows.append({"seed": seed, "M": M, "batch": B, "noise": noise, "r": r, "integrated_lr_over_b": 10 / B,
+                             "integrated_pne": np.exp(np.log(10 / B) + 0.5 * r + rng.normal(0, 0.05))})
+    return pd.DataFrame(rows)
+
+
+def test_noise_beyond_eta_b_holds_its_size_when_exposure_tracks_the_phase():
+    """Planted null (no effect of noise on r, log P-NE = log(η/B) + 0.5·phase): the old 'P-NE beyond η/B' LR test
+    rejected 60 of 60 panels (measured again on these panels: 60/60); the test on the manipulated condition,
+    at equal η/B and M, rejects 3 of 60 (5 %). Power: a planted injection effect of +0.1 on r is detected in 20 of
+    20 panels (+0.05: 19 of 20, measured once, not asserted)."""
+    rng = np.random.default_rng(0)
+    rejections = sum(h1_noise_beyond_eta_b(phase_panel(rng))["p"] < 0.05 for _ in range(60))
+    assert rejections <= 6, rejections
+    hits = sum(h1_noise_beyond_eta_b(phase_panel(rng, 0.1))["p"] < 0.05 for _ in range(20))
+    assert hits >= 18, hits
+    row = h1_noise_beyond_eta_b(phase_panel(rng, 0.1))
+    assert row["term"] == "C(noise) | η/B, M (1 df)" and row["effect_size"] < 0   # ΔAIC favours the treatment
+
+
+def test_noise_condition_aliased_with_eta_b_is_not_tested():
+    """Injection only at batch 64 and batch noise only at batch 16: no two conditions share an η/B level, so the
+    design identifies no contrast at equal η/B and the test says so instead of attributing η/B to the noise."""
+    d = phase_panel(np.random.default_rng(7))
+    row = h1_noise_beyond_eta_b(d[~((d.noise == "none") & (d.batch == 64))])
+    assert row["status"] == "not run: no two noise conditions share an η/B level"
+
+
+def test_a_test_without_p_value_is_inconclusive():
+    v = _verdicts([_row("H1", "a", "r", p=float("nan"), words=("r increases", "no evidence"))], 0.05)
+    assert v.verdict.iloc[0] == "inconclusive: degenerate test (p undefined)" and not v.gates_passed.iloc[0]
