@@ -73,8 +73,10 @@ def main() -> None:
     t0 = time.perf_counter()
     model, K, D = hoogland_checkpoint(a.train_steps, a.device)
     data = BatchSampler(None, K, D, 0.125, 0, a.device, stream=2).batch(0, a.n)
+    with torch.no_grad():
+        loss = float(mse_loss(model, data.xs, data.ys))
     print(f"checkpoint: {sum(p.numel() for p in model.parameters())} parameters, {a.train_steps} Adam steps "
-          f"({time.perf_counter() - t0:.0f} s); loss {float(mse_loss(model, data.xs, data.ys)):.4f} per D")
+          f"({time.perf_counter() - t0:.0f} s); loss {loss:.4f} per D")
     cfg = LLCConfig(epsilon=a.epsilon, gamma=a.gamma, nbeta=a.nbeta, chains=a.chains, burn_in=0, draws=a.draws,
                     batch=a.batch, n=a.n, method=a.method)
 

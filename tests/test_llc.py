@@ -281,3 +281,20 @@ def test_full_batch_uses_the_whole_set_and_matches_the_loop():
     ch = sgld_chains(m, mse, X, Y, cfg)
     np.testing.assert_allclose(ch.loss[:, 0], float(mse(m, X, Y)), rtol=1e-6)
     np.testing.assert_allclose(sgld_chains(m, mse, X, Y, cfg, vectorize=False).loss, ch.loss, rtol=1e-5)
+
+
+def test_llc_for_run_is_byte_identical_on_rerun(tiny, tmp_path):
+    """The per-run step reads checkpoints through iclnoise.runs, writes no wall-clock column, and a rerun
+    rewrites llc.parquet byte for byte (issue 20)."""
+    from iclnoise.config import run_spec
+    from iclnoise.llc import llc_for_run
+    from iclnoise.train import train_run
+
+    run = tmp_path / "run"
+    train_run(run_spec(tiny, "M4-B16-none-s0"), run, progress=False)
+    cfg = LLCConfig(epsilon=1e-4, gamma=100.0, chains=2, burn_in=2, draws=8, batch=16, n=64)
+    df = llc_for_run(run, cfg, every=3, progress=False)
+    first = (run / "llc.parquet").read_bytes()
+    llc_for_run(run, cfg, every=3, progress=False)
+    assert (run / "llc.parquet").read_bytes() == first
+    assert "seconds" not in df and df.mala_accept.between(0, 1).all() and (df.method == "sgld").all()
