@@ -9,7 +9,8 @@ mean over positions, i.e. the LLC of the sequence-mean loss (the quantity ours e
   git clone https://github.com/timaeus-research/icl && git -C icl checkout 5baf730
   PYTHONPATH=src python bench/reproductions/hoogland_compare.py --theirs icl/analysis/L2H4Minf/llcs.pt
 
-Writes hoogland_theirs.csv (step, seed, llc) extracted from the release, prints their seed mean ± sd at
+After the configs/hoogland.yaml runs, add --from-runs results/runs/Minf-B256-none-s* to write
+hoogland.csv from their llc.parquet. Writes hoogland_theirs.csv (step, seed, llc) extracted from the release, prints their seed mean ± sd at
 ≈ 1k, 5k and 40k steps next to ours, and plots hoogland_compare.png (ours: hoogland.csv, if present).
 """
 from __future__ import annotations
@@ -40,6 +41,15 @@ def read_theirs(path: str | Path) -> pd.DataFrame:
             .astype({"step": int, "seed": int}).sort_values(["seed", "step"]).reset_index(drop=True))
 
 
+def ours_from_runs(run_dirs: list[str], device: str) -> pd.DataFrame:
+    """hoogland.csv rows from the llc.parquet of our configs/hoogland.yaml runs (nbeta in our loss units,
+    i.e. D × theirs)."""
+    from iclnoise.io import read_parquet
+
+    df = pd.concat([read_parquet(Path(d) / "llc.parquet") for d in run_dirs], ignore_index=True)
+    return df.assign(device=device)[OURS_COLUMNS].sort_values(["seed", "step"])
+
+
 def nearest(df: pd.DataFrame, step: int) -> pd.DataFrame:
     """Each seed's row at the step nearest to `step`."""
     return df.loc[df.assign(d=(df.step - step).abs()).groupby("seed").d.idxmin()]
@@ -50,7 +60,12 @@ def main() -> None:
     ap.add_argument("--theirs", help="path to their analysis/L2H4Minf/llcs.pt (default: hoogland_theirs.csv)")
     ap.add_argument("--ours", default=str(HERE / "hoogland.csv"))
     ap.add_argument("--out", default=str(HERE / "hoogland_compare.png"))
+    ap.add_argument("--from-runs", nargs="*", default=[], help="our run directories: (re)write --ours from their "
+                    "llc.parquet first")
+    ap.add_argument("--device", default="cpu", help="device the runs' LLCs were estimated on (for --from-runs)")
     a = ap.parse_args()
+    if a.from_runs:
+        ours_from_runs(a.from_runs, a.device).to_csv(a.ours, index=False)
     if a.theirs:
         theirs = read_theirs(a.theirs)
         theirs.to_csv(HERE / "hoogland_theirs.csv", index=False)
