@@ -1,18 +1,38 @@
 """Local learning coefficient by localized SGLD (SPEC §7), all chains batched with torch.func.
 
-    λ̂(w*) = nβ · (E_w[L_n(w)] − L_n(w*)),   w ~ exp(−nβ L_n(w) − (γ/2)‖w − w*‖²)
-    w ← w − (ε/2)(nβ ∇L_batch(w) + γ (w − w*)) + N(0, ε I)
+    λ̂(w*) = nβ · (E_w[L_n(w)] − L_n(w*)),   w ~ exp(−U(w)),   U(w) = nβ L_n(w) + (γ/2)‖w − w*‖²
+
+Samplers (`LLCConfig.method`), both per coordinate with a preconditioner G (G = 1 for plain SGLD):
+
+    sgld:          w ← w − (ε/2) (nβ ∇L_batch(w) + γ (w − w*)) + √ε ξ,                 ξ ~ N(0, I)
+    rmsprop_sgld:  V ← α V + (1 − α) ∇L_batch(w)²,   G = 1 / (√V + δ)
+                   w ← w − (ε/2) G (nβ ∇L_batch(w) + γ (w − w*)) + √(ε G) ξ
+
+(the RMSProp rule is devinterp 2.0.1's `rmsprop_sgld`: V accumulates the squared loss gradient, not
+scaled by nβ, updated before it is used; defaults α = 0.99, δ = 0.1).
 
 E_w is the mean mini-batch loss over the post-burn-in draws of every chain (the loss at the
 current w, computed in the same pass as the gradient); L_n(w*) is the full-data loss at w*.
 Each chain owns a generator seeded by (seed, chain), so results do not depend on how many
 chains run together, in which order, or whether they run vmapped or in a loop.
+
+MALA diagnostic (as devinterp's `MalaAcceptanceRate`): for every pair of consecutive SGLD steps
+w_t → w_{t+1}, the Metropolis-adjusted acceptance probability that step would have had as a
+Langevin proposal q(w'|w) = N(w − (ε/2) G ∇U(w), ε G):
+
+    a_t = min(1, exp(U(w_t) − U(w_{t+1}) + log q(w_t | w_{t+1}) − log q(w_{t+1} | w_t)))
+
+with U and ∇U read on each step's own mini-batch (no extra pass) and G the preconditioner of
+step t at both ends. Its mean over the draws says how far the discretisation is from exact:
+near 1 the step is small for the target; falling towards 0 the chain is not sampling U.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,9 +45,16 @@ import torch
 from torch.func import functional_call, grad_and_value, vmap
 from tqdm import tqdm
 
-from .io import KEY_FIELDS, read_json, read_parquet, write_parquet
+from . import runs
+from .io import KEY_FIELDS, write_parquet
 
 LossFn = Callable[[Callable, torch.Tensor, torch.Tensor], torch.Tensor]
+METHODS = ("sgld", "rmsprop_sgld")
+log = logging.getLogger(__name__)
+
+# thin re-exports for modules that still import them from here (use iclnoise.runs)
+select_steps = runs.select_steps
+load_checkpoint_model = runs.load_model
 
 
 @dataclass
@@ -38,14 +65,29 @@ class LLCConfig:
     chains: int = 4
     burn_in: int = 100
     draws: int = 100
-    batch: int = 64             # SGLD mini-batch (sequences)
+    batch: int = 64             # SGLD mini-batch (sequences); ≥ n: full batch (the whole set every step)
     n: int = 1024               # size of the sampling dataset
     micro_batches: int = 1      # split each SGLD mini-batch for the gradient (memory only)
     seed: int = 0
     trace_points: int = 50      # trace length kept in llc_traces.parquet
+    method: str = "sgld"        # sgld | rmsprop_sgld
+    rmsprop_alpha: float = 0.99  # RMSProp decay α of the squared-gradient average
+    rmsprop_eps: float = 0.1     # RMSProp δ in G = 1 / (√V + δ)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"llc.sampler.method = {self.method!r}; allowed: {', '.join(METHODS)}")
 
     def resolved_nbeta(self) -> float:
         return self.nbeta if self.nbeta is not None else self.n / math.log(self.n)
+
+
+@dataclass
+class Chains:
+    """What the chains leave behind: mini-batch losses (chains, steps) and MALA acceptance
+    probabilities (chains, steps − 1) of the transitions t → t + 1."""
+    loss: np.ndarray
+    accept: np.ndarray
 
 
 @dataclass
@@ -56,6 +98,7 @@ class LLCResult:
     init_loss: float
     traces: np.ndarray           # (chains, burn_in + draws) mini-batch losses
     nbeta: float
+    mala_accept: float = float("nan")   # mean MALA acceptance over the post-burn-in transitions
     flags: dict = field(default_factory=dict)
 
 
@@ -68,16 +111,35 @@ def _chain_generators(seed: int, chains: list[int], device) -> list[torch.Genera
     return gens
 
 
+def mala_log_ratio(u_t: torch.Tensor, u_next: torch.Tensor, fwd_sq: torch.Tensor, step: dict, g_next: dict,
+                   precond: dict | None, epsilon: float) -> torch.Tensor:
+    """log of the MALA acceptance ratio of the transition w_t → w_{t+1} = w_t + step, per chain.
+
+    u_t, u_next: U at both ends, (C,); fwd_sq: Σ ξ²/2 of the noise that made the step (= −log q
+    forward up to the shared constant); g_next: ∇U(w_{t+1}); precond: G of step t (None = 1).
+    log q(w_t | w_{t+1}) = −Σ (−step + (ε/2) G ∇U(w_{t+1}))² / (2 ε G).
+    """
+    rev = torch.zeros_like(u_t, dtype=torch.float64)
+    for k, s in step.items():
+        g = 1.0 if precond is None else precond[k]
+        r = -s + 0.5 * epsilon * g * g_next[k]
+        rev += (r.square() / g).reshape(r.shape[0], -1).double().sum(1) / (2 * epsilon)
+    return u_t.double() - u_next.double() - rev + fwd_sq
+
+
 def sgld_chains(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: torch.Tensor,
                 cfg: LLCConfig, chains: list[int] | None = None, vectorize: bool = True,
-                progress: bool = False) -> np.ndarray:
-    """Run localized SGLD chains from the model's parameters; return losses (chains, steps)."""
+                progress: bool = False) -> Chains:
+    """Run localized SGLD (or RMSProp-SGLD) chains from the model's parameters."""
     chains = list(range(cfg.chains)) if chains is None else chains
     C, steps, n = len(chains), cfg.burn_in + cfg.draws, xs.shape[0]
     nbeta, eps, gamma = cfg.resolved_nbeta(), cfg.epsilon, cfg.gamma
+    rms = cfg.method == "rmsprop_sgld"
+    full_batch = cfg.batch >= n     # the whole sampling set every step; otherwise batches with replacement
     w0 = {k: v.detach() for k, v in model.named_parameters()}
     buffers = {k: v.detach() for k, v in model.named_buffers()}
     w = {k: v.unsqueeze(0).repeat(C, *[1] * v.dim()).clone() for k, v in w0.items()}
+    sq_avg = {k: torch.zeros_like(v) for k, v in w.items()} if rms else None
     gens = _chain_generators(cfg.seed, chains, xs.device)
 
     def loss_at(params, x, y):
@@ -90,30 +152,59 @@ def sgld_chains(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: t
         for xm, ym in zip(x.chunk(cfg.micro_batches), y.chunk(cfg.micro_batches)):
             g, l_ = grad_and_value(loss_at)(params, xm, ym)
             wgt = xm.shape[0] / x.shape[0]
-            g_tot = {k: v * wgt for k, v in g.items()} if g_tot is None else {k: g_tot[k] + v * wgt for k, v in g.items()}
+            g_tot = {k: v * wgt for k, v in g.items()} if g_tot is None else {k: g_tot[k] + v * wgt
+                                                                              for k, v in g.items()}
             l_tot = l_tot + l_ * wgt
         return g_tot, l_tot
 
-    batched = vmap(grad_loss) if vectorize else None
+    batched = (vmap(grad_loss, in_dims=(0, None, None)) if full_batch else vmap(grad_loss)) if vectorize else None
     losses = torch.empty(C, steps, dtype=torch.float64)
+    accept = torch.empty(C, max(steps - 1, 0), dtype=torch.float64)
+    prev = None   # (U_t, Σξ²/2, step, G) of the last transition, for the MALA ratio
     for t in tqdm(range(steps), disable=not progress, desc="SGLD", mininterval=5):
-        idx = torch.stack([torch.randint(0, n, (cfg.batch,), generator=g, device=xs.device) for g in gens])
-        if vectorize:
-            grads, loss = batched(w, xs[idx], ys[idx])
+        if full_batch:    # one copy of the data shared by every chain
+            bx, by = xs, ys
         else:
-            outs = [grad_loss({k: v[c] for k, v in w.items()}, xs[idx[c]], ys[idx[c]]) for c in range(C)]
+            idx = torch.stack([torch.randint(0, n, (cfg.batch,), generator=g, device=xs.device) for g in gens])
+            bx, by = xs[idx], ys[idx]
+        if vectorize:
+            grads, loss = batched(w, bx, by)
+        else:
+            outs = [grad_loss({k: v[c] for k, v in w.items()}, bx if full_batch else bx[c], by if full_batch else by[c])
+                    for c in range(C)]
             grads = {k: torch.stack([o[0][k] for o in outs]) for k in w}
             loss = torch.stack([o[1] for o in outs])
         losses[:, t] = loss.detach().double().cpu()
         with torch.no_grad():
+            dist = {k: v - w0[k] for k, v in w.items()}
+            drift = {k: grads[k] * nbeta + gamma * dist[k] for k in w}                 # ∇U(w_t)
+            u = nbeta * loss.double() + 0.5 * gamma * sum(d.reshape(C, -1).double().square().sum(1)
+                                                          for d in dist.values())
+            if prev is not None:
+                accept[:, t - 1] = mala_log_ratio(prev[0], u, prev[1], prev[2], drift, prev[3], eps) \
+                    .clamp(max=0.0).exp().cpu()
+            if rms:
+                for k in w:
+                    sq_avg[k].mul_(cfg.rmsprop_alpha).addcmul_(grads[k], grads[k], value=1 - cfg.rmsprop_alpha)
+                precond = {k: 1.0 / (sq_avg[k].sqrt() + cfg.rmsprop_eps) for k in w}
+            else:
+                precond = None
+            step, fwd_sq = {}, torch.zeros(C, dtype=torch.float64, device=u.device)
             for k, v in w.items():
                 noise = torch.stack([torch.randn(v.shape[1:], generator=g, device=v.device) for g in gens])
-                v.add_(grads[k] * nbeta + gamma * (v - w0[k]), alpha=-0.5 * eps).add_(noise, alpha=math.sqrt(eps))
-    return losses.numpy()
+                fwd_sq += 0.5 * noise.reshape(C, -1).double().square().sum(1)
+                if precond is None:
+                    step[k] = drift[k] * (-0.5 * eps) + noise * math.sqrt(eps)
+                else:
+                    step[k] = precond[k] * drift[k] * (-0.5 * eps) + (precond[k] * eps).sqrt() * noise
+                v.add_(step[k])
+            prev = (u, fwd_sq, step, precond)
+    return Chains(losses.numpy(), accept.numpy())
 
 
 @torch.no_grad()
-def full_loss(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: torch.Tensor, chunk: int = 4096) -> float:
+def full_loss(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: torch.Tensor,
+              chunk: int = 4096) -> float:
     tot = 0.0
     for s in range(0, xs.shape[0], chunk):
         tot += float(loss_fn(model, xs[s:s + chunk], ys[s:s + chunk])) * xs[s:s + chunk].shape[0]
@@ -148,11 +239,13 @@ def estimate_llc(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: 
     if xs.shape[0] != cfg.n:
         raise ValueError(f"sampling dataset has {xs.shape[0]} sequences, config says n = {cfg.n}")
     init = full_loss(model, loss_fn, xs, ys)
-    traces = sgld_chains(model, loss_fn, xs, ys, cfg, vectorize=vectorize, progress=progress)
+    ch = sgld_chains(model, loss_fn, xs, ys, cfg, vectorize=vectorize, progress=progress)
     nbeta = cfg.resolved_nbeta()
-    per_chain = nbeta * (traces[:, cfg.burn_in:].mean(1) - init)
+    per_chain = nbeta * (ch.loss[:, cfg.burn_in:].mean(1) - init)
+    acc = ch.accept[:, max(cfg.burn_in - 1, 0):]
     return LLCResult(float(per_chain.mean()), float(per_chain.std(ddof=1)) if len(per_chain) > 1 else 0.0,
-                     per_chain, init, traces, nbeta, diagnose(traces, init, nbeta, cfg.burn_in))
+                     per_chain, init, ch.loss, nbeta, float(np.nanmean(acc)) if acc.size else float("nan"),
+                     diagnose(ch.loss, init, nbeta, cfg.burn_in))
 
 
 # ---------------------------------------------------------------- per-run pipeline step
@@ -161,63 +254,73 @@ LLC_SCHEMA = pa.schema(KEY_FIELDS + [
     pa.field("step", pa.int64()), pa.field("llc_mean", pa.float64()), pa.field("llc_std", pa.float64()),
     pa.field("llc_se", pa.float64()), pa.field("llc_per_chain", pa.list_(pa.float64())),
     pa.field("init_loss", pa.float64()), pa.field("mean_sampling_loss", pa.float64()),
+    pa.field("mala_accept", pa.float64()),
     pa.field("diverged", pa.bool_()), pa.field("negative", pa.bool_()), pa.field("not_levelled", pa.bool_()),
+    pa.field("method", pa.string()),
     pa.field("epsilon", pa.float64()), pa.field("gamma", pa.float64()), pa.field("nbeta", pa.float64()),
     pa.field("chains", pa.int64()), pa.field("burn_in", pa.int64()), pa.field("draws", pa.int64()),
-    pa.field("batch_size", pa.int64()), pa.field("n", pa.int64()), pa.field("seconds", pa.float64()),
+    pa.field("batch_size", pa.int64()), pa.field("n", pa.int64()),
 ])
 TRACE_SCHEMA = pa.schema([pa.field("run_id", pa.string()), pa.field("step", pa.int64()),
                           pa.field("chain", pa.int64()), pa.field("sgld_step", pa.int64()),
                           pa.field("loss", pa.float64())])
 
 
-def select_steps(steps: list[int], every: int) -> list[int]:
-    """Every `every`-th checkpoint (from the first) plus always the last."""
-    steps = sorted(steps)
-    chosen = steps[::max(1, every)]
-    return chosen if chosen[-1] == steps[-1] else chosen + [steps[-1]]
-
-
 def sampling_data(spec: dict, n: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """n sequences from the run's own training distribution q_M, on a stream training never uses."""
-    from .tasks import M_INF, BatchSampler, task_pool
-
-    d, k = spec["data"], spec["keys"]
-    pool = None if k["M"] == M_INF else task_pool(d["pool_seed"], k["M"], d["D"])
-    b = BatchSampler(pool, d["K"], d["D"], d["noise_var"], k["seed"], device, stream=2).batch(0, n)
+    """n sequences from the run's own q_M on the named `llc` stream (training never uses it)."""
+    b = runs.sampler(spec, "llc", device).batch(0, n)
     return b.xs, b.ys
 
 
-def load_checkpoint_model(run_dir: Path, step: int, device="cpu") -> torch.nn.Module:
-    from .model import ModelConfig, build_model
+def steps_at(available: list[int], linear: int, log: int) -> list[int]:
+    """The available checkpoints nearest to `linear` evenly spaced and `log` log-spaced steps of
+    [0, last checkpoint] (a published schedule on our checkpoints); duplicates dropped."""
+    from .schedules import checkpoint_steps
 
-    state = torch.load(run_dir / "checkpoints" / f"step_{step:07d}.pt", map_location=device, weights_only=False)
-    model = build_model(ModelConfig(**state["model_config"]), 0, device)
-    model.load_state_dict(state["model"])
-    return model
+    avail = np.asarray(sorted(available))
+    wanted = checkpoint_steps(int(avail[-1]), linear, log)
+    return sorted({int(avail[np.abs(avail - w).argmin()]) for w in wanted})
 
 
-def llc_for_run(run_dir: str | Path, cfg: LLCConfig, every: int = 1, progress: bool = True) -> pd.DataFrame:
-    """Estimate the LLC at the selected checkpoints of a run; write llc.parquet and llc_traces.parquet."""
+def _on_terminal() -> bool:
+    return sys.stderr.isatty()
+
+
+def llc_for_run(run_dir: str | Path, cfg: LLCConfig, every: int = 1, progress: bool | None = None,
+                at: dict | None = None) -> pd.DataFrame:
+    """Estimate the LLC at the selected checkpoints of a run; write llc.parquet and llc_traces.parquet.
+
+    Checkpoints: every `every`-th (and the last), or with `at` = {"linear": a, "log": b} those nearest
+    to a published schedule (`steps_at`).
+
+    Progress bars only on a terminal (progress=None); wall-clock times go to the log, never to the
+    parquet, so reruns are byte-identical.
+    """
     from .model import mse_loss
 
     run_dir = Path(run_dir)
-    spec = read_json(run_dir / "run.json")
-    metrics = read_parquet(run_dir / "metrics.parquet")
+    show = _on_terminal() if progress is None else progress
+    spec = runs.read_spec(run_dir)
     xs, ys = sampling_data(spec, cfg.n)
     rows, traces = [], []
-    for step in tqdm(select_steps(metrics.step.tolist(), every), desc=f"LLC {spec['keys']['run_id']}",
-                     disable=not progress, mininterval=5):
-        model = load_checkpoint_model(run_dir, step)
-        t0 = time.time()
+    avail = runs.checkpoint_steps(run_dir)
+    chosen = steps_at(avail, at["linear"], at["log"]) if at else runs.select_steps(avail, every)
+    for step in tqdm(chosen,
+                     desc=f"LLC {spec['keys']['run_id']}", disable=not show, mininterval=5):
+        model = runs.load_model(run_dir, step)
+        t0 = time.perf_counter()
         r = estimate_llc(model, mse_loss, xs, ys, cfg)
+        log.info("step %d: λ̂ = %.3f ± %.3f, MALA acceptance %.3f, %.1f s", step, r.llc_mean, r.llc_std,
+                 r.mala_accept, time.perf_counter() - t0)
         rows.append({**spec["keys"], "step": step, "llc_mean": r.llc_mean, "llc_std": r.llc_std,
                      "llc_se": r.llc_std / math.sqrt(cfg.chains), "llc_per_chain": r.llc_per_chain.tolist(),
                      "init_loss": r.init_loss, "mean_sampling_loss": float(r.traces[:, cfg.burn_in:].mean()),
-                     **r.flags, "epsilon": cfg.epsilon, "gamma": cfg.gamma, "nbeta": r.nbeta,
+                     "mala_accept": r.mala_accept, **r.flags, "method": cfg.method,
+                     "epsilon": cfg.epsilon, "gamma": cfg.gamma, "nbeta": r.nbeta,
                      "chains": cfg.chains, "burn_in": cfg.burn_in, "draws": cfg.draws, "batch_size": cfg.batch,
-                     "n": cfg.n, "seconds": time.time() - t0})
-        keep = np.unique(np.linspace(0, r.traces.shape[1] - 1, min(cfg.trace_points, r.traces.shape[1])).astype(int))
+                     "n": cfg.n})
+        keep = np.unique(np.linspace(0, r.traces.shape[1] - 1,
+                                     min(cfg.trace_points, r.traces.shape[1])).astype(int))
         traces += [{"run_id": spec["keys"]["run_id"], "step": step, "chain": c, "sgld_step": int(t),
                     "loss": float(r.traces[c, t])} for c in range(cfg.chains) for t in keep]
     df = pd.DataFrame(rows)
@@ -231,11 +334,15 @@ def cli(argv: list[str]) -> None:
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--sampler", default="{}", help="JSON of LLCConfig fields (params.yaml llc.sampler)")
     ap.add_argument("--every", type=int, default=1, help="every k-th checkpoint (the last always)")
+    ap.add_argument("--at", default="null", help='JSON {"linear": a, "log": b} (params.yaml llc.at); '
+                    "overrides --every")
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(a.threads)
-    df = llc_for_run(a.run_dir, LLCConfig(**json.loads(a.sampler)), a.every)
-    print(df[["step", "llc_mean", "llc_std", "not_levelled", "negative", "diverged", "seconds"]].to_string(index=False))
+    df = llc_for_run(a.run_dir, LLCConfig(**json.loads(a.sampler)), a.every, at=json.loads(a.at))
+    print(df[["step", "llc_mean", "llc_std", "mala_accept", "not_levelled", "negative", "diverged"]]
+          .to_string(index=False))
 
 
 def cli_llc_calibrate(argv: list[str]) -> None:
@@ -254,12 +361,11 @@ def cli_llc_calibrate(argv: list[str]) -> None:
     ap.add_argument("--out", default=None, help="output stem (default: <run-dir>/llc_calibration)")
     a = ap.parse_args(argv)
     run_dir = Path(a.run_dir)
-    spec = read_json(run_dir / "run.json")
-    steps = read_parquet(run_dir / "metrics.parquet").step.tolist()
-    step = a.step if a.step is not None else max(steps)
+    spec = runs.read_spec(run_dir)
+    step = a.step if a.step is not None else max(runs.checkpoint_steps(run_dir))
     base = LLCConfig(**json.loads(a.cfg))
     xs, ys = sampling_data(spec, base.n)
-    model = load_checkpoint_model(run_dir, step)
+    model = runs.load_model(run_dir, step)
     style.setup()
     fig, axes = plt.subplots(len(a.gammas), len(a.epsilons), figsize=(3 * len(a.epsilons), 2.4 * len(a.gammas)),
                              squeeze=False, sharex=True)

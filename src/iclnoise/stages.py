@@ -1,11 +1,13 @@
 """Developmental stages from the LLC curve (Hoogland et al.; SPEC §7).
 
-The LLC is smoothed with a Gaussian filter over the checkpoint index (checkpoints are dense
-early and log-spaced, so the index is close to log-time) and differentiated in log(step + 1).
-Milestones are its critical points: sign changes of the slope (peaks, troughs) and plateaus
-where |slope| has a local minimum below `plateau_tol` × max |slope|. Stages are the intervals
-between consecutive milestones (and the ends); a stage is type A if the LLC rises across it,
-type B if it falls.
+The LLC is a function of training time, so it is smoothed and differentiated in log-time,
+t = log10(step + 1), whatever the checkpoint spacing: a Gaussian kernel (Nadaraya–Watson) of
+width `sigma` decades, as a local-linear fit (value and slope dŷ/dt at every checkpoint; no
+first-order bias from uneven checkpoint density, see `local_linear_log_time`). Milestones are its critical points:
+interior runs of checkpoints where |slope| < `plateau_tol` × max |slope| (a plateau, or a peak /
+trough when the slope changes sign across the run), and sign changes between steep neighbours. Stages are the
+intervals between consecutive milestones (and the ends); a stage is type A if the LLC rises across
+it, type B if it falls. Estimates flagged diverged or negative are left out of the curve.
 """
 from __future__ import annotations
 
@@ -29,32 +31,71 @@ STAGES_SCHEMA = pa.schema(KEY_FIELDS + [
 ])
 
 
-def milestones(steps: np.ndarray, llc: np.ndarray, sigma: float = 1.0,
+def local_linear_log_time(steps: np.ndarray, y: np.ndarray, sigma: float,
+                          chunk: int = 1024) -> tuple[np.ndarray, np.ndarray]:
+    """Smoothed value and slope dŷ/dt of y over t = log10(step + 1): at each t_i the weighted least-squares
+    line y ≈ a + b (t − t_i) with Gaussian weights exp(−(t − t_i)²/(2σ²)) gives ŷ(t_i) = a, slope b.
+
+    A local line rather than a local mean (Nadaraya–Watson): its value carries no first-order bias from
+    uneven checkpoint density (dense linear checkpoints late, log-spaced early).
+    """
+    t = np.log10(np.asarray(steps, float) + 1)
+    y = np.asarray(y, float)
+    if sigma <= 0 or len(y) < 3:
+        return y, np.gradient(y, t) if len(y) > 1 else np.zeros_like(y)
+    a, b = np.empty_like(y), np.empty_like(y)
+    for s in range(0, len(t), chunk):
+        dt = t[None, :] - t[s:s + chunk, None]
+        w = np.exp(-0.5 * (dt / sigma) ** 2)
+        s0, s1, s2 = w.sum(1), (w * dt).sum(1), (w * dt ** 2).sum(1)
+        r0, r1 = w @ y, (w * dt) @ y
+        det = s0 * s2 - s1 ** 2
+        ok = det > 1e-12 * np.maximum(s0 * s2, 1e-300)
+        a[s:s + chunk] = np.where(ok, (s2 * r0 - s1 * r1) / np.where(ok, det, 1), r0 / s0)
+        b[s:s + chunk] = np.where(ok, (s0 * r1 - s1 * r0) / np.where(ok, det, 1), 0.0)
+    return a, b
+
+
+def smooth_log_time(steps: np.ndarray, y: np.ndarray, sigma: float) -> np.ndarray:
+    """The smoothed curve of `local_linear_log_time`."""
+    return local_linear_log_time(steps, y, sigma)[0]
+
+
+def milestones(steps: np.ndarray, llc: np.ndarray, sigma: float = 0.1,
                plateau_tol: float = 0.1) -> list[tuple[int, str]]:
-    """Indices and kinds of the critical points of the smoothed LLC curve (interior points only)."""
-    y = gaussian_filter1d(np.asarray(llc, float), sigma, mode="nearest") if sigma > 0 else np.asarray(llc, float)
-    t = np.log1p(np.asarray(steps, float))
-    if len(y) < 3:
+    """Indices and kinds of the critical points of the smoothed LLC curve (interior points only).
+
+    A checkpoint is flat where |dŷ/dt| < plateau_tol × max |dŷ/dt|. Each run of flat checkpoints that
+    touches neither end is one milestone, at its flattest checkpoint: a peak if the slope goes from + to −
+    across the run, a trough if from − to +, else a plateau. A sign change between two steep neighbours
+    (a sharp extremum between sparse checkpoints) is a milestone at the flatter of the two.
+    """
+    if len(llc) < 3:
         return []
-    d = np.gradient(y, t)
-    scale = np.abs(d).max() or 1.0
-    found: dict[int, str] = {}
-    for i in range(1, len(d) - 1):
-        if d[i - 1] > 0 >= d[i] or (d[i - 1] >= 0 > d[i]):
-            found[i] = "peak"
-        elif d[i - 1] < 0 <= d[i] or (d[i - 1] <= 0 < d[i]):
-            found[i] = "trough"
-        elif abs(d[i]) < plateau_tol * scale and abs(d[i]) <= abs(d[i - 1]) and abs(d[i]) <= abs(d[i + 1]):
-            found[i] = "plateau"
-    out, last = [], -10
-    for i in sorted(found):       # merge milestones on adjacent checkpoints into one
-        if i - last > 1:
-            out.append((i, found[i]))
-        last = i
+    _, d = local_linear_log_time(steps, llc, sigma)
+    flat = np.abs(d) < plateau_tol * (np.abs(d).max() or 1.0)
+    out: list[tuple[int, str]] = []
+    i, n = 0, len(d)
+    while i < n:
+        if flat[i]:
+            j = i
+            while j + 1 < n and flat[j + 1]:
+                j += 1
+            if i > 0 and j < n - 1:
+                k = i + int(np.argmin(np.abs(d[i:j + 1])))
+                before, after = d[i - 1], d[j + 1]
+                out.append((k, "peak" if before > 0 > after else "trough" if before < 0 < after else "plateau"))
+            i = j + 1
+            continue
+        if i + 1 < n and not flat[i + 1] and d[i] * d[i + 1] < 0:
+            k = i if abs(d[i]) <= abs(d[i + 1]) else i + 1
+            if 0 < k < n - 1:
+                out.append((k, "peak" if d[i] > 0 else "trough"))
+        i += 1
     return out
 
 
-def stages(keys: dict, steps, llc, loss, sigma: float = 1.0, plateau_tol: float = 0.1) -> pd.DataFrame:
+def stages(keys: dict, steps, llc, loss, sigma: float = 0.1, plateau_tol: float = 0.1) -> pd.DataFrame:
     steps, llc, loss = np.asarray(steps), np.asarray(llc, float), np.asarray(loss, float)
     ms = milestones(steps, llc, sigma, plateau_tol)
     bounds = [(0, "start")] + ms + [(len(steps) - 1, "end")]
@@ -70,11 +111,12 @@ def stages(keys: dict, steps, llc, loss, sigma: float = 1.0, plateau_tol: float 
     return pd.DataFrame(rows, columns=STAGES_SCHEMA.names)
 
 
-def stages_for_run(run_dir: str | Path, sigma: float = 1.0, plateau_tol: float = 0.1) -> pd.DataFrame:
+def stages_for_run(run_dir: str | Path, sigma: float = 0.1, plateau_tol: float = 0.1) -> pd.DataFrame:
     run_dir = Path(run_dir)
     llc = read_parquet(run_dir / "llc.parquet").sort_values("step")
-    metrics = read_parquet(run_dir / "metrics.parquet").set_index("step")
     keys = llc.iloc[0][["run_id", "M", "seed", "batch", "noise"]].to_dict()
+    llc = llc[~(llc.diverged | llc.negative)]
+    metrics = read_parquet(run_dir / "metrics.parquet").set_index("step")
     df = stages(keys, llc.step.to_numpy(), llc.llc_mean.to_numpy(), metrics.loc[llc.step, "id_loss"].to_numpy(),
                 sigma, plateau_tol)
     write_parquet(df, run_dir / "stages.parquet", STAGES_SCHEMA)
@@ -84,7 +126,7 @@ def stages_for_run(run_dir: str | Path, sigma: float = 1.0, plateau_tol: float =
 def cli(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="iclnoise stages", description=__doc__)
     ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--sigma", type=float, default=1.0)
+    ap.add_argument("--sigma", type=float, default=0.1, help="smoothing width in decades of training steps")
     ap.add_argument("--plateau-tol", type=float, default=0.1)
     a = ap.parse_args(argv)
     df = stages_for_run(a.run_dir, a.sigma, a.plateau_tol)

@@ -58,30 +58,66 @@ def fig_llc_vs_m(summary: pd.DataFrame, llc: pd.DataFrame, path: str | Path) -> 
     style.save_figure(fig, path, df.drop(columns=["x"]))
 
 
+FLAGS = ("diverged", "negative", "not_levelled")
+
+
+def _flagged(df: pd.DataFrame) -> pd.Series:
+    """Estimates a reader must not take at face value (any SGLD diagnostic flag set)."""
+    cols = [c for c in FLAGS if c in df]
+    return df[cols].any(axis=1) if cols else pd.Series(False, index=df.index)
+
+
 def fig_llc_over_training(llc: pd.DataFrame, stages: pd.DataFrame | None, path: str | Path) -> None:
-    """Figure 4: LLC over training per M (seed 0, every batch size), stage boundaries dashed."""
+    """Figure 4: LLC over training per M (every batch size).
+
+    Trusted estimates are joined by a line with a ± standard-error band (markers only when there are
+    few checkpoints); flagged estimates (diverged, negative, not levelled) are hollow grey-edged
+    markers, never joined. Stage boundaries of the first seed are ▼ ticks on the top edge in the
+    M's colour, so they cannot be read as data.
+    """
     style.setup()
     pal = style.m_palette(llc.M)
     batches = sorted(llc.batch.unique())
     fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 3.8), squeeze=False, sharey=True)
+    any_flagged = any_stage = False
     for j, B in enumerate(batches):
         ax = axes[0, j]
         sub = llc[llc.batch == B]
+        seed0 = sub.seed.min()
         for M in style.m_order(sub.M):
             for seed, r in sub[sub.M == M].groupby("seed"):
                 r = r.sort_values("step")
-                ax.errorbar(r.step + 1, r.llc_mean, yerr=r.llc_std, color=pal[M], lw=1.6 if seed == sub.seed.min() else 0.7,
-                            alpha=1 if seed == sub.seed.min() else 0.4, capsize=1.5,
-                            label=style.m_legend_label(M) if seed == sub.seed.min() else None)
-                if stages is not None and seed == sub.seed.min():
+                bad = _flagged(r)
+                ok = r[~bad]
+                first = seed == seed0
+                few = len(r) <= 40
+                se = ok.llc_se if "llc_se" in ok else ok.llc_std
+                ax.plot(ok.step + 1, ok.llc_mean, color=pal[M], lw=1.6 if first else 0.7, alpha=1 if first else 0.4,
+                        marker="o" if few else None, ms=3, label=style.m_legend_label(M) if first else None)
+                if first:
+                    ax.fill_between(ok.step + 1, ok.llc_mean - se, ok.llc_mean + se, color=pal[M], alpha=0.15, lw=0)
+                if bad.any():
+                    any_flagged = True
+                    ax.scatter(r.step[bad] + 1, r.llc_mean[bad], s=22, facecolors="none", edgecolors=pal[M],
+                               linewidths=0.9, alpha=0.8 if first else 0.35, zorder=3)
+                if stages is not None and first:
                     st = stages[(stages.run_id == r.run_id.iloc[0]) & (stages.kind != "end")]
-                    for s in st.step:
-                        ax.axvline(s + 1, color=pal[M], ls="--", lw=0.8, alpha=0.7)
+                    if len(st):
+                        any_stage = True
+                        ax.scatter(st.step + 1, np.ones(len(st)), transform=ax.get_xaxis_transform(), marker="v",
+                                   s=36, color=pal[M], clip_on=False, zorder=4)
         ax.set_xscale("log")
-        ax.set_title(f"batch {B}")
+        ax.set_title(f"batch {B}", pad=14)
         ax.set_xlabel("training step + 1")
-    axes[0, 0].set_ylabel("LLC λ̂ (± sd over chains)")
-    axes[0, -1].legend(loc="center left", bbox_to_anchor=(1.0, 0.5), title="dashed: stage boundaries")
+    axes[0, 0].set_ylabel("LLC λ̂ (band: ± s.e. over chains)")
+    handles, labels = axes[0, -1].get_legend_handles_labels()
+    if any_flagged:
+        handles.append(plt.Line2D([], [], ls="", marker="o", mfc="none", mec="grey"))
+        labels.append("flagged estimate (not joined)")
+    if any_stage:
+        handles.append(plt.Line2D([], [], ls="", marker="v", color="grey"))
+        labels.append("stage boundary (seed %d)" % llc.seed.min())
+    axes[0, -1].legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     fig.suptitle("Local learning coefficient over training", y=1.02)
     fig.tight_layout()
     style.save_figure(fig, path, llc.drop(columns=["llc_per_chain"], errors="ignore"))
