@@ -8,10 +8,10 @@ from scipy import stats
 
 from iclnoise.adam import adam_a
 from iclnoise.geometry import (GEOMETRY_SCHEMA, FlatLoss, geometry_for_run, hutchinson_samples, hutchinson_trace,
-                               lanczos, lanczos_top, mean_se, preconditioned, sam_sharpness, t_halfwidth)
+                               lanczos, lanczos_top, mean_se, precond_trace, preconditioned, sam_sharpness, t_halfwidth)
 from iclnoise.io import read_parquet, write_json
 from iclnoise.model import ModelConfig, build_model, mse_loss
-from iclnoise.runs import checkpoint_path, checkpoint_precond, save_torch
+from iclnoise.runs import checkpoint_path, checkpoint_precond, sampler, save_torch
 from iclnoise.tasks import BatchSampler, task_pool
 
 CFG = ModelConfig(D=2, K=3, d_model=4, n_layers=1, n_heads=2, d_mlp=4)
@@ -143,7 +143,10 @@ def test_checkpoint_precond_zeroes_dead_coordinates(tiny):
 def test_precond_trace_float32_error_below_se(tiny):
     """Tr(A H A) against the float64 exact value Σ a_i² H_ii; float32 per-probe error ≪ the reported se.
     Measured (16 probes, 30 Adam steps): |float32 − float64| of the estimate = 1.5e4 against se 4.3e6
-    (3.4e-3 se) with a = 0 on never-updated coordinates."""
+    (3.4e-3 se) with a = 0 on never-updated coordinates. On the default model (d_model 32, 300 Adam
+    steps) float32 was off by 4.4e6 against 2.0e6 ± 3.1e6 (b_K: v is round-off, not 0, so a ≈ 1/δ),
+    which is why geometry computes A·H·A in float64 (precond_trace); zeroing a where √v̂ < δ
+    (the 96 coordinates: both b_K and the last pos_embed row) brings float32 to 1.5 off."""
     m, f, H, state, b = tiny
     a64 = checkpoint_precond(state).double()
     exact = float((a64 ** 2 * torch.diagonal(H)).sum())
@@ -177,6 +180,13 @@ def test_geometry_for_run_on_a_checkpoint_fixture(tmp_path):
     df = geometry_for_run(run, cfg)
     assert list(df.step) == [0, 20] and list(df.columns) == GEOMETRY_SCHEMA.names
     assert np.isnan(df.precond_trace[0]) and np.isfinite(df.precond_trace[1]) and df.n_dead[1] > 0
+    # A·H·A is computed in float64: the same probes on a float64 copy give the same number
+    state = checkpoint_state(m, opt)
+    held = sampler({"keys": keys, "data": {"D": 2, "K": 3, "noise_var": 0.125, "pool_seed": 0}}, "geometry").batch(0, 16)
+    gen = torch.Generator().manual_seed(cfg.get("seed", 0) + 20)
+    hutchinson_trace(lambda v: v, sum(p.numel() for p in m.parameters()), 4, gen)      # the draws before it
+    lanczos(lambda v: v, sum(p.numel() for p in m.parameters()), 10, gen)
+    assert df.precond_trace[1] == pytest.approx(precond_trace(m, checkpoint_precond(state), held, 4, gen)[0], rel=1e-12)
     assert (df.min_eigenvalue <= df.top_eigenvalue).all() and (df.sam_batches == 3).all()
     np.testing.assert_allclose(df.hessian_trace_ci95, stats.t.ppf(0.975, 3) * df.hessian_trace_se)
     first = (run / "geometry.parquet").read_bytes()

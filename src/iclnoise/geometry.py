@@ -1,19 +1,21 @@
 """Loss-landscape geometry on held-out batches (SPEC §9), per analysis checkpoint.
 
 - Hutchinson trace of the Hessian H and of A·H·A (Adam's diagonal preconditioner a, with a = 0 on
-  coordinates that never received a gradient, `iclnoise.adam`): mean of Rademacher zᵀHz over
-  `probes` probes, its standard error and the t-based 95 % half-width t_{0.975, probes−1}·se;
+  coordinates that never received a gradient, `iclnoise.adam`; A·H·A runs in float64, see
+  `precond_trace`): mean of Rademacher zᵀHz over `probes` probes, its standard error and the
+  t-based 95 % half-width t_{0.975, probes−1}·se;
 - the largest and the smallest algebraic Hessian eigenvalue by one Lanczos run (full
   reorthogonalisation), each with its Ritz residual and whether it met `lanczos_tol`;
 - SAM sharpness L(w + ρ g/‖g‖) − L(w) on each of `sam_batches` held-out batches: mean and se.
 
 All estimators work on a flat parameter vector through Hessian-vector products (forward-over-
-reverse with torch.func) in float32. Held-out sequences come from the run's own q_M on the named
+reverse with torch.func) in float32, except A·H·A (float64). Held-out sequences come from the run's own q_M on the named
 stream "geometry", which training never uses.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 from pathlib import Path
@@ -148,6 +150,19 @@ GEOMETRY_SCHEMA = pa.schema(KEY_FIELDS + [
 ])
 
 
+def precond_trace(model: torch.nn.Module, a: torch.Tensor, batch, n_probes: int,
+                  generator: torch.Generator) -> tuple[float, float]:
+    """Hutchinson Tr(A·H·A) (mean, se) in float64 on a float64 copy of the model. Coordinates whose
+    second moment is float32 round-off (attention b_K: softmax makes its gradient 0 up to round-off,
+    so v ~ 1e-20 ≠ 0 and a ≈ 1/δ; adam.py zeroes a only where v == 0) would multiply float32
+    round-off in H·v by a² ~ 1e16: on the default model (300 Adam steps) float32 − float64 was
+    4.4e6 against a float64 value of 2.0e6 ± 3.1e6; in float64 their contribution is O(1)."""
+    from .model import mse_loss
+
+    f = FlatLoss(copy.deepcopy(model).double(), mse_loss, batch.xs.double(), batch.ys.double())
+    return hutchinson_trace(preconditioned(f.hvp, a.double()), f.w0.numel(), n_probes, generator, dtype=torch.float64)
+
+
 def geometry_at(model: torch.nn.Module, a: torch.Tensor | None, batches: list, cfg: dict, seed: int) -> dict:
     """Every column of GEOMETRY_SCHEMA except keys and step, for one model; `batches[0]` carries the
     trace and eigenvalue estimates, every batch one SAM sharpness."""
@@ -159,7 +174,7 @@ def geometry_at(model: torch.nn.Module, a: torch.Tensor | None, batches: list, c
     tr, tr_se = hutchinson_trace(f.hvp, dim, n, gen)
     eig = lanczos(f.hvp, dim, cfg.get("lanczos_iters", 20), gen, cfg.get("lanczos_tol", 1e-3))
     if a is not None:
-        ptr, ptr_se = hutchinson_trace(preconditioned(f.hvp, a.to(f.w0.dtype)), dim, n, gen)
+        ptr, ptr_se = precond_trace(model, a, batches[0], n, gen)
     else:
         ptr, ptr_se = math.nan, math.nan
     rho = cfg.get("sam_rho", 0.05)
