@@ -109,7 +109,8 @@ def test_same_continuous_curve_same_forms_at_every_density():
         for n in (20, 50, 200):
             tau = log_time(log_spaced(n))
             f = forms(detect_events(tau, fn(tau), {}), 3, DEFAULTS["tolerance"])
-            assert len(f) == len(truth) and all(abs(a - b) <= DEFAULTS["tolerance"] for a, b in zip(f, truth)), (name, n, f)
+            ok = len(f) == len(truth) and all(abs(a - b) <= DEFAULTS["tolerance"] for a, b in zip(f, truth))
+            assert ok, (name, n, f)
             found.append(f)
         np.testing.assert_allclose(found[0], found[2], atol=0.1)   # the same forms (grid spacing 0.07)
         np.testing.assert_allclose(found[1], found[2], atol=0.1)
@@ -245,18 +246,20 @@ def test_cli_end_to_end_and_predictor_projection(tmp_path):
     from iclnoise.figures.ed import cli_ed_figures
 
     dirs = [fake_run(tmp_path / "runs", M) for M in (1, 4, 16)]
-    cli([str(d) for d in dirs] + ["--family", "fam", "--out", str(tmp_path / "ed"), "--cfg", json.dumps({"n_boot": 10})])
+    cfg = json.dumps({"n_boot": 10})
+    cli([str(d) for d in dirs] + ["--family", "fam", "--out", str(tmp_path / "ed"), "--cfg", cfg])
     pcs = read_parquet(tmp_path / "ed/pcs.parquet")
     assert set(pcs.kind) == {"run", "dmmse", "ridge"} and set(pcs[pcs.kind == "dmmse"].M) == {1, 4, 16}
     assert len(pcs[pcs.kind == "run"]) == 3 * 17 * 3
     X = np.concatenate([np.stack(read_parquet(d / "root_preds.parquet").preds.to_numpy()) for d in dirs]).astype(float)
     _, comps, mean, _ = joint_pca(X, 3)
     ridge_vec = predictor_vectors(json.loads((dirs[0] / "run.json").read_text()), [1])["ridge"]
-    np.testing.assert_allclose(pcs[pcs.kind == "ridge"].sort_values("pc").value, (ridge_vec - mean) @ comps.T, rtol=1e-6)
+    np.testing.assert_allclose(pcs[pcs.kind == "ridge"].sort_values("pc").value, (ridge_vec - mean) @ comps.T,
+                               rtol=1e-6)
     samp = read_parquet(tmp_path / "ed/sampling.parquet")
     assert len(samp) == 3 and not samp.undersampled.any()
     cli_ed_figures([str(d) for d in dirs] + ["--family", "fam", "--ed", str(tmp_path / "ed"),
-                                             "--figures", str(tmp_path / "fig"), "--cfg", json.dumps({"n_boot": 10})])
+                                             "--figures", str(tmp_path / "fig"), "--cfg", cfg])
     for stem in ("fig02_essential_subspace_fam", "fig05_ed_forms_fam"):
         assert (tmp_path / "fig" / f"{stem}.png").stat().st_size > 10_000
 
@@ -279,7 +282,8 @@ def measure(reps: int, noise: float = NOISE) -> None:
     for name, (fn, truth) in CASES.items():
         for n in (20, 50, 200):
             hit, mean_forms = rates(fn, truth, n, reps, seed=1000 + n)
-            print(f"{name:11s} n={n:3d}: {'hit' if truth else 'none'} {hit:.3f}  mean #forms {mean_forms:.2f}", flush=True)
+            what = "hit" if truth else "none"
+            print(f"{name:11s} n={n:3d}: {what} {hit:.3f}  mean #forms {mean_forms:.2f}", flush=True)
     print(f"{time.time() - t0:.0f} s")
 
 

@@ -182,7 +182,8 @@ def test_geometry_for_run_on_a_checkpoint_fixture(tmp_path):
     assert np.isnan(df.precond_trace[0]) and np.isfinite(df.precond_trace[1]) and df.n_dead[1] > 0
     # A·H·A is computed in float64: the same probes on a float64 copy give the same number
     state = checkpoint_state(m, opt)
-    held = sampler({"keys": keys, "data": {"D": 2, "K": 3, "noise_var": 0.125, "pool_seed": 0}}, "geometry").batch(0, 16)
+    spec = {"keys": keys, "data": {"D": 2, "K": 3, "noise_var": 0.125, "pool_seed": 0}}
+    held = sampler(spec, "geometry").batch(0, 16)
     gen = torch.Generator().manual_seed(cfg.get("seed", 0) + 20)
     hutchinson_trace(lambda v: v, sum(p.numel() for p in m.parameters()), 4, gen)      # the draws before it
     lanczos(lambda v: v, sum(p.numel() for p in m.parameters()), 10, gen)

@@ -22,9 +22,10 @@ has the same forms:
    than 90° across ± `bandwidth`. Events within `margin` of either end of the τ range are dropped
    (there the derivatives are one-sided), so are vertices where the curve stalls (speed below
    `moving` × its maximum and no speed minimum within ± bandwidth: there κ is smoothing bias
-   divided by a small speed; a slow turn, e.g. a smoothed cusp, is a speed minimum and stays), and in each pair the strongest event (cusps first, then
-   the largest |κ|) suppresses the others within 2 bandwidths, the smoother's resolution (smoothing
-   turns a cusp into a sharp vertex flanked by two weaker ones);
+   divided by a small speed; a slow turn, e.g. a smoothed cusp, is a speed minimum and stays), and
+   in each pair the strongest event (cusps first, then the largest |κ|) suppresses the others
+   within 2 bandwidths, the smoother's resolution (smoothing turns a cusp into a sharp vertex
+   flanked by two weaker ones);
 4. significance: the B root sequences are resampled with replacement `n_boot` times and each
    replicate is projected on the same components; an event is kept when its statistic (a vertex's
    prominence measured on its own bases; a cusp's turning angle minus 90°) is at least `z_min`
@@ -307,7 +308,8 @@ def essential_dynamics(run_dirs: list[Path], family: str, cfg: dict) -> dict[str
     for name, vec in predictor_vectors(specs[0], sorted({s["keys"]["M"] for s in specs})).items():
         M = -1 if name == "ridge" else int(name.split("_")[1])
         rows += [{"family": family, "kind": name.split("_")[0], "run_id": name, "M": M, "seed": -1, "batch": -1,
-                  "noise": "", "step": -1, "pc": k + 1, "value": float(v)} for k, v in enumerate((vec - mean) @ comps.T)]
+                  "noise": "", "step": -1, "pc": k + 1, "value": float(v)}
+                 for k, v in enumerate((vec - mean) @ comps.T)]
     pcs = pd.DataFrame(rows, columns=PCS_SCHEMA.names)
     var = pd.DataFrame({"family": family, "pc": np.arange(1, len(evr) + 1), "explained_variance_ratio": evr})
     ev_rows, form_rows, samp_rows = [], [], []
@@ -335,7 +337,8 @@ def essential_dynamics(run_dirs: list[Path], family: str, cfg: dict) -> dict[str
 
 
 def cli(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="iclnoise ed", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="iclnoise ed", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dirs", nargs="+")
     ap.add_argument("--family", required=True)
     ap.add_argument("--out", required=True, help="output directory, e.g. results/ed/<family>")

@@ -9,8 +9,8 @@
 - SAM sharpness L(w + ρ g/‖g‖) − L(w) on each of `sam_batches` held-out batches: mean and se.
 
 All estimators work on a flat parameter vector through Hessian-vector products (forward-over-
-reverse with torch.func) in float32, except A·H·A (float64). Held-out sequences come from the run's own q_M on the named
-stream "geometry", which training never uses.
+reverse with torch.func) in float32, except A·H·A (float64). Held-out sequences come from the
+run's own q_M on the named stream "geometry", which training never uses.
 """
 from __future__ import annotations
 

@@ -263,7 +263,8 @@ def run_summary(mech: pd.DataFrame) -> dict[str, float]:
 
 
 def cli(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="iclnoise mech", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="iclnoise mech", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--every", type=int, default=1)
     ap.add_argument("--cfg", default="{}", help="JSON: n_probe, ln_threshold, seed")
