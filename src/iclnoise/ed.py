@@ -2,18 +2,44 @@
 
 Behavioural vector of a checkpoint: the model's K predictions on each of the B root-task
 sequences, flattened (B·K); stored by training in root_preds.parquet. For a family of runs the
-vectors of every checkpoint of every run are stacked, centred and reduced by a truncated SVD;
+vectors of every checkpoint of every run are stacked, centred and reduced by an exact (dense) SVD;
 dMMSE_M and ridge on the same sequences are projected into the subspace without entering the fit.
 
-Curve geometry: each run's PC trajectory is smoothed with a Gaussian filter of width `sigma`
-checkpoints (checkpoints are log-spaced, so the index is close to log-time and the filter acts
-evenly across the developmental timeline); for each pair of leading PCs the plane curve γ(τ)
-gets its signed curvature κ, osculating circles and evolute. A vertex is a local extremum of κ
-(a cusp of the evolute) whose prominence exceeds `vertex_prominence` × the range of
-arcsinh(κ / median|κ|), on a part of the curve that moves; a cusp
-singularity is a local minimum of the speed |γ'| below `cusp_speed` × the median speed at which
-the tangent turns by more than 90°. A form is a time at which every pair of the leading
-`n_form_pcs` PCs has a vertex or cusp within ± `tolerance` checkpoints.
+Forms. A run's PC trajectory is a curve in log training time τ = log(step + 1), not in checkpoint
+index, so every width below is in units of τ and the same run sampled at 20 or 200 checkpoints
+has the same forms:
+
+1. smoothing: a local-quadratic Gaussian-kernel smoother of bandwidth `bandwidth` (in τ) evaluates
+   the curve on a uniform τ grid (spacing bandwidth / 10); a local polynomial, unlike a plain
+   Gaussian filter, has no bias where checkpoints are unevenly spaced (near-duplicate steps are
+   harmless), and degree 2 keeps curvature unbiased near the ends (local-linear flattens it there
+   and makes a false vertex just inside the margin);
+2. geometry: for each pair i < j of the leading `n_form_pcs` PCs, signed curvature κ (central
+   differences on the grid), osculating circles and the evolute;
+3. events: a vertex is a local extremum of k = arcsinh(κ / median|κ|) with prominence at least
+   `vertex_prominence` (arcsinh units: 0.5 ≈ κ changing by a factor 1.6 at large κ); a cusp is a
+   local minimum of the speed below `cusp_speed` × the median speed where the tangent turns by more
+   than 90° across ± `bandwidth`. Events within `margin` of either end of the τ range are dropped
+   (there the derivatives are one-sided), so are vertices where the curve stalls (speed below
+   `moving` × its maximum and no speed minimum within ± bandwidth: there κ is smoothing bias
+   divided by a small speed; a slow turn, e.g. a smoothed cusp, is a speed minimum and stays), and
+   in each pair the strongest event (cusps first, then the largest |κ|) suppresses the others
+   within 2 bandwidths, the smoother's resolution (smoothing turns a cusp into a sharp vertex
+   flanked by two weaker ones);
+4. significance: the B root sequences are resampled with replacement `n_boot` times and each
+   replicate is projected on the same components; an event is kept when its statistic (a vertex's
+   prominence measured on its own bases; a cusp's turning angle minus 90°) is at least `z_min`
+   resampling standard deviations above the value at which the event would vanish. (A bootstrap
+   fraction "the event is still there" would not do: replicates are centred on the observed curve,
+   so a noise wiggle of the observed curve persists in most of them.)
+5. forms: the kept events are clustered greedily: the candidate time at which every pair has an
+   event within ± `tolerance` and the events are tightest becomes a form, placed at the median of
+   its events (where they occur), which are used up; repeat. Events of one pair are ≥ 2 bandwidths
+   apart, so two forms more than 2 bandwidths apart stay two.
+
+Validity: where checkpoints are further apart in τ than MAX_GAP × bandwidth inside the margins the
+smoother cannot see features of the bandwidth's size; the run is flagged `undersampled` and its
+forms are "inconclusive: undersampled" rather than absent.
 """
 from __future__ import annotations
 
@@ -25,118 +51,234 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import torch
-from scipy.ndimage import gaussian_filter1d
 from scipy.signal import find_peaks
 
 from .io import KEY_FIELDS, read_json, read_parquet, write_parquet
 from .predictors import dmmse, ridge
 from .tasks import M_INF, eval_set, task_pool
 
+DEFAULTS = {"n_pcs": 3, "n_form_pcs": 3, "bandwidth": 0.7, "tolerance": 1.0, "margin": 1.4,
+            "vertex_prominence": 0.5, "cusp_speed": 0.3, "moving": 0.2, "n_boot": 50, "z_min": 3.0, "seed": 0}
+MAX_GAP = 1.5  # largest checkpoint gap inside the margins, in bandwidths, for a run to be analysable
+GRID_PER_BANDWIDTH = 10  # grid points per bandwidth of the uniform τ grid
+
 PCS_SCHEMA = pa.schema([pa.field("family", pa.string()), pa.field("kind", pa.string())] + KEY_FIELDS + [
     pa.field("step", pa.int64()), pa.field("pc", pa.int64()), pa.field("value", pa.float64())])
 VAR_SCHEMA = pa.schema([pa.field("family", pa.string()), pa.field("pc", pa.int64()),
                         pa.field("explained_variance_ratio", pa.float64())])
-EVENTS_SCHEMA = pa.schema([pa.field("family", pa.string()), pa.field("run_id", pa.string()),
-                           pa.field("pc_i", pa.int64()), pa.field("pc_j", pa.int64()), pa.field("kind", pa.string()),
-                           pa.field("index", pa.int64()), pa.field("step", pa.int64())])
+EVENTS_SCHEMA = pa.schema([
+    pa.field("family", pa.string()), pa.field("run_id", pa.string()), pa.field("pc_i", pa.int64()),
+    pa.field("pc_j", pa.int64()), pa.field("kind", pa.string()), pa.field("log_step", pa.float64()),
+    pa.field("step", pa.float64()), pa.field("z", pa.float64()), pa.field("kept", pa.bool_())])
 FORMS_SCHEMA = pa.schema([pa.field("family", pa.string())] + KEY_FIELDS + [
-    pa.field("form", pa.int64()), pa.field("step", pa.int64()), pa.field("index", pa.int64()),
-    pa.field("nearest_stage_step", pa.int64()), pa.field("distance_to_stage", pa.int64())])
+    pa.field("form", pa.int64()), pa.field("log_step", pa.float64()), pa.field("step", pa.float64()),
+    pa.field("nearest_checkpoint", pa.int64()), pa.field("nearest_stage_step", pa.int64()),
+    pa.field("distance_to_stage_log", pa.float64())])
+SAMPLING_SCHEMA = pa.schema([pa.field("family", pa.string())] + KEY_FIELDS + [
+    pa.field("n_checkpoints", pa.int64()), pa.field("max_gap_log", pa.float64()), pa.field("bandwidth", pa.float64()),
+    pa.field("undersampled", pa.bool_()), pa.field("n_forms", pa.int64())])
 
 
-def joint_pca(X: np.ndarray, n_pcs: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Centred truncated SVD of the rows of X: (scores, components (n_pcs, d), mean, explained ratio)."""
+def ed_config(cfg: dict) -> dict:
+    """The ed section with defaults filled in; rejects the retired checkpoint-index key `sigma`."""
+    if "sigma" in cfg:
+        raise ValueError("ed.sigma (checkpoint units) was replaced by ed.bandwidth (units of log(step + 1))")
+    return {**DEFAULTS, **cfg}
+
+
+def log_time(steps) -> np.ndarray:
+    """τ = log(step + 1): the curve's parameter (step 0 → 0)."""
+    return np.log1p(np.asarray(steps, dtype=np.float64))
+
+
+def joint_pca(X: np.ndarray, n_pcs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Centred exact SVD of the rows of X: (scores (n, k), components (k, d), mean (d,), explained ratio (k,)).
+
+    Dense LAPACK SVD always (120 × 4096 takes well under a second): a randomized SVD is off by tens
+    of degrees on flat spectra. Each component's sign makes its largest-|·| coordinate positive."""
     mean = X.mean(0)
-    Xc = torch.from_numpy(X - mean)
-    k = min(n_pcs, *Xc.shape)
-    if min(Xc.shape) <= 4 * k + 10:
-        U, S, Vt = torch.linalg.svd(Xc, full_matrices=False)
-        U, S, V = U[:, :k], S[:k], Vt[:k].T
-    else:
-        torch.manual_seed(seed)
-        U, S, V = torch.svd_lowrank(Xc, q=k + 10, niter=6)
-        U, S, V = U[:, :k], S[:k], V[:, :k]
+    Xc = np.asarray(X - mean, dtype=np.float64)
+    U, S, Vt = np.linalg.svd(Xc, full_matrices=False)
+    k = min(n_pcs, len(S))
+    U, S, Vt = U[:, :k], S[:k], Vt[:k]
+    sign = np.sign(Vt[np.arange(k), np.abs(Vt).argmax(1)])
+    sign[sign == 0] = 1
+    Vt, U = Vt * sign[:, None], U * sign
     total = float((Xc ** 2).sum())
-    sign = torch.sign(V[V.abs().argmax(0), torch.arange(k)])  # deterministic orientation
-    V, U = V * sign, U * sign
-    return (U * S).numpy(), V.T.numpy(), mean, (S ** 2).numpy() / total
+    return U * S, Vt, mean, S ** 2 / total if total > 0 else np.zeros(k)
 
 
-def plane_geometry(x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
-    """Derivatives in the index parameter, signed curvature κ, speed, and the evolute (centres)."""
-    dx, dy = np.gradient(x), np.gradient(y)
-    ddx, ddy = np.gradient(dx), np.gradient(dy)
+def local_poly_weights(tau: np.ndarray, grid: np.ndarray, bandwidth: float, degree: int = 2) -> np.ndarray:
+    """(G, n) weights W of the local-polynomial Gaussian-kernel smoother: γ̂(u) = Σ_i W[u, i] γ(τ_i), the
+    intercept of the degree-`degree` least-squares fit to (τ_i − u, γ_i) weighted by exp(−(τ_i − u)²/2h²).
+    Degree 2 reproduces quadratics exactly, so curvature has no smoothing bias at the ends either."""
+    d = tau[None, :] - grid[:, None]
+    k = np.exp(-0.5 * (d / bandwidth) ** 2)
+    V = (d / bandwidth)[..., None] ** np.arange(degree + 1)                # (G, n, p): scaled for conditioning
+    A = np.einsum("gn,gnp,gnq->gpq", k, V, V)
+    return np.einsum("gp,gnp,gn->gn", np.linalg.solve(A, np.eye(degree + 1)[None, :, :1].repeat(len(grid), 0))[..., 0],
+                     V, k)
+
+
+def smooth_curve(tau: np.ndarray, curve: np.ndarray, bandwidth: float) -> tuple[np.ndarray, np.ndarray]:
+    """(grid, smoothed): `curve` (..., n, P) sampled at τ, smoothed onto a uniform τ grid (..., G, P)."""
+    n_grid = int(np.ceil((tau.max() - tau.min()) / bandwidth * GRID_PER_BANDWIDTH)) + 1
+    grid = np.linspace(tau.min(), tau.max(), n_grid)
+    return grid, np.einsum("gn,...np->...gp", local_poly_weights(tau, grid, bandwidth), curve)
+
+
+def plane_geometry(x: np.ndarray, y: np.ndarray, h: float = 1.0) -> dict[str, np.ndarray]:
+    """Velocity, speed, signed curvature κ = (x'y'' − y'x'')/|γ'|³ and the evolute (centres of the
+    osculating circles) by central differences along the last axis, a uniform grid of spacing h."""
+    dx, dy = np.gradient(x, h, axis=-1), np.gradient(y, h, axis=-1)
+    ddx, ddy = np.gradient(dx, h, axis=-1), np.gradient(dy, h, axis=-1)
     speed = np.hypot(dx, dy)
-    kappa = (dx * ddy - dy * ddx) / np.maximum(speed, 1e-12) ** 3
-    nx, ny = -dy / np.maximum(speed, 1e-12), dx / np.maximum(speed, 1e-12)
-    with np.errstate(divide="ignore"):
-        rad = np.where(np.abs(kappa) > 1e-12, 1.0 / kappa, np.inf)
-    return {"dx": dx, "dy": dy, "speed": speed, "kappa": kappa, "ex": x + rad * nx, "ey": y + rad * ny}
+    s = np.maximum(speed, 1e-300)
+    kappa = (dx * ddy - dy * ddx) / s ** 3
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        rad = np.where(np.abs(kappa) > 1e-300, 1.0 / kappa, np.inf)
+        return {"dx": dx, "dy": dy, "speed": speed, "kappa": kappa,
+                "ex": x - rad * dy / s, "ey": y + rad * dx / s}
 
 
-def vertices(kappa: np.ndarray, speed: np.ndarray | None = None, prominence: float = 0.1,
-             moving: float = 0.1) -> np.ndarray:
-    """Indices of interior local extrema of κ with prominence ≥ `prominence` × range(κ), where the
-    curve moves (speed ≥ `moving` × max speed): on a stalled curve κ is noise divided by ~0."""
-    ok = speed >= moving * speed.max() if speed is not None else np.ones(len(kappa), bool)
-    # arcsinh(κ / median|κ|) keeps every extremum of κ but compresses the range, so broad curvature
-    # minima are not drowned by sharp maxima when prominence is measured
-    k = np.arcsinh(kappa / max(np.median(np.abs(kappa[ok])) if ok.any() else 1.0, 1e-12))
-    p = prominence * max(np.ptp(k[ok]) if ok.any() else 0.0, 1e-12)
-    sep = max(1, len(k) // 25)  # one extremum per neighbourhood: noise splits broad peaks
-    hi, _ = find_peaks(k, prominence=p, distance=sep)
-    lo, _ = find_peaks(-k, prominence=p, distance=sep)
-    idx = np.sort(np.concatenate([hi, lo]))
-    return idx[ok[idx]]
+def scaled_curvature(kappa: np.ndarray, inner: np.ndarray, scale: float | None = None) -> np.ndarray:
+    """k = arcsinh(κ / median|κ| over `inner`): keeps every extremum of κ but measures large curvatures
+    by their ratio, so a vertex's prominence is a relative change of κ. `scale` overrides the median."""
+    med = scale if scale is not None else (np.median(np.abs(kappa[inner])) if inner.any() else 0.0)
+    return np.arcsinh(kappa / max(med, 1e-300))
 
 
-def cusps(dx: np.ndarray, dy: np.ndarray, speed_frac: float = 0.3, window: int = 2) -> np.ndarray:
-    """Speed minima below `speed_frac` × median speed where the tangent turns by more than 90°
-    between `window` checkpoints before and after (the curve stops and goes back)."""
-    speed = np.hypot(dx, dy)
-    mins, _ = find_peaks(-speed)
+def vertices(k: np.ndarray, inner: np.ndarray, prominence: float) -> list[tuple[int, int, int, int]]:
+    """Local extrema of the scaled curvature k inside `inner` with prominence ≥ `prominence`:
+    (index, sign (+1 max, −1 min), left base, right base) of each."""
     out = []
-    for i in mins:
-        if speed[i] > speed_frac * np.median(speed) or i < window or i + window >= len(speed):
-            continue
-        a = np.array([dx[i - window], dy[i - window]])
-        b = np.array([dx[i + window], dy[i + window]])
-        if a @ b < 0:
-            out.append(i)
+    for sign in (1, -1):
+        idx, prop = find_peaks(sign * k, prominence=prominence)
+        out += [(int(i), sign, int(lb), int(rb)) for i, lb, rb in zip(idx, prop["left_bases"], prop["right_bases"])
+                if inner[i]]
+    return sorted(out)
+
+
+def cusps(dx: np.ndarray, dy: np.ndarray, inner: np.ndarray, speed_frac: float, window: int) -> np.ndarray:
+    """Speed minima below `speed_frac` × median speed (over `inner`) where the tangent turns by more
+    than 90° between `window` grid points before and after: the curve stops and goes back."""
+    speed = np.hypot(dx, dy)
+    med = np.median(speed[inner]) if inner.any() else 0.0
+    out = [i for i in find_peaks(-speed)[0]
+           if inner[i] and speed[i] <= speed_frac * med and window <= i < len(speed) - window
+           and dx[i - window] * dx[i + window] + dy[i - window] * dy[i + window] < 0]
     return np.array(out, dtype=int)
 
 
-def detect_events(curve: np.ndarray, sigma: float, n_pcs: int, prominence: float, cusp_speed: float) -> list[dict]:
-    """Vertices and cusps of γ_ij for every pair i < j of the leading `n_pcs` PCs of one trajectory."""
-    sm = gaussian_filter1d(curve, sigma, axis=0, mode="nearest") if sigma > 0 else curve
+def vertex_prominence(k: np.ndarray, i: int, sign: int, lb: int, rb: int, half: int) -> np.ndarray:
+    """Prominence of the extremum near index i in each row of k (R, G), measured on the observed
+    vertex's own bases: the extreme value within ± `half` of i minus the higher of the two lowest
+    values between it and its left and right bases (sign −1: the same for −k)."""
+    k = sign * k
+    peak = k[:, max(0, i - half): i + half + 1].max(1)
+    return peak - np.maximum(k[:, lb: i + 1].min(1), k[:, i: rb + 1].min(1))
+
+
+def turning_angle(dx: np.ndarray, dy: np.ndarray, i: int, window: int) -> np.ndarray:
+    """Angle (radians) between the tangents `window` grid points before and after i, per row."""
+    a, b = np.stack([dx[:, i - window], dy[:, i - window]]), np.stack([dx[:, i + window], dy[:, i + window]])
+    cos = (a * b).sum(0) / np.maximum(np.hypot(*a) * np.hypot(*b), 1e-300)
+    return np.arccos(np.clip(cos, -1, 1))
+
+
+def significance(stat: np.ndarray, null: float) -> float:
+    """(stat[0] − null) / sd(stat[1:]): how many resampling standard deviations the observed
+    statistic stat[0] lies beyond the value `null` at which the event would not exist."""
+    sd = float(np.std(stat[1:], ddof=1))
+    return float((stat[0] - null) / sd) if sd > 0 else (float("inf") if stat[0] > null else 0.0)
+
+
+def detect_events(tau: np.ndarray, curves: np.ndarray, cfg: dict) -> list[dict]:
+    """Vertices and cusps of every pair i < j of the leading `n_form_pcs` PCs of the observed curve
+    `curves[0]` (n, P) sampled at τ (module docstring, steps 1-4), each with its significance z over
+    the resampled curves `curves[1:]` and `kept` = z ≥ `z_min` (without resampled curves z = inf)."""
+    cfg = ed_config(cfg)
+    curves = curves[None] if curves.ndim == 2 else curves
+    grid, sm = smooth_curve(tau, curves, cfg["bandwidth"])
+    h, bw = grid[1] - grid[0], cfg["bandwidth"]
+    inner = (grid >= grid[0] + cfg["margin"]) & (grid <= grid[-1] - cfg["margin"])
+    window = max(1, int(round(bw / h)))
     events = []
-    for i, j in combinations(range(min(n_pcs, curve.shape[1])), 2):
-        g = plane_geometry(sm[:, i], sm[:, j])
-        for idx in vertices(g["kappa"], g["speed"], prominence):
-            events.append({"pc_i": i + 1, "pc_j": j + 1, "kind": "vertex", "index": int(idx)})
-        for idx in cusps(g["dx"], g["dy"], cusp_speed):
-            events.append({"pc_i": i + 1, "pc_j": j + 1, "kind": "cusp", "index": int(idx)})
+    for i, j in combinations(range(min(cfg["n_form_pcs"], sm.shape[-1])), 2):
+        g = plane_geometry(sm[..., i], sm[..., j], h)  # every row: one curve
+        med = np.median(np.abs(g["kappa"][0][inner])) if inner.any() else 1.0
+        k = scaled_curvature(g["kappa"], inner, med)
+        found = [(c, "cusp", np.inf, None) for c in cusps(g["dx"][0], g["dy"][0], inner, cfg["cusp_speed"], window)]
+        sp = g["speed"][0]
+        moving = sp >= cfg["moving"] * sp[inner].max() if inner.any() else inner
+        for m in find_peaks(-sp)[0]:   # a slow turn (a smoothed cusp) is a speed minimum; a stall is not
+            moving[max(0, m - window): m + window + 1] = True
+        found += [(v[0], "vertex", abs(k[0, v[0]]), v) for v in vertices(k[0], inner, cfg["vertex_prominence"])
+                  if moving[v[0]]]
+        while found:  # the strongest event suppresses others within 2 bandwidths (the smoother's resolution)
+            c, kind, _, v = max(found, key=lambda f: (f[2], -f[0]))
+            found = [f for f in found if abs(grid[f[0]] - grid[c]) > 2 * bw]
+            if len(k) == 1:
+                z = float("inf")
+            elif kind == "vertex":
+                z = significance(vertex_prominence(k, *v, window // 2), 0.0)
+            else:
+                z = significance(turning_angle(g["dx"], g["dy"], c, window), np.pi / 2)
+            events.append({"pc_i": i + 1, "pc_j": j + 1, "kind": kind, "log_step": float(grid[c]),
+                           "z": z, "kept": bool(z >= cfg["z_min"])})
     return events
 
 
-def forms(events: list[dict], n_pcs: int, length: int, tolerance: int) -> list[int]:
-    """Indices t0 where every pair i < j of the leading PCs has an event within ± tolerance.
-
-    Runs of consecutive qualifying indices are merged into their middle index."""
+def forms(events: list[dict], n_pcs: int, tolerance: float) -> list[float]:
+    """Form times (τ) from kept events: greedily, the candidate time (an event's) at which every pair
+    i < j of the leading `n_pcs` PCs has an unused event within ± tolerance, with the smallest total
+    distance to those nearest events, becomes a form placed at the median of those events, which
+    are then used up; repeat until no candidate remains. Sorted by time. Within a pair, events are
+    already ≥ 2 bandwidths apart (detect_events), so forms that far apart stay distinct."""
     pairs = list(combinations(range(1, n_pcs + 1), 2))
-    by_pair = {p: np.array([e["index"] for e in events if (e["pc_i"], e["pc_j"]) == p]) for p in pairs}
-    ok = [t for t in range(length)
-          if all(len(by_pair[p]) and np.abs(by_pair[p] - t).min() <= tolerance for p in pairs)]
-    out, run = [], []
-    for t in ok:
-        if run and t != run[-1] + 1:
-            out.append(run[len(run) // 2])
-            run = []
-        run.append(t)
-    if run:
-        out.append(run[len(run) // 2])
-    return out
+    left = [((e["pc_i"], e["pc_j"]), e["log_step"]) for e in events if e.get("kept", True)]
+    out = []
+    while True:
+        best = None
+        for c in sorted({t for _, t in left}):
+            chosen = []
+            for p in pairs:
+                cand = [e for e in left if e[0] == p and abs(e[1] - c) <= tolerance]
+                if not cand:
+                    break
+                chosen.append(min(cand, key=lambda e: abs(e[1] - c)))
+            else:
+                cost = sum(abs(e[1] - c) for e in chosen)
+                if best is None or cost < best[0]:
+                    best = (cost, chosen)
+        if best is None:
+            return sorted(out)
+        out.append(float(np.median([t for _, t in best[1]])))
+        left = [e for e in left if e not in best[1]]
+
+
+def max_inner_gap(tau: np.ndarray, margin: float) -> float:
+    """The largest distance in τ between neighbouring checkpoints (or a margin edge) inside the margins."""
+    lo, hi = tau.min() + margin, tau.max() - margin
+    if hi <= lo:
+        return float("inf")
+    pts = np.concatenate([[lo], np.sort(tau[(tau > lo) & (tau < hi)]), [hi]])
+    return float(np.diff(pts).max())
+
+
+def bootstrap_curves(X: np.ndarray, mean: np.ndarray, comps: np.ndarray, n_seq: int, n_boot: int,
+                     seed: int) -> np.ndarray:
+    """(1 + n_boot, n, k): the run's PC curve and `n_boot` curves whose behavioural vectors X (n, B·K;
+    sequence-major) use B root sequences resampled with replacement, projected on the same components."""
+    n, d = X.shape
+    K = d // n_seq
+    Xc = X - mean
+    out = [Xc @ comps.T]
+    rng = np.random.default_rng(seed)
+    for _ in range(n_boot):
+        cols = (rng.integers(0, n_seq, n_seq)[:, None] * K + np.arange(K)).ravel()
+        out.append(Xc[:, cols] @ comps[:, cols].T)
+    return np.stack(out)
 
 
 def predictor_vectors(spec: dict, Ms: list[int]) -> dict[str, np.ndarray]:
@@ -151,63 +293,67 @@ def predictor_vectors(spec: dict, Ms: list[int]) -> dict[str, np.ndarray]:
 
 
 def essential_dynamics(run_dirs: list[Path], family: str, cfg: dict) -> dict[str, pd.DataFrame]:
-    n_pcs, sigma, tol = cfg.get("n_pcs", 3), cfg.get("sigma", 1.0), cfg.get("tolerance", 2)
-    n_form = cfg.get("n_form_pcs", 3)
+    """Joint PCA of a family of runs, projected predictors, and per run its events and forms."""
+    cfg = ed_config(cfg)
     specs = [read_json(d / "run.json") for d in run_dirs]
     preds = [read_parquet(d / "root_preds.parquet").sort_values("step") for d in run_dirs]
-    X = np.concatenate([np.stack(p.preds.to_numpy()).astype(np.float64) for p in preds])
-    scores, comps, mean, evr = joint_pca(X, n_pcs, cfg.get("seed", 0))
+    Xs = [np.stack(p.preds.to_numpy()).astype(np.float64) for p in preds]
+    scores, comps, mean, evr = joint_pca(np.concatenate(Xs), cfg["n_pcs"])
     rows, o = [], 0
     for spec, p in zip(specs, preds):
         for r, step in enumerate(p.step):
-            for k in range(scores.shape[1]):
-                rows.append({"family": family, "kind": "run", **spec["keys"], "step": int(step), "pc": k + 1,
-                             "value": float(scores[o + r, k])})
+            rows += [{"family": family, "kind": "run", **spec["keys"], "step": int(step), "pc": k + 1,
+                      "value": float(scores[o + r, k])} for k in range(scores.shape[1])]
         o += len(p)
     for name, vec in predictor_vectors(specs[0], sorted({s["keys"]["M"] for s in specs})).items():
-        proj = (vec - mean) @ comps.T
         M = -1 if name == "ridge" else int(name.split("_")[1])
-        for k, v in enumerate(proj):
-            rows.append({"family": family, "kind": name.split("_")[0], "run_id": name, "M": M, "seed": -1,
-                         "batch": -1, "noise": "", "step": -1, "pc": k + 1, "value": float(v)})
+        rows += [{"family": family, "kind": name.split("_")[0], "run_id": name, "M": M, "seed": -1, "batch": -1,
+                  "noise": "", "step": -1, "pc": k + 1, "value": float(v)}
+                 for k, v in enumerate((vec - mean) @ comps.T)]
     pcs = pd.DataFrame(rows, columns=PCS_SCHEMA.names)
     var = pd.DataFrame({"family": family, "pc": np.arange(1, len(evr) + 1), "explained_variance_ratio": evr})
-    ev_rows, form_rows = [], []
-    for spec, d, p in zip(specs, run_dirs, preds):
+    ev_rows, form_rows, samp_rows = [], [], []
+    for r, (spec, d, p, X) in enumerate(zip(specs, run_dirs, preds, Xs)):
         rid, steps = spec["keys"]["run_id"], p.step.to_numpy()
-        curve = pcs[(pcs.run_id == rid) & (pcs.kind == "run")].pivot(index="step", columns="pc", values="value").to_numpy()
-        events = detect_events(curve, sigma, n_form, cfg.get("vertex_prominence", 0.1), cfg.get("cusp_speed", 0.3))
-        ev_rows += [{"family": family, "run_id": rid, **e, "step": int(steps[e["index"]])} for e in events]
+        tau = log_time(steps)
+        curves = bootstrap_curves(X, mean, comps, spec["eval"]["n_root"], cfg["n_boot"], cfg["seed"] + r)
+        events = detect_events(tau, curves, cfg)
+        ev_rows += [{"family": family, "run_id": rid, **e, "step": float(np.expm1(e["log_step"]))} for e in events]
         stage_steps = (read_parquet(d / "stages.parquet").query("kind != 'end'").step.to_numpy()
-                       if (d / "stages.parquet").exists() else np.array([]))
-        for f, idx in enumerate(forms(events, min(n_form, curve.shape[1]), len(steps), tol)):
-            near = int(stage_steps[np.abs(stage_steps - steps[idx]).argmin()]) if len(stage_steps) else -1
-            form_rows.append({"family": family, **spec["keys"], "form": f, "step": int(steps[idx]), "index": idx,
-                              "nearest_stage_step": near, "distance_to_stage": abs(near - int(steps[idx])) if near >= 0 else -1})
+                       if (d / "stages.parquet").exists() else np.array([], dtype=int))
+        found = forms(events, min(cfg["n_form_pcs"], curves.shape[-1]), cfg["tolerance"])
+        gap = max_inner_gap(tau, cfg["margin"])
+        samp_rows.append({"family": family, **spec["keys"], "n_checkpoints": len(steps), "max_gap_log": gap,
+                          "bandwidth": cfg["bandwidth"], "undersampled": gap > MAX_GAP * cfg["bandwidth"],
+                          "n_forms": len(found)})
+        for f, t0 in enumerate(found):
+            near = int(stage_steps[np.abs(log_time(stage_steps) - t0).argmin()]) if len(stage_steps) else -1
+            form_rows.append({"family": family, **spec["keys"], "form": f, "log_step": t0, "step": float(np.expm1(t0)),
+                              "nearest_checkpoint": int(steps[np.abs(tau - t0).argmin()]), "nearest_stage_step": near,
+                              "distance_to_stage_log": abs(float(log_time(near)) - t0) if near >= 0 else float("nan")})
     return {"pcs": pcs, "variance": var, "events": pd.DataFrame(ev_rows, columns=EVENTS_SCHEMA.names),
-            "forms": pd.DataFrame(form_rows, columns=FORMS_SCHEMA.names)}
+            "forms": pd.DataFrame(form_rows, columns=FORMS_SCHEMA.names),
+            "sampling": pd.DataFrame(samp_rows, columns=SAMPLING_SCHEMA.names)}
 
 
 def cli(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="iclnoise ed", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="iclnoise ed", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dirs", nargs="+")
     ap.add_argument("--family", required=True)
     ap.add_argument("--out", required=True, help="output directory, e.g. results/ed/<family>")
     ap.add_argument("--cfg", default="{}", help="JSON of the params.yaml ed section")
-    ap.add_argument("--figures", default=None, help="figure directory (figures 2 and 5)")
     a = ap.parse_args(argv)
-    cfg = json.loads(a.cfg)
-    res = essential_dynamics([Path(d) for d in a.run_dirs], a.family, cfg)
+    res = essential_dynamics([Path(d) for d in a.run_dirs], a.family, json.loads(a.cfg))
     out = Path(a.out)
     write_parquet(res["variance"], out / "variance.parquet", VAR_SCHEMA)
     write_parquet(res["events"], out / "events.parquet", EVENTS_SCHEMA)
     write_parquet(res["forms"], out / "forms.parquet", FORMS_SCHEMA)
     write_parquet(res["pcs"], out / "pcs.parquet", PCS_SCHEMA)
-    if a.figures:
-        from .figures.ed import fig_essential_subspace, fig_forms
-        metrics = pd.concat([read_parquet(Path(d) / "metrics.parquet") for d in a.run_dirs])
-        fig_essential_subspace(res["pcs"], res["variance"], metrics, Path(a.figures) / f"fig02_essential_subspace_{a.family}")
-        fig_forms(res["pcs"], res["forms"], res["events"], cfg, Path(a.figures) / f"fig05_ed_forms_{a.family}")
+    write_parquet(res["sampling"], out / "sampling.parquet", SAMPLING_SCHEMA)
     ev = res["variance"].explained_variance_ratio
     print(f"{a.family}: {len(a.run_dirs)} runs; explained variance {', '.join(f'{v:.1%}' for v in ev)}; "
-          f"{len(res['forms'])} forms")
+          f"{int(res['events'].kept.sum())} of {len(res['events'])} events significant; {len(res['forms'])} forms")
+    for _, r in res["sampling"][res["sampling"].undersampled].iterrows():
+        print(f"inconclusive: {r.run_id} is undersampled (checkpoints up to {r.max_gap_log:.2f} apart in log-step, "
+              f"more than {MAX_GAP} × bandwidth {r.bandwidth}); its forms (or their absence) are not reliable")

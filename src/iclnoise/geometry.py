@@ -1,15 +1,23 @@
-"""Loss-landscape geometry on held-out batches (SPEC §9): Hessian trace, top eigenvalue, SAM.
+"""Loss-landscape geometry on held-out batches (SPEC §9), per analysis checkpoint.
+
+- Hutchinson trace of the Hessian H and of A·H·A (Adam's diagonal preconditioner a, with a = 0 on
+  coordinates that never received a gradient, `iclnoise.adam`; A·H·A runs in float64, see
+  `precond_trace`): mean of Rademacher zᵀHz over `probes` probes, its standard error and the
+  t-based 95 % half-width t_{0.975, probes−1}·se;
+- the largest and the smallest algebraic Hessian eigenvalue by one Lanczos run (full
+  reorthogonalisation), each with its Ritz residual and whether it met `lanczos_tol`;
+- SAM sharpness L(w + ρ g/‖g‖) − L(w) on each of `sam_batches` held-out batches: mean and se.
 
 All estimators work on a flat parameter vector through Hessian-vector products (forward-over-
-reverse with torch.func), optionally in the optimizer's geometry A·H·A with Adam's diagonal
-preconditioner A = diag(1 / (sqrt(v̂) + eps)).
+reverse with torch.func) in float32, except A·H·A (float64). Held-out sequences come from the
+run's own q_M on the named stream "geometry", which training never uses.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -17,9 +25,11 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import torch
+from scipy import stats
 from torch.func import functional_call, grad, jvp
 
-from .io import KEY_FIELDS, read_json, read_parquet, write_parquet
+from .adam import adam_a, adam_preconditioner  # noqa: F401  (re-exported: exposure and its tests use them here)
+from .io import KEY_FIELDS, write_parquet
 
 HVP = Callable[[torch.Tensor], torch.Tensor]
 
@@ -57,39 +67,58 @@ def preconditioned(hvp: HVP, a: torch.Tensor | None) -> HVP:
 def hutchinson_trace(hvp: HVP, dim: int, n_probes: int, generator: torch.Generator,
                      device="cpu", dtype: torch.dtype = torch.float32) -> tuple[float, float]:
     """Tr(H) ≈ mean_k z_kᵀ H z_k with Rademacher z_k; returns (estimate, standard error)."""
+    v = np.array(hutchinson_samples(hvp, dim, n_probes, generator, device, dtype))
+    return float(v.mean()), float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else math.nan
+
+
+def hutchinson_samples(hvp: HVP, dim: int, n_probes: int, generator: torch.Generator,
+                       device="cpu", dtype: torch.dtype = torch.float32) -> list[float]:
+    """The per-probe values z_kᵀ H z_k, Rademacher z_k drawn from `generator`."""
     vals = []
     for _ in range(n_probes):
         z = torch.randint(0, 2, (dim,), generator=generator, device=device).to(dtype) * 2 - 1
         vals.append(float(z @ hvp(z)))
-    v = np.array(vals)
-    return float(v.mean()), float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else math.nan
+    return vals
 
 
-def lanczos_top(hvp: HVP, dim: int, iters: int, generator: torch.Generator, tol: float = 1e-3,
-                device="cpu", dtype: torch.dtype = torch.float32) -> dict:
-    """Largest eigenvalue by Lanczos with full reorthogonalisation; stops when the Ritz residual
-    ‖H y − θ y‖ ≤ tol·|θ|. Returns eigenvalue, residual, iterations and whether it converged."""
+def t_halfwidth(se: float, n: int, level: float = 0.95) -> float:
+    """Half-width of the t-based interval mean ± t_{(1+level)/2, n−1}·se (NaN for n < 2)."""
+    return float(stats.t.ppf(0.5 + level / 2, n - 1) * se) if n > 1 else math.nan
+
+
+def lanczos(hvp: HVP, dim: int, iters: int, generator: torch.Generator, tol: float = 1e-3,
+            device="cpu", dtype: torch.dtype = torch.float32) -> dict[str, dict]:
+    """Largest ("max") and smallest algebraic ("min") eigenvalue by Lanczos with full
+    reorthogonalisation; stops when both Ritz residuals ‖H y − θ y‖ ≤ tol·max(|θ|, 1e-12·‖T‖) or the
+    Krylov space is exhausted. Each: eigenvalue, residual, iterations, converged."""
     q = torch.randn(dim, generator=generator, device=device).to(dtype)
-    q /= q.norm()
-    Q, alphas, betas = [q], [], []
-    theta, resid, y = math.nan, math.inf, q
+    Q, alphas, betas = [q / q.norm()], [], []
+    out = {}
     for k in range(min(iters, dim)):
         w = hvp(Q[-1])
-        alpha = float(w @ Q[-1])
-        alphas.append(alpha)
+        alphas.append(float(w @ Q[-1]))
         Qm = torch.stack(Q)
         w = w - Qm.T @ (Qm @ w)
         w = w - Qm.T @ (Qm @ w)  # twice is enough (Kahan–Parlett)
         beta = float(w.norm())
-        T = np.diag(alphas) + np.diag(betas, 1) + np.diag(betas, -1)
-        evals, evecs = np.linalg.eigh(T)
-        theta = float(evals[-1])
-        resid = abs(beta * evecs[-1, -1])          # ‖H y − θ y‖ for the Ritz vector y
-        if resid <= tol * max(abs(theta), 1e-12) or beta < 1e-10:
-            return {"eigenvalue": theta, "residual": resid, "iterations": k + 1, "converged": True}
+        evals, evecs = np.linalg.eigh(np.diag(alphas) + np.diag(betas, 1) + np.diag(betas, -1))
+        scale = max(abs(evals[0]), abs(evals[-1]), 1e-30)
+        done = beta < 1e-10 * scale
+        for name, col in (("max", -1), ("min", 0)):
+            theta, resid = float(evals[col]), abs(beta * evecs[-1, col])
+            ok = done or resid <= tol * max(abs(theta), 1e-12 * scale)
+            out[name] = {"eigenvalue": theta, "residual": resid, "iterations": k + 1, "converged": bool(ok)}
+        if all(o["converged"] for o in out.values()):
+            return out
         betas.append(beta)
         Q.append(w / beta)
-    return {"eigenvalue": theta, "residual": resid, "iterations": len(alphas), "converged": False}
+    return out
+
+
+def lanczos_top(hvp: HVP, dim: int, iters: int, generator: torch.Generator, tol: float = 1e-3,
+                device="cpu", dtype: torch.dtype = torch.float32) -> dict:
+    """The largest eigenvalue's entry of `lanczos`."""
+    return lanczos(hvp, dim, iters, generator, tol, device, dtype)["max"]
 
 
 def sam_sharpness(f: FlatLoss, rho: float) -> float:
@@ -99,61 +128,86 @@ def sam_sharpness(f: FlatLoss, rho: float) -> float:
         return float(f(f.w0 + rho * g / g.norm().clamp_min(1e-12)) - f(f.w0))
 
 
-def adam_a(exp_avg_sq: torch.Tensor, step: float, beta2: float, eps: float) -> torch.Tensor:
-    """a = 1/(sqrt(v̂) + eps), v̂ = v / (1 − β2^t): Adam's diagonal preconditioner, flattened."""
-    return (1.0 / ((exp_avg_sq / (1 - beta2 ** float(step))).sqrt() + eps)).reshape(-1)
-
-
-def adam_preconditioner(opt_state: dict, params: list[torch.nn.Parameter]) -> torch.Tensor | None:
-    """Flat a from an AdamW state_dict (bias-corrected), or None before step 1."""
-    state, group = opt_state["state"], opt_state["param_groups"][0]
-    if not state:
-        return None
-    b2, eps = group["betas"][1], group["eps"]
-    return torch.cat([adam_a(state[i]["exp_avg_sq"], state[i]["step"], b2, eps) for i in range(len(params))])
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error (sd / √n; NaN for one value)."""
+    v = np.asarray(values, dtype=np.float64)
+    return float(v.mean()), float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else math.nan
 
 
 GEOMETRY_SCHEMA = pa.schema(KEY_FIELDS + [
     pa.field("step", pa.int64()), pa.field("loss", pa.float64()),
     pa.field("hessian_trace", pa.float64()), pa.field("hessian_trace_se", pa.float64()),
+    pa.field("hessian_trace_ci95", pa.float64()),
     pa.field("top_eigenvalue", pa.float64()), pa.field("top_eigenvalue_residual", pa.float64()),
-    pa.field("lanczos_iterations", pa.int64()), pa.field("lanczos_converged", pa.bool_()),
-    pa.field("sam_sharpness", pa.float64()), pa.field("sam_rho", pa.float64()),
+    pa.field("top_eigenvalue_converged", pa.bool_()),
+    pa.field("min_eigenvalue", pa.float64()), pa.field("min_eigenvalue_residual", pa.float64()),
+    pa.field("min_eigenvalue_converged", pa.bool_()), pa.field("lanczos_iterations", pa.int64()),
+    pa.field("sam_sharpness", pa.float64()), pa.field("sam_sharpness_se", pa.float64()),
+    pa.field("sam_rho", pa.float64()), pa.field("sam_batches", pa.int64()),
     pa.field("precond_trace", pa.float64()), pa.field("precond_trace_se", pa.float64()),
-    pa.field("n_heldout", pa.int64()), pa.field("seconds", pa.float64()),
+    pa.field("precond_trace_ci95", pa.float64()), pa.field("n_dead", pa.int64()),
+    pa.field("n_heldout", pa.int64()), pa.field("probes", pa.int64()),
 ])
 
 
-def geometry_for_run(run_dir: str | Path, cfg: dict, every: int = 1) -> pd.DataFrame:
-    """Geometry probes at every k-th checkpoint on a held-out q_M batch (stream 3, never trained on)."""
-    from .llc import load_checkpoint_model, select_steps
+def precond_trace(model: torch.nn.Module, a: torch.Tensor, batch, n_probes: int,
+                  generator: torch.Generator) -> tuple[float, float]:
+    """Hutchinson Tr(A·H·A) (mean, se) in float64 on a float64 copy of the model. Coordinates whose
+    second moment is float32 round-off (attention b_K: softmax makes its gradient 0 up to round-off,
+    so v ~ 1e-20 ≠ 0 and a ≈ 1/δ; adam.py zeroes a only where v == 0) would multiply float32
+    round-off in H·v by a² ~ 1e16: on the default model (300 Adam steps) float32 − float64 was
+    4.4e6 against a float64 value of 2.0e6 ± 3.1e6; in float64 their contribution is O(1)."""
     from .model import mse_loss
-    from .tasks import M_INF, BatchSampler, task_pool
+
+    f = FlatLoss(copy.deepcopy(model).double(), mse_loss, batch.xs.double(), batch.ys.double())
+    return hutchinson_trace(preconditioned(f.hvp, a.double()), f.w0.numel(), n_probes, generator, dtype=torch.float64)
+
+
+def geometry_at(model: torch.nn.Module, a: torch.Tensor | None, batches: list, cfg: dict, seed: int) -> dict:
+    """Every column of GEOMETRY_SCHEMA except keys and step, for one model; `batches[0]` carries the
+    trace and eigenvalue estimates, every batch one SAM sharpness."""
+    from .model import mse_loss
+
+    f = FlatLoss(model, mse_loss, batches[0].xs, batches[0].ys)
+    dim, n = f.w0.numel(), cfg.get("probes", 8)
+    gen = torch.Generator().manual_seed(seed)
+    tr, tr_se = hutchinson_trace(f.hvp, dim, n, gen)
+    eig = lanczos(f.hvp, dim, cfg.get("lanczos_iters", 20), gen, cfg.get("lanczos_tol", 1e-3))
+    if a is not None:
+        ptr, ptr_se = precond_trace(model, a, batches[0], n, gen)
+    else:
+        ptr, ptr_se = math.nan, math.nan
+    rho = cfg.get("sam_rho", 0.05)
+    sam, sam_se = mean_se([sam_sharpness(FlatLoss(model, mse_loss, b.xs, b.ys), rho) for b in batches])
+    return {"loss": float(f(f.w0)), "hessian_trace": tr, "hessian_trace_se": tr_se,
+            "hessian_trace_ci95": t_halfwidth(tr_se, n),
+            "top_eigenvalue": eig["max"]["eigenvalue"], "top_eigenvalue_residual": eig["max"]["residual"],
+            "top_eigenvalue_converged": eig["max"]["converged"],
+            "min_eigenvalue": eig["min"]["eigenvalue"], "min_eigenvalue_residual": eig["min"]["residual"],
+            "min_eigenvalue_converged": eig["min"]["converged"], "lanczos_iterations": eig["max"]["iterations"],
+            "sam_sharpness": sam, "sam_sharpness_se": sam_se, "sam_rho": rho, "sam_batches": len(batches),
+            "precond_trace": ptr, "precond_trace_se": ptr_se, "precond_trace_ci95": t_halfwidth(ptr_se, n),
+            "n_dead": int((a == 0).sum()) if a is not None else -1,
+            "n_heldout": int(batches[0].xs.shape[0]), "probes": n}
+
+
+def geometry_for_run(run_dir: str | Path, cfg: dict, every: int = 1) -> pd.DataFrame:
+    """Geometry probes at every `every`-th analysis checkpoint (and the last) on held-out q_M batches
+    of the named stream "geometry" (never trained on). No wall-clock column: reruns are byte-identical."""
+    from .runs import checkpoint_precond, checkpoint_steps, load_checkpoint, model_from_checkpoint, read_spec, sampler
+    from .runs import select_steps
 
     run_dir = Path(run_dir)
-    spec = read_json(run_dir / "run.json")
-    d, k = spec["data"], spec["keys"]
-    pool = None if k["M"] == M_INF else task_pool(d["pool_seed"], k["M"], d["D"])
-    held = BatchSampler(pool, d["K"], d["D"], d["noise_var"], k["seed"], "cpu", stream=3).batch(0, cfg.get("n_heldout", 256))
+    spec = read_spec(run_dir)
+    held = sampler(spec, "geometry")
+    batches = [held.batch(i, cfg.get("n_heldout", 256)) for i in range(cfg.get("sam_batches", 4))]
     rows = []
-    for step in select_steps(read_parquet(run_dir / "metrics.parquet").step.tolist(), every):
-        t0 = time.time()
-        model = load_checkpoint_model(run_dir, step)
-        state = torch.load(run_dir / "checkpoints" / f"step_{step:07d}.pt", weights_only=False)
-        f = FlatLoss(model, mse_loss, held.xs, held.ys)
-        gen = torch.Generator().manual_seed(cfg.get("seed", 0) + step)
-        tr, tr_se = hutchinson_trace(f.hvp, f.w0.numel(), cfg.get("probes", 8), gen)
-        top = lanczos_top(f.hvp, f.w0.numel(), cfg.get("lanczos_iters", 20), gen, cfg.get("lanczos_tol", 1e-3))
-        a = adam_preconditioner(state["optimizer"], list(model.parameters()))
-        ptr, ptr_se = (hutchinson_trace(preconditioned(f.hvp, a), f.w0.numel(), cfg.get("probes", 8), gen)
-                       if a is not None else (math.nan, math.nan))
-        rho = cfg.get("sam_rho", 0.05)
-        rows.append({**k, "step": step, "loss": float(f(f.w0)), "hessian_trace": tr, "hessian_trace_se": tr_se,
-                     "top_eigenvalue": top["eigenvalue"], "top_eigenvalue_residual": top["residual"],
-                     "lanczos_iterations": top["iterations"], "lanczos_converged": top["converged"],
-                     "sam_sharpness": sam_sharpness(f, rho), "sam_rho": rho, "precond_trace": ptr,
-                     "precond_trace_se": ptr_se, "n_heldout": held.xs.shape[0], "seconds": time.time() - t0})
-    df = pd.DataFrame(rows)
+    for step in select_steps(checkpoint_steps(run_dir), every):
+        state = load_checkpoint(run_dir, step)
+        model = model_from_checkpoint(state)
+        rows.append({**spec["keys"], "step": step,
+                     **geometry_at(model, checkpoint_precond(state), batches, cfg, cfg.get("seed", 0) + step)})
+    df = pd.DataFrame(rows, columns=GEOMETRY_SCHEMA.names)
     write_parquet(df, run_dir / "geometry.parquet", GEOMETRY_SCHEMA)
     return df
 
@@ -162,10 +216,11 @@ def cli(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="iclnoise geometry", description=__doc__)
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--every", type=int, default=1)
-    ap.add_argument("--cfg", default="{}", help="JSON: probes, lanczos_iters, lanczos_tol, sam_rho, n_heldout, seed")
+    ap.add_argument("--cfg", default="{}",
+                    help="JSON: probes, lanczos_iters, lanczos_tol, sam_rho, sam_batches, n_heldout, seed")
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     df = geometry_for_run(a.run_dir, json.loads(a.cfg), a.every)
-    print(df[["step", "hessian_trace", "hessian_trace_se", "top_eigenvalue", "lanczos_converged", "sam_sharpness",
-              "seconds"]].to_string(index=False))
+    print(df[["step", "hessian_trace", "hessian_trace_ci95", "top_eigenvalue", "min_eigenvalue", "sam_sharpness",
+              "sam_sharpness_se", "precond_trace", "precond_trace_ci95"]].to_string(index=False))

@@ -1,11 +1,21 @@
-"""Mechanistic probes with transformer_lens hooks (SPEC §10), per checkpoint.
+"""Mechanistic probes with transformer_lens hooks (SPEC §10), per analysis checkpoint.
 
-- attention: mean attention mass from prediction (x_k) positions to earlier y-tokens, earlier
-  x-tokens and itself, per layer and head (from `blocks.{l}.attn.hook_pattern`);
-- ablation: change in OOD loss and ICL score when one head's output `hook_z` is zeroed;
+- attention: mean attention mass from prediction (x_k, k ≥ 2) positions to earlier y-tokens,
+  earlier x-tokens and itself, per layer and head (`blocks.{l}.attn.hook_pattern`); the chance
+  level (a uniform head) is stored as probe `attn_to_y_chance` (= mean_k (k−1)/(2k−1));
+- ablation (SPEC's sign): `ablation_icl_drop` = ICL score of the model − ICL score with the head's
+  `hook_z` zeroed (positive: the head helps in-context learning) and `ablation_ood_loss_increase` =
+  ablated − base OOD loss / D (positive: the head helps), each with its paired standard error over
+  sequences (`se`), on the OOD evaluation set that `metrics` uses (eval.n_sequences sequences of
+  `tasks.eval_set("ood", ...)`, the same as evaluate.Evaluator);
 - layer-norm collapse: fraction of LayerNorm weights with |w| < threshold, per norm;
-- linear probes: ridge regression (closed form, 50/50 held-out split) reading the task vector t
-  and the ridge estimate t̂ from the residual stream after each block at each token; R².
+- linear probes: cross-fitted ridge regression (penalty chosen by inner cross-validation) reading
+  the task t (`probe_task_r2`; folds split by task, so it measures reading the task vector, not
+  recognising a pool task) and the ridge estimate t̂ (`probe_ridge_r2`; folds split by sequence)
+  from the residual stream after each block at each token; pooled held-out R².
+
+A value that is undefined is NaN with the reason in `note` (never ±inf): e.g. the task probe at
+M < 4, where fewer than two tasks would be left to test on, or a target without variance.
 """
 from __future__ import annotations
 
@@ -20,13 +30,22 @@ import pandas as pd
 import pyarrow as pa
 import torch
 
-from .io import KEY_FIELDS, read_json, read_parquet, write_parquet
-from .predictors import icl_score, token_losses
+from .io import KEY_FIELDS, write_parquet
 
 MECH_SCHEMA = pa.schema(KEY_FIELDS + [
     pa.field("step", pa.int64()), pa.field("probe", pa.string()), pa.field("layer", pa.int64()),
     pa.field("head", pa.int64()), pa.field("position", pa.int64()), pa.field("value", pa.float64()),
+    pa.field("se", pa.float64()), pa.field("note", pa.string()),
 ])
+LAMBDAS = np.logspace(-4, 4, 17)   # ridge penalties (× n_train, on standardised features) for the inner CV
+
+
+def uniform_attention_masses(K: int) -> dict[str, float]:
+    """Chance levels: the masses of a head attending uniformly to the 2k − 1 positions up to x_k,
+    averaged over k = 2..K: to earlier y-tokens (k − 1), earlier x-tokens (k − 1), itself (1)."""
+    k = np.arange(2, K + 1)
+    return {"attn_to_y": float(np.mean((k - 1) / (2 * k - 1))), "attn_to_x": float(np.mean((k - 1) / (2 * k - 1))),
+            "attn_to_self": float(np.mean(1 / (2 * k - 1)))}
 
 
 @torch.no_grad()
@@ -58,18 +77,32 @@ def ablate_head_hook(head: int):
     return hook
 
 
+def per_sequence_icl(pred: torch.Tensor, ys: torch.Tensor, D: int, k_early: int, k_late: int) -> torch.Tensor:
+    """Each sequence's ((ŷ − y)²_{k_early} − (ŷ − y)²_{k_late}) / D: their mean is the ICL score."""
+    sq = (pred - ys).square() / D
+    return sq[:, k_early - 1] - sq[:, k_late - 1]
+
+
+def paired_mean_se(diff: torch.Tensor) -> tuple[float, float]:
+    """Mean and standard error (sd / √n) of per-sequence paired differences."""
+    d = diff.double()
+    return float(d.mean()), float(d.std() / math.sqrt(len(d)))
+
+
 @torch.no_grad()
 def head_ablation(model, xs: torch.Tensor, ys: torch.Tensor, icl_tokens: tuple[int, int]) -> dict:
-    """Per (layer, head): Δ OOD loss and Δ ICL score when the head's z is zero-ablated."""
+    """Per (layer, head): (mean, paired se) of the ICL-score drop base − ablated and of the OOD-loss
+    increase ablated − base (/ D) when the head's z is zero-ablated; positive = the head helps."""
     D = xs.shape[-1]
-    base = token_losses(model(xs, ys), ys, D)
+    base = model(xs, ys)
+    base_icl, base_loss = per_sequence_icl(base, ys, D, *icl_tokens), ((base - ys).square() / D).mean(1)
     out = {}
     for layer in range(model.cfg.n_layers):
         for h in range(model.cfg.n_heads):
             pred = model.run_with_hooks(xs, ys, fwd_hooks=[(f"blocks.{layer}.attn.hook_z", ablate_head_hook(h))])
-            tok = token_losses(pred, ys, D)
-            out[(layer, h)] = {"ablation_delta_ood_loss": float(tok.mean() - base.mean()),
-                               "ablation_delta_icl_score": icl_score(tok, *icl_tokens) - icl_score(base, *icl_tokens)}
+            out[(layer, h)] = {
+                "ablation_icl_drop": paired_mean_se(base_icl - per_sequence_icl(pred, ys, D, *icl_tokens)),
+                "ablation_ood_loss_increase": paired_mean_se(((pred - ys).square() / D).mean(1) - base_loss)}
     return out
 
 
@@ -79,21 +112,59 @@ def layernorm_collapse(model, threshold: float = 0.05) -> dict[str, float]:
             for name, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)}
 
 
-def ridge_probe_r2(feats: torch.Tensor, target: torch.Tensor, lam: float = 1e-2, seed: int = 0) -> float:
-    """Fit target ≈ [feats, 1] W by ridge on a random half, return pooled R² on the other half."""
-    n = feats.shape[0]
-    g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(n, generator=g)
-    tr, te = perm[: n // 2], perm[n // 2:]
-    X = torch.cat([feats, torch.ones(n, 1, dtype=feats.dtype)], 1).double()
-    Y = target.double()
-    mu, sd = X[tr, :-1].mean(0), X[tr, :-1].std(0).clamp_min(1e-8)
-    X[:, :-1] = (X[:, :-1] - mu) / sd
-    A = X[tr].T @ X[tr] + lam * len(tr) * torch.eye(X.shape[1], dtype=X.dtype)
-    W = torch.linalg.solve(A, X[tr].T @ Y[tr])
-    resid = Y[te] - X[te] @ W
-    sst = ((Y[te] - Y[tr].mean(0)) ** 2).sum()
-    return float(1 - (resid ** 2).sum() / sst)
+def _folds(n: int, k: int, groups: np.ndarray | None, rng: np.random.Generator) -> list[np.ndarray]:
+    """k index sets partitioning range(n), by random whole groups when `groups` is given."""
+    if groups is None:
+        return np.array_split(rng.permutation(n), k)
+    uniq = rng.permutation(np.unique(groups))
+    return [np.nonzero(np.isin(groups, g))[0] for g in np.array_split(uniq, k)]
+
+
+def _ridge_path(X: np.ndarray, Y: np.ndarray, lambdas: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(feature mean, sd, W) of ridge on standardised features with intercept, for each λ·n penalty."""
+    mu, sd = X.mean(0), X.std(0)
+    sd = np.where(sd > 1e-12, sd, 1.0)
+    Z = (X - mu) / sd
+    U, S, Vt = np.linalg.svd(Z, full_matrices=False)
+    UtY = U.T @ (Y - Y.mean(0))
+    return [(mu, sd, Vt.T @ ((S / (S ** 2 + lam * len(X)))[:, None] * UtY)) for lam in lambdas]
+
+
+def _predict(X: np.ndarray, Ytr_mean: np.ndarray, fit: tuple) -> np.ndarray:
+    mu, sd, W = fit
+    return Ytr_mean + ((X - mu) / sd) @ W
+
+
+def ridge_probe_r2(feats: torch.Tensor, target: torch.Tensor, groups: np.ndarray | None = None, seed: int = 0,
+                   n_outer: int = 5, n_inner: int = 3) -> tuple[float, str]:
+    """Cross-fitted R² of a linear read-out target ≈ feats·W + b: `n_outer` folds (by group when
+    `groups` is given) each serve once as test set; on the rest the ridge penalty is chosen from
+    LAMBDAS by `n_inner`-fold CV (same grouping) and the fit is refit on all of it. Pooled R² =
+    1 − Σ residual² / Σ (y − training mean)² over every held-out prediction and output.
+    Returns (R², note): NaN with the reason when fewer than 2·n_outer groups exist or the target has no
+    variance; never ±inf."""
+    X, Y = feats.double().cpu().numpy(), target.double().cpu().numpy().reshape(len(feats), -1)
+    n_groups = len(np.unique(groups)) if groups is not None else len(X)
+    if n_groups < 2 * n_outer:
+        return math.nan, f"undefined: {n_groups} task(s), a task-split probe needs ≥ {2 * n_outer}"
+    rng = np.random.default_rng(seed)
+    sse = sst = 0.0
+    for test in _folds(len(X), n_outer, groups, rng):
+        train = np.setdiff1d(np.arange(len(X)), test)
+        Xt, Yt, gt = X[train], Y[train], None if groups is None else groups[train]
+        cv = np.zeros(len(LAMBDAS))
+        for val in _folds(len(Xt), n_inner, gt, rng):
+            fit_idx = np.setdiff1d(np.arange(len(Xt)), val)
+            ym = Yt[fit_idx].mean(0)
+            for i, fit in enumerate(_ridge_path(Xt[fit_idx], Yt[fit_idx], LAMBDAS)):
+                cv[i] += ((Yt[val] - _predict(Xt[val], ym, fit)) ** 2).sum()
+        best = LAMBDAS[[int(np.argmin(cv))]]
+        ym = Yt.mean(0)
+        sse += float(((Y[test] - _predict(X[test], ym, _ridge_path(Xt, Yt, best)[0])) ** 2).sum())
+        sst += float(((Y[test] - ym) ** 2).sum())
+    if sst <= 1e-12 * max(1.0, float((Y ** 2).sum())):
+        return math.nan, "undefined: the target has no variance"
+    return 1.0 - sse / sst, ""
 
 
 def ridge_estimates(xs: torch.Tensor, ys: torch.Tensor, noise_var: float) -> torch.Tensor:
@@ -105,60 +176,98 @@ def ridge_estimates(xs: torch.Tensor, ys: torch.Tensor, noise_var: float) -> tor
     return torch.linalg.solve(A, b.unsqueeze(-1)).squeeze(-1)
 
 
+def task_ids(tasks: torch.Tensor) -> np.ndarray:
+    """An integer id per sequence for its task vector (equal vectors, equal ids)."""
+    return np.unique(tasks.cpu().numpy(), axis=0, return_inverse=True)[1].ravel()
+
+
 @torch.no_grad()
-def probes(model, batch, noise_var: float, lam: float = 1e-2) -> dict[tuple[str, int, int], float]:
-    """R² of linear probes for the task t and for the ridge estimate from the pairs seen so far,
-    at each layer (0 = embedding, l = after block l) and token position j = 1..2K (odd: x_k,
-    even: y_k; at token j the context holds ⌊j/2⌋ complete pairs)."""
+def probes(model, batch, noise_var: float, seed: int = 0) -> dict[tuple[str, int, int], tuple[float, str]]:
+    """(R², note) of linear probes for the task t (split by task) and for the ridge estimate from the
+    pairs seen so far (split by sequence), at each layer (0 = embedding, l = after block l) and token
+    position j = 1..2K (odd: x_k, even: y_k; at token j the context holds ⌊j/2⌋ complete pairs)."""
     names = ["hook_embed"] + [f"blocks.{l}.hook_resid_post" for l in range(model.cfg.n_layers)]
     _, cache = model.run_with_cache(batch.xs, batch.ys, names_filter=lambda n: n in names)
     t_hat = ridge_estimates(batch.xs, batch.ys, noise_var)        # t_hat[:, k] uses the first k pairs
+    groups = task_ids(batch.tasks)
     K = batch.xs.shape[1]
     out = {}
     for layer, name in enumerate(names):
         resid = cache[name]
         for j in range(resid.shape[1]):
             pairs = (j + 1) // 2
-            out[("probe_task_r2", layer, j + 1)] = ridge_probe_r2(resid[:, j], batch.tasks, lam)
+            out[("probe_task_r2", layer, j + 1)] = ridge_probe_r2(resid[:, j], batch.tasks, groups, seed)
             if 0 < pairs < K:
-                out[("probe_ridge_r2", layer, j + 1)] = ridge_probe_r2(resid[:, j], t_hat[:, pairs], lam)
+                out[("probe_ridge_r2", layer, j + 1)] = ridge_probe_r2(resid[:, j], t_hat[:, pairs], None, seed)
     return out
 
 
+def mech_at(model, ood, probe_batch, spec: dict, cfg: dict) -> list[dict]:
+    """The rows of one checkpoint (without keys and step)."""
+    d, e = spec["data"], spec["eval"]
+    rows = []
+
+    def row(probe, layer=-1, head=-1, position=-1, value=math.nan, se=math.nan, note=""):
+        rows.append({"probe": probe, "layer": layer, "head": head, "position": position, "value": value, "se": se,
+                     "note": note})
+
+    row("attn_to_y_chance", value=uniform_attention_masses(d["K"])["attn_to_y"], note="uniform attention")
+    for (layer, h), vals in attention_masses(model, ood.xs, ood.ys).items():
+        for p, v in vals.items():
+            row(p, layer, h, value=v)
+    for (layer, h), vals in head_ablation(model, ood.xs, ood.ys, tuple(e["icl_tokens"])).items():
+        for p, (v, se) in vals.items():
+            row(p, layer, h, value=v, se=se)
+    for name, frac in layernorm_collapse(model, cfg.get("ln_threshold", 0.05)).items():
+        layer = int(name.split(".")[1]) if name.startswith("blocks.") else model.cfg.n_layers
+        row(f"ln_collapse_{name.split('.')[-1]}", layer, value=frac)
+    for (p, layer, pos), (v, note) in probes(model, probe_batch, d["noise_var"], cfg.get("seed", 0)).items():
+        row(p, layer, position=pos, value=v, note=note)
+    return rows
+
+
 def mech_for_run(run_dir: str | Path, cfg: dict, every: int = 1) -> pd.DataFrame:
-    from .llc import load_checkpoint_model, select_steps
-    from .tasks import M_INF, BatchSampler, eval_set, task_pool
+    """Mechanistic probes at every `every`-th analysis checkpoint (and the last) of a run."""
+    from .runs import checkpoint_steps, load_model, read_spec, sampler, select_steps
+    from .tasks import eval_set
 
     run_dir = Path(run_dir)
-    spec = read_json(run_dir / "run.json")
+    spec = read_spec(run_dir)
     d, k, e = spec["data"], spec["keys"], spec["eval"]
-    ood = eval_set("ood", k["M"], cfg.get("n_sequences", 512), d["K"], d["D"], d["noise_var"], d["pool_seed"], e["eval_seed"])
-    pool = None if k["M"] == M_INF else task_pool(d["pool_seed"], k["M"], d["D"])
-    probe_batch = BatchSampler(pool, d["K"], d["D"], d["noise_var"], k["seed"], "cpu", stream=4).batch(0, cfg.get("n_probe", 1024))
+    ood = eval_set("ood", k["M"], e["n_sequences"], d["K"], d["D"], d["noise_var"], d["pool_seed"], e["eval_seed"])
+    probe_batch = sampler(spec, "mech").batch(0, cfg.get("n_probe", 1024))
     rows = []
-    for step in select_steps(read_parquet(run_dir / "metrics.parquet").step.tolist(), every):
-        model = load_checkpoint_model(run_dir, step).eval()
-        base = {**k, "step": step}
-        for (layer, h), vals in attention_masses(model, ood.xs, ood.ys).items():
-            rows += [{**base, "probe": p, "layer": layer, "head": h, "position": -1, "value": v} for p, v in vals.items()]
-        for (layer, h), vals in head_ablation(model, ood.xs, ood.ys, tuple(e["icl_tokens"])).items():
-            rows += [{**base, "probe": p, "layer": layer, "head": h, "position": -1, "value": v} for p, v in vals.items()]
-        for name, frac in layernorm_collapse(model, cfg.get("ln_threshold", 0.05)).items():
-            layer = int(name.split(".")[1]) if name.startswith("blocks.") else model.cfg.n_layers
-            rows.append({**base, "probe": f"ln_collapse_{name.split('.')[-1]}", "layer": layer, "head": -1,
-                         "position": -1, "value": frac})
-        for (p, layer, pos), v in probes(model, probe_batch, d["noise_var"], cfg.get("probe_ridge", 1e-2)).items():
-            rows.append({**base, "probe": p, "layer": layer, "head": -1, "position": pos, "value": v})
-    df = pd.DataFrame(rows)
+    for step in select_steps(checkpoint_steps(run_dir), every):
+        model = load_model(run_dir, step).eval()
+        rows += [{**k, "step": step, **r} for r in mech_at(model, ood, probe_batch, spec, cfg)]
+    df = pd.DataFrame(rows, columns=MECH_SCHEMA.names)
     write_parquet(df, run_dir / "mech.parquet", MECH_SCHEMA)
     return df
 
 
+def run_summary(mech: pd.DataFrame) -> dict[str, float]:
+    """End-of-training circuitry scalars of one run (its last probed step), for H4:
+    attn_to_y_max (max over heads), attn_to_y_excess (that minus the uniform-attention chance level),
+    icl_drop_max (largest ablation ICL drop over heads, SPEC's sign), ood_loss_increase_max,
+    probe_task_r2_max and probe_ridge_r2_max (best over layers and positions; NaN if all undefined)."""
+    last = mech[mech.step == mech.step.max()]
+
+    def top(probe: str) -> float:
+        v = last.loc[last.probe == probe, "value"].dropna()
+        return float(v.max()) if len(v) else math.nan
+
+    chance = top("attn_to_y_chance")
+    return {"attn_to_y_max": top("attn_to_y"), "attn_to_y_excess": top("attn_to_y") - chance,
+            "icl_drop_max": top("ablation_icl_drop"), "ood_loss_increase_max": top("ablation_ood_loss_increase"),
+            "probe_task_r2_max": top("probe_task_r2"), "probe_ridge_r2_max": top("probe_ridge_r2")}
+
+
 def cli(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="iclnoise mech", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="iclnoise mech", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--every", type=int, default=1)
-    ap.add_argument("--cfg", default="{}", help="JSON: n_sequences, n_probe, ln_threshold, probe_ridge")
+    ap.add_argument("--cfg", default="{}", help="JSON: n_probe, ln_threshold, seed")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--figure", default=None, help="write the per-run head figure here (stem)")
     a = ap.parse_args(argv)
@@ -168,6 +277,5 @@ def cli(argv: list[str]) -> None:
     if a.figure:
         from .figures.probes import fig_heads
         fig_heads(df, a.figure)
-    last = df[df.step == df.step.max()]
-    print(last[last.probe.str.startswith(("attn_to_y", "ablation_delta_ood"))].to_string(index=False))
+    print(json.dumps(run_summary(df), indent=1))
     print(f"{df.step.nunique()} checkpoints in {time.time() - t0:.1f}s")

@@ -7,11 +7,28 @@ from typing import Callable
 import numpy as np
 
 
+MERGE_FRACTION = 0.4  # two scheduled steps closer than this fraction of the local spacing are one
+
+
 def checkpoint_steps(total: int, n_linear: int, n_log: int) -> list[int]:
-    """Union of `n_linear` evenly spaced and `n_log` log-spaced steps in [1, total], plus 0 and total."""
+    """Union of `n_linear` evenly spaced and `n_log` log-spaced steps in [1, total], plus 0 and total,
+    without near-duplicates: going up, a step closer to the last kept one than MERGE_FRACTION × the
+    local spacing (the smaller of the linear spacing total / n_linear and the log spacing
+    step × (ratio − 1)) is dropped, except `total`, which replaces the kept one instead. So 296 and
+    312 (8 linear + 12 log over 2500 steps) are one checkpoint, and early log steps stay dense."""
     lin = np.linspace(0, total, n_linear + 1) if n_linear else np.array([])
     log = np.geomspace(1, total, n_log) if n_log and total >= 1 else np.array([])
-    return sorted({0, total, *np.round(lin).astype(int).tolist(), *np.round(log).astype(int).tolist()})
+    cand = sorted({0, total, *np.round(lin).astype(int).tolist(), *np.round(log).astype(int).tolist()})
+    lin_gap = total / n_linear if n_linear else math.inf
+    ratio = total ** (1 / (n_log - 1)) if n_log > 1 and total > 1 else math.inf
+    kept = [cand[0]]
+    for s in cand[1:]:
+        gap = min(lin_gap, kept[-1] * (ratio - 1)) if math.isfinite(ratio) else lin_gap
+        if s - kept[-1] >= max(1.0, MERGE_FRACTION * gap) if math.isfinite(gap) else True:
+            kept.append(s)
+        elif s == total:
+            kept[-1] = total
+    return kept
 
 
 def lr_lambda(kind: str, total: int, warmup_frac: float = 0.0, min_lr_frac: float = 0.0) -> Callable[[int], float]:

@@ -1,15 +1,21 @@
-"""Figure 2 (essential subspace) and figure 5 (plane curves, osculating circles, evolute, forms)."""
+"""Figure 2 (essential subspace) and figure 5 (plane curves, osculating circles, evolute, forms).
+
+`iclnoise ed-figures RUN_DIR... --family F --ed results/ed/F --figures results/figures --cfg JSON`
+draws both from the tables `iclnoise ed` wrote (figures import ed; ed never imports figures).
+"""
 from __future__ import annotations
 
+import argparse
+import json
 from itertools import combinations
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
-from scipy.ndimage import gaussian_filter1d
 
-from ..ed import plane_geometry
+from ..ed import ed_config, log_time, plane_geometry, smooth_curve
+from ..io import read_parquet
 from . import style
 
 
@@ -58,59 +64,97 @@ def fig_essential_subspace(pcs: pd.DataFrame, var: pd.DataFrame, metrics: pd.Dat
 
 
 def fig_forms(pcs: pd.DataFrame, forms: pd.DataFrame, events: pd.DataFrame, cfg: dict, path: str | Path,
-              run_id: str | None = None) -> None:
-    """For one run (default: the one with the most forms): each PC-pair plane curve (smoothed) with
-    osculating circles at the vertices, the evolute, forms marked; below, PCs over time with forms dashed."""
+              run_id: str | None = None, sampling: pd.DataFrame | None = None) -> None:
+    """For one run (default: the one with the most forms): each PC-pair plane curve as smoothed for
+    detection (a function of log-step, colour = log-step), its evolute, osculating circles at the kept
+    vertices, cusps, forms (black X, on the curve at the form's time); below, PCs against log-step
+    with forms dashed and the end margins shaded. Says "no forms" on the figure when there are none."""
     style.setup()
+    cfg = ed_config(cfg)
     runs = pcs[pcs.kind == "run"]
     if run_id is None:  # the run with the most forms, ties to the largest finite M
         order = runs.groupby("run_id").M.first().map(lambda m: m if m > 0 else 0).rename("M").to_frame()
         order["forms"] = forms.run_id.value_counts().reindex(order.index).fillna(0)
         run_id = order.sort_values(["forms", "M"]).index[-1]
     steps, c = _curve(pcs, run_id)
-    sm = gaussian_filter1d(c, cfg.get("sigma", 1.0), axis=0, mode="nearest")
-    n = min(cfg.get("n_form_pcs", 3), c.shape[1])
+    tau = log_time(steps)
+    grid, sm = smooth_curve(tau, c, cfg["bandwidth"])
+    h = grid[1] - grid[0]
+    n = min(cfg["n_form_pcs"], c.shape[1])
     pairs = list(combinations(range(n), 2))
+    f_tau = forms[forms.run_id == run_id].log_step.to_numpy()
+    ev_run = events[(events.run_id == run_id) & events.kept] if len(events) else events
+    inner = (grid >= grid[0] + cfg["margin"]) & (grid <= grid[-1] - cfg["margin"])
     fig = plt.figure(figsize=(4.2 * len(pairs), 7.5))
     gs = fig.add_gridspec(2, len(pairs), height_ratios=[1.3, 1])
-    f_idx = forms[forms.run_id == run_id]["index"].to_numpy()
+    at = lambda t: int(np.abs(grid - t).argmin())  # noqa: E731
     for p, (i, j) in enumerate(pairs):
         ax = fig.add_subplot(gs[0, p])
-        g = plane_geometry(sm[:, i], sm[:, j])
-        ax.plot(sm[:, i], sm[:, j], color="C0", lw=1.8, label="trajectory (smoothed)")
+        g = plane_geometry(sm[:, i], sm[:, j], h)
+        ax.plot(sm[:, i], sm[:, j], color="0.75", lw=1, zorder=1)
+        sc = ax.scatter(sm[inner, i], sm[inner, j], c=grid[inner], cmap="viridis", s=4, zorder=2)
+        ax.scatter(c[:, i], c[:, j], s=8, color="black", marker=".", zorder=2, label="checkpoints")
         lim = np.array([ax.get_xlim(), ax.get_ylim()])
-        finite = np.isfinite(g["ex"]) & np.isfinite(g["ey"])
-        ax.plot(g["ex"][finite], g["ey"][finite], color="C1", lw=0.8, alpha=0.7, label="evolute")
-        ev = events[(events.run_id == run_id) & (events.pc_i == i + 1) & (events.pc_j == j + 1)]
-        for _, e in ev.iterrows():
-            k = int(e["index"])
+        ok = inner & np.isfinite(g["ex"]) & np.isfinite(g["ey"])
+        ax.plot(np.where(ok, g["ex"], np.nan), np.where(ok, g["ey"], np.nan), color="C1", lw=0.8, alpha=0.7)
+        for _, e in ev_run[(ev_run.pc_i == i + 1) & (ev_run.pc_j == j + 1)].iterrows():
+            k = at(e.log_step)
             if e.kind == "vertex" and np.isfinite(g["ex"][k]):
-                r = 1 / abs(g["kappa"][k])
-                ax.add_patch(plt.Circle((g["ex"][k], g["ey"][k]), r, fill=False, color="grey", lw=0.6, alpha=0.6))
-            ax.scatter(sm[k, i], sm[k, j], marker="^" if e.kind == "cusp" else "o", s=28,
-                       color="C2" if e.kind == "vertex" else "C3", zorder=4)
-        for k in f_idx:
-            ax.scatter(sm[k, i], sm[k, j], marker="X", s=90, color="black", zorder=5)
+                ax.add_patch(plt.Circle((g["ex"][k], g["ey"][k]), 1 / abs(g["kappa"][k]), fill=False, color="grey",
+                                        lw=0.6, alpha=0.7))
+            ax.scatter(sm[k, i], sm[k, j], marker="^" if e.kind == "cusp" else "o", s=30,
+                       color="C3" if e.kind == "cusp" else "C2", zorder=4)
+        for t in f_tau:
+            ax.scatter(sm[at(t), i], sm[at(t), j], marker="X", s=110, color="black", zorder=5)
         pad = 0.15 * np.ptp(lim, axis=1)
         ax.set_xlim(lim[0] + [-pad[0], pad[0]])
         ax.set_ylim(lim[1] + [-pad[1], pad[1]])
         ax.set_aspect("equal", adjustable="datalim")
         ax.set_xlabel(f"PC{i + 1}")
         ax.set_ylabel(f"PC{j + 1}")
-    handles = [plt.Line2D([], [], color="C0", label="trajectory"), plt.Line2D([], [], color="C1", label="evolute"),
+    fig.colorbar(sc, ax=fig.axes[len(pairs) - 1], label="log(step + 1)", shrink=0.8)
+    handles = [plt.Line2D([], [], color="0.6", label="trajectory (smoothed)"),
+               plt.Line2D([], [], marker=".", ls="", color="black", label="checkpoints (raw)"),
+               plt.Line2D([], [], color="C1", label="evolute"),
                plt.Line2D([], [], marker="o", ls="", color="C2", label="vertex (osculating circle)"),
                plt.Line2D([], [], marker="^", ls="", color="C3", label="cusp"),
                plt.Line2D([], [], marker="X", ls="", color="black", label="form")]
     fig.axes[0].legend(handles=handles, fontsize=7, loc="best")
     ax = fig.add_subplot(gs[1, :])
     for k in range(n):
-        ax.plot(steps + 1, c[:, k], label=f"PC{k + 1}", lw=1.5)
-    for k in f_idx:
-        ax.axvline(steps[k] + 1, color="black", ls="--", lw=1)
-    ax.set_xscale("log")
-    ax.set_xlabel("training step + 1")
+        ax.plot(grid, sm[:, k], lw=1.5, color=f"C{k}", label=f"PC{k + 1}")
+        ax.scatter(tau, c[:, k], s=8, color=f"C{k}")
+    for t in f_tau:
+        ax.axvline(t, color="black", ls="--", lw=1)
+    for lo, hi in ((grid[0], grid[0] + cfg["margin"]), (grid[-1] - cfg["margin"], grid[-1])):
+        ax.axvspan(lo, hi, color="0.9", zorder=0)
+    ax.set_xlabel("log(step + 1)  (shaded: end margins, no events)")
     ax.set_ylabel("PC value")
     ax.legend(ncol=n, fontsize=8)
-    fig.suptitle(f"Essential dynamics of {run_id}: forms (dashed) where every PC pair has a vertex or cusp")
+    under = sampling is not None and bool(sampling[sampling.run_id == run_id].undersampled.any())
+    if len(f_tau) == 0:
+        msg = "inconclusive: checkpoints too sparse for the bandwidth" if under else "no forms"
+        ax.text(0.5, 0.9, msg, transform=ax.transAxes, ha="center", fontsize=12, color="C3",
+                bbox={"facecolor": "white", "edgecolor": "C3"})
+    fig.suptitle(f"Essential dynamics of {run_id}: {len(f_tau)} form(s) where every PC pair has a significant "
+                 f"vertex or cusp within ±{cfg['tolerance']} log-step (bandwidth {cfg['bandwidth']})")
     fig.tight_layout()
     style.save_figure(fig, path, pcs[pcs.run_id == run_id])
+
+
+def cli_ed_figures(argv: list[str]) -> None:
+    """`iclnoise ed-figures`: figures 2 and 5 of a family from the tables of `iclnoise ed`."""
+    ap = argparse.ArgumentParser(prog="iclnoise ed-figures", description=cli_ed_figures.__doc__)
+    ap.add_argument("run_dirs", nargs="+", help="the family's run directories (their metrics.parquet: t_crit)")
+    ap.add_argument("--family", required=True)
+    ap.add_argument("--ed", required=True, help="the directory `iclnoise ed --out` wrote")
+    ap.add_argument("--figures", required=True, help="figure directory")
+    ap.add_argument("--cfg", default="{}", help="JSON of the params.yaml ed section (as given to iclnoise ed)")
+    a = ap.parse_args(argv)
+    ed, figs = Path(a.ed), Path(a.figures)
+    pcs, var = read_parquet(ed / "pcs.parquet"), read_parquet(ed / "variance.parquet")
+    metrics = pd.concat([read_parquet(Path(d) / "metrics.parquet") for d in a.run_dirs])
+    fig_essential_subspace(pcs, var, metrics, figs / f"fig02_essential_subspace_{a.family}")
+    sampling = read_parquet(ed / "sampling.parquet") if (ed / "sampling.parquet").exists() else None
+    fig_forms(pcs, read_parquet(ed / "forms.parquet"), read_parquet(ed / "events.parquet"), json.loads(a.cfg),
+              figs / f"fig05_ed_forms_{a.family}", sampling=sampling)
