@@ -32,7 +32,8 @@ def fake_run(root, M, B, seed, r_end, diverged=False, llc=None, ood_end=0.8, ste
                                      "llc_per_chain": [llc], "init_loss": 0.1, "mean_sampling_loss": 0.2,
                                      "diverged": False, "negative": False, "not_levelled": llc_flags and st < steps,
                                      "epsilon": 1e-4, "gamma": 100.0, "nbeta": 100.0, "chains": 1, "burn_in": 1,
-                                     "draws": 8, "batch_size": 8, "n": 64, "seconds": 0.1}
+                                     "draws": 8, "batch_size": 8, "n": 64, "mala_accept": 0.9,
+                                     "method": "sgld"}
                                     for st in (steps // 10, steps)]), d / "llc.parquet", LLC_SCHEMA)
     return d
 

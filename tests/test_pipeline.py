@@ -28,8 +28,7 @@ def tiny_params(Ms=(1, "inf")) -> dict:
     p["llc"]["every"] = 3
     p["llc"]["sampler"].update(chains=2, burn_in=5, draws=10, batch=16, n=64)
     p["geometry"].update(every=3, probes=2, lanczos_iters=3, n_heldout=16)
-    p["mech"].update(every=3, n_sequences=16, n_probe=32)
-    p["stats"]["n_boot"] = 10
+    p["mech"].update(every=3, n_probe=32)
     return p
 
 

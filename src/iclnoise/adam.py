@@ -2,10 +2,11 @@
 
     a_i = 1 / (sqrt(v̂_i) + δ),   v̂ = v / (1 − β2^t)
 
-A coordinate whose second moment is exactly zero never received a gradient (e.g. attention
-`b_K`, which softmax makes irrelevant): there a = 1/δ would turn float32 round-off into 1/δ-sized
-noise in every A·H·A or A·C·A product, so `dead_zero=True` (the default) gives it a = 0
-(SPEC §9: "such coordinates get a = 0").
+A coordinate that never received a gradient (e.g. attention `b_K`, which softmax makes irrelevant)
+has v̂ = 0, or float32 round-off of ~1e-20 in practice: there a ≈ 1/δ would turn round-off into
+1/δ-sized noise in every A·H·A or A·C·A product. `dead_zero=True` (the default) gives a = 0 where
+sqrt(v̂) < δ, i.e. where Adam's own denominator is dominated by δ (SPEC §9: "such coordinates get
+a = 0"); on the default model these are exactly the 96 coordinates the audit of issue 18 found.
 """
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import torch
 
 def adam_a(exp_avg_sq: torch.Tensor, step: float, beta2: float, eps: float, dead_zero: bool = True) -> torch.Tensor:
     """Flat a = 1/(sqrt(v / (1 − β2^step)) + eps); a = 0 where v == 0 when `dead_zero`."""
-    v = exp_avg_sq.reshape(-1)
-    a = 1.0 / ((v / (1 - beta2 ** float(step))).sqrt() + eps)
-    return torch.where(v > 0, a, torch.zeros_like(a)) if dead_zero else a
+    root = (exp_avg_sq.reshape(-1) / (1 - beta2 ** float(step))).sqrt()
+    a = 1.0 / (root + eps)
+    return torch.where(root >= eps, a, torch.zeros_like(a)) if dead_zero else a
 
 
 def adam_preconditioner(opt_state: dict, params: list[torch.nn.Parameter]) -> torch.Tensor | None:

@@ -44,8 +44,9 @@ LLC_COUNTS = ["llc_n_estimates", "llc_n_flagged"]   # estimates in llc.parquet; 
 EXPOSURE_COLUMNS = ["integrated_pne", "integrated_pne_preclip", "integrated_ne", "integrated_ne_injected",
                     "integrated_ne_simple", "integrated_pne_injected"]   # exposure.summarize keys (realised, per run)
 GEOMETRY_COLUMNS = ["hessian_trace", "top_eigenvalue", "sam_sharpness"]
+CIRCUIT_COLUMNS = ["attn_to_y_excess", "icl_drop_max", "probe_ridge_r2_max"]   # mech.run_summary (end of training)
 OPTIONAL_FIELDS = ([pa.field(c, pa.float64()) for c in LLC_COLUMNS] + [pa.field(c, pa.int64()) for c in LLC_COUNTS]
-                   + [pa.field(c, pa.float64()) for c in EXPOSURE_COLUMNS + GEOMETRY_COLUMNS])
+                   + [pa.field(c, pa.float64()) for c in EXPOSURE_COLUMNS + GEOMETRY_COLUMNS + CIRCUIT_COLUMNS])
 OUTCOMES_SCHEMA = pa.schema(OUTCOME_FIELDS + OPTIONAL_FIELDS)
 GATE_FIELDS = [pa.field("gates_passed", pa.bool_()), pa.field("gate_failures", pa.string())]
 TESTS_SCHEMA = pa.schema([
@@ -131,6 +132,10 @@ def run_outcomes(run_dir: Path, transient_tol: float = 0.05) -> dict:
     if (run_dir / "geometry.parquet").exists():
         g = read_parquet(run_dir / "geometry.parquet").sort_values("step").iloc[-1]
         row.update({k: float(g[k]) for k in GEOMETRY_COLUMNS if k in g})
+    if (run_dir / "mech.parquet").exists():
+        from .mech import run_summary
+        s = run_summary(read_parquet(run_dir / "mech.parquet"))
+        row.update({k: float(s[k]) for k in CIRCUIT_COLUMNS if k in s})
     return row
 
 
@@ -320,8 +325,8 @@ def hypothesis_tests(out: pd.DataFrame, cfg: dict, conv: pd.DataFrame | None = N
         h3 += 1
     if not h3:
         rows.append(_row("H3", "TOST", "r", status="not run: no injected condition emulating a batch size in the grid"))
-    # H4: geometry and LLC against exposure
-    for col in ("llc_final", "hessian_trace", "top_eigenvalue", "sam_sharpness"):
+    # H4: geometry, LLC and in-context circuitry (mech.run_summary) against exposure
+    for col in ("llc_final", *GEOMETRY_COLUMNS, *CIRCUIT_COLUMNS):
         used = fin[fin[col].notna()]
         if len(used) >= 4 and used.log_exposure.nunique() < 2:
             rows.append(_row("H4", "Spearman correlation", col,

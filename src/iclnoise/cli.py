@@ -19,6 +19,7 @@ COMMANDS = {
     "stages": ("iclnoise.stages", "developmental stages from a run's LLC curve"),
     "llc-figures": ("iclnoise.figures.llc", "figures 3 (loss and LLC against M) and 4 (LLC over training)"),
     "ed": ("iclnoise.ed", "essential dynamics of a family of runs"),
+    "ed-figures": ("iclnoise.figures.ed", "figures 2 and 5 from results/ed/<family>"),
     "geometry": ("iclnoise.geometry", "Hessian trace, top eigenvalue, SAM sharpness per checkpoint"),
     "mech": ("iclnoise.mech", "attention, head ablation, layer-norm and linear probes per checkpoint"),
     "aggregate": ("iclnoise.aggregate", "outcomes, thresholds and hypothesis tests over all runs"),

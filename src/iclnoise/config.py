@@ -297,6 +297,7 @@ def _memory_check(p: dict) -> None:
 # The line through the batch-64 and the large-model points: exact there, +12 % at batch 16. For the default grid it
 # predicts 0.30 core-hours of training; the three measured run types sum to 0.296. Re-measure on new hardware.
 STEP_MS_BASE = 8.76
+STEP_MS_PER_RUN = 1.0    # per-run data, hooks and bookkeeping inside an ensemble step (re-measured: README)
 STEP_MS_PER_MFLOP = 0.0285
 INJECTED_FACTOR = {"none": 1.0, "grad": 1.25, "param": 1.19}
 COST_CONFIRM_CORE_HOURS = 2.0
@@ -310,10 +311,12 @@ def step_flops(params: dict, batch: int) -> float:
     return 6.0 * batch * T * m["n_layers"] * (4 * d * d + 2 * d * m["d_mlp"] + 2 * T * d)
 
 
-def step_ms(params: dict, batch: int, source: str = "none") -> float:
-    """Estimated CPU milliseconds per training step (one core): STEP_MS_BASE + STEP_MS_PER_MFLOP · MFLOPs,
+def step_ms(params: dict, batch: int, source: str = "none", runs: int = 1) -> float:
+    """Estimated CPU milliseconds of one step of an ensemble of `runs` runs (one core): the per-step overhead
+    STEP_MS_BASE is paid once per ensemble, STEP_MS_PER_RUN + STEP_MS_PER_MFLOP · MFLOPs per run;
     × INJECTED_FACTOR[source] (noise source none, grad or param)."""
-    return (STEP_MS_BASE + STEP_MS_PER_MFLOP * step_flops(params, batch) / 1e6) * INJECTED_FACTOR[source]
+    per_run = STEP_MS_PER_RUN + STEP_MS_PER_MFLOP * step_flops(params, batch) / 1e6
+    return (STEP_MS_BASE + runs * per_run) * INJECTED_FACTOR[source]
 
 
 JOB_START_S = 2.5  # CPU seconds to start one `iclnoise` job (python + torch + package imports; measured 2.1–4.2 s)
@@ -342,7 +345,7 @@ def probe_seconds(params: dict, batch: int, section: str) -> float:
         per = (2 * g["probes"] + g["lanczos_iters"] + 2) * 2 * step_ms(params, g["n_heldout"])
     else:
         heads = m["n_layers"] * m["n_heads"]
-        per = ((heads + 2) * step_ms(params, g["n_sequences"]) + step_ms(params, g["n_probe"])) / 3
+        per = ((heads + 2) * step_ms(params, params["eval"]["n_sequences"]) + step_ms(params, g["n_probe"])) / 3
     return JOB_START_S + probed_checkpoints(params, batch, section) * per / 1000
 
 
@@ -357,14 +360,17 @@ def cost_estimate(params: dict) -> dict[str, Any]:
         seeds = sec.get("seeds")
         probes[name] = [k for k in runs if seeds is None or k.seed in seeds] if sec.get("enabled") else []
     families = len(ed_families(params))
-    # stages per LLC run, llc figures, ed families, training figures, aggregate, report, all
-    other = len(probes["llc"]) + (1 if probes["llc"] else 0) + families + 4
-    jobs = len(runs) + sum(map(len, probes.values())) + other
+    groups = ensemble_groups(params)
+    # stages per LLC run, llc figures, ed families (analysis + figures), training figures, aggregate, report, all
+    other = len(probes["llc"]) + (1 if probes["llc"] else 0) + 2 * families + 4
+    jobs = len(groups) + sum(map(len, probes.values())) + other
     run_steps = sum(steps_for(params, k.batch) for k in runs)
-    train_s = sum(JOB_START_S + steps_for(params, k.batch) * step_ms(params, k.batch, conds[k.noise]["source"]) / 1000
-                  for k in runs)
-    per_job = {(name, B): probe_seconds(params, B, name) for name in probes for B in params["grid"]["batch_sizes"]}
-    probe_s = sum(per_job[name, k.batch] for name, ks in probes.items() for k in ks)
+    train_s = 0.0
+    for members in groups.values():
+        k = parse_run_id(members[0])
+        train_s += JOB_START_S + steps_for(params, k.batch) * step_ms(params, k.batch, conds[k.noise]["source"],
+                                                                       len(members)) / 1000
+    probe_s = sum(probe_seconds(params, k.batch, name) for name, ks in probes.items() for k in ks)
     return {"runs": len(runs), "jobs": jobs, "run_steps": run_steps, "train_core_hours": train_s / 3600,
             "core_hours": (train_s + probe_s + other * JOB_START_S) / 3600,
             "peak_job_memory": memory_estimate(params)["total"], "threshold_core_hours": COST_CONFIRM_CORE_HOURS}

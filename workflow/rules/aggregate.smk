@@ -1,27 +1,33 @@
 rule aggregate:
-    """Outcomes per run, task-diversity thresholds, hypothesis tests (H1-H4), figures 6-8 and 10 (9 with geometry)."""
+    """Outcomes per run, task-diversity thresholds, gated hypothesis tests (H1-H4), figures 6-10, metrics.json."""
     input:
         metrics=run_files("metrics.parquet"),
         llc=probe_files("llc", "llc.parquet"),
         geometry=probe_files("geometry", "geometry.parquet"),
         mech=probe_files("mech", "mech.parquet"),
-        exposure=run_files("exposure.parquet") if EXPOSURE else [],
+        exposure=[f for r in RUNS for f in train_outputs(r) if f.endswith("exposure.parquet")],
     output:
-        outcomes=f"{RES}/aggregate/outcomes.parquet",
+        outcomes=report(f"{RES}/aggregate/outcomes.parquet", caption="../report/outcomes.rst", category="Tables"),
         thresholds=f"{RES}/aggregate/thresholds.parquet",
         tests=f"{RES}/aggregate/tests.parquet",
+        metrics=f"{RES}/aggregate/metrics.json",
         md=multiext(f"{RES}/aggregate/", "outcomes.md", "thresholds.md", "tests.md"),
-        figs=multiext(f"{RES}/figures/fig06_threshold_vs_noise", ".pdf", ".png", ".parquet")
-        + multiext(f"{RES}/figures/fig07_icl_vs_exposure", ".pdf", ".png", ".parquet")
-        + multiext(f"{RES}/figures/fig08_early_late", ".pdf", ".png", ".parquet")
-        + multiext(f"{RES}/figures/fig10_exposure_series", ".pdf", ".png", ".parquet"),
+        **{f"f6_{k}": v for k, v in figure("fig06_threshold_vs_noise", "fig06", "Hypotheses").items()},
+        **{f"f7_{k}": v for k, v in figure("fig07_icl_vs_exposure", "fig07", "Hypotheses").items()},
+        **{f"f8_{k}": v for k, v in figure("fig08_early_late", "fig08", "Hypotheses").items()},
+        **{f"f9_{k}": v for k, v in figure("fig09_geometry", "fig09", "Hypotheses").items()},
+        **{f"f10_{k}": v for k, v in figure("fig10_exposure_series", "fig10", "Exposure").items()},
     params:
-        cfg=json.dumps(PARAMS.get("stats", {})),
+        cfg=json.dumps(PARAMS["stats"]),
         run_dirs=lambda w, input: sorted({str(Path(p).parent) for p in input.metrics}),
     log:
         "logs/aggregate.log",
     benchmark:
         "benchmarks/aggregate.tsv"
+    resources:
+        mem_mb=4000,
+    conda:
+        CONDA_ENV
     shell:
         "iclnoise aggregate {params.run_dirs} --out {RES}/aggregate --figures {RES}/figures "
         "--cfg {params.cfg:q} > {log} 2>&1"
@@ -32,13 +38,18 @@ rule report:
     input:
         rules.aggregate.output,
         rules.training_figures.output,
-        lambda w: rules.llc_figures.output if PARAMS.get("llc", {}).get("enabled", False) else [],
+        rules.llc_figures.output if PARAMS["llc"]["enabled"] else [],
         expand(f"{RES}/ed/{{family}}/forms.parquet", family=list(ED_FAMILIES)),
+        expand(f"{RES}/figures/fig05_ed_forms_{{family}}.png", family=list(ED_FAMILIES)),
     output:
         f"{RES}/report.md",
     params:
         params=json.dumps(PARAMS),
     log:
         "logs/report.log",
+    benchmark:
+        "benchmarks/report.tsv"
+    conda:
+        CONDA_ENV
     shell:
         "iclnoise report --results {RES} --params {params.params:q} --out {output} > {log} 2>&1"

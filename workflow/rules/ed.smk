@@ -1,23 +1,49 @@
 ED_FAMILIES = ed_families(PARAMS)
+ED_CFG = json.dumps({k: v for k, v in PARAMS["ed"].items() if k not in ("enabled", "families", "seeds")})
 
 
 rule ed:
-    """Essential dynamics of one family of runs: joint PCA, curve geometry, forms, figures 2 and 5."""
+    """Essential dynamics of one family of runs: joint PCA, curve geometry in log-step time, forms (SPEC §8)."""
     input:
         preds=lambda w: expand(f"{RES}/runs/{{run}}/root_preds.parquet", run=ED_FAMILIES[w.family]),
         stages=lambda w: (expand(f"{RES}/runs/{{run}}/stages.parquet", run=ED_FAMILIES[w.family])
-                          if PARAMS.get("llc", {}).get("enabled", False) else []),
+                          if PARAMS["llc"]["enabled"] else []),
     output:
-        multiext(f"{RES}/ed/{{family}}/", "pcs.parquet", "variance.parquet", "events.parquet", "forms.parquet"),
-        multiext(f"{RES}/figures/fig02_essential_subspace_{{family}}", ".pdf", ".png", ".parquet"),
-        multiext(f"{RES}/figures/fig05_ed_forms_{{family}}", ".pdf", ".png", ".parquet"),
+        multiext(f"{RES}/ed/{{family}}/", "pcs.parquet", "variance.parquet", "events.parquet", "forms.parquet",
+                 "sampling.parquet"),
     params:
-        cfg=json.dumps({k: v for k, v in PARAMS.get("ed", {}).items() if k not in ("enabled", "families", "seeds")}),
+        cfg=ED_CFG,
         run_dirs=lambda w: [f"{RES}/runs/{r}" for r in ED_FAMILIES[w.family]],
     log:
         "logs/ed/{family}.log",
     benchmark:
         "benchmarks/ed/{family}.tsv"
+    resources:
+        mem_mb=4000,
+    conda:
+        CONDA_ENV
     shell:
         "iclnoise ed {params.run_dirs} --family {wildcards.family} --out {RES}/ed/{wildcards.family} "
+        "--cfg {params.cfg:q} > {log} 2>&1"
+
+
+rule ed_figures:
+    """SPEC §12 figures 2 (essential subspace) and 5 (plane curves, evolutes, forms) of one family."""
+    input:
+        rules.ed.output,
+        metrics=lambda w: expand(f"{RES}/runs/{{run}}/metrics.parquet", run=ED_FAMILIES[w.family]),
+    output:
+        **{f"sub_{k}": v for k, v in figure("fig02_essential_subspace_{family}", "fig02", "Essential dynamics").items()},
+        **{f"forms_{k}": v for k, v in figure("fig05_ed_forms_{family}", "fig05", "Essential dynamics").items()},
+    params:
+        cfg=ED_CFG,
+        run_dirs=lambda w: [f"{RES}/runs/{r}" for r in ED_FAMILIES[w.family]],
+    log:
+        "logs/ed/{family}_figures.log",
+    benchmark:
+        "benchmarks/ed/{family}_figures.tsv"
+    conda:
+        CONDA_ENV
+    shell:
+        "iclnoise ed-figures {params.run_dirs} --family {wildcards.family} --ed {RES}/ed/{wildcards.family} "
         "--figures {RES}/figures --cfg {params.cfg:q} > {log} 2>&1"

@@ -1,5 +1,5 @@
 def probe_cfg(name):
-    return json.dumps({k: v for k, v in PARAMS.get(name, {}).items() if k not in ("enabled", "every", "seeds")})
+    return json.dumps({k: v for k, v in PARAMS[name].items() if k not in ("enabled", "every", "seeds")})
 
 
 rule geometry:
@@ -11,12 +11,18 @@ rule geometry:
         f"{RES}/runs/{{run}}/geometry.parquet",
     params:
         cfg=lambda w: probe_cfg("geometry"),
-        every=PARAMS.get("geometry", {}).get("every", 1),
+        every=PARAMS["geometry"].get("every", 1),
         run_dir=lambda w: f"{RES}/runs/{w.run}",
     log:
         "logs/geometry/{run}.log",
     benchmark:
         "benchmarks/geometry/{run}.tsv"
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=60,
+    conda:
+        CONDA_ENV
     shell:
         "iclnoise geometry --run-dir {params.run_dir} --every {params.every} --cfg {params.cfg:q} > {log} 2>&1"
 
@@ -31,12 +37,18 @@ rule mech:
         fig=multiext(f"{RES}/figures/heads/{{run}}", ".pdf", ".png", ".parquet"),
     params:
         cfg=lambda w: probe_cfg("mech"),
-        every=PARAMS.get("mech", {}).get("every", 1),
+        every=PARAMS["mech"].get("every", 1),
         run_dir=lambda w: f"{RES}/runs/{w.run}",
     log:
         "logs/mech/{run}.log",
     benchmark:
         "benchmarks/mech/{run}.tsv"
+    threads: 1
+    resources:
+        mem_mb=3000,
+        runtime=60,
+    conda:
+        CONDA_ENV
     shell:
         "iclnoise mech --run-dir {params.run_dir} --every {params.every} --cfg {params.cfg:q} "
         "--figure {RES}/figures/heads/{wildcards.run} > {log} 2>&1"

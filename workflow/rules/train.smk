@@ -34,6 +34,8 @@ for _group, _runs in GROUPS.items():
             mem_mb=4000,
             runtime=240,
             **TRAIN_RESOURCES,
+        conda:
+            CONDA_ENV
         shell:
             "iclnoise train --spec {params.spec:q} --runs {params.runs} --results {RES} "
             "--threads {threads} --no-progress > {log} 2>&1"

@@ -44,9 +44,13 @@ def fig_geometry(out: pd.DataFrame, path: str | Path) -> None:
     """Figure 9: end-of-training geometry (Hessian trace, top eigenvalue, SAM) against exposure and r."""
     cols = [c for c in ("hessian_trace", "top_eigenvalue", "min_eigenvalue", "sam_sharpness")
             if c in out and out[c].notna().any()]
-    if not cols:
-        return
     style.setup()
+    if not cols:  # the figure is a declared output: it says why it is empty
+        fig, ax = plt.subplots(figsize=(5, 3))
+        ax.text(0.5, 0.5, "no geometry probes (geometry.enabled: false)", ha="center", va="center", color="grey")
+        ax.set_axis_off()
+        style.save_figure(fig, path, out.iloc[:0])
+        return
     xcol = "integrated_pne" if "integrated_pne" in out and out.integrated_pne.notna().any() else "integrated_lr_over_b"
     pal = style.m_palette(out.M)
     fig, axes = plt.subplots(2, len(cols), figsize=(4.2 * len(cols), 7), squeeze=False)
