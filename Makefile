@@ -30,8 +30,8 @@ $(VENV)/.installed: requirements.lock pyproject.toml
 
 # Style (ruff: pycodestyle, pyflakes, import order) and layering (import-linter contracts in pyproject).
 lint: setup
-	ruff check src tests bench
-	PYTHONPATH=src lint-imports --no-cache
+	ruff check --no-cache src tests bench; status=$$?; \
+	PYTHONPATH=src lint-imports --no-cache || status=1; exit $$status
 
 run: setup
 	snakemake --cores $(CORES)
