@@ -5,17 +5,33 @@ BIN := $(VENV)/bin
 CORES ?= 2
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup run test bench figures clean-results
+.PHONY: setup run test bench figures clean-results lint
 
 setup: $(VENV)/.installed
 
-# torch is installed first and pinned: the CPU build of 2.13.0 (an unpinned torch pulls CUDA).
-$(VENV)/.installed: pyproject.toml
+# The exact environment from requirements.lock (Python 3.11, Linux x86-64; see its header). Its torch pin
+# is the CPU build (torch==2.13.0+cpu), which PyPI lacks: installed first from pip's configuration (a
+# local wheel folder or index), else from the PyTorch CPU index. Another Python than 3.11 gets
+# pyproject's ranges instead of the lock.
+TORCH_PIN := $(shell grep -m1 '^torch==' requirements.lock)
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+
+$(VENV)/.installed: requirements.lock pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[pipeline,dev]"
+	$(BIN)/pip install -q --no-deps "$(TORCH_PIN)" 2>/dev/null || \
+	  $(BIN)/pip install -q --no-deps --index-url $(TORCH_INDEX) "$(TORCH_PIN)"
+	if $(BIN)/python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then \
+	  $(BIN)/pip install -q -r requirements.lock && $(BIN)/pip install -q --no-deps -e .; \
+	else \
+	  echo "Python is not 3.11: installing from pyproject's ranges, not requirements.lock"; \
+	  $(BIN)/pip install -q -e ".[pipeline,dev]"; \
+	fi
 	touch $@
+
+# Style (ruff: pycodestyle, pyflakes, import order) and layering (import-linter contracts in pyproject).
+lint: setup
+	ruff check --no-cache src tests bench; status=$$?; \
+	PYTHONPATH=src lint-imports --no-cache || status=1; exit $$status
 
 run: setup
 	snakemake --cores $(CORES)
