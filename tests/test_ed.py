@@ -242,7 +242,7 @@ def fake_run(root, M, seed=0, steps=(0, 1, 2, 4, 8, 17, 35, 71, 145, 296, 603, 9
 
 
 def test_cli_end_to_end_and_predictor_projection(tmp_path):
-    from iclnoise.ed import cli
+    from iclnoise.commands import ed as cli
     from iclnoise.figures.ed import cli_ed_figures
 
     dirs = [fake_run(tmp_path / "runs", M) for M in (1, 4, 16)]

@@ -7,7 +7,8 @@ import torch
 from scipy import stats
 
 from iclnoise.adam import adam_a
-from iclnoise.geometry import (GEOMETRY_SCHEMA, FlatLoss, geometry_for_run, hutchinson_samples, hutchinson_trace,
+from iclnoise.probes import geometry_for_run
+from iclnoise.geometry import (GEOMETRY_SCHEMA, FlatLoss, hutchinson_samples, hutchinson_trace,
                                lanczos, lanczos_top, mean_se, precond_trace, preconditioned, sam_sharpness, t_halfwidth)
 from iclnoise.io import read_parquet, write_json
 from iclnoise.model import ModelConfig, build_model, mse_loss

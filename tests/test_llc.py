@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from iclnoise.llc import LLCConfig, estimate_llc, mala_log_ratio, select_steps, sgld_chains
+from iclnoise.llc import LLCConfig, estimate_llc, mala_log_ratio, sgld_chains
+from iclnoise.runs import select_steps
 from iclnoise.model import ModelConfig, build_model, mse_loss
 from iclnoise.tasks import BatchSampler, task_pool
 
@@ -262,7 +263,7 @@ def test_flags_divergence_and_checkpoint_selection(tiny_checkpoint):
 
 
 def test_steps_at_snaps_a_published_schedule_to_our_checkpoints():
-    from iclnoise.llc import steps_at
+    from iclnoise.probes import steps_at
     from iclnoise.schedules import checkpoint_steps
 
     ours = checkpoint_steps(500_000, 10_000, 100)
@@ -287,7 +288,7 @@ def test_llc_for_run_is_byte_identical_on_rerun(tiny, tmp_path):
     """The per-run step reads checkpoints through iclnoise.runs, writes no wall-clock column, and a rerun
     rewrites llc.parquet byte for byte (issue 20)."""
     from iclnoise.config import run_spec
-    from iclnoise.llc import llc_for_run
+    from iclnoise.probes import llc_for_run
     from iclnoise.train import train_run
 
     run = tmp_path / "run"

@@ -11,17 +11,17 @@ import logging
 import os
 import sys
 
-COMMANDS = {
-    "train": ("iclnoise.train", "train one run (resumes from its last checkpoint)"),
+COMMANDS = {  # command -> (module whose `cli` (or `cli_<command>`, or the function named in commands) runs it, help)
+    "train": ("iclnoise.train", "train runs as one ensemble (resumes from their resume states)"),
     "figures": ("iclnoise.figures.training", "training-curve figures (SPEC §12 fig. 1) and the summary table"),
-    "llc": ("iclnoise.llc", "local learning coefficient per checkpoint of a run"),
-    "llc-calibrate": ("iclnoise.llc", "sweep SGLD step size / localization on one checkpoint"),
-    "stages": ("iclnoise.stages", "developmental stages from a run's LLC curve"),
+    "llc": ("iclnoise.commands", "local learning coefficient per checkpoint of a run"),
+    "llc-calibrate": ("iclnoise.commands", "sweep SGLD step size / localization on one checkpoint"),
+    "stages": ("iclnoise.commands", "developmental stages from a run's LLC curve"),
     "llc-figures": ("iclnoise.figures.llc", "figures 3 (loss and LLC against M) and 4 (LLC over training)"),
-    "ed": ("iclnoise.ed", "essential dynamics of a family of runs"),
+    "ed": ("iclnoise.commands", "essential dynamics of a family of runs"),
     "ed-figures": ("iclnoise.figures.ed", "figures 2 and 5 from results/ed/<family>"),
-    "geometry": ("iclnoise.geometry", "Hessian trace, top eigenvalue, SAM sharpness per checkpoint"),
-    "mech": ("iclnoise.mech", "attention, head ablation, layer-norm and linear probes per checkpoint"),
+    "geometry": ("iclnoise.commands", "Hessian trace, top eigenvalue, SAM sharpness per checkpoint"),
+    "mech": ("iclnoise.commands", "attention, head ablation, layer-norm and linear probes per checkpoint"),
     "aggregate": ("iclnoise.aggregate", "outcomes, thresholds and hypothesis tests over all runs"),
     "report": ("iclnoise.report", "results/report.md from the aggregate tables and figures"),
     "check": ("iclnoise.config", "validate a params file, print the grid and its cost estimate"),
@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
     setup_logging(level, argv[0])
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    fn = getattr(module, "cli_" + argv[0].replace("-", "_"), None) or module.cli
+    name = argv[0].replace("-", "_")
+    fn = getattr(module, name if module.__name__ == "iclnoise.commands" else "cli_" + name, None) or module.cli
     fn(argv[1:])
 
 

@@ -43,17 +43,13 @@ forms are "inconclusive: undersampled" rather than absent.
 """
 from __future__ import annotations
 
-import argparse
-import json
 from itertools import combinations
-from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 from scipy.signal import find_peaks
 
-from .io import KEY_FIELDS, read_json, read_parquet, write_parquet
+from .io import KEY_FIELDS
 from .predictors import dmmse, ridge
 from .tasks import M_INF, eval_set, task_pool
 
@@ -290,70 +286,3 @@ def predictor_vectors(spec: dict, Ms: list[int]) -> dict[str, np.ndarray]:
         if M != M_INF:
             out[f"dmmse_{M}"] = dmmse(b.xs, b.ys, task_pool(d["pool_seed"], M, d["D"]), d["noise_var"]).numpy().ravel()
     return out
-
-
-def essential_dynamics(run_dirs: list[Path], family: str, cfg: dict) -> dict[str, pd.DataFrame]:
-    """Joint PCA of a family of runs, projected predictors, and per run its events and forms."""
-    cfg = ed_config(cfg)
-    specs = [read_json(d / "run.json") for d in run_dirs]
-    preds = [read_parquet(d / "root_preds.parquet").sort_values("step") for d in run_dirs]
-    Xs = [np.stack(p.preds.to_numpy()).astype(np.float64) for p in preds]
-    scores, comps, mean, evr = joint_pca(np.concatenate(Xs), cfg["n_pcs"])
-    rows, o = [], 0
-    for spec, p in zip(specs, preds):
-        for r, step in enumerate(p.step):
-            rows += [{"family": family, "kind": "run", **spec["keys"], "step": int(step), "pc": k + 1,
-                      "value": float(scores[o + r, k])} for k in range(scores.shape[1])]
-        o += len(p)
-    for name, vec in predictor_vectors(specs[0], sorted({s["keys"]["M"] for s in specs})).items():
-        M = -1 if name == "ridge" else int(name.split("_")[1])
-        rows += [{"family": family, "kind": name.split("_")[0], "run_id": name, "M": M, "seed": -1, "batch": -1,
-                  "noise": "", "step": -1, "pc": k + 1, "value": float(v)}
-                 for k, v in enumerate((vec - mean) @ comps.T)]
-    pcs = pd.DataFrame(rows, columns=PCS_SCHEMA.names)
-    var = pd.DataFrame({"family": family, "pc": np.arange(1, len(evr) + 1), "explained_variance_ratio": evr})
-    ev_rows, form_rows, samp_rows = [], [], []
-    for r, (spec, d, p, X) in enumerate(zip(specs, run_dirs, preds, Xs)):
-        rid, steps = spec["keys"]["run_id"], p.step.to_numpy()
-        tau = log_time(steps)
-        curves = bootstrap_curves(X, mean, comps, spec["eval"]["n_root"], cfg["n_boot"], cfg["seed"] + r)
-        events = detect_events(tau, curves, cfg)
-        ev_rows += [{"family": family, "run_id": rid, **e, "step": float(np.expm1(e["log_step"]))} for e in events]
-        stage_steps = (read_parquet(d / "stages.parquet").query("kind != 'end'").step.to_numpy()
-                       if (d / "stages.parquet").exists() else np.array([], dtype=int))
-        found = forms(events, min(cfg["n_form_pcs"], curves.shape[-1]), cfg["tolerance"])
-        gap = max_inner_gap(tau, cfg["margin"])
-        samp_rows.append({"family": family, **spec["keys"], "n_checkpoints": len(steps), "max_gap_log": gap,
-                          "bandwidth": cfg["bandwidth"], "undersampled": gap > MAX_GAP * cfg["bandwidth"],
-                          "n_forms": len(found)})
-        for f, t0 in enumerate(found):
-            near = int(stage_steps[np.abs(log_time(stage_steps) - t0).argmin()]) if len(stage_steps) else -1
-            form_rows.append({"family": family, **spec["keys"], "form": f, "log_step": t0, "step": float(np.expm1(t0)),
-                              "nearest_checkpoint": int(steps[np.abs(tau - t0).argmin()]), "nearest_stage_step": near,
-                              "distance_to_stage_log": abs(float(log_time(near)) - t0) if near >= 0 else float("nan")})
-    return {"pcs": pcs, "variance": var, "events": pd.DataFrame(ev_rows, columns=EVENTS_SCHEMA.names),
-            "forms": pd.DataFrame(form_rows, columns=FORMS_SCHEMA.names),
-            "sampling": pd.DataFrame(samp_rows, columns=SAMPLING_SCHEMA.names)}
-
-
-def cli(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="iclnoise ed", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run_dirs", nargs="+")
-    ap.add_argument("--family", required=True)
-    ap.add_argument("--out", required=True, help="output directory, e.g. results/ed/<family>")
-    ap.add_argument("--cfg", default="{}", help="JSON of the params.yaml ed section")
-    a = ap.parse_args(argv)
-    res = essential_dynamics([Path(d) for d in a.run_dirs], a.family, json.loads(a.cfg))
-    out = Path(a.out)
-    write_parquet(res["variance"], out / "variance.parquet", VAR_SCHEMA)
-    write_parquet(res["events"], out / "events.parquet", EVENTS_SCHEMA)
-    write_parquet(res["forms"], out / "forms.parquet", FORMS_SCHEMA)
-    write_parquet(res["pcs"], out / "pcs.parquet", PCS_SCHEMA)
-    write_parquet(res["sampling"], out / "sampling.parquet", SAMPLING_SCHEMA)
-    ev = res["variance"].explained_variance_ratio
-    print(f"{a.family}: {len(a.run_dirs)} runs; explained variance {', '.join(f'{v:.1%}' for v in ev)}; "
-          f"{int(res['events'].kept.sum())} of {len(res['events'])} events significant; {len(res['forms'])} forms")
-    for _, r in res["sampling"][res["sampling"].undersampled].iterrows():
-        print(f"inconclusive: {r.run_id} is undersampled (checkpoints up to {r.max_gap_log:.2f} apart in log-step, "
-              f"more than {MAX_GAP} × bandwidth {r.bandwidth}); its forms (or their absence) are not reliable")

@@ -14,22 +14,18 @@ run's own q_M on the named stream "geometry", which training never uses.
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import math
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import torch
 from scipy import stats
 from torch.func import functional_call, grad, jvp
 
 from .adam import adam_a, adam_preconditioner  # noqa: F401  (re-exported: exposure and its tests use them here)
-from .io import KEY_FIELDS, write_parquet
+from .io import KEY_FIELDS
 
 HVP = Callable[[torch.Tensor], torch.Tensor]
 
@@ -189,38 +185,3 @@ def geometry_at(model: torch.nn.Module, a: torch.Tensor | None, batches: list, c
             "precond_trace": ptr, "precond_trace_se": ptr_se, "precond_trace_ci95": t_halfwidth(ptr_se, n),
             "n_dead": int((a == 0).sum()) if a is not None else -1,
             "n_heldout": int(batches[0].xs.shape[0]), "probes": n}
-
-
-def geometry_for_run(run_dir: str | Path, cfg: dict, every: int = 1) -> pd.DataFrame:
-    """Geometry probes at every `every`-th analysis checkpoint (and the last) on held-out q_M batches
-    of the named stream "geometry" (never trained on). No wall-clock column: reruns are byte-identical."""
-    from .runs import checkpoint_precond, checkpoint_steps, load_checkpoint, model_from_checkpoint, read_spec, sampler
-    from .runs import select_steps
-
-    run_dir = Path(run_dir)
-    spec = read_spec(run_dir)
-    held = sampler(spec, "geometry")
-    batches = [held.batch(i, cfg.get("n_heldout", 256)) for i in range(cfg.get("sam_batches", 4))]
-    rows = []
-    for step in select_steps(checkpoint_steps(run_dir), every):
-        state = load_checkpoint(run_dir, step)
-        model = model_from_checkpoint(state)
-        rows.append({**spec["keys"], "step": step,
-                     **geometry_at(model, checkpoint_precond(state), batches, cfg, cfg.get("seed", 0) + step)})
-    df = pd.DataFrame(rows, columns=GEOMETRY_SCHEMA.names)
-    write_parquet(df, run_dir / "geometry.parquet", GEOMETRY_SCHEMA)
-    return df
-
-
-def cli(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="iclnoise geometry", description=__doc__)
-    ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--every", type=int, default=1)
-    ap.add_argument("--cfg", default="{}",
-                    help="JSON: probes, lanczos_iters, lanczos_tol, sam_rho, sam_batches, n_heldout, seed")
-    ap.add_argument("--threads", type=int, default=1)
-    a = ap.parse_args(argv)
-    torch.set_num_threads(a.threads)
-    df = geometry_for_run(a.run_dir, json.loads(a.cfg), a.every)
-    print(df[["step", "hessian_trace", "hessian_trace_ci95", "top_eigenvalue", "min_eigenvalue", "sam_sharpness",
-              "sam_sharpness_se", "precond_trace", "precond_trace_ci95"]].to_string(index=False))

@@ -28,33 +28,24 @@ near 1 the step is small for the target; falling towards 0 the chain is not samp
 """
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import math
-import sys
-import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import torch
 from torch.func import functional_call, grad_and_value, vmap
 from tqdm import tqdm
 
-from . import runs
-from .io import KEY_FIELDS, write_parquet
+from .io import KEY_FIELDS
 
 LossFn = Callable[[Callable, torch.Tensor, torch.Tensor], torch.Tensor]
 METHODS = ("sgld", "rmsprop_sgld")
 log = logging.getLogger(__name__)
 
 # thin re-exports for modules that still import them from here (use iclnoise.runs)
-select_steps = runs.select_steps
-load_checkpoint_model = runs.load_model
 
 
 @dataclass
@@ -264,134 +255,3 @@ LLC_SCHEMA = pa.schema(KEY_FIELDS + [
 TRACE_SCHEMA = pa.schema([pa.field("run_id", pa.string()), pa.field("step", pa.int64()),
                           pa.field("chain", pa.int64()), pa.field("sgld_step", pa.int64()),
                           pa.field("loss", pa.float64())])
-
-
-def sampling_data(spec: dict, n: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """n sequences from the run's own q_M on the named `llc` stream (training never uses it)."""
-    b = runs.sampler(spec, "llc", device).batch(0, n)
-    return b.xs, b.ys
-
-
-def steps_at(available: list[int], linear: int, log: int) -> list[int]:
-    """The available checkpoints nearest to `linear` evenly spaced and `log` log-spaced steps of
-    [0, last checkpoint] (a published schedule on our checkpoints); duplicates dropped."""
-    from .schedules import checkpoint_steps
-
-    avail = np.asarray(sorted(available))
-    wanted = checkpoint_steps(int(avail[-1]), linear, log)
-    return sorted({int(avail[np.abs(avail - w).argmin()]) for w in wanted})
-
-
-def _on_terminal() -> bool:
-    return sys.stderr.isatty()
-
-
-def llc_for_run(run_dir: str | Path, cfg: LLCConfig, every: int = 1, progress: bool | None = None,
-                at: dict | None = None) -> pd.DataFrame:
-    """Estimate the LLC at the selected checkpoints of a run; write llc.parquet and llc_traces.parquet.
-
-    Checkpoints: every `every`-th (and the last), or with `at` = {"linear": a, "log": b} those nearest
-    to a published schedule (`steps_at`).
-
-    Progress bars only on a terminal (progress=None); wall-clock times go to the log, never to the
-    parquet, so reruns are byte-identical.
-    """
-    from .model import mse_loss
-
-    run_dir = Path(run_dir)
-    show = _on_terminal() if progress is None else progress
-    spec = runs.read_spec(run_dir)
-    xs, ys = sampling_data(spec, cfg.n)
-    rows, traces = [], []
-    avail = runs.checkpoint_steps(run_dir)
-    chosen = steps_at(avail, at["linear"], at["log"]) if at else runs.select_steps(avail, every)
-    for step in tqdm(chosen,
-                     desc=f"LLC {spec['keys']['run_id']}", disable=not show, mininterval=5):
-        model = runs.load_model(run_dir, step)
-        t0 = time.perf_counter()
-        r = estimate_llc(model, mse_loss, xs, ys, cfg)
-        log.info("step %d: λ̂ = %.3f ± %.3f, MALA acceptance %.3f, %.1f s", step, r.llc_mean, r.llc_std,
-                 r.mala_accept, time.perf_counter() - t0)
-        rows.append({**spec["keys"], "step": step, "llc_mean": r.llc_mean, "llc_std": r.llc_std,
-                     "llc_se": r.llc_std / math.sqrt(cfg.chains), "llc_per_chain": r.llc_per_chain.tolist(),
-                     "init_loss": r.init_loss, "mean_sampling_loss": float(r.traces[:, cfg.burn_in:].mean()),
-                     "mala_accept": r.mala_accept, **r.flags, "method": cfg.method,
-                     "epsilon": cfg.epsilon, "gamma": cfg.gamma, "nbeta": r.nbeta,
-                     "chains": cfg.chains, "burn_in": cfg.burn_in, "draws": cfg.draws, "batch_size": cfg.batch,
-                     "n": cfg.n})
-        keep = np.unique(np.linspace(0, r.traces.shape[1] - 1,
-                                     min(cfg.trace_points, r.traces.shape[1])).astype(int))
-        traces += [{"run_id": spec["keys"]["run_id"], "step": step, "chain": c, "sgld_step": int(t),
-                    "loss": float(r.traces[c, t])} for c in range(cfg.chains) for t in keep]
-    df = pd.DataFrame(rows)
-    write_parquet(pd.DataFrame(traces), run_dir / "llc_traces.parquet", TRACE_SCHEMA)
-    write_parquet(df, run_dir / "llc.parquet", LLC_SCHEMA)
-    return df
-
-
-def cli(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="iclnoise llc", description="LLC per checkpoint of one run.")
-    ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--sampler", default="{}", help="JSON of LLCConfig fields (params.yaml llc.sampler)")
-    ap.add_argument("--every", type=int, default=1, help="every k-th checkpoint (the last always)")
-    ap.add_argument("--at", default="null", help='JSON {"linear": a, "log": b} (params.yaml llc.at); '
-                    "overrides --every")
-    ap.add_argument("--threads", type=int, default=1)
-    a = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    torch.set_num_threads(a.threads)
-    df = llc_for_run(a.run_dir, LLCConfig(**json.loads(a.sampler)), a.every, at=json.loads(a.at))
-    print(df[["step", "llc_mean", "llc_std", "mala_accept", "not_levelled", "negative", "diverged"]]
-          .to_string(index=False))
-
-
-def cli_llc_calibrate(argv: list[str]) -> None:
-    """Sweep ε × γ on one checkpoint; plot the traces so a user can pick settings."""
-    import matplotlib.pyplot as plt
-
-    from .figures import style
-    from .model import mse_loss
-
-    ap = argparse.ArgumentParser(prog="iclnoise llc-calibrate", description=cli_llc_calibrate.__doc__)
-    ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: the last)")
-    ap.add_argument("--epsilons", type=float, nargs="+", default=[1e-5, 3e-5, 1e-4, 3e-4, 1e-3])
-    ap.add_argument("--gammas", type=float, nargs="+", default=[10.0, 100.0, 1000.0])
-    ap.add_argument("--cfg", default="{}", help="JSON of other LLCConfig fields")
-    ap.add_argument("--out", default=None, help="output stem (default: <run-dir>/llc_calibration)")
-    a = ap.parse_args(argv)
-    run_dir = Path(a.run_dir)
-    spec = runs.read_spec(run_dir)
-    step = a.step if a.step is not None else max(runs.checkpoint_steps(run_dir))
-    base = LLCConfig(**json.loads(a.cfg))
-    xs, ys = sampling_data(spec, base.n)
-    model = runs.load_model(run_dir, step)
-    style.setup()
-    fig, axes = plt.subplots(len(a.gammas), len(a.epsilons), figsize=(3 * len(a.epsilons), 2.4 * len(a.gammas)),
-                             squeeze=False, sharex=True)
-    rows = []
-    for i, g in enumerate(a.gammas):
-        for j, e in enumerate(a.epsilons):
-            cfg = LLCConfig(**{**asdict(base), "epsilon": e, "gamma": g})
-            r = estimate_llc(model, mse_loss, xs, ys, cfg)
-            ax = axes[i, j]
-            for tr in r.traces:
-                ax.plot(r.nbeta * (tr - r.init_loss), lw=0.7)
-            ax.axvline(cfg.burn_in, color="grey", ls=":")
-            ax.axhline(0, color="black", lw=0.5)
-            bad = [k for k, v in r.flags.items() if v]
-            ax.set_title(f"ε={e:g} γ={g:g}\nλ̂={r.llc_mean:.2f}±{r.llc_std:.2f}" + (f" [{', '.join(bad)}]" if bad else ""),
-                         fontsize=8, color="firebrick" if bad else "black")
-            rows.append({"epsilon": e, "gamma": g, "llc_mean": r.llc_mean, "llc_std": r.llc_std, **r.flags})
-    for ax in axes[-1]:
-        ax.set_xlabel("SGLD step")
-    for ax in axes[:, 0]:
-        ax.set_ylabel("nβ·(L − L(w*))")
-    fig.suptitle(f"LLC calibration, {spec['keys']['run_id']} step {step}: pick the largest ε whose traces level "
-                 f"off without divergence, and the smallest γ that keeps chains local", fontsize=9)
-    fig.tight_layout()
-    out = Path(a.out) if a.out else run_dir / "llc_calibration"
-    table = pd.DataFrame(rows)
-    style.save_figure(fig, out, table)
-    print(table.to_string(index=False))
-    print(f"wrote {out}.png")

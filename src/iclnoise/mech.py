@@ -19,18 +19,14 @@ M < 4, where fewer than two tasks would be left to test on, or a target without 
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import time
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import torch
 
-from .io import KEY_FIELDS, write_parquet
+from .io import KEY_FIELDS
 
 MECH_SCHEMA = pa.schema(KEY_FIELDS + [
     pa.field("step", pa.int64()), pa.field("probe", pa.string()), pa.field("layer", pa.int64()),
@@ -226,25 +222,6 @@ def mech_at(model, ood, probe_batch, spec: dict, cfg: dict) -> list[dict]:
     return rows
 
 
-def mech_for_run(run_dir: str | Path, cfg: dict, every: int = 1) -> pd.DataFrame:
-    """Mechanistic probes at every `every`-th analysis checkpoint (and the last) of a run."""
-    from .runs import checkpoint_steps, load_model, read_spec, sampler, select_steps
-    from .tasks import eval_set
-
-    run_dir = Path(run_dir)
-    spec = read_spec(run_dir)
-    d, k, e = spec["data"], spec["keys"], spec["eval"]
-    ood = eval_set("ood", k["M"], e["n_sequences"], d["K"], d["D"], d["noise_var"], d["pool_seed"], e["eval_seed"])
-    probe_batch = sampler(spec, "mech").batch(0, cfg.get("n_probe", 1024))
-    rows = []
-    for step in select_steps(checkpoint_steps(run_dir), every):
-        model = load_model(run_dir, step).eval()
-        rows += [{**k, "step": step, **r} for r in mech_at(model, ood, probe_batch, spec, cfg)]
-    df = pd.DataFrame(rows, columns=MECH_SCHEMA.names)
-    write_parquet(df, run_dir / "mech.parquet", MECH_SCHEMA)
-    return df
-
-
 def run_summary(mech: pd.DataFrame) -> dict[str, float]:
     """End-of-training circuitry scalars of one run (its last probed step), for H4:
     attn_to_y_max (max over heads), attn_to_y_excess (that minus the uniform-attention chance level),
@@ -260,22 +237,3 @@ def run_summary(mech: pd.DataFrame) -> dict[str, float]:
     return {"attn_to_y_max": top("attn_to_y"), "attn_to_y_excess": top("attn_to_y") - chance,
             "icl_drop_max": top("ablation_icl_drop"), "ood_loss_increase_max": top("ablation_ood_loss_increase"),
             "probe_task_r2_max": top("probe_task_r2"), "probe_ridge_r2_max": top("probe_ridge_r2")}
-
-
-def cli(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="iclnoise mech", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--every", type=int, default=1)
-    ap.add_argument("--cfg", default="{}", help="JSON: n_probe, ln_threshold, seed")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--figure", default=None, help="write the per-run head figure here (stem)")
-    a = ap.parse_args(argv)
-    torch.set_num_threads(a.threads)
-    t0 = time.time()
-    df = mech_for_run(a.run_dir, json.loads(a.cfg), a.every)
-    if a.figure:
-        from .figures.probes import fig_heads
-        fig_heads(df, a.figure)
-    print(json.dumps(run_summary(df), indent=1))
-    print(f"{df.step.nunique()} checkpoints in {time.time() - t0:.1f}s")

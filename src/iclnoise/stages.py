@@ -11,15 +11,11 @@ it, type B if it falls. Estimates flagged diverged or negative are left out of t
 """
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-from scipy.ndimage import gaussian_filter1d
 
-from .io import KEY_FIELDS, read_parquet, write_parquet
+from .io import KEY_FIELDS
 
 STAGES_SCHEMA = pa.schema(KEY_FIELDS + [
     pa.field("stage", pa.int64()), pa.field("type", pa.string()),
@@ -109,25 +105,3 @@ def stages(keys: dict, steps, llc, loss, sigma: float = 0.1, plateau_tol: float 
                      "llc_start": float(llc[i0]), "llc_end": float(llc[i1]), "delta_llc": float(dl),
                      "delta_loss": float(loss[i1] - loss[i0])})
     return pd.DataFrame(rows, columns=STAGES_SCHEMA.names)
-
-
-def stages_for_run(run_dir: str | Path, sigma: float = 0.1, plateau_tol: float = 0.1) -> pd.DataFrame:
-    run_dir = Path(run_dir)
-    llc = read_parquet(run_dir / "llc.parquet").sort_values("step")
-    keys = llc.iloc[0][["run_id", "M", "seed", "batch", "noise"]].to_dict()
-    llc = llc[~(llc.diverged | llc.negative)]
-    metrics = read_parquet(run_dir / "metrics.parquet").set_index("step")
-    df = stages(keys, llc.step.to_numpy(), llc.llc_mean.to_numpy(), metrics.loc[llc.step, "id_loss"].to_numpy(),
-                sigma, plateau_tol)
-    write_parquet(df, run_dir / "stages.parquet", STAGES_SCHEMA)
-    return df
-
-
-def cli(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="iclnoise stages", description=__doc__)
-    ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--sigma", type=float, default=0.1, help="smoothing width in decades of training steps")
-    ap.add_argument("--plateau-tol", type=float, default=0.1)
-    a = ap.parse_args(argv)
-    df = stages_for_run(a.run_dir, a.sigma, a.plateau_tol)
-    print(df[["stage", "type", "start_step", "end_step", "kind", "delta_llc", "delta_loss"]].to_string(index=False))

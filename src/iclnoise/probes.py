@@ -1,0 +1,208 @@
+"""Per-run probe drivers (run level): read a run directory, call the formulas, write the run's Parquet.
+
+llc_for_run (iclnoise.llc), stages_for_run (iclnoise.stages), geometry_for_run (iclnoise.geometry),
+mech_for_run (iclnoise.mech) and essential_dynamics of a family of runs (iclnoise.ed). Checkpoints are
+read through iclnoise.runs (verified against their manifest), data from the run's named streams.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from . import runs
+from .ed import (
+    EVENTS_SCHEMA,
+    FORMS_SCHEMA,
+    MAX_GAP,
+    PCS_SCHEMA,
+    SAMPLING_SCHEMA,
+    bootstrap_curves,
+    detect_events,
+    ed_config,
+    forms,
+    joint_pca,
+    log_time,
+    max_inner_gap,
+    predictor_vectors,
+)
+from .geometry import GEOMETRY_SCHEMA, geometry_at
+from .io import read_json, read_parquet, write_parquet
+from .llc import LLC_SCHEMA, TRACE_SCHEMA, LLCConfig, estimate_llc
+from .mech import MECH_SCHEMA, mech_at
+from .stages import STAGES_SCHEMA, stages
+
+log = logging.getLogger(__name__)
+
+
+def sampling_data(spec: dict, n: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """n sequences from the run's own q_M on the named `llc` stream (training never uses it)."""
+    b = runs.sampler(spec, "llc", device).batch(0, n)
+    return b.xs, b.ys
+
+
+def steps_at(available: list[int], linear: int, log: int) -> list[int]:
+    """The available checkpoints nearest to `linear` evenly spaced and `log` log-spaced steps of
+    [0, last checkpoint] (a published schedule on our checkpoints); duplicates dropped."""
+    from .schedules import checkpoint_steps
+
+    avail = np.asarray(sorted(available))
+    wanted = checkpoint_steps(int(avail[-1]), linear, log)
+    return sorted({int(avail[np.abs(avail - w).argmin()]) for w in wanted})
+
+
+def _on_terminal() -> bool:
+    return sys.stderr.isatty()
+
+
+def llc_for_run(run_dir: str | Path, cfg: LLCConfig, every: int = 1, progress: bool | None = None,
+                at: dict | None = None) -> pd.DataFrame:
+    """Estimate the LLC at the selected checkpoints of a run; write llc.parquet and llc_traces.parquet.
+
+    Checkpoints: every `every`-th (and the last), or with `at` = {"linear": a, "log": b} those nearest
+    to a published schedule (`steps_at`).
+
+    Progress bars only on a terminal (progress=None); wall-clock times go to the log, never to the
+    parquet, so reruns are byte-identical.
+    """
+    from .model import mse_loss
+
+    run_dir = Path(run_dir)
+    show = _on_terminal() if progress is None else progress
+    spec = runs.read_spec(run_dir)
+    xs, ys = sampling_data(spec, cfg.n)
+    rows, traces = [], []
+    avail = runs.checkpoint_steps(run_dir)
+    chosen = steps_at(avail, at["linear"], at["log"]) if at else runs.select_steps(avail, every)
+    for step in tqdm(chosen,
+                     desc=f"LLC {spec['keys']['run_id']}", disable=not show, mininterval=5):
+        model = runs.load_model(run_dir, step)
+        t0 = time.perf_counter()
+        r = estimate_llc(model, mse_loss, xs, ys, cfg)
+        log.info("step %d: λ̂ = %.3f ± %.3f, MALA acceptance %.3f, %.1f s", step, r.llc_mean, r.llc_std,
+                 r.mala_accept, time.perf_counter() - t0)
+        rows.append({**spec["keys"], "step": step, "llc_mean": r.llc_mean, "llc_std": r.llc_std,
+                     "llc_se": r.llc_std / math.sqrt(cfg.chains), "llc_per_chain": r.llc_per_chain.tolist(),
+                     "init_loss": r.init_loss, "mean_sampling_loss": float(r.traces[:, cfg.burn_in:].mean()),
+                     "mala_accept": r.mala_accept, **r.flags, "method": cfg.method,
+                     "epsilon": cfg.epsilon, "gamma": cfg.gamma, "nbeta": r.nbeta,
+                     "chains": cfg.chains, "burn_in": cfg.burn_in, "draws": cfg.draws, "batch_size": cfg.batch,
+                     "n": cfg.n})
+        keep = np.unique(np.linspace(0, r.traces.shape[1] - 1,
+                                     min(cfg.trace_points, r.traces.shape[1])).astype(int))
+        traces += [{"run_id": spec["keys"]["run_id"], "step": step, "chain": c, "sgld_step": int(t),
+                    "loss": float(r.traces[c, t])} for c in range(cfg.chains) for t in keep]
+    df = pd.DataFrame(rows)
+    write_parquet(pd.DataFrame(traces), run_dir / "llc_traces.parquet", TRACE_SCHEMA)
+    write_parquet(df, run_dir / "llc.parquet", LLC_SCHEMA)
+    return df
+
+
+def geometry_for_run(run_dir: str | Path, cfg: dict, every: int = 1) -> pd.DataFrame:
+    """Geometry probes at every `every`-th analysis checkpoint (and the last) on held-out q_M batches
+    of the named stream "geometry" (never trained on). No wall-clock column: reruns are byte-identical."""
+    from .runs import (
+        checkpoint_precond,
+        checkpoint_steps,
+        load_checkpoint,
+        model_from_checkpoint,
+        read_spec,
+        sampler,
+        select_steps,
+    )
+
+    run_dir = Path(run_dir)
+    spec = read_spec(run_dir)
+    held = sampler(spec, "geometry")
+    batches = [held.batch(i, cfg.get("n_heldout", 256)) for i in range(cfg.get("sam_batches", 4))]
+    rows = []
+    for step in select_steps(checkpoint_steps(run_dir), every):
+        state = load_checkpoint(run_dir, step)
+        model = model_from_checkpoint(state)
+        rows.append({**spec["keys"], "step": step,
+                     **geometry_at(model, checkpoint_precond(state), batches, cfg, cfg.get("seed", 0) + step)})
+    df = pd.DataFrame(rows, columns=GEOMETRY_SCHEMA.names)
+    write_parquet(df, run_dir / "geometry.parquet", GEOMETRY_SCHEMA)
+    return df
+
+
+def mech_for_run(run_dir: str | Path, cfg: dict, every: int = 1) -> pd.DataFrame:
+    """Mechanistic probes at every `every`-th analysis checkpoint (and the last) of a run."""
+    from .runs import checkpoint_steps, load_model, read_spec, sampler, select_steps
+    from .tasks import eval_set
+
+    run_dir = Path(run_dir)
+    spec = read_spec(run_dir)
+    d, k, e = spec["data"], spec["keys"], spec["eval"]
+    ood = eval_set("ood", k["M"], e["n_sequences"], d["K"], d["D"], d["noise_var"], d["pool_seed"], e["eval_seed"])
+    probe_batch = sampler(spec, "mech").batch(0, cfg.get("n_probe", 1024))
+    rows = []
+    for step in select_steps(checkpoint_steps(run_dir), every):
+        model = load_model(run_dir, step).eval()
+        rows += [{**k, "step": step, **r} for r in mech_at(model, ood, probe_batch, spec, cfg)]
+    df = pd.DataFrame(rows, columns=MECH_SCHEMA.names)
+    write_parquet(df, run_dir / "mech.parquet", MECH_SCHEMA)
+    return df
+
+
+def stages_for_run(run_dir: str | Path, sigma: float = 0.1, plateau_tol: float = 0.1) -> pd.DataFrame:
+    run_dir = Path(run_dir)
+    llc = read_parquet(run_dir / "llc.parquet").sort_values("step")
+    keys = llc.iloc[0][["run_id", "M", "seed", "batch", "noise"]].to_dict()
+    llc = llc[~(llc.diverged | llc.negative)]
+    metrics = read_parquet(run_dir / "metrics.parquet").set_index("step")
+    df = stages(keys, llc.step.to_numpy(), llc.llc_mean.to_numpy(), metrics.loc[llc.step, "id_loss"].to_numpy(),
+                sigma, plateau_tol)
+    write_parquet(df, run_dir / "stages.parquet", STAGES_SCHEMA)
+    return df
+
+
+def essential_dynamics(run_dirs: list[Path], family: str, cfg: dict) -> dict[str, pd.DataFrame]:
+    """Joint PCA of a family of runs, projected predictors, and per run its events and forms."""
+    cfg = ed_config(cfg)
+    specs = [read_json(d / "run.json") for d in run_dirs]
+    preds = [read_parquet(d / "root_preds.parquet").sort_values("step") for d in run_dirs]
+    Xs = [np.stack(p.preds.to_numpy()).astype(np.float64) for p in preds]
+    scores, comps, mean, evr = joint_pca(np.concatenate(Xs), cfg["n_pcs"])
+    rows, o = [], 0
+    for spec, p in zip(specs, preds):
+        for r, step in enumerate(p.step):
+            rows += [{"family": family, "kind": "run", **spec["keys"], "step": int(step), "pc": k + 1,
+                      "value": float(scores[o + r, k])} for k in range(scores.shape[1])]
+        o += len(p)
+    for name, vec in predictor_vectors(specs[0], sorted({s["keys"]["M"] for s in specs})).items():
+        M = -1 if name == "ridge" else int(name.split("_")[1])
+        rows += [{"family": family, "kind": name.split("_")[0], "run_id": name, "M": M, "seed": -1, "batch": -1,
+                  "noise": "", "step": -1, "pc": k + 1, "value": float(v)}
+                 for k, v in enumerate((vec - mean) @ comps.T)]
+    pcs = pd.DataFrame(rows, columns=PCS_SCHEMA.names)
+    var = pd.DataFrame({"family": family, "pc": np.arange(1, len(evr) + 1), "explained_variance_ratio": evr})
+    ev_rows, form_rows, samp_rows = [], [], []
+    for r, (spec, d, p, X) in enumerate(zip(specs, run_dirs, preds, Xs)):
+        rid, steps = spec["keys"]["run_id"], p.step.to_numpy()
+        tau = log_time(steps)
+        curves = bootstrap_curves(X, mean, comps, spec["eval"]["n_root"], cfg["n_boot"], cfg["seed"] + r)
+        events = detect_events(tau, curves, cfg)
+        ev_rows += [{"family": family, "run_id": rid, **e, "step": float(np.expm1(e["log_step"]))} for e in events]
+        stage_steps = (read_parquet(d / "stages.parquet").query("kind != 'end'").step.to_numpy()
+                       if (d / "stages.parquet").exists() else np.array([], dtype=int))
+        found = forms(events, min(cfg["n_form_pcs"], curves.shape[-1]), cfg["tolerance"])
+        gap = max_inner_gap(tau, cfg["margin"])
+        samp_rows.append({"family": family, **spec["keys"], "n_checkpoints": len(steps), "max_gap_log": gap,
+                          "bandwidth": cfg["bandwidth"], "undersampled": gap > MAX_GAP * cfg["bandwidth"],
+                          "n_forms": len(found)})
+        for f, t0 in enumerate(found):
+            near = int(stage_steps[np.abs(log_time(stage_steps) - t0).argmin()]) if len(stage_steps) else -1
+            form_rows.append({"family": family, **spec["keys"], "form": f, "log_step": t0, "step": float(np.expm1(t0)),
+                              "nearest_checkpoint": int(steps[np.abs(tau - t0).argmin()]), "nearest_stage_step": near,
+                              "distance_to_stage_log": abs(float(log_time(near)) - t0) if near >= 0 else float("nan")})
+    return {"pcs": pcs, "variance": var, "events": pd.DataFrame(ev_rows, columns=EVENTS_SCHEMA.names),
+            "forms": pd.DataFrame(form_rows, columns=FORMS_SCHEMA.names),
+            "sampling": pd.DataFrame(samp_rows, columns=SAMPLING_SCHEMA.names)}
