@@ -28,7 +28,8 @@ def main(results: Path) -> int:
         gap = float((inf.ood_loss / inf.ood_loss_ridge).mean() - 1) if len(inf) else float("nan")
         crosses = [(a, b) for a, b in zip(r_by_m.index[:-1], r_by_m.index[1:]) if r_by_m[a] < 0.5 <= r_by_m[b]]
         checks += [
-            (f"batch {B}: M = 1 dMMSE-like, mean r = {r_by_m.iloc[0]:.3f} ≤ 0.2", r_by_m.index[0] == 1 and r_by_m.iloc[0] <= 0.2),
+            (f"batch {B}: M = 1 dMMSE-like, mean r = {r_by_m.iloc[0]:.3f} ≤ 0.2",
+             r_by_m.index[0] == 1 and r_by_m.iloc[0] <= 0.2),
             (f"batch {B}: largest M = {r_by_m.index[-1]} ridge-like, mean r = {r_by_m.iloc[-1]:.3f} ≥ 0.75",
              r_by_m.iloc[-1] >= 0.75),
             (f"batch {B}: M = ∞ OOD loss {gap:+.1%} from ridge's (within 15 %)", abs(gap) <= 0.15),

@@ -5,7 +5,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from iclnoise.aggregate import OUTCOMES_SCHEMA, cli as aggregate_cli
+from iclnoise.aggregate import OUTCOMES_SCHEMA
+from iclnoise.aggregate import cli as aggregate_cli
 from iclnoise.evaluate import METRICS_SCHEMA
 from iclnoise.io import read_parquet, write_json, write_parquet
 from iclnoise.llc import LLC_SCHEMA

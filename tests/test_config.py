@@ -12,9 +12,22 @@ import pytest
 import yaml
 
 from iclnoise import cli as iclnoise_cli
-from iclnoise.config import (COST_CONFIRM_CORE_HOURS, ParamsError, check_cost, check_yaml_files, cost_estimate,
-                             expand_grid, load_params, memory_estimate, merge_params, parse_run_id, read_yaml,
-                             run_spec, schema, validate_params)
+from iclnoise.config import (
+    COST_CONFIRM_CORE_HOURS,
+    ParamsError,
+    check_cost,
+    check_yaml_files,
+    cost_estimate,
+    expand_grid,
+    load_params,
+    memory_estimate,
+    merge_params,
+    parse_run_id,
+    read_yaml,
+    run_spec,
+    schema,
+    validate_params,
+)
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +93,11 @@ def test_grid_and_run_ids(params):
 
 @pytest.mark.parametrize("edit, key, allowed", [
     (lambda p: p["noise"]["conditions"]["early"].pop("budget"), "noise.conditions.early", "budget"),
-    (lambda p: p["noise"]["conditions"]["grad_b16"].update(shape="spiky"), "noise.conditions.grad_b16.shape", "lowrank"),
+    (lambda p: p["noise"]["conditions"]["grad_b16"].update(shape="spiky"), "noise.conditions.grad_b16.shape",
+     "lowrank"),
     (lambda p: p["noise"]["conditions"]["grad_b16"].update(source="both"), "noise.conditions.grad_b16.source", "param"),
-    (lambda p: p["noise"]["conditions"]["late"].update(schedule="middle"), "noise.conditions.late.schedule", "controlled"),
+    (lambda p: p["noise"]["conditions"]["late"].update(schedule="middle"), "noise.conditions.late.schedule",
+     "controlled"),
     (lambda p: p["exposure"].update(groups=6), "exposure.groups", "divisor"),
     (lambda p: p["noise"]["conditions"]["grad_b16"].update(rank=8), "noise.conditions.grad_b16.rank", "rank ≤ 7"),
     (lambda p: p["noise"]["conditions"]["none"].update(shape="diagonal"), "noise.conditions.none", "no other keys"),

@@ -22,8 +22,22 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from iclnoise.ed import (DEFAULTS, bootstrap_curves, cusps, detect_events, ed_config, forms, joint_pca, log_time,
-                         max_inner_gap, plane_geometry, predictor_vectors, scaled_curvature, smooth_curve, vertices)
+from iclnoise.ed import (
+    DEFAULTS,
+    bootstrap_curves,
+    cusps,
+    detect_events,
+    ed_config,
+    forms,
+    joint_pca,
+    log_time,
+    max_inner_gap,
+    plane_geometry,
+    predictor_vectors,
+    scaled_curvature,
+    smooth_curve,
+    vertices,
+)
 from iclnoise.evaluate import METRICS_SCHEMA, root_preds_schema
 from iclnoise.io import read_parquet, write_json, write_parquet
 from iclnoise.schedules import checkpoint_steps
@@ -234,7 +248,8 @@ def fake_run(root, M, seed=0, steps=(0, 1, 2, 4, 8, 17, 35, 71, 145, 296, 603, 9
              + 0.01 * rng.standard_normal(n_root * K) for s in steps]
     write_parquet(pd.DataFrame({"run_id": rid, "step": list(steps), "preds": [p.astype(np.float32) for p in preds]}),
                   d / "root_preds.parquet", root_preds_schema(n_root * K))
-    m = [{**keys, "step": s, "sequences": s * 8, "lr": 1e-3, "train_loss": 1.0, "id_loss": 1.0, "ood_loss": 1.0 / (1 + i),
+    m = [{**keys, "step": s, "sequences": s * 8, "lr": 1e-3, "train_loss": 1.0, "id_loss": 1.0,
+          "ood_loss": 1.0 / (1 + i),
           "id_loss_dmmse": 0.1, "id_loss_ridge": 0.2, "ood_loss_dmmse": 0.5, "ood_loss_ridge": 0.3, "delta_dmmse": 0.1,
           "delta_ridge": 0.1, "r": 0.5, "icl_score": 0.0, "diverged": False} for i, s in enumerate(steps)]
     write_parquet(pd.DataFrame(m), d / "metrics.parquet", METRICS_SCHEMA)

@@ -6,9 +6,17 @@ import pytest
 import torch
 from torch import nn
 
-from iclnoise.exposure import (b_simple, grad_noise, group_grads, leading_eigs, precond_ggn_trace,
-                               precond_hessian_trace, preconditioner, summarize)
 from iclnoise.adam import adam_preconditioner
+from iclnoise.exposure import (
+    b_simple,
+    grad_noise,
+    group_grads,
+    leading_eigs,
+    precond_ggn_trace,
+    precond_hessian_trace,
+    preconditioner,
+    summarize,
+)
 from iclnoise.model import ModelConfig, build_model, mse_loss
 
 
@@ -180,6 +188,7 @@ def test_update_variance_matches_real_adamw_steps_and_calibrates_kappa_to_one(be
     """The functional AdamW update equals torch's on each group gradient; the calibrated κ is the long-run
     diffusion factor of an EMA-momentum optimizer, 1 for every β1 (the filter's DC gain)."""
     import copy
+
     from iclnoise.exposure import calibrated_kappa, update_innovation_variance
     model, _, _, batch = linreg_case()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(beta1, 0.999), weight_decay=0.01)

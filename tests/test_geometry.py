@@ -6,12 +6,22 @@ import pytest
 import torch
 from scipy import stats
 
-from iclnoise.adam import adam_a
-from iclnoise.probes import geometry_for_run
-from iclnoise.geometry import (GEOMETRY_SCHEMA, FlatLoss, hutchinson_samples, hutchinson_trace,
-                               lanczos, lanczos_top, mean_se, precond_trace, preconditioned, sam_sharpness, t_halfwidth)
+from iclnoise.geometry import (
+    GEOMETRY_SCHEMA,
+    FlatLoss,
+    hutchinson_samples,
+    hutchinson_trace,
+    lanczos,
+    lanczos_top,
+    mean_se,
+    precond_trace,
+    preconditioned,
+    sam_sharpness,
+    t_halfwidth,
+)
 from iclnoise.io import read_parquet, write_json
 from iclnoise.model import ModelConfig, build_model, mse_loss
+from iclnoise.probes import geometry_for_run
 from iclnoise.runs import checkpoint_path, checkpoint_precond, sampler, save_torch
 from iclnoise.tasks import BatchSampler, task_pool
 

@@ -8,8 +8,17 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from iclnoise.io import (KEY_FIELDS, CorruptFileError, atomic_path, content_hash, read_metadata, read_parquet,
-                         write_json, write_parquet, write_text)
+from iclnoise.io import (
+    KEY_FIELDS,
+    CorruptFileError,
+    atomic_path,
+    content_hash,
+    read_metadata,
+    read_parquet,
+    write_json,
+    write_parquet,
+    write_text,
+)
 
 SCHEMA = pa.schema([*KEY_FIELDS, pa.field("step", pa.int64()), pa.field("loss", pa.float64())])
 

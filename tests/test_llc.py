@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from iclnoise.llc import LLCConfig, estimate_llc, mala_log_ratio, sgld_chains
-from iclnoise.runs import select_steps
 from iclnoise.model import ModelConfig, build_model, mse_loss
+from iclnoise.runs import select_steps
 from iclnoise.tasks import BatchSampler, task_pool
 
 torch.set_num_threads(1)
@@ -256,7 +256,8 @@ def test_invariances(tiny_checkpoint, method):
 
 def test_flags_divergence_and_checkpoint_selection(tiny_checkpoint):
     m, xs, ys, *_ = tiny_checkpoint
-    r = estimate_llc(m, mse_loss, xs, ys, LLCConfig(epsilon=1.0, gamma=0.0, chains=2, burn_in=2, draws=10, batch=32, n=256))
+    r = estimate_llc(m, mse_loss, xs, ys, LLCConfig(epsilon=1.0, gamma=0.0, chains=2, burn_in=2, draws=10,
+                                                    batch=32, n=256))
     assert r.flags["diverged"]
     assert select_steps([0, 1, 2, 5, 10, 20, 50], 3) == [0, 5, 50]
     assert select_steps([0, 1, 2, 5], 3) == [0, 5]

@@ -8,12 +8,22 @@ import pytest
 import torch
 from scipy.optimize import brentq
 
-from iclnoise.probes import mech_for_run
-from iclnoise.mech import (MECH_SCHEMA, ablate_head_hook, attention_masses, head_ablation, layernorm_collapse, mech_at,
-                           probes, ridge_estimates, ridge_probe_r2, run_summary, uniform_attention_masses)
 from iclnoise.io import write_json
+from iclnoise.mech import (
+    MECH_SCHEMA,
+    ablate_head_hook,
+    attention_masses,
+    head_ablation,
+    layernorm_collapse,
+    probes,
+    ridge_estimates,
+    ridge_probe_r2,
+    run_summary,
+    uniform_attention_masses,
+)
 from iclnoise.model import ModelConfig, build_model
 from iclnoise.predictors import icl_score, ridge, token_losses
+from iclnoise.probes import mech_for_run
 from iclnoise.runs import checkpoint_path, save_torch
 from iclnoise.tasks import BatchSampler, eval_set, task_pool
 

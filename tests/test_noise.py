@@ -6,16 +6,15 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from test_exposure import half_mse, linreg_case
 
 from iclnoise.config import run_spec, validate_params
 from iclnoise.exposure import grad_noise, group_grads, preconditioner
-from iclnoise.io import read_parquet
 from iclnoise.hooks import NoiseInjector, NoiseMeter, StepContext
+from iclnoise.io import read_parquet
 from iclnoise.noise import CovModel, psd_clip, shaped_covariance, target_at
 from iclnoise.tasks import Batch
 from iclnoise.train import train_ensemble, train_run
-
-from test_exposure import half_mse, linreg_case
 
 
 def random_noise(K=6, P=10, seed=0):
@@ -277,7 +276,8 @@ def test_resume_with_injection_and_calibrated_exposure_gives_identical_numbers(t
     resumed = train_ensemble(specs, [part, tmp_path / "part1"], progress=False)[0]
     pd.testing.assert_frame_equal(full, resumed)
     for name in ("exposure", "injection"):
-        pd.testing.assert_frame_equal(read_parquet(full_dir / f"{name}.parquet"), read_parquet(part / f"{name}.parquet"))
+        pd.testing.assert_frame_equal(read_parquet(full_dir / f"{name}.parquet"),
+                                      read_parquet(part / f"{name}.parquet"))
     # AdamW's EMA momentum diffuses batch noise with factor ≈ 1, not the heavy-ball 1/(1 − β1)² = 100
     assert read_parquet(full_dir / "exposure.parquet").kappa.between(0.7, 1.3).all()
 

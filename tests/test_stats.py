@@ -5,14 +5,27 @@ import pytest
 from statsmodels.stats.multitest import multipletests
 from statsmodels.stats.weightstats import ttost_ind
 
-from iclnoise.stats import (correlation, crossing, fit_threshold, holm, logistic, logistic4, manipulation_lr_test,
-                            mixed_model, paired_test, threshold_with_ci, tost, transient_ridge_window)
+from iclnoise.stats import (
+    correlation,
+    crossing,
+    fit_threshold,
+    holm,
+    logistic,
+    logistic4,
+    manipulation_lr_test,
+    mixed_model,
+    paired_test,
+    threshold_with_ci,
+    tost,
+    transient_ridge_window,
+)
 
 
 def planted_threshold(x0=6.0, s=0.8, seeds=4, noise=0.03, seed=0):
     rng = np.random.default_rng(seed)
     Ms = 2 ** np.arange(0, 13)
-    return pd.DataFrame([{"M": M, "seed": k, "r": float(np.clip(logistic(np.log2(M), x0, s) + noise * rng.standard_normal(), 0, 1))}
+    return pd.DataFrame([{"M": M, "seed": k, "r": float(np.clip(logistic(np.log2(M), x0,
+                                                                         s) + noise * rng.standard_normal(), 0, 1))}
                          for M in Ms for k in range(seeds)] + [{"M": -1, "seed": k, "r": np.nan} for k in range(seeds)])
 
 
@@ -132,7 +145,8 @@ def test_mixed_model_recovers_planted_slope():
 def test_planted_null_rejects_at_about_the_nominal_rate():
     rng = np.random.default_rng(1)
     n_sim = 100
-    rejections = sum(mixed_model(sim_panel(0.0, rng, n_seeds=4), "r ~ log_pne + log2M").set_index("term").loc["log_pne", "p"] < 0.05
+    rejections = sum(mixed_model(sim_panel(0.0, rng, n_seeds=4),
+                                 "r ~ log_pne + log2M").set_index("term").loc["log_pne", "p"] < 0.05
                      for _ in range(n_sim))
     # binomial(100, 0.05): 99.9 % of outcomes lie in [0, 13]; Wald p-values of MixedLM are a bit liberal
     assert rejections <= 13, rejections
@@ -151,6 +165,7 @@ def test_tost():
 
 def test_paired_tost_matches_statsmodels_and_uses_the_pairing():
     from statsmodels.stats.weightstats import ttost_paired
+
     from iclnoise.stats import paired_tost
     rng = np.random.default_rng(5)
     level = rng.normal(0, 1, 30)               # a large shared per-pair effect (like M)

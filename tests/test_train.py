@@ -41,7 +41,8 @@ def reference_steps(spec: dict, steps: int) -> dict:
                             eps=o["eps"])
     pool = None if k["M"] == -1 else task_pool(d["pool_seed"], k["M"], d["D"])
     sampler = BatchSampler(pool, d["K"], d["D"], d["noise_var"], k["seed"], "cpu", stream=0)
-    f = lr_lambda(t["lr_schedule"]["kind"], t["steps"], t["lr_schedule"]["warmup_frac"], t["lr_schedule"]["min_lr_frac"])
+    f = lr_lambda(t["lr_schedule"]["kind"], t["steps"], t["lr_schedule"]["warmup_frac"],
+                  t["lr_schedule"]["min_lr_frac"])
     n_micro = k["batch"] // t["micro_batch"]
     for step in range(steps):
         opt.param_groups[0]["lr"] = o["lr"] * f(step)
@@ -84,7 +85,7 @@ def test_resume_inside_an_ensemble_is_bitwise_identical(tiny, tmp_path):
         pd.testing.assert_frame_equal(a, b)
         pd.testing.assert_frame_equal(read_parquet(tmp_path / "full" / r / "exposure.parquet"),
                                       read_parquet(tmp_path / "part" / r / "exposure.parquet"))
-        assert manifest(tmp_path / "full" / r) == manifest(tmp_path / "part" / r)  # same bytes, checkpoint by checkpoint
+        assert manifest(tmp_path / "full" / r) == manifest(tmp_path / "part" / r)  # same bytes, per checkpoint
 
 
 def test_micro_batching_does_not_change_the_data_stream(tiny, tmp_path):

@@ -10,7 +10,8 @@ mean over positions, i.e. the LLC of the sequence-mean loss (the quantity ours e
   PYTHONPATH=src python bench/reproductions/hoogland_compare.py --theirs icl/analysis/L2H4Minf/llcs.pt
 
 After the configs/hoogland.yaml runs, add --from-runs results/runs/Minf-B256-none-s* to write
-hoogland.csv from their llc.parquet. Writes hoogland_theirs.csv (step, seed, llc) extracted from the release, prints their seed mean ± sd at
+hoogland.csv from their llc.parquet. Writes hoogland_theirs.csv (step, seed,
+                                                                 llc) extracted from the release, prints their seed mean ± sd at
 ≈ 1k, 5k and 40k steps next to ours, and plots hoogland_compare.png (ours: hoogland.csv, if present).
 """
 from __future__ import annotations
@@ -20,7 +21,6 @@ import sys
 import types
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 HERE = Path(__file__).resolve().parent
@@ -96,7 +96,8 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.8))
     g = theirs.groupby("step").llc.agg(["mean", "std"]).reset_index()
-    ax.plot(g.step + 1, g["mean"], color="black", lw=1.2, label=f"Hoogland et al. (mean of {theirs.seed.nunique()} seeds)")
+    ax.plot(g.step + 1, g["mean"], color="black", lw=1.2,
+            label=f"Hoogland et al. (mean of {theirs.seed.nunique()} seeds)")
     ax.fill_between(g.step + 1, g["mean"] - g["std"], g["mean"] + g["std"], color="black", alpha=0.15, lw=0,
                     label="± sd over their seeds")
     for seed, r in ours.groupby("seed"):

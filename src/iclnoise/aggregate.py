@@ -23,8 +23,8 @@ import yaml
 
 from . import stats
 from .io import KEY_FIELDS, read_json, read_parquet, write_json, write_parquet, write_text
-from .tasks import M_INF, m_label
 from .schedules import lr_lambda
+from .tasks import M_INF, m_label
 
 OUTCOME_FIELDS = KEY_FIELDS + [
     pa.field("steps", pa.int64()), pa.field("sequences", pa.int64()), pa.field("diverged", pa.bool_()),

@@ -79,7 +79,8 @@ def llc_calibrate(argv: list[str]) -> None:
             ax.axvline(cfg.burn_in, color="grey", ls=":")
             ax.axhline(0, color="black", lw=0.5)
             bad = [k for k, v in r.flags.items() if v]
-            ax.set_title(f"ε={e:g} γ={g:g}\nλ̂={r.llc_mean:.2f}±{r.llc_std:.2f}" + (f" [{', '.join(bad)}]" if bad else ""),
+            flags = f" [{', '.join(bad)}]" if bad else ""
+            ax.set_title(f"ε={e:g} γ={g:g}\nλ̂={r.llc_mean:.2f}±{r.llc_std:.2f}" + flags,
                          fontsize=8, color="firebrick" if bad else "black")
             rows.append({"epsilon": e, "gamma": g, "llc_mean": r.llc_mean, "llc_std": r.llc_std, **r.flags})
     for ax in axes[-1]:

@@ -211,7 +211,8 @@ def _cross_checks(p: dict) -> None:
     for B in p["grid"]["batch_sizes"]:
         mb = min(t["micro_batch"], B)
         if B % mb:
-            raise ParamsError(f"grid.batch_sizes: batch {B} is not divisible by train.micro_batch = {t['micro_batch']}; "
+            raise ParamsError(f"grid.batch_sizes: batch {B} is not divisible by train.micro_batch = "
+                              f"{t['micro_batch']}; "
                               f"allowed: batch sizes that are multiples of the micro-batch (or smaller than it)")
         if budget["mode"] == "sequences" and budget["sequences"] < B:
             raise ParamsError(f"train.budget.sequences = {budget['sequences']} is smaller than batch {B}; "
@@ -220,7 +221,8 @@ def _cross_checks(p: dict) -> None:
         raise ParamsError(f"model.d_model = {m['d_model']} is not divisible by model.n_heads = {m['n_heads']}")
     k1, k2 = p["eval"]["icl_tokens"]
     if not (1 <= k1 < k2 <= d["K"]):
-        raise ParamsError(f"eval.icl_tokens = {[k1, k2]} is not allowed; need 1 <= k_early < k_late <= data.K = {d['K']}")
+        raise ParamsError(f"eval.icl_tokens = {[k1, k2]} is not allowed; "
+                          f"need 1 <= k_early < k_late <= data.K = {d['K']}")
     conditions = p["noise"]["conditions"]
     unknown = [n for n in p["grid"]["noise"] if n not in conditions]
     if unknown:

@@ -23,9 +23,22 @@ import pyarrow as pa
 import torch
 from torch import nn
 
-from .exposure import (EXPOSURE_SCHEMA, GradNoise, b_simple, budget_scale, calibrated_kappa, grad_noise, group_grads,
-                       kappa, leading_eigs, ne_unit, precond_ggn_trace, precond_hessian_trace, preconditioner,
-                       update_innovation_variance)
+from .exposure import (
+    EXPOSURE_SCHEMA,
+    GradNoise,
+    b_simple,
+    budget_scale,
+    calibrated_kappa,
+    grad_noise,
+    group_grads,
+    kappa,
+    leading_eigs,
+    ne_unit,
+    precond_ggn_trace,
+    precond_hessian_trace,
+    preconditioner,
+    update_innovation_variance,
+)
 from .noise import CovModel, PIController, shaped_covariance, target_at, window
 from .tasks import Batch, _seed_mix
 
@@ -300,7 +313,8 @@ class ExposureLogger:
             **self.keys, "step": ctx.step, "interval": interval, "lr": lr,
             "kappa": self.kappa, "update_var": m["upd_var"], "update_var_pred": m["upd_pred"],
             "groups": noise.factor.shape[0], "group_size": noise.m,
-            "grad_norm": float(noise.mean.norm()), "trace_c": noise.trace, "trace_aca": float((a.square() * noise.diag).sum()),
+            "grad_norm": float(noise.mean.norm()), "trace_c": noise.trace, 
+            "trace_aca": float((a.square() * noise.diag).sum()),
             "b_simple": b_simple(noise, B), "ne": ne, "ne_injected": ne_inj, "ne_total": ne_total,
             "ne_simple": simple * ne_total, "curv": m["curv"], "curv_se": m["curv_se"], "pne": ne_total / den,
             "clip_coef": ctx.clip_coef, "clip_frac": self._clipped_steps / max(1, self._steps),

@@ -182,7 +182,7 @@ def probes(model, batch, noise_var: float, seed: int = 0) -> dict[tuple[str, int
     """(R², note) of linear probes for the task t (split by task) and for the ridge estimate from the
     pairs seen so far (split by sequence), at each layer (0 = embedding, l = after block l) and token
     position j = 1..2K (odd: x_k, even: y_k; at token j the context holds ⌊j/2⌋ complete pairs)."""
-    names = ["hook_embed"] + [f"blocks.{l}.hook_resid_post" for l in range(model.cfg.n_layers)]
+    names = ["hook_embed"] + [f"blocks.{i}.hook_resid_post" for i in range(model.cfg.n_layers)]
     _, cache = model.run_with_cache(batch.xs, batch.ys, names_filter=lambda n: n in names)
     t_hat = ridge_estimates(batch.xs, batch.ys, noise_var)        # t_hat[:, k] uses the first k pairs
     groups = task_ids(batch.tasks)

@@ -8,7 +8,8 @@ Every injected noise is described by R', its *gradient-space equivalent* covaria
   R' = C/B_t − C/B (SPEC §5) with no further factor;
 - source `param`: ζ = η_t · A_t ε, ε ~ N(0, s·R'), is added to the parameters after the update, so
   Cov ζ = η_t² A R' A; a shape is a shape in the space where the noise is added, so `isotropic`
-  parameter-space noise is τ²·I in parameter space with τ² P = η² Tr(A sR' A). PyTorch's AdamW keeps an EMA of gradients whose weights sum to one, so batch
+  parameter-space noise is τ²·I in parameter space with τ² P = η² Tr(A sR' A). PyTorch's AdamW keeps an
+  EMA of gradients whose weights sum to one, so batch
   noise diffuses as η² A C A / B per step over times ≫ 1/(1 − β1): ζ matches it in the long run, not
   step by step (per step, momentum smooths batch noise by (1 − β1)/(1 + β1); ζ is not smoothed).
 
@@ -37,7 +38,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
 import torch
 
 from .exposure import GradNoise

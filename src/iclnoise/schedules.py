@@ -6,7 +6,6 @@ from typing import Callable
 
 import numpy as np
 
-
 MERGE_FRACTION = 0.4  # two scheduled steps closer than this fraction of the local spacing are one
 
 

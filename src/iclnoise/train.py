@@ -35,8 +35,17 @@ from .evaluate import METRICS_SCHEMA, TOKEN_SCHEMA, Evaluator, root_preds_schema
 from .hooks import StepContext, StepHook, build_hooks
 from .io import write_json, write_parquet
 from .model import ModelConfig, build_model, mse_loss
-from .runs import (CKPT_DIR, MANIFEST, CorruptFile, checkpoint_path, load_torch, read_spec, sampler, save_torch,
-                   spec_hash)
+from .runs import (
+    CKPT_DIR,
+    MANIFEST,
+    CorruptFile,
+    checkpoint_path,
+    load_torch,
+    read_spec,
+    sampler,
+    save_torch,
+    spec_hash,
+)
 from .schedules import checkpoint_steps, lr_lambda
 
 log = logging.getLogger(__name__)
@@ -255,7 +264,8 @@ class Ensemble:
         st = [self.opt.state.get(P) for P in self.P]
         if not st[0]:
             return None
-        return {"step": int(st[0]["step"]), "exp_avg": {n: s["exp_avg"][r].clone().cpu() for n, s in zip(self.names, st)},
+        return {"step": int(st[0]["step"]), "exp_avg": {n: s["exp_avg"][r].clone().cpu() for n,
+                                                        s in zip(self.names, st)},
                 "exp_avg_sq": {n: s["exp_avg_sq"][r].clone().cpu() for n, s in zip(self.names, st)}}
 
     def checkpoint(self, r: int, step: int) -> None:

@@ -43,7 +43,8 @@ def fig_essential_subspace(pcs: pd.DataFrame, var: pd.DataFrame, metrics: pd.Dat
             ax.scatter(c[-1, i - 1], c[-1, j - 1], marker="*", s=140, color=pal[M], edgecolor="black", lw=0.5, zorder=4)
             if rid in tcrit.index and tcrit[rid] in steps:
                 k = int(np.nonzero(steps == tcrit[rid])[0][0])
-                ax.scatter(c[k, i - 1], c[k, j - 1], marker="o", s=45, facecolor="none", edgecolor=pal[M], lw=1.5, zorder=4)
+                ax.scatter(c[k, i - 1], c[k, j - 1], marker="o", s=45, facecolor="none", edgecolor=pal[M],
+                           lw=1.5, zorder=4)
         for kind, marker, size in (("dmmse", "D", 50), ("ridge", "s", 70)):
             for _, g in pcs[pcs.kind == kind].groupby("run_id"):
                 v = g.set_index("pc").value

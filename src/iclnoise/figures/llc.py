@@ -35,7 +35,8 @@ def fig_llc_vs_m(summary: pd.DataFrame, llc: pd.DataFrame, path: str | Path) -> 
         sub = df[df.batch == B]
         ax = axes[0, j]
         for col, lab, kw in (("ood_loss", "transformer, OOD", dict(color="C0", marker="o")),
-                             ("id_loss", "transformer, in-distribution", dict(color="C0", marker="o", ls="--", mfc="white")),
+                             ("id_loss", "transformer, in-distribution", dict(color="C0", marker="o", ls="--",
+                                                                              mfc="white")),
                              ("ood_loss_dmmse", "dMMSE_M, OOD", dict(color="C3", marker="D", ls=":")),
                              ("ood_loss_ridge", "ridge, OOD", dict(color="black", ls="-", lw=1))):
             g = sub.groupby("x")[col].agg(["mean", "std"]).reset_index()
@@ -44,7 +45,8 @@ def fig_llc_vs_m(summary: pd.DataFrame, llc: pd.DataFrame, path: str | Path) -> 
         ax.set_ylabel("loss / D")
         ax = axes[1, j]
         g = sub.groupby("x").llc_mean.agg(["mean", "std"]).reset_index()
-        ax.errorbar(g.x, g["mean"], yerr=g["std"].fillna(0), marker="s", color="C2", capsize=2, label="LLC (mean ± sd over seeds)")
+        ax.errorbar(g.x, g["mean"], yerr=g["std"].fillna(0), marker="s", color="C2", capsize=2,
+                    label="LLC (mean ± sd over seeds)")
         inf = sub[sub.M == M_INF].llc_mean
         if len(inf) and np.isfinite(inf).any():
             ax.axhline(inf.mean(), color="black", ls="--", lw=1, label="M = ∞ (ridge reference)")

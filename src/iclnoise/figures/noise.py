@@ -38,7 +38,8 @@ def fig_schedules(out: pd.DataFrame, path: str | Path) -> None:
         ax.set_ylabel("ridge-likeness r, noise late")
         ax.legend(fontsize=7)
         if "integrated_ne_injected" in fin:
-            e = fin[fin.noise_schedule.isin(["early", "late"])].groupby("noise_schedule").integrated_ne_injected.median()
+            e = fin[fin.noise_schedule.isin(["early",
+                                             "late"])].groupby("noise_schedule").integrated_ne_injected.median()
             ax.set_title("Early vs late noise (H2)\n" + ", ".join(f"{k}: Σ NE_inj = {v:.3g}" for k, v in e.items()),
                          fontsize=9)
     else:

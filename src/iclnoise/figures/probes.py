@@ -56,7 +56,8 @@ def fig_geometry(out: pd.DataFrame, path: str | Path) -> None:
     fig, axes = plt.subplots(2, len(cols), figsize=(4.2 * len(cols), 7), squeeze=False)
     for j, c in enumerate(cols):
         for M, g in out.groupby("M"):
-            axes[0, j].scatter(g[xcol], g[c], color=pal[M], s=28, label=style.m_legend_label(M), edgecolor="white", lw=0.5)
+            axes[0, j].scatter(g[xcol], g[c], color=pal[M], s=28, label=style.m_legend_label(M),
+                               edgecolor="white", lw=0.5)
             if M != -1:
                 axes[1, j].scatter(g.r, g[c], color=pal[M], s=28, edgecolor="white", lw=0.5)
         axes[0, j].set_xscale("log")

@@ -4,9 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib.pyplot as plt
-from matplotlib.ticker import NullFormatter, ScalarFormatter
 import numpy as np
 import pandas as pd
+from matplotlib.ticker import NullFormatter, ScalarFormatter
 
 from ..tasks import M_INF
 from . import style

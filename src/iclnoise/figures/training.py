@@ -32,7 +32,8 @@ def t_crit(metrics: pd.DataFrame) -> pd.DataFrame:
     """Per run: the checkpoint with minimal OOD loss (the transient-ridge dip), excluding step 0."""
     m = metrics[metrics.step > 0]
     idx = m.groupby("run_id").ood_loss.idxmin()
-    return m.loc[idx, ["run_id", "step", "ood_loss"]].rename(columns={"step": "t_crit", "ood_loss": "ood_loss_at_t_crit"})
+    return m.loc[idx, ["run_id", "step", "ood_loss"]].rename(columns={"step": "t_crit",
+                                                                      "ood_loss": "ood_loss_at_t_crit"})
 
 
 def summary(metrics: pd.DataFrame) -> pd.DataFrame:
