@@ -10,9 +10,9 @@ mean over positions, i.e. the LLC of the sequence-mean loss (the quantity ours e
   PYTHONPATH=src python bench/reproductions/hoogland_compare.py --theirs icl/analysis/L2H4Minf/llcs.pt
 
 After the configs/hoogland.yaml runs, add --from-runs results/runs/Minf-B256-none-s* to write
-hoogland.csv from their llc.parquet. Writes hoogland_theirs.csv (step, seed,
-                                                                 llc) extracted from the release, prints their seed mean ± sd at
-≈ 1k, 5k and 40k steps next to ours, and plots hoogland_compare.png (ours: hoogland.csv, if present).
+hoogland.csv from their llc.parquet. Writes hoogland_theirs.csv (step, seed, llc) extracted from the
+release, prints their seed mean ± sd at ≈ 1k, 5k and 40k steps next to ours, and plots
+hoogland_compare.png (ours: hoogland.csv, if present).
 """
 from __future__ import annotations
 

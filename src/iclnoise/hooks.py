@@ -313,7 +313,7 @@ class ExposureLogger:
             **self.keys, "step": ctx.step, "interval": interval, "lr": lr,
             "kappa": self.kappa, "update_var": m["upd_var"], "update_var_pred": m["upd_pred"],
             "groups": noise.factor.shape[0], "group_size": noise.m,
-            "grad_norm": float(noise.mean.norm()), "trace_c": noise.trace, 
+            "grad_norm": float(noise.mean.norm()), "trace_c": noise.trace,
             "trace_aca": float((a.square() * noise.diag).sum()),
             "b_simple": b_simple(noise, B), "ne": ne, "ne_injected": ne_inj, "ne_total": ne_total,
             "ne_simple": simple * ne_total, "curv": m["curv"], "curv_se": m["curv_se"], "pne": ne_total / den,
