@@ -350,10 +350,12 @@ class Ensemble:
                     h.on_update(ctxs[r])
                 if step + 1 in self.ckpt_at:
                     self.checkpoint(r, step + 1)
-            if step + 1 in self.ckpt_at and progress:
-                live = [m.rows[-1] for m, f in zip(members, frozen) if not f]
+            if step + 1 in self.ckpt_at:
+                live = [m.rows[-1]["ood_loss"] for m, f in zip(members, frozen) if not f]
                 if live:
-                    bar.set_postfix(ood=f"{np.mean([x['ood_loss'] for x in live]):.3f}")
+                    bar.set_postfix(ood=f"{np.mean(live):.3f}")
+                    log.info("%s: step %d/%d, mean OOD loss %.4f over %d live runs", desc, step + 1, self.total,
+                             np.mean(live), len(live))
         bar.close()
 
     def _freeze(self, frozen: torch.Tensor) -> list | None:
