@@ -44,32 +44,95 @@ def snakemake(workdir, *args, check=True):
                 str(workdir), "--cores", "2", *args], cwd=workdir, check=check)
 
 
-def test_snakemake_minimal_grid_produces_parquet_and_figure(tmp_path):
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny_params(Ms=(1, 4, "inf"))))
-    snakemake(tmp_path)
-    m = read_parquet(tmp_path / "results/runs/M1-B16-none-s0/metrics.parquet")
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """The tiny grid run once through Snakemake (3 M × 2 batch sizes + an injected condition, 1 seed)."""
+    d = tmp_path_factory.mktemp("dag")
+    (d / "params.yaml").write_text(yaml.safe_dump(tiny_params(Ms=(1, 4, "inf"))))
+    snakemake(d)
+    return d
+
+
+def test_snakemake_minimal_grid_produces_parquet_and_figure(finished):
+    d = finished
+    m = read_parquet(d / "results/runs/M1-B16-none-s0/metrics.parquet")
     assert m.step.iloc[-1] == 30 and {"ood_loss", "r", "delta_ridge"} <= set(m.columns)
-    assert (tmp_path / "results/figures/fig01_ood_loss.png").stat().st_size > 10_000
+    assert (d / "results/figures/fig01_ood_loss.png").stat().st_size > 10_000
     for f in ("llc", "stages", "geometry", "mech"):
-        assert (tmp_path / f"results/runs/M1-B16-none-s0/{f}.parquet").exists()
-    assert (tmp_path / "results/ed/bym-none-B16-s0/forms.parquet").exists()
-    tests = read_parquet(tmp_path / "results/aggregate/tests.parquet")
+        assert (d / f"results/runs/M1-B16-none-s0/{f}.parquet").exists()
+    assert (d / "results/ed/bym-none-B16-s0/forms.parquet").exists()
+    assert (d / "results/figures/fig05_ed_forms_bym-none-B16-s0.png").exists()
+    tests = read_parquet(d / "results/aggregate/tests.parquet")
     assert set(tests.hypothesis) == {"H1", "H2", "H3", "H4"}
+    assert {"gates_passed", "gate_failures"} <= set(tests.columns)
+    # one training job per ensemble: (batch 8, none), (batch 16, none), (batch 16, inj)
+    assert sorted(p.name for p in (d / "benchmarks/train").glob("*.tsv")) == [
+        "B16-inj.tsv", "B16-none.tsv", "B8-none.tsv"]
     # the noise axis: batch 8 against batch 16 + injection emulating 8, with exposure logged in every run
-    assert not (tmp_path / "results/runs/M1-B8-inj-s0").exists()  # inj runs only at batch 16
-    inj = read_parquet(tmp_path / "results/runs/M1-B16-inj-s0/injection.parquet")
+    assert not (d / "results/runs/M1-B8-inj-s0").exists()  # inj runs only at batch 16
+    inj = read_parquet(d / "results/runs/M1-B16-inj-s0/injection.parquet")
     assert len(inj) == 30 and (inj.trace_injected > 0).all()
-    exp = read_parquet(tmp_path / "results/runs/M1-B8-none-s0/exposure.parquet")
-    assert list(exp.step) == [9, 19, 29] and (exp.curv > 0).all()
-    out = read_parquet(tmp_path / "results/aggregate/outcomes.parquet")
+    exp = read_parquet(d / "results/runs/M1-B8-none-s0/exposure.parquet")
+    assert list(exp.step) == [0, 9, 19, 29] and (exp.curv > 0).all() and exp.interval.sum() == 30
+    out = read_parquet(d / "results/aggregate/outcomes.parquet")
     assert out.integrated_pne.notna().all() and len(out) == 9
-    h3 = tests[tests.hypothesis == "H3"]
-    assert h3.status.tolist() == ["run"] and h3.term.iloc[0] == "batch 8 − inj"
-    assert (tmp_path / "results/figures/fig10_exposure_series.png").exists()
-    assert "Hypothesis verdicts" in (tmp_path / "results/report.md").read_text()
-    assert (tmp_path / "logs/train/Minf-B16-none-s0.log").exists()
-    # a second invocation has nothing to do
-    assert "Nothing to be done" in snakemake(tmp_path, "-n").stdout
+    assert (d / "results/aggregate/metrics.json").exists()
+    assert (d / "results/figures/fig10_exposure_series.png").exists()
+    assert (d / "results/figures/fig09_geometry.png").exists()
+    assert "What this run shows" in (d / "results/report.md").read_text()
+    assert (d / "logs/train/B16-none.log").exists()
+
+
+def test_a_second_invocation_has_nothing_to_do(finished):
+    assert "Nothing to be done" in snakemake(finished, "-n").stdout
+
+
+def test_snakemake_report_holds_the_figures(finished):
+    """`snakemake --report` (issue 19): an HTML report with the figures marked by report()."""
+    import zipfile
+    snakemake(finished, "--report", "report.zip")
+    names = zipfile.ZipFile(finished / "report.zip").namelist()
+    for fig in ("fig01_ood_loss.png", "fig06_threshold_vs_noise.png", "fig10_exposure_series.png"):
+        assert any(n.endswith(fig) for n in names), (fig, names[:20])
+
+
+def test_a_deleted_run_is_rebuilt_to_the_same_bytes(finished):
+    """Delete one run directory: plain `snakemake` retrains its ensemble (the others rewrite their outputs
+    from their final resume state) and the rebuilt tables are byte-identical to the originals (issue 20)."""
+    d = finished
+    run = d / "results/runs/M4-B8-none-s0"
+    before = {f.name: f.read_bytes() for f in run.glob("*.parquet")}
+    shutil.rmtree(run)
+    plan = snakemake(d, "-n").stdout
+    assert "train_B8_none" in plan and "Nothing to be done" not in plan
+    snakemake(d)
+    for name, data in before.items():
+        assert (run / name).read_bytes() == data, name
+    assert "Nothing to be done" in snakemake(d, "-n").stdout
+
+
+def test_a_killed_llc_leaves_no_partial_file_and_reruns_to_the_same_bytes(finished):
+    """SIGKILL `iclnoise llc` at several moments: its table is either absent or complete, never partial;
+    the rerun gives the same bytes as the uninterrupted run (issue 14 faults)."""
+    import json
+    import signal
+    import time
+
+    d = finished
+    run_dir = d / "results/runs/M4-B16-none-s0"
+    ref = (run_dir / "llc.parquet").read_bytes()
+    sampler = json.dumps(yaml.safe_load((d / "params.yaml").read_text())["llc"]["sampler"])
+    cmd = [str(Path(BIN) / "iclnoise"), "llc", "--run-dir", str(run_dir), "--sampler", sampler, "--every", "1"]
+    for delay in (0.5, 2.0):
+        (run_dir / "llc.parquet").unlink()
+        proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if (run_dir / "llc.parquet").exists():   # it finished before the kill: then it must be whole
+            read_parquet(run_dir / "llc.parquet")
+    run(cmd[:-2] + ["--every", "3"], d)
+    assert (run_dir / "llc.parquet").read_bytes() == ref
 
 
 def test_invalid_params_stop_before_any_job(tmp_path):
