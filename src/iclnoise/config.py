@@ -298,9 +298,13 @@ def _memory_check(p: dict) -> None:
 #   batch 64, 1000 steps: 152.0 ms (5033 MFLOP); batch 64 + grad_b16: 14.96 ms (×1.25), + param_b16: 14.25 (×1.19).
 # The line through the batch-64 and the large-model points: exact there, +12 % at batch 16. For the default grid it
 # predicts 0.30 core-hours of training; the three measured run types sum to 0.296. Re-measure on new hardware.
+# Ensembles (iclnoise.train), fitted to the CPU time of the default DAG's training jobs (benchmarks/train/*.tsv
+# cpu_time, D = 3, K = 8, d_model 32, evaluation and exposure logging amortised): batch 16, 11 runs × 6000 steps:
+# 257 s (42.8 ms per ensemble step; model 45.4); batch 64 + grad_b16, 10 runs × 1500 steps: 269 s (179 ms; model
+# 158). Per FLOP an ensemble step is slower than the single-run line above (small vmapped kernels).
 STEP_MS_BASE = 8.76
-STEP_MS_PER_RUN = 1.0    # per-run data, hooks and bookkeeping inside an ensemble step (re-measured: README)
-STEP_MS_PER_MFLOP = 0.0285
+STEP_MS_PER_RUN = 0.5
+STEP_MS_PER_MFLOP = 0.1
 INJECTED_FACTOR = {"none": 1.0, "grad": 1.25, "param": 1.19}
 COST_CONFIRM_CORE_HOURS = 2.0
 
