@@ -31,9 +31,7 @@ for _group, _runs in GROUPS.items():
             f"benchmarks/train/{_group}.tsv"
         threads: 1
         resources:
-            mem_mb=4000,
-            runtime=240,
-            **TRAIN_RESOURCES,
+            **{"mem_mb": 4000, "runtime": 240, **TRAIN_RESOURCES},
         conda:
             CONDA_ENV
         shell:
