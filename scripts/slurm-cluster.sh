@@ -9,9 +9,10 @@
 # and `gpu`: `gpu` is a CPU partition with that name, so the GPU profile's partition exists; there is
 # no GRES. No accounting database (AccountingStorageType=none): the Snakemake executor queries job
 # states with squeue, which keeps finished jobs for MinJobAge = 3600 s (the tests read them back).
-# Needs root (apt-get, munged as the munge user, slurmd). The configuration is /etc/slurm/slurm.conf (job steps started by srun inside
-# a job read the default path); the script refuses to overwrite one it did not write, and stop removes
-# its own. Everything else the cluster writes (state, logs, pid files) lives in $ICLNOISE_SLURM_DIR.
+# Needs root (apt-get, munged as the munge user, slurmd). The configuration is /etc/slurm/slurm.conf
+# (srun inside a job reads the default path, whatever SLURM_CONF says); the script refuses to overwrite
+# one it did not write, and stop removes its own. Everything else the cluster writes (state, logs, pid
+# files) lives in $ICLNOISE_SLURM_DIR.
 set -euo pipefail
 DIR=${ICLNOISE_SLURM_DIR:-/tmp/iclnoise-slurm}
 CONF=/etc/slurm/slurm.conf

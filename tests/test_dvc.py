@@ -9,6 +9,7 @@ import csv
 import hashlib
 import io
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -105,9 +106,10 @@ def test_dvc_from_a_fresh_clone_repro_push_pull_noop_and_partial_rerun(tmp_path)
     sh([*GIT, "clone", "-q", str(origin), str(b)], tmp_path)
     dvc(b, "pull")
     outs = ("results", ".snakemake/metadata")
-    # identical results; checkpoints stay out of DVC (.dvcignore), so they are neither pushed nor pulled
-    assert digests(b, *outs) == {k: v for k, v in digests(a, *outs).items() if "/checkpoints/" not in k}
-    assert not list(b.glob("results/runs/*/checkpoints"))
+    # identical results; checkpoints and resume states stay out of DVC (.dvcignore): neither pushed nor pulled
+    unversioned = re.compile(r"/checkpoints/|/resume[^/]*\.pt$")
+    assert digests(b, *outs) == {k: v for k, v in digests(a, *outs).items() if not unversioned.search(k)}
+    assert not list(b.glob("results/runs/*/checkpoints")) and not list(b.glob("results/runs/*/resume*.pt"))
     # pulled files are linked to the cache, not copied (hard links or symlinks; reflinks look like copies)
     if sh(["stat", "-f", "-c", "%T", str(b)], b).stdout.strip() not in ("btrfs", "xfs"):
         pulled = b / "results/runs/M1-B16-none-s0/metrics.parquet"
@@ -134,7 +136,8 @@ def test_dvc_from_a_fresh_clone_repro_push_pull_noop_and_partial_rerun(tmp_path)
     assert (tmp_path / "plots/static/workspace_results_figures_fig01_ood_loss.png").exists(), plots.stdout
     shown = dvc(b, "metrics", "show")
     if not METRICS_JSON_PENDING:
-        assert "results/aggregate/metrics.json" in shown.stdout and "M_star" in shown.stdout, shown.stdout
+        # M* itself is null on two M values (too few to fit), so DVC shows its gates and reasons
+        assert "results/aggregate/metrics.json" in shown.stdout and "thresholds.none/B16" in shown.stdout, shown.stdout
 
     # an experiment on the learning rate: retrains, and is listed with its parameter value
     before = read_parquet(a / "results/runs/M1-B16-none-s0/metrics.parquet")
