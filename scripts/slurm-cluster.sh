@@ -92,7 +92,10 @@ start() {
         cp /run/munge/munged.pid "$DIR/munged.pid"  # started here: stop ends it
         log "munged started"
     fi
-    alive "$DIR/slurmctld.pid" || slurmctld -f "$CONF"
+    if ! alive "$DIR/slurmctld.pid"; then
+        rm -rf "$DIR/ctld" "$DIR/d" && mkdir -p "$DIR/ctld" "$DIR/d"  # a fresh cluster: no jobs from an earlier one
+        slurmctld -f "$CONF"
+    fi
     alive "$DIR/slurmd.pid" || slurmd -f "$CONF" -N localhost
     local i state
     for i in $(seq 60); do

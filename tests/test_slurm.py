@@ -33,6 +33,11 @@ def slurm_snakemake_cmd(workdir: Path, *targets: str) -> list[str]:
             str(workdir), *SLURM_ARGS, *targets]
 
 
+# the comment the executor gives a training job: rule_train_<group or wildcards>, rule_train_ensemble_...
+# (not rule_training_figures)
+TRAIN_JOB = r"rule_train(_ensemble)?(_|$)"
+
+
 def slurm_jobs() -> pd.DataFrame:
     """Every job slurmctld still knows (finished ones for MinJobAge = 3600 s): id, partition, comment, state."""
     out = run(["squeue", "--states=all", "--noheader", "--format=%i|%P|%k|%T"], cwd=ROOT).stdout
@@ -90,7 +95,7 @@ def test_tiny_dag_runs_end_to_end_through_the_cpu_profile(tmp_path):
     jobs = slurm_jobs()
     jobs = jobs[jobs.id > before]
     assert (jobs.state == "COMPLETED").all(), jobs
-    train = jobs.comment.str.startswith("rule_train")
+    train = jobs.comment.str.match(TRAIN_JOB)
     # two runs: two `train` jobs, or one or two `train_ensemble` jobs
     assert train.sum() in (1, 2) and (jobs.partition[train] == "gpu").all(), jobs
     assert len(jobs) > 10 and (jobs.partition[~train] == "cpu").all(), jobs
@@ -129,7 +134,7 @@ def test_cancelled_training_job_resumes_from_its_checkpoint_to_the_same_numbers(
     deadline = time.time() + 600
     while cancelled is None and proc.poll() is None and time.time() < deadline:
         jobs = slurm_jobs()
-        running = jobs[(jobs.id > before) & jobs.comment.str.startswith("rule_train") & (jobs.state == "RUNNING")]
+        running = jobs[(jobs.id > before) & jobs.comment.str.match(TRAIN_JOB) & (jobs.state == "RUNNING")]
         kept = checkpoints(run_dir)
         if len(running) and len(kept) >= 2 and not (run_dir / "metrics.parquet").exists():
             cancelled = int(running.id.iloc[0])
@@ -142,7 +147,7 @@ def test_cancelled_training_job_resumes_from_its_checkpoint_to_the_same_numbers(
     assert cancelled is not None, f"the training job was never caught running with checkpoints:\n{out[-3000:]}"
     assert proc.returncode == 0, out[-4000:]
     jobs = slurm_jobs()
-    train = jobs[(jobs.id > before) & jobs.comment.str.startswith("rule_train")]
+    train = jobs[(jobs.id > before) & jobs.comment.str.match(TRAIN_JOB)]
     assert train.set_index("id").state.to_dict() == {cancelled: "CANCELLED", train.id.max(): "COMPLETED"}, train
     # resumed, not restarted: the oldest checkpoint from before the cancel (step 0) is the same file, untouched
     after = checkpoints(run_dir)
