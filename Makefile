@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 CORES ?= 2
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup run test bench figures clean-results lint
+.PHONY: setup run test test-slurm bench figures clean-results lint
 
 setup: $(VENV)/.installed
 
@@ -39,6 +39,11 @@ run: setup
 
 test: setup
 	pytest -q -p no:cacheprovider
+
+# The tiny DAG through `snakemake --profile slurm-cpu` on a real single-node SLURM cluster started on this
+# machine (needs root: apt-get installs slurm-wlm and munge if missing); the cluster is stopped at the end.
+test-slurm: setup
+	scripts/test-slurm.sh
 
 bench: setup
 	$(BIN)/python bench/bench_train.py

@@ -16,7 +16,7 @@ configfile: "params.yaml"
 
 
 # Keys that configure how the workflow runs, not what it computes (not part of params.yaml's schema).
-RUN_KEYS = ("train_resources", "confirm_cost")
+RUN_KEYS = ("train_resources", "train_threads", "confirm_cost")
 try:
     check_yaml_files(["params.yaml", *workflow.configfiles])  # duplicate keys, syntax errors with line numbers
     PARAMS = validate_params({k: v for k, v in config.items() if k not in RUN_KEYS})

@@ -1,11 +1,9 @@
-"""Real Snakemake and DVC runs of a minimal grid in temporary directories."""
+"""Real Snakemake runs of a minimal grid in temporary directories (DVC: test_dvc.py, SLURM: test_slurm.py)."""
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
 
 from iclnoise.io import read_parquet
@@ -151,34 +149,3 @@ def test_invalid_params_stop_before_any_job(tmp_path):
     out = r.stdout + r.stderr
     assert "train.lr_schedule.kind" in out and "warmup_cosine" in out
     assert not (tmp_path / "results").exists()
-
-
-def test_slurm_profile_dry_run():
-    r = run([sys.executable, "-m", "snakemake", "--profile", "slurm", "-n"], cwd=ROOT)
-    assert "Job stats" in r.stdout or "Nothing to be done" in r.stdout, r.stdout[-2000:]
-
-
-@pytest.mark.skipif(shutil.which("git") is None, reason="git is required for DVC")
-def test_dvc_repro_is_a_noop_after_a_complete_run(tmp_path):
-    for item in ("Snakefile", "dvc.yaml", "workflow", "src"):
-        src = ROOT / item
-        (shutil.copytree(src, tmp_path / item, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
-         if src.is_dir() else shutil.copy(src, tmp_path / item))
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny_params(Ms=(1,))))
-    run(["git", "init", "-q"], tmp_path)
-    run(["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "--allow-empty", "-m", "init"], tmp_path)
-    run([sys.executable, "-m", "dvc", "init", "-q"], tmp_path)
-    run([sys.executable, "-m", "dvc", "repro"], tmp_path)
-    first = tmp_path / "results/runs/M1-B16-none-s0/metrics.parquet"
-    mtime = first.stat().st_mtime_ns
-    second = run([sys.executable, "-m", "dvc", "repro"], tmp_path)
-    assert "didn't change" in second.stdout or "up to date" in second.stdout, second.stdout
-    assert "Running stage" not in second.stdout
-    # one new grid value: DVC reruns the stage, Snakemake trains only the new run
-    p = yaml.safe_load((tmp_path / "params.yaml").read_text())
-    p["grid"]["M"] = [1, 4]
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(p))
-    third = run([sys.executable, "-m", "dvc", "repro"], tmp_path)
-    assert "Running stage 'pipeline'" in third.stdout
-    assert (tmp_path / "results/runs/M4-B16-none-s0/metrics.parquet").exists()
-    assert first.stat().st_mtime_ns == mtime

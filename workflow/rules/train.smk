@@ -3,7 +3,7 @@
 # members' specs are a rule parameter, so a changed spec reruns it (runs whose spec did not change
 # rewrite their outputs from their final resume state without training; a changed run trains afresh).
 # Cluster resources of these jobs: config key `train_resources` (see slurm/config.yaml).
-TRAIN_RESOURCES = config.get("train_resources") or {}
+TRAIN_RESOURCES = {k: int(v) if str(v).isdigit() else v for k, v in (config.get("train_resources") or {}).items()}
 
 
 def train_outputs(run):
@@ -29,7 +29,7 @@ for _group, _runs in GROUPS.items():
             f"logs/train/{_group}.log",
         benchmark:
             f"benchmarks/train/{_group}.tsv"
-        threads: 1
+        threads: int(config.get("train_threads", 1))
         resources:
             **{"mem_mb": 4000, "runtime": 240, **TRAIN_RESOURCES},
         conda:
