@@ -37,7 +37,7 @@ run: setup
 	snakemake --cores $(CORES)
 	@echo "Done. Figures: results/figures/  Summary: results/summary.md  Report: results/report.md"
 
-test: setup
+test: lint
 	pytest -q -p no:cacheprovider
 
 # The tiny DAG through `snakemake --profile slurm-cpu` on a real single-node SLURM cluster started on this
@@ -46,6 +46,7 @@ test-slurm: setup
 	scripts/test-slurm.sh
 
 bench: setup
+	$(BIN)/python bench/bench_ensemble.py
 	$(BIN)/python bench/bench_train.py
 	$(BIN)/python bench/bench_llc.py
 	$(BIN)/python bench/bench_noise.py

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_pipeline import ENV, ROOT, tiny_params
 
 from iclnoise.io import read_parquet
-from test_pipeline import ENV, ROOT, tiny_params
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("git") is None, reason="git is required")]
 

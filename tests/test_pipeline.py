@@ -1,9 +1,11 @@
 """Real Snakemake runs of a minimal grid in temporary directories (DVC: test_dvc.py, SLURM: test_slurm.py)."""
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from iclnoise.io import read_parquet

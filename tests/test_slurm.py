@@ -15,9 +15,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
+from test_pipeline import ENV, ROOT, run, snakemake, tiny_params
 
 from iclnoise.io import read_parquet
-from test_pipeline import ENV, ROOT, run, snakemake, tiny_params
 
 needs_cluster = pytest.mark.skipif(os.environ.get("ICLNOISE_SLURM") != "1",
                                    reason="needs the single-node SLURM cluster that `make test-slurm` starts")
