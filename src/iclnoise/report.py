@@ -116,6 +116,26 @@ def what_this_run_shows(th, tests, convergence: dict | None = None) -> list[str]
     return lines
 
 
+def exposure_section(results: Path) -> list[str]:
+    """κ in use (from the runs' exposure logs) and the realised exposure per condition (outcomes.parquet)."""
+    out_path = results / "aggregate" / "outcomes.parquet"
+    logs = sorted(results.glob("runs/*/exposure.parquet"))
+    if not out_path.exists() or not logs:
+        return []
+    kappas = sorted({round(float(k), 4) for f in logs for k in read_parquet(f).kappa.unique()})
+    out = read_parquet(out_path)
+    g = out.groupby(["noise", "batch"]).agg(runs=("run_id", "size"), sequences=("sequences", "median"),
+                                            pne=("integrated_pne", "median"),
+                                            injected=("integrated_pne_injected", "median")).reset_index()
+    rows = [f"| {r.noise} | {r.batch} | {r.runs} | {r.sequences:,.0f} | {r.pne:.3g} | {r.injected:.3g} |"
+            for r in g.itertuples()]
+    return ["## Exposure", "",
+            f"κ (momentum diffusion factor) in use: {', '.join(map(str, kappas))} — 1 is AdamW's value (SPEC §6). "
+            "Realised integrated exposure after gradient clipping, median over the runs of each condition:", "",
+            "| noise | batch | runs | sequences seen | Σ P-NE* | Σ injected P-NE* |", "|---|---|---|---|---|---|",
+            *rows, ""]
+
+
 def build(results: Path, params: dict, root: Path) -> str:
     agg, figs = results / "aggregate", results / "figures"
     lines = ["# Does stochastic gradient noise drive in-context learning? — report", "",
@@ -139,6 +159,7 @@ def build(results: Path, params: dict, root: Path) -> str:
             else:
                 lines.append(f"- **{t.hypothesis}** — {t.test}, {t.outcome}: {t.status}.")
         lines.append("")
+    lines += exposure_section(results)
     lines += ["## Figures", ""]
     for stem, caption in FIGURES:
         pngs = sorted(figs.glob(f"{stem}.png")) + sorted(figs.glob(f"{stem}_*.png"))

@@ -18,6 +18,7 @@ rule aggregate:
         **{f"f9_{k}": v for k, v in figure("fig09_geometry", "fig09", "Hypotheses").items()},
         **{f"f10_{k}": v for k, v in figure("fig10_exposure_series", "fig10", "Exposure").items()},
     params:
+        res=RES,
         cfg=json.dumps(PARAMS["stats"]),
         run_dirs=lambda w, input: sorted({str(Path(p).parent) for p in input.metrics}),
     log:
@@ -29,7 +30,7 @@ rule aggregate:
     conda:
         CONDA_ENV
     shell:
-        "iclnoise aggregate {params.run_dirs} --out {RES}/aggregate --figures {RES}/figures "
+        "iclnoise aggregate {params.run_dirs} --out {params.res}/aggregate --figures {params.res}/figures "
         "--cfg {params.cfg:q} > {log} 2>&1"
 
 
@@ -44,6 +45,7 @@ rule report:
     output:
         f"{RES}/report.md",
     params:
+        res=RES,
         params=json.dumps(PARAMS),
     log:
         "logs/report.log",
@@ -52,4 +54,4 @@ rule report:
     conda:
         CONDA_ENV
     shell:
-        "iclnoise report --results {RES} --params {params.params:q} --out {output} > {log} 2>&1"
+        "iclnoise report --results {params.res} --params {params.params:q} --out {output} > {log} 2>&1"

@@ -25,3 +25,20 @@ def figure(stem, caption, category, subcategory=None):
     return {"png": report(f"{base}.png", caption=f"../report/{caption}.rst", category=category,
                           subcategory=subcategory),
             "pdf": f"{base}.pdf", "data": f"{base}.parquet"}
+
+
+# Cluster resources of the training jobs (one per ensemble): config key train_resources (see slurm/config.yaml).
+TRAIN_RESOURCES = {k: int(v) if str(v).isdigit() else v for k, v in (config.get("train_resources") or {}).items()}
+
+
+def train_outputs(run):
+    keys = parse_run_id(run)
+    cond = PARAMS["noise"]["conditions"][keys.noise]
+    names = ["metrics.parquet", "token_losses.parquet", "root_preds.parquet", "checkpoints.json"]
+    names += ["exposure.parquet"] if EXPOSURE or cond["source"] != "none" else []
+    names += ["injection.parquet"] if cond["source"] != "none" else []
+    return [f"{RES}/runs/{run}/{n}" for n in names]
+
+
+def probe_cfg(name):
+    return json.dumps({k: v for k, v in PARAMS[name].items() if k not in ("enabled", "every", "seeds")})

@@ -12,6 +12,7 @@ rule ed:
         multiext(f"{RES}/ed/{{family}}/", "pcs.parquet", "variance.parquet", "events.parquet", "forms.parquet",
                  "sampling.parquet"),
     params:
+        res=RES,
         cfg=ED_CFG,
         run_dirs=lambda w: [f"{RES}/runs/{r}" for r in ED_FAMILIES[w.family]],
     log:
@@ -23,7 +24,7 @@ rule ed:
     conda:
         CONDA_ENV
     shell:
-        "iclnoise ed {params.run_dirs} --family {wildcards.family} --out {RES}/ed/{wildcards.family} "
+        "iclnoise ed {params.run_dirs} --family {wildcards.family} --out {params.res}/ed/{wildcards.family} "
         "--cfg {params.cfg:q} > {log} 2>&1"
 
 
@@ -36,6 +37,7 @@ rule ed_figures:
         **{f"sub_{k}": v for k, v in figure("fig02_essential_subspace_{family}", "fig02", "Essential dynamics").items()},
         **{f"forms_{k}": v for k, v in figure("fig05_ed_forms_{family}", "fig05", "Essential dynamics").items()},
     params:
+        res=RES,
         cfg=ED_CFG,
         run_dirs=lambda w: [f"{RES}/runs/{r}" for r in ED_FAMILIES[w.family]],
     log:
@@ -45,5 +47,5 @@ rule ed_figures:
     conda:
         CONDA_ENV
     shell:
-        "iclnoise ed-figures {params.run_dirs} --family {wildcards.family} --ed {RES}/ed/{wildcards.family} "
-        "--figures {RES}/figures --cfg {params.cfg:q} > {log} 2>&1"
+        "iclnoise ed-figures {params.run_dirs} --family {wildcards.family} --ed {params.res}/ed/{wildcards.family} "
+        "--figures {params.res}/figures --cfg {params.cfg:q} > {log} 2>&1"

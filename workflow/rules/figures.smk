@@ -6,6 +6,8 @@ rule training_figures:
         **figure("fig01_ood_loss", "fig01", "Training"),
         summary=f"{RES}/summary.parquet",
         summary_md=f"{RES}/summary.md",
+    params:
+        res=RES,
     log:
         "logs/figures/training.log",
     benchmark:
@@ -13,4 +15,4 @@ rule training_figures:
     conda:
         CONDA_ENV
     shell:
-        "iclnoise figures --out-dir {RES} {input} > {log} 2>&1"
+        "iclnoise figures --out-dir {params.res} {input} > {log} 2>&1"

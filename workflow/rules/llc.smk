@@ -55,6 +55,8 @@ rule llc_figures:
     output:
         **{f"m_{k}": v for k, v in figure("fig03_loss_llc_vs_m", "fig03", "LLC").items()},
         **{f"t_{k}": v for k, v in figure("fig04_llc_over_training", "fig04", "LLC").items()},
+    params:
+        res=RES,
     log:
         "logs/figures/llc.log",
     benchmark:
@@ -63,4 +65,4 @@ rule llc_figures:
         CONDA_ENV
     shell:
         "iclnoise llc-figures --summary {input.summary} --llc {input.llc} --stages {input.stages} "
-        "--out-dir {RES}/figures > {log} 2>&1"
+        "--out-dir {params.res}/figures > {log} 2>&1"

@@ -1,7 +1,3 @@
-def probe_cfg(name):
-    return json.dumps({k: v for k, v in PARAMS[name].items() if k not in ("enabled", "every", "seeds")})
-
-
 rule geometry:
     """Hessian trace, top eigenvalue, SAM sharpness (and A·H·A trace) on held-out batches."""
     input:
@@ -36,6 +32,7 @@ rule mech:
         mech=f"{RES}/runs/{{run}}/mech.parquet",
         fig=multiext(f"{RES}/figures/heads/{{run}}", ".pdf", ".png", ".parquet"),
     params:
+        res=RES,
         cfg=lambda w: probe_cfg("mech"),
         every=PARAMS["mech"].get("every", 1),
         run_dir=lambda w: f"{RES}/runs/{w.run}",
@@ -51,4 +48,4 @@ rule mech:
         CONDA_ENV
     shell:
         "iclnoise mech --run-dir {params.run_dir} --every {params.every} --cfg {params.cfg:q} "
-        "--figure {RES}/figures/heads/{wildcards.run} > {log} 2>&1"
+        "--figure {params.res}/figures/heads/{wildcards.run} > {log} 2>&1"

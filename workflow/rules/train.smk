@@ -3,16 +3,6 @@
 # members' specs are a rule parameter, so a changed spec reruns it (runs whose spec did not change
 # rewrite their outputs from their final resume state without training; a changed run trains afresh).
 # Cluster resources of these jobs: config key `train_resources` (see slurm/config.yaml).
-TRAIN_RESOURCES = {k: int(v) if str(v).isdigit() else v for k, v in (config.get("train_resources") or {}).items()}
-
-
-def train_outputs(run):
-    keys = parse_run_id(run)
-    cond = PARAMS["noise"]["conditions"][keys.noise]
-    names = ["metrics.parquet", "token_losses.parquet", "root_preds.parquet", "checkpoints.json"]
-    names += ["exposure.parquet"] if EXPOSURE or cond["source"] != "none" else []
-    names += ["injection.parquet"] if cond["source"] != "none" else []
-    return [f"{RES}/runs/{run}/{n}" for n in names]
 
 
 for _group, _runs in GROUPS.items():
@@ -23,6 +13,7 @@ for _group, _runs in GROUPS.items():
         output:
             [f for r in _runs for f in train_outputs(r)],
         params:
+            res=RES,
             spec=json.dumps(shared_spec(PARAMS, _runs), sort_keys=True),
             runs=",".join(_runs),
         log:
@@ -35,5 +26,5 @@ for _group, _runs in GROUPS.items():
         conda:
             CONDA_ENV
         shell:
-            "iclnoise train --spec {params.spec:q} --runs {params.runs} --results {RES} "
+            "iclnoise train --spec {params.spec:q} --runs {params.runs} --results {params.res} "
             "--threads {threads} --no-progress > {log} 2>&1"
