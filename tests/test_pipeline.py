@@ -142,6 +142,31 @@ def test_a_killed_llc_leaves_no_partial_file_and_reruns_to_the_same_bytes(finish
     assert (run_dir / "llc.parquet").read_bytes() == ref
 
 
+def test_a_killed_aggregate_leaves_no_partial_file_and_reruns_to_the_same_tables(finished):
+    """SIGKILL `snakemake`'s aggregate job at several moments: every table is absent or complete (readable),
+    never partial; the rerun through snakemake writes the same tables as before (issue 14 faults)."""
+    import signal
+    import time
+
+    d = finished
+    agg = d / "results/aggregate"
+    ref = {f.name: read_parquet(f) for f in agg.glob("*.parquet")}
+    for delay in (1.0, 3.0):
+        proc = subprocess.Popen([sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"),
+                                 "--directory", str(d), "--cores", "1", "--forcerun", "aggregate", "--until",
+                                 "aggregate"], cwd=d, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        time.sleep(delay)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        for f in agg.glob("*.parquet"):
+            read_parquet(f)   # complete if present
+    snakemake(d, "--cores", "1")
+    import pandas as pd
+    for name, df in ref.items():
+        pd.testing.assert_frame_equal(read_parquet(agg / name), df)
+
+
 def test_invalid_params_stop_before_any_job(tmp_path):
     p = tiny_params()
     p["train"]["lr_schedule"]["kind"] = "cyclic"
