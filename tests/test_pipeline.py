@@ -161,7 +161,7 @@ def test_a_killed_aggregate_leaves_no_partial_file_and_reruns_to_the_same_tables
         proc.wait()
         for f in agg.glob("*.parquet"):
             read_parquet(f)   # complete if present
-    snakemake(d, "--cores", "1")
+    snakemake(d)
     import pandas as pd
     for name, df in ref.items():
         pd.testing.assert_frame_equal(read_parquet(agg / name), df)
