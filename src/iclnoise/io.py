@@ -145,22 +145,22 @@ def read_parquet(path: str | os.PathLike, schema: pa.Schema | None = None) -> pd
     return table.to_pandas()
 
 
-def write_json(obj: Any, path: str | os.PathLike) -> None:
+def write_bytes(data: bytes, path: str | os.PathLike) -> None:
+    """Write `data` to `path` atomically (a temporary file in the same directory, then a rename)."""
     final, tmp = atomic_path(path)
     try:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        tmp.write_bytes(data)
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_json(obj: Any, path: str | os.PathLike) -> None:
+    write_bytes((json.dumps(obj, indent=2, sort_keys=True) + "\n").encode(), path)
 
 
 def write_text(text: str, path: str | os.PathLike) -> None:
-    final, tmp = atomic_path(path)
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, final)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_bytes(text.encode(), path)
 
 
 def read_json(path: str | os.PathLike) -> Any:

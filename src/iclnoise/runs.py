@@ -18,12 +18,11 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 from pathlib import Path
 
 import torch
 
-from .io import atomic_path, read_json
+from .io import read_json, write_bytes
 from .tasks import BatchSampler, pool_for
 
 CKPT_DIR = "checkpoints"
@@ -51,14 +50,8 @@ def save_torch(obj: dict, path: str | Path) -> str:
     """torch.save atomically (temporary file + rename); returns the sha256 of the bytes written."""
     buf = io.BytesIO()
     torch.save(obj, buf)
-    data = buf.getvalue()
-    final, tmp = atomic_path(path)
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, final)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return hashlib.sha256(data).hexdigest()
+    write_bytes(buf.getvalue(), path)
+    return hashlib.sha256(buf.getvalue()).hexdigest()
 
 
 def load_torch(path: str | Path, device: str | torch.device = "cpu", expect_sha: str | None = None) -> dict:
