@@ -118,7 +118,10 @@ def canonical(text: str) -> str:
     for pattern, line in ((r"(?m)^  D: .*$", "  D: 4"), (r"(?m)^  M: \[.*$", "  M: [1, 4, 16, 64, 256, inf]"),
                           (r"(?m)^  seeds: \[0, 1, 2\].*$", "  seeds: [0, 1]"),
                           (r"(?m)^  budget: .*$", "  budget: {mode: steps, steps: 2500}"),
-                          (r"\{lr: [0-9.e+-]+,", "{lr: 0.002,")):
+                          (r"\{lr: [0-9.e+-]+,", "{lr: 0.002,"),
+                          (r"early, fraction: 0.3, budget: [0-9.e+-]+", "early, fraction: 0.3, budget: 4.0e+6"),
+                          (r"(?m)^  n_sequences: \d+", "  n_sequences: 1024"),
+                          (r"(?m)^(llc:\n(?:  .*\n)*?)  every: \d+ ", r"\1  every: 8 ")):
         text, n = re.subn(pattern, line, text, count=1)
         assert n == 1, pattern
     return text
