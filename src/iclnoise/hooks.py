@@ -43,7 +43,9 @@ from .noise import CovModel, PIController, shaped_covariance, target_at, window
 from .tasks import Batch, _seed_mix
 
 _NOISE, _PROBE = 0x7015E, 0xC0A7
-MAX_LOG_SCALE = 30.0  # caps an unreachable budget (clipping saturates the injected exposure)
+MAX_LOG_SCALE = 30.0  # bounds the controller's log-scale
+SATURATION = 9.0      # under clipping, s ≤ SATURATION·|g|²/Tr R': 90 % of the reachable injected exposure (more
+                      # noise only replaces the gradient, never adds exposure: see exposure.budget_scale)
 
 
 @dataclass
@@ -177,9 +179,10 @@ class NoiseInjector:
             return self.ctl.update(pne, ctx.step / self.total) if pne is not None else math.exp(self.ctl.log_s)
         if self.budget is None:
             return 1.0
-        left = self.stop - ctx.step
-        s = budget_scale(max(0.0, self.budget - self.realised) / left, curv, unit, self._grad_sq(ctx), self._trace,
-                         self.clip)
+        left, g2 = self.stop - ctx.step, self._grad_sq(ctx)
+        s = budget_scale(max(0.0, self.budget - self.realised) / left, curv, unit, g2, self._trace, self.clip)
+        if self.clip is not None and self._trace > 0:  # an unreachable target saturates, it does not explode
+            s = min(s, SATURATION * g2 / self._trace)
         return min(s, math.exp(MAX_LOG_SCALE))
 
     @staticmethod
