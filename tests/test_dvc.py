@@ -141,11 +141,11 @@ def test_dvc_from_a_fresh_clone_repro_push_pull_noop_and_partial_rerun(tmp_path)
 
     # an experiment on the learning rate: retrains, and is listed with its parameter value
     before = read_parquet(a / "results/runs/M1-B16-none-s0/metrics.parquet")
-    exp = dvc(a, "exp", "run", "-S", "train.optimizer.lr=0.003")
+    exp = dvc(a, "exp", "run", "-S", "train.optimizer.lr=0.005")  # the default is 0.003
     assert "Ran experiment" in exp.stdout + exp.stderr
     table = dvc(a, "exp", "show", "--no-pager", "--csv").stdout
     rows = list(csv.DictReader(io.StringIO(table)))
-    exps = [r for r in rows if r["Experiment"] and r["train.optimizer.lr"] == "0.003"]  # named experiment rows
+    exps = [r for r in rows if r["Experiment"] and r["train.optimizer.lr"] == "0.005"]  # named experiment rows
     assert len(exps) == 1, table[-3000:]
     if not METRICS_JSON_PENDING:
         assert any(k.startswith("thresholds.") and v not in ("", "-") for k, v in exps[0].items()), exps[0]
