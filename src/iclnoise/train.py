@@ -292,9 +292,10 @@ class Ensemble:
     def run(self, progress: bool, stop_after: int | None = None) -> None:
         R, members = len(self.members), self.members
         frozen = torch.tensor([m.diverged for m in members])
-        if self.start == 0:
-            for r in range(R):
-                self.checkpoint(r, 0)
+        if self.start == 0:  # a run resumed at step 0 already has its step-0 checkpoint: keep it untouched
+            for r, m in enumerate(members):
+                if m.resume is None:
+                    self.checkpoint(r, 0)
         desc = members[0].run_id if R == 1 else f"{R} runs B{self.B} {members[0].spec['keys']['noise']}"
         bar = tqdm(range(self.start, self.total), initial=self.start, total=self.total, desc=desc,
                    disable=not progress, mininterval=1.0, dynamic_ncols=True)
