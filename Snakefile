@@ -2,6 +2,7 @@
 # parse time, so a bad value stops the workflow before any job starts. Rules stay thin: each
 # calls one `iclnoise <command>`; the package never imports Snakemake.
 import json
+import shlex
 from pathlib import Path
 
 from snakemake.utils import min_version

@@ -412,3 +412,28 @@ def test_overrides_merge_as_snakemake_does_and_are_read_strictly(tmp_path):
     for call in (lambda: load_params("params.yaml", [dup]), lambda: check_yaml_files(["params.yaml", dup])):
         with pytest.raises(ParamsError, match=rf"{dup}, line 3: key grid.seeds is given twice \(first at line 2\)"):
             call()
+
+
+def test_each_runs_several_commands_in_one_process(monkeypatch, capsys):
+    """`iclnoise each -- A -- B` (one probe job per run): both commands run, in order, under their own
+    log prefix; a list without a leading -- or with an unknown command is refused before anything runs."""
+    monkeypatch.delenv("ICLNOISE_LOG_LEVEL", raising=False)
+    assert iclnoise_cli.split_each(["--", "llc", "--every", "2", "--", "stages", "--run-dir", "d"]) == [
+        ["llc", "--every", "2"], ["stages", "--run-dir", "d"]]
+    with pytest.raises(SystemExit, match="start every command with --"):
+        iclnoise_cli.split_each(["llc", "--every", "2"])
+    root, pkg = logging.getLogger(), logging.getLogger("iclnoise")
+    saved = (root.handlers[:], root.level, pkg.level)
+    try:
+        iclnoise_cli.main(["each", "--", "check", "params.yaml", "--", "check", "params.yaml", "--configfile",
+                           "configs/noise.yaml"])
+        out = capsys.readouterr().out
+        assert out.index("params.yaml: valid") < out.index("params.yaml + configs/noise.yaml: valid")
+        with pytest.raises(SystemExit, match="'lcc'] is not a command; allowed: train"):
+            iclnoise_cli.main(["each", "--", "check", "params.yaml", "--", "lcc", "--run-dir", "x"])
+        assert "valid" not in capsys.readouterr().out
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+        pkg.setLevel(saved[2])
+        logging.captureWarnings(False)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from iclnoise.llc import LLCConfig, estimate_llc, mala_log_ratio, sgld_chains
+from iclnoise.llc import LLCConfig, estimate_llc, estimate_llcs, mala_log_ratio, sgld_chains
 from iclnoise.model import ModelConfig, build_model, mse_loss
 from iclnoise.runs import select_steps
 from iclnoise.tasks import BatchSampler, task_pool
@@ -252,6 +252,28 @@ def test_invariances(tiny_checkpoint, method):
     # deterministic given the seed, different for another seed
     np.testing.assert_array_equal(sgld_chains(m, mse_loss, xs, ys, cfg).loss, base)
     assert not np.allclose(sgld_chains(m, mse_loss, xs, ys, LLCConfig(**{**cfg.__dict__, "seed": 1})).loss, base)
+
+
+@pytest.mark.parametrize("method", ["sgld", "rmsprop_sgld"])
+def test_many_checkpoints_in_one_pass_equal_one_at_a_time(tiny_checkpoint, method):
+    """The batched pass over several w* (a run's checkpoints, iclnoise.probes) gives each the estimate, the
+    traces and the MALA rate it gets alone: the same generators, only the summation order differs."""
+    m, xs, ys, *_ = tiny_checkpoint
+    cfg = LLCConfig(epsilon=1e-4, gamma=100.0, chains=3, burn_in=5, draws=20, batch=32, n=256, method=method)
+    w = {k: v.detach() for k, v in m.named_parameters()}
+    gen = torch.Generator().manual_seed(0)
+    centers = [w, {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in w.items()},
+               {k: 0.5 * v for k, v in w.items()}]
+    together = estimate_llcs(m, mse_loss, xs, ys, cfg, centers)
+    for c, r in zip(centers, together):
+        alone = build_model(m.cfg, 1)
+        alone.load_state_dict({**alone.state_dict(), **c})
+        a = estimate_llc(alone, mse_loss, xs, ys, cfg)
+        assert r.init_loss == pytest.approx(a.init_loss, rel=1e-6)
+        np.testing.assert_allclose(r.traces, a.traces, rtol=1e-4, atol=1e-6)
+        assert r.llc_mean == pytest.approx(a.llc_mean, rel=1e-3, abs=1e-3)
+        assert r.mala_accept == pytest.approx(a.mala_accept, abs=1e-3)
+    assert len({round(r.llc_mean, 3) for r in together}) == 3  # the centers are really different
 
 
 def test_flags_divergence_and_checkpoint_selection(tiny_checkpoint):

@@ -25,6 +25,7 @@ COMMANDS = {  # command -> (module whose `cli` (or `cli_<command>`, or the funct
     "aggregate": ("iclnoise.aggregate", "outcomes, thresholds and hypothesis tests over all runs"),
     "report": ("iclnoise.report", "results/report.md from the aggregate tables and figures"),
     "check": ("iclnoise.config", "validate a params file, print the grid and its cost estimate"),
+    "each": ("iclnoise.cli", "several commands in one process: iclnoise each -- llc ARGS -- geometry ARGS ..."),
 }
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_ENV = "ICLNOISE_LOG_LEVEL"
@@ -76,12 +77,31 @@ def main(argv: list[str] | None = None) -> None:
         print(f"usage: iclnoise [--log-level {{{','.join(LEVELS)}}}] <command> [options]\n\n"
               f"commands:\n{lines}\n\nlog level: --log-level, else ${LOG_ENV}, else INFO")
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    cmds = split_each(argv[1:]) if argv[0] == "each" else [argv]
+    for cmd in cmds:  # all checked before the first runs
+        if not cmd or cmd[0] not in COMMANDS or cmd[0] == "each":
+            raise SystemExit(f"iclnoise each: {cmd[:1]} is not a command; allowed: {', '.join(COMMANDS)}")
+    for cmd in cmds:
+        run_command(level, cmd)
+
+
+def split_each(argv: list[str]) -> list[list[str]]:
+    """`-- llc A -- stages B` → [["llc", *A], ["stages", *B]]: the commands one `iclnoise each` process runs
+    in order (a probe job pays the interpreter and torch start-up once, not once per probe)."""
+    out: list[list[str]] = []
+    for a in argv:
+        if a == "--":
+            out.append([])
+        elif not out:
+            raise SystemExit("iclnoise each: start every command with --, e.g. iclnoise each -- llc ... -- mech ...")
+        else:
+            out[-1].append(a)
+    return out
+
+
+def run_command(level: str, argv: list[str]) -> None:
     setup_logging(level, argv[0])
     module = importlib.import_module(COMMANDS[argv[0]][0])
     name = argv[0].replace("-", "_")
     fn = getattr(module, name if module.__name__ == "iclnoise.commands" else "cli_" + name, None) or module.cli
     fn(argv[1:])
-
-
-if __name__ == "__main__":
-    main()

@@ -113,11 +113,11 @@ def preconditioner(opt: torch.optim.Optimizer, fallback_grads: bool = True) -> t
 
     Before the first update there is no v; then v̂_1 = g² is what the first update will use, so the
     current gradients stand in (or None when `fallback_grads` is False or there are none)."""
-    parts = []
+    parts, state = [], opt.state  # read once: an ensemble run's view builds it on access
     for group in opt.param_groups:
         b2, eps = group["betas"][1], group["eps"]
         for p in group["params"]:
-            st = opt.state.get(p)
+            st = state.get(p)
             if st and "exp_avg_sq" in st:
                 parts.append(adam_a(st["exp_avg_sq"], st["step"], b2, eps))
             elif fallback_grads and p.grad is not None:
@@ -202,11 +202,12 @@ def update_innovation_variance(opt: torch.optim.Optimizer, G: torch.Tensor, batc
     g0 = opt.param_groups[0]
     b1, b2, eps, lr = g0["betas"][0], g0["betas"][1], g0["eps"], g0["lr"]
     params = [p for g in opt.param_groups for p in g["params"]]
-    if any("exp_avg" not in opt.state.get(p, {}) for p in params):
+    state = opt.state
+    if any("exp_avg" not in state.get(p, {}) for p in params):
         return math.nan
-    m = torch.cat([opt.state[p]["exp_avg"].reshape(-1) for p in params])
-    v = torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1) for p in params])
-    t = float(opt.state[params[0]]["step"]) + 1
+    m = torch.cat([state[p]["exp_avg"].reshape(-1) for p in params])
+    v = torch.cat([state[p]["exp_avg_sq"].reshape(-1) for p in params])
+    t = float(state[params[0]]["step"]) + 1
     K = G.shape[0]
     mean = G.mean(0)
     G = mean + (G - mean) * math.sqrt(1.0 / K)   # m/B = 1/K

@@ -120,18 +120,25 @@ def mala_log_ratio(u_t: torch.Tensor, u_next: torch.Tensor, fwd_sq: torch.Tensor
 
 def sgld_chains(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: torch.Tensor,
                 cfg: LLCConfig, chains: list[int] | None = None, vectorize: bool = True,
-                progress: bool = False) -> Chains:
-    """Run localized SGLD (or RMSProp-SGLD) chains from the model's parameters."""
+                progress: bool = False, centers: list[dict[str, torch.Tensor]] | None = None) -> Chains:
+    """Run localized SGLD (or RMSProp-SGLD) chains from the model's parameters, or from each of
+    `centers` (several w*, e.g. the checkpoints of a run, sampled in one batched pass).
+
+    Rows are center-major: row j·C + c is chain c around centers[j], with the generator chain c has
+    alone, so one call over many centers equals separate calls up to float summation order."""
     chains = list(range(cfg.chains)) if chains is None else chains
-    C, steps, n = len(chains), cfg.burn_in + cfg.draws, xs.shape[0]
+    centers = centers or [{k: v.detach() for k, v in model.named_parameters()}]
+    Cc, steps, n = len(chains), cfg.burn_in + cfg.draws, xs.shape[0]
+    C = Cc * len(centers)
     nbeta, eps, gamma = cfg.resolved_nbeta(), cfg.epsilon, cfg.gamma
     rms = cfg.method == "rmsprop_sgld"
     full_batch = cfg.batch >= n     # the whole sampling set every step; otherwise batches with replacement
-    w0 = {k: v.detach() for k, v in model.named_parameters()}
+    w0 = {k: torch.stack([c[k].detach() for c in centers]).repeat_interleave(Cc, 0)
+          for k, _ in model.named_parameters()}
     buffers = {k: v.detach() for k, v in model.named_buffers()}
-    w = {k: v.unsqueeze(0).repeat(C, *[1] * v.dim()).clone() for k, v in w0.items()}
+    w = {k: v.clone() for k, v in w0.items()}
     sq_avg = {k: torch.zeros_like(v) for k, v in w.items()} if rms else None
-    gens = _chain_generators(cfg.seed, chains, xs.device)
+    gens = [g for _ in centers for g in _chain_generators(cfg.seed, chains, xs.device)]
 
     def loss_at(params, x, y):
         return loss_fn(lambda a, b: functional_call(model, (params, buffers), (a, b)), x, y)
@@ -224,19 +231,33 @@ def diagnose(traces: np.ndarray, init_loss: float, nbeta: float, burn_in: int) -
             "not_levelled": not_levelled}
 
 
+def estimate_llcs(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: torch.Tensor, cfg: LLCConfig,
+                  centers: list[dict[str, torch.Tensor]], vectorize: bool = True,
+                  progress: bool = False) -> list[LLCResult]:
+    """λ̂ at each of `centers` (parameter dicts of `model`'s shape) on the sampling dataset (xs, ys) of
+    size n: all chains of all centers in one batched SGLD pass (`sgld_chains`)."""
+    if xs.shape[0] != cfg.n:
+        raise ValueError(f"sampling dataset has {xs.shape[0]} sequences, config says n = {cfg.n}")
+    buffers = dict(model.named_buffers())
+    inits = [full_loss(lambda a, b, c=c: functional_call(model, (c, buffers), (a, b)), loss_fn, xs, ys)
+             for c in centers]
+    ch = sgld_chains(model, loss_fn, xs, ys, cfg, vectorize=vectorize, progress=progress, centers=centers)
+    nbeta, C, out = cfg.resolved_nbeta(), cfg.chains, []
+    for j, init in enumerate(inits):
+        loss, accept = ch.loss[j * C:(j + 1) * C], ch.accept[j * C:(j + 1) * C]
+        per_chain = nbeta * (loss[:, cfg.burn_in:].mean(1) - init)
+        acc = accept[:, max(cfg.burn_in - 1, 0):]
+        out.append(LLCResult(float(per_chain.mean()), float(per_chain.std(ddof=1)) if C > 1 else 0.0,
+                             per_chain, init, loss, nbeta, float(np.nanmean(acc)) if acc.size else float("nan"),
+                             diagnose(loss, init, nbeta, cfg.burn_in)))
+    return out
+
+
 def estimate_llc(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: torch.Tensor,
                  cfg: LLCConfig, vectorize: bool = True, progress: bool = False) -> LLCResult:
     """λ̂ at the model's current parameters on the sampling dataset (xs, ys) of size n."""
-    if xs.shape[0] != cfg.n:
-        raise ValueError(f"sampling dataset has {xs.shape[0]} sequences, config says n = {cfg.n}")
-    init = full_loss(model, loss_fn, xs, ys)
-    ch = sgld_chains(model, loss_fn, xs, ys, cfg, vectorize=vectorize, progress=progress)
-    nbeta = cfg.resolved_nbeta()
-    per_chain = nbeta * (ch.loss[:, cfg.burn_in:].mean(1) - init)
-    acc = ch.accept[:, max(cfg.burn_in - 1, 0):]
-    return LLCResult(float(per_chain.mean()), float(per_chain.std(ddof=1)) if len(per_chain) > 1 else 0.0,
-                     per_chain, init, ch.loss, nbeta, float(np.nanmean(acc)) if acc.size else float("nan"),
-                     diagnose(ch.loss, init, nbeta, cfg.burn_in))
+    center = {k: v.detach() for k, v in model.named_parameters()}
+    return estimate_llcs(model, loss_fn, xs, ys, cfg, [center], vectorize, progress)[0]
 
 
 # ---------------------------------------------------------------- per-run pipeline step

@@ -121,9 +121,11 @@ def _ridge_path(X: np.ndarray, Y: np.ndarray, lambdas: np.ndarray) -> list[tuple
     mu, sd = X.mean(0), X.std(0)
     sd = np.where(sd > 1e-12, sd, 1.0)
     Z = (X - mu) / sd
-    U, S, Vt = np.linalg.svd(Z, full_matrices=False)
-    UtY = U.T @ (Y - Y.mean(0))
-    return [(mu, sd, Vt.T @ ((S / (S ** 2 + lam * len(X)))[:, None] * UtY)) for lam in lambdas]
+    # W = (ZᵀZ + λn I)⁻¹ Zᵀ(Y − Ȳ) through the eigenpairs of ZᵀZ = V S² Vᵀ (p × p, p = d_model): the
+    # same path as the SVD of Z, at a fraction of its cost for n ≫ p
+    s2, V = np.linalg.eigh(Z.T @ Z)
+    VtZtY = V.T @ (Z.T @ (Y - Y.mean(0)))
+    return [(mu, sd, V @ (VtZtY / (np.clip(s2, 0.0, None) + lam * len(X))[:, None])) for lam in lambdas]
 
 
 def _predict(X: np.ndarray, Ytr_mean: np.ndarray, fit: tuple) -> np.ndarray:
@@ -146,11 +148,13 @@ def ridge_probe_r2(feats: torch.Tensor, target: torch.Tensor, groups: np.ndarray
     rng = np.random.default_rng(seed)
     sse = sst = 0.0
     for test in _folds(len(X), n_outer, groups, rng):
-        train = np.setdiff1d(np.arange(len(X)), test)
+        train = np.ones(len(X), bool)
+        train[test] = False
         Xt, Yt, gt = X[train], Y[train], None if groups is None else groups[train]
         cv = np.zeros(len(LAMBDAS))
         for val in _folds(len(Xt), n_inner, gt, rng):
-            fit_idx = np.setdiff1d(np.arange(len(Xt)), val)
+            fit_idx = np.ones(len(Xt), bool)
+            fit_idx[val] = False
             ym = Yt[fit_idx].mean(0)
             for i, fit in enumerate(_ridge_path(Xt[fit_idx], Yt[fit_idx], LAMBDAS)):
                 cv[i] += ((Yt[val] - _predict(Xt[val], ym, fit)) ** 2).sum()

@@ -60,15 +60,19 @@ class Attention(nn.Module):
         self.scale = 1.0 / math.sqrt(cfg.d_head)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q = self.hook_q(torch.einsum("bpd,hde->bphe", x, self.W_Q) + self.b_Q)
-        k = self.hook_k(torch.einsum("bpd,hde->bphe", x, self.W_K) + self.b_K)
-        v = self.hook_v(torch.einsum("bpd,hde->bphe", x, self.W_V) + self.b_V)
-        n = x.shape[1]
-        scores = torch.einsum("bqhe,bkhe->bhqk", q, k) * self.scale
+        # One (d, 3·h·d_head) matmul for q, k, v and batched matmuls for the pattern: the same maths as
+        # einsum("bpd,hde->bphe") per head, 2-4x faster on small CPU tensors and under vmap (bench/).
+        b, n, d = x.shape
+        h, e = self.W_Q.shape[0], self.W_Q.shape[2]
+        W = torch.cat([w.transpose(0, 1).reshape(d, h * e) for w in (self.W_Q, self.W_K, self.W_V)], 1)
+        bias = torch.cat([self.b_Q.reshape(-1), self.b_K.reshape(-1), self.b_V.reshape(-1)])
+        q, k, v = (x @ W + bias).view(b, n, 3, h, e).unbind(2)
+        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
+        scores = torch.matmul(q.transpose(1, 2), k.permute(0, 2, 3, 1)) * self.scale
         scores = self.hook_attn_scores(scores.masked_fill(self.mask[:n, :n], float("-inf")))
         pattern = self.hook_pattern(F.softmax(scores, dim=-1))
-        z = self.hook_z(torch.einsum("bhqk,bkhe->bqhe", pattern, v))
-        return torch.einsum("bqhe,hed->bqd", z, self.W_O) + self.b_O
+        z = self.hook_z(torch.matmul(pattern, v.transpose(1, 2)).transpose(1, 2))
+        return z.reshape(b, n, h * e) @ self.W_O.reshape(h * e, d) + self.b_O
 
 
 class MLP(nn.Module):

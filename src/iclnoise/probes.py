@@ -35,11 +35,16 @@ from .ed import (
 )
 from .geometry import GEOMETRY_SCHEMA, geometry_at
 from .io import read_json, read_parquet, write_parquet
-from .llc import LLC_SCHEMA, TRACE_SCHEMA, LLCConfig, estimate_llc
+from .llc import LLC_SCHEMA, TRACE_SCHEMA, LLCConfig, estimate_llcs
 from .mech import MECH_SCHEMA, mech_at
 from .stages import STAGES_SCHEMA, stages
 
 log = logging.getLogger(__name__)
+
+
+# sequences in one batched SGLD pass (chains × checkpoints × mini-batch): the checkpoints of a run are
+# sampled together up to this, which keeps memory bounded on the paper model's 8 × 1024-sequence chains
+LAUNCH_SEQUENCES = 8192
 
 
 def sampling_data(spec: dict, n: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,24 +86,28 @@ def llc_for_run(run_dir: str | Path, cfg: LLCConfig, every: int = 1, progress: b
     rows, traces = [], []
     avail = runs.checkpoint_steps(run_dir)
     chosen = steps_at(avail, at["linear"], at["log"]) if at else runs.select_steps(avail, every)
-    for step in tqdm(chosen,
-                     desc=f"LLC {spec['keys']['run_id']}", disable=not show, mininterval=5):
-        model = runs.load_model(run_dir, step)
+    per = max(1, LAUNCH_SEQUENCES // (cfg.chains * min(cfg.batch, cfg.n)))  # checkpoints per batched pass
+    for i in tqdm(range(0, len(chosen), per), desc=f"LLC {spec['keys']['run_id']}", disable=not show,
+                  mininterval=5):
+        steps = chosen[i:i + per]
+        models = [runs.load_model(run_dir, step) for step in steps]
+        centers = [{k: v.detach() for k, v in m.named_parameters()} for m in models]
         t0 = time.perf_counter()
-        r = estimate_llc(model, mse_loss, xs, ys, cfg)
-        log.info("step %d: λ̂ = %.3f ± %.3f, MALA acceptance %.3f, %.1f s", step, r.llc_mean, r.llc_std,
-                 r.mala_accept, time.perf_counter() - t0)
-        rows.append({**spec["keys"], "step": step, "llc_mean": r.llc_mean, "llc_std": r.llc_std,
-                     "llc_se": r.llc_std / math.sqrt(cfg.chains), "llc_per_chain": r.llc_per_chain.tolist(),
-                     "init_loss": r.init_loss, "mean_sampling_loss": float(r.traces[:, cfg.burn_in:].mean()),
-                     "mala_accept": r.mala_accept, **r.flags, "method": cfg.method,
-                     "epsilon": cfg.epsilon, "gamma": cfg.gamma, "nbeta": r.nbeta,
-                     "chains": cfg.chains, "burn_in": cfg.burn_in, "draws": cfg.draws, "batch_size": cfg.batch,
-                     "n": cfg.n})
-        keep = np.unique(np.linspace(0, r.traces.shape[1] - 1,
-                                     min(cfg.trace_points, r.traces.shape[1])).astype(int))
-        traces += [{"run_id": spec["keys"]["run_id"], "step": step, "chain": c, "sgld_step": int(t),
-                    "loss": float(r.traces[c, t])} for c in range(cfg.chains) for t in keep]
+        results = estimate_llcs(models[0], mse_loss, xs, ys, cfg, centers)
+        log.info("steps %s: %d chains each, one batched pass, %.1f s", steps, cfg.chains, time.perf_counter() - t0)
+        for step, r in zip(steps, results):
+            log.info("step %d: λ̂ = %.3f ± %.3f, MALA acceptance %.3f", step, r.llc_mean, r.llc_std, r.mala_accept)
+            rows.append({**spec["keys"], "step": step, "llc_mean": r.llc_mean, "llc_std": r.llc_std,
+                         "llc_se": r.llc_std / math.sqrt(cfg.chains), "llc_per_chain": r.llc_per_chain.tolist(),
+                         "init_loss": r.init_loss, "mean_sampling_loss": float(r.traces[:, cfg.burn_in:].mean()),
+                         "mala_accept": r.mala_accept, **r.flags, "method": cfg.method,
+                         "epsilon": cfg.epsilon, "gamma": cfg.gamma, "nbeta": r.nbeta,
+                         "chains": cfg.chains, "burn_in": cfg.burn_in, "draws": cfg.draws, "batch_size": cfg.batch,
+                         "n": cfg.n})
+            keep = np.unique(np.linspace(0, r.traces.shape[1] - 1,
+                                         min(cfg.trace_points, r.traces.shape[1])).astype(int))
+            traces += [{"run_id": spec["keys"]["run_id"], "step": step, "chain": c, "sgld_step": int(t),
+                        "loss": float(r.traces[c, t])} for c in range(cfg.chains) for t in keep]
     df = pd.DataFrame(rows)
     write_parquet(pd.DataFrame(traces), run_dir / "llc_traces.parquet", TRACE_SCHEMA)
     write_parquet(df, run_dir / "llc.parquet", LLC_SCHEMA)

@@ -5,15 +5,23 @@ def run_files(name):
 EXPOSURE = PARAMS.get("exposure", {}).get("enabled", False)
 
 
-def probe_files(section, name):
-    """Per-run files of a probe section (llc, geometry, mech): none when it is disabled, and only the
-    runs whose seed is in `<section>.seeds` when that is set."""
+def probe_runs(section):
+    """The runs a probe section (llc, geometry, mech) covers: none when it is disabled, and only the runs
+    whose seed is in `<section>.seeds` when that is set."""
     cfg = PARAMS.get(section, {})
     if not cfg.get("enabled", False):
         return []
     seeds = cfg.get("seeds")
-    runs = [r for r in RUNS if seeds is None or parse_run_id(r).seed in seeds]
-    return expand(f"{RES}/runs/{{run}}/{name}", run=runs)
+    return [r for r in RUNS if seeds is None or parse_run_id(r).seed in seeds]
+
+
+def probe_files(section, name):
+    """Per-run files of a probe section, for the runs it covers."""
+    return expand(f"{RES}/runs/{{run}}/{name}", run=probe_runs(section))
+
+
+def probe_sections(run):
+    return [s for s in ("llc", "geometry", "mech") if run in probe_runs(s)]
 
 
 CONDA_ENV = "../envs/iclnoise.yaml"
