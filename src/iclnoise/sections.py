@@ -197,7 +197,8 @@ class LRSchedule(Section):
 class Controller(Section):
     """noise.conditions.<name>.controller: PI gains on log P-NE* (iclnoise.noise.PIController)."""
 
-    SECTION: ClassVar[str] = "noise.conditions.*.controller"
+    SECTION: ClassVar[str] = "noise.conditions.<name>.controller"
+    SCHEMA: ClassVar[str] = "noise.conditions.*.controller"
     kp: float
     ki: float
     initial_scale: float | None = None  # None: the open-loop estimate (iclnoise.hooks); not read otherwise
