@@ -233,3 +233,22 @@ def test_no_module_reads_a_params_key_with_an_inline_default():
     found = [(str(p.relative_to(PKG)), line, key) for p in sorted(PKG.rglob("*.py"))
              for line, key in inline_defaults(p.read_text(encoding="utf-8"))]
     assert [f for f in found if (f[0], f[2]) not in KNOWN] == []
+
+
+def test_build_hooks_reads_the_typed_sections_and_names_a_missing_key():
+    import torch
+
+    from iclnoise.config import run_spec
+    from iclnoise.hooks import build_hooks
+
+    p = validate_params(read_yaml("params.yaml"))
+    spec = run_spec(p, "M4-B64-late-s0")
+    logger, inj = build_hooks(spec, torch.device("cpu"))
+    T, late = spec["train"]["steps"], p["noise"]["conditions"]["late"]
+    assert (logger.name, inj.name, inj.shape, inj.budget) == ("exposure", "injection", "diagonal", late["budget"])
+    assert (inj.start, inj.stop) == (T - round(late["fraction"] * T), T)
+    assert logger.n_heldout == p["exposure"]["heldout"]
+    assert build_hooks(run_spec(p, "M4-B64-grad_b16-s0"), torch.device("cpu"))[1].rank == 4
+    del spec["exposure"]["heldout"]
+    with pytest.raises(ValueError, match="exposure.heldout is missing"):
+        build_hooks(spec, torch.device("cpu"))

@@ -95,7 +95,7 @@ def _noise_fields(spec: dict) -> dict:
     """Source, schedule, shape and level of a run's noise. The level is 1/B for batch noise and
     1/B_target for an emulated batch (an effective inverse batch size), else the budget or target. Absent
     schedule / shape (source none) read "none"; no emulated batch reads 0."""
-    n = NoiseCondition.from_dict(spec.get("noise") or {"source": "none"})  # a spec without noise: batch noise only
+    n = NoiseCondition.of_spec(spec)
     if n.source == "none":
         level = 1.0 / spec["keys"]["batch"]
     elif n.emulate_batch:

@@ -347,7 +347,7 @@ def build_hooks(spec: dict, device: torch.device) -> list[StepHook]:
     """The step hooks of one run, [exposure logger, injector] (either may be absent); injected noise
     needs the exposure section, which measures the covariance it is shaped from (validated). The spec's
     `exposure` and `noise` dicts become typed sections here, once."""
-    noise = NoiseCondition.from_dict(spec.get("noise") or {"source": "none"})  # no noise key: batch noise only
+    noise = NoiseCondition.of_spec(spec)
     log_exposure = enabled(spec.get("exposure"))
     if noise.source == "none" and not log_exposure:
         return []

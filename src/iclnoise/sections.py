@@ -235,6 +235,11 @@ class NoiseCondition(Section):
         c = super().from_dict(d)
         return dataclasses.replace(c, controller=Controller.from_dict(c.controller)) if c.controller is not None else c
 
+    @classmethod
+    def of_spec(cls, spec: dict) -> NoiseCondition:
+        """A run spec's noise condition; a spec without `noise` (older run.json) is batch noise only."""
+        return cls.from_dict(spec.get("noise") or {"source": "none"})
+
     @property
     def window_fraction(self) -> float:
         """The share of training the injection window spans (iclnoise.noise.window): `fraction` for
