@@ -13,6 +13,8 @@ from iclnoise.llc import LLC_SCHEMA
 from iclnoise.report import cli as report_cli
 from iclnoise.stats import logistic
 
+STATS = json.dumps({"alpha": 0.05, "equivalence_margin": 0.05, "transient_tol": 0.05})  # params.yaml stats
+
 
 def fake_run(root, M, B, seed, r_end, diverged=False, llc=None, ood_end=0.8, steps=1000, ridge=0.4, llc_flags=False):
     rid = f"M{'inf' if M == -1 else M}-B{B}-none-s{seed}"
@@ -59,7 +61,7 @@ def test_aggregate_outcomes_thresholds_tests_and_report(runs):
     fitted, but every threshold and every verdict that ran is gated and reads 'inconclusive'."""
     root, dirs = runs
     out = root / "aggregate"
-    aggregate_cli([str(d) for d in dirs] + ["--out", str(out), "--figures", str(root / "figures")])
+    aggregate_cli([str(d) for d in dirs] + ["--out", str(out), "--cfg", STATS, "--figures", str(root / "figures")])
     o = read_parquet(out / "outcomes.parquet")
     assert list(o.columns) == OUTCOMES_SCHEMA.names                 # one schema whichever probes ran
     assert len(o) == len(dirs) and o.diverged.sum() == 1            # diverged run kept and flagged
@@ -103,7 +105,7 @@ def test_planted_clean_transition_passes_every_gate_and_recovers_m_star(tmp_path
             r = float(np.clip(0.02 + 0.96 * logistic(np.log2(M), xk, 0.7) + 0.02 * rng.standard_normal(), 0, 1))
             dirs.append(fake_run(tmp_path / "runs", M, 16, seed, r, ood_end=0.42, llc=5.0))
     out = tmp_path / "aggregate"
-    aggregate_cli([str(d) for d in dirs] + ["--out", str(out), "--figures", str(tmp_path / "figures")])
+    aggregate_cli([str(d) for d in dirs] + ["--out", str(out), "--cfg", STATS, "--figures", str(tmp_path / "figures")])
     th = read_parquet(out / "thresholds.parquet").iloc[0]
     assert th.gates_passed and th.gate_failures == "" and th.reason == "", th.to_dict()
     assert th.M_star_lo <= 32 <= th.M_star_hi and th.M_star == pytest.approx(32, rel=0.3)
@@ -154,7 +156,7 @@ def test_exposure_and_geometry_tables_reach_the_outcomes(tmp_path):
     write_parquet(exp, d / "exposure.parquet", EXPOSURE_SCHEMA)
     write_parquet(_rows_for(GEOMETRY_SCHEMA, keys, 2), d / "geometry.parquet", GEOMETRY_SCHEMA)
     from iclnoise.aggregate import outcomes
-    o, _ = outcomes([d])
+    o, _ = outcomes([d], transient_tol=0.05)
     s = summarize(read_parquet(d / "exposure.parquet"))
     assert o.integrated_pne.iloc[0] == pytest.approx(s["integrated_pne"]) and np.isfinite(o.integrated_pne.iloc[0])
     assert o.integrated_pne_injected.iloc[0] == pytest.approx(s.get("integrated_pne_injected", np.nan), nan_ok=True)

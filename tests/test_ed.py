@@ -14,6 +14,7 @@ forms, each within ± tolerance; none = no form at all):
 At twice the noise (1 %; `python tests/test_ed.py 100 0.01`) see the report / README. The tests
 rerun 40 replicates per cell and assert the issue's thresholds (≥ 0.9 hit, ≥ 0.95 none).
 """
+import dataclasses
 import json
 import sys
 import time
@@ -22,12 +23,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from iclnoise.config import read_yaml
 from iclnoise.ed import (
-    DEFAULTS,
     bootstrap_curves,
     cusps,
     detect_events,
-    ed_config,
     forms,
     joint_pca,
     log_time,
@@ -41,11 +41,13 @@ from iclnoise.ed import (
 from iclnoise.evaluate import METRICS_SCHEMA, root_preds_schema
 from iclnoise.io import read_parquet, write_json, write_parquet
 from iclnoise.schedules import checkpoint_steps
+from iclnoise.sections import ED
 
 TOTAL = 2500
 NOISE = 0.005   # per-checkpoint noise of the observed curve, as a fraction of each PC's standard deviation
 B_SEQ = 64      # sequences behind each behavioural vector (the bootstrap resamples these)
 REPS = 40       # noisy replicates per (curve, density) in the tests
+DEFAULTS = ED.from_dict(read_yaml("params.yaml")["ed"])  # the default ed config the rates above describe
 
 
 def log_spaced(n: int) -> np.ndarray:
@@ -86,14 +88,14 @@ def noisy(curve: np.ndarray, rng: np.random.Generator, n_boot: int) -> np.ndarra
 def rates(curve_fn, truth: list[float], n_points: int, reps: int, cfg: dict | None = None,
           steps: np.ndarray | None = None, seed: int = 0) -> tuple[float, float]:
     """(fraction of replicates whose forms are exactly `truth` within ± tolerance, mean #forms)."""
-    cfg = ed_config(cfg or {})
+    cfg = dataclasses.replace(DEFAULTS, **(cfg or {}))
     tau = log_time(log_spaced(n_points) if steps is None else steps)
     rng = np.random.default_rng(seed)
     hits, n_forms = 0, []
     for _ in range(reps):
-        f = forms(detect_events(tau, noisy(curve_fn(tau), rng, cfg["n_boot"]), cfg), 3, cfg["tolerance"])
+        f = forms(detect_events(tau, noisy(curve_fn(tau), rng, cfg.n_boot), cfg), 3, cfg.tolerance)
         n_forms.append(len(f))
-        hits += len(f) == len(truth) and all(abs(a - b) <= cfg["tolerance"] for a, b in zip(f, truth))
+        hits += len(f) == len(truth) and all(abs(a - b) <= cfg.tolerance for a, b in zip(f, truth))
     return hits / reps, float(np.mean(n_forms))
 
 
@@ -104,7 +106,7 @@ CASES = {"one form": (lambda t: planted(t, ONE), ONE), "two forms": (lambda t: p
 
 
 def test_defaults_put_two_forms_a_window_apart():
-    assert TWO[1] - TWO[0] == 2 * DEFAULTS["tolerance"] > 2 * DEFAULTS["bandwidth"]
+    assert TWO[1] - TWO[0] == 2 * DEFAULTS.tolerance > 2 * DEFAULTS.bandwidth
 
 
 def test_event_free_curve_is_event_free():
@@ -122,8 +124,8 @@ def test_same_continuous_curve_same_forms_at_every_density():
         found = []
         for n in (20, 50, 200):
             tau = log_time(log_spaced(n))
-            f = forms(detect_events(tau, fn(tau), {}), 3, DEFAULTS["tolerance"])
-            ok = len(f) == len(truth) and all(abs(a - b) <= DEFAULTS["tolerance"] for a, b in zip(f, truth))
+            f = forms(detect_events(tau, fn(tau), DEFAULTS), 3, DEFAULTS.tolerance)
+            ok = len(f) == len(truth) and all(abs(a - b) <= DEFAULTS.tolerance for a, b in zip(f, truth))
             assert ok, (name, n, f)
             found.append(f)
         np.testing.assert_allclose(found[0], found[2], atol=0.1)   # the same forms (grid spacing 0.07)
@@ -158,11 +160,12 @@ def test_end_effects_give_no_vertex():
     v = 0.6 * u - 1                                    # y = v³ on [-1, -0.4]: |κ| grows toward v = −0.39
     for x, y in ((u, u ** 2 - 2 * u), (v, v ** 3), (fres[:, 0], fres[:, 1])):
         curve = np.stack([x, y, x + y], -1)
-        ev = [e for e in detect_events(tau, curve, {"n_form_pcs": 2}) if (e["pc_i"], e["pc_j"]) == (1, 2)]
+        two = dataclasses.replace(DEFAULTS, n_form_pcs=2)
+        ev = [e for e in detect_events(tau, curve, two) if (e["pc_i"], e["pc_j"]) == (1, 2)]
         assert ev == [], ev
     # a run that converges (the curve stalls for the last half of log-time): no vertex at the stall
     tau = log_time(np.concatenate([[0.0], np.geomspace(1, 1e5, 60)]))
-    assert forms(detect_events(tau, planted(tau, ONE, 2.5), {}), 3, 1.0) == [pytest.approx(4.0, abs=0.2)]
+    assert forms(detect_events(tau, planted(tau, ONE, 2.5), DEFAULTS), 3, 1.0) == [pytest.approx(4.0, abs=0.2)]
 
 
 def test_curvature_of_a_circle_and_ellipse_vertices_exactly():
@@ -261,7 +264,7 @@ def test_cli_end_to_end_and_predictor_projection(tmp_path):
     from iclnoise.figures.ed import cli_ed_figures
 
     dirs = [fake_run(tmp_path / "runs", M) for M in (1, 4, 16)]
-    cfg = json.dumps({"n_boot": 10})
+    cfg = json.dumps({**read_yaml("params.yaml")["ed"], "n_boot": 10})
     cli([str(d) for d in dirs] + ["--family", "fam", "--out", str(tmp_path / "ed"), "--cfg", cfg])
     pcs = read_parquet(tmp_path / "ed/pcs.parquet")
     assert set(pcs.kind) == {"run", "dmmse", "ridge"} and set(pcs[pcs.kind == "dmmse"].M) == {1, 4, 16}

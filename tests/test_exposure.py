@@ -166,7 +166,7 @@ def test_summaries_integrate_rows_over_their_intervals():
 def test_kappa_is_the_optimizers_long_run_diffusion_factor():
     """AdamW's dampened momentum: κ = 1 by default (not the heavy-ball 1/(1 − β1)² = 100 at β1 = 0.9)."""
     from iclnoise.exposure import kappa
-    assert kappa({}, 0.9) == 1.0 and kappa({"kappa": None}, 0.99) == 1.0 and kappa({"kappa": 2.5}, 0.9) == 2.5
+    assert kappa(None, 0.99) == 1.0 and kappa("calibrated", 0.9) == 1.0 and kappa(2.5, 0.9) == 2.5
 
 
 def test_preconditioner_uses_each_param_groups_own_eps_and_zeroes_dead_coordinates():

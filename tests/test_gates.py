@@ -4,9 +4,10 @@ import pandas as pd
 import pytest
 
 from iclnoise.aggregate import OUTCOMES_SCHEMA, _row, _verdicts, h1_noise_beyond_eta_b, hypothesis_tests
+from iclnoise.sections import Stats
 from iclnoise.stats import logistic
 
-CFG = {"alpha": 0.05, "equivalence_margin": 0.05}
+CFG = Stats(alpha=0.05, equivalence_margin=0.05, transient_tol=0.05)
 
 
 def table(rows: list[dict]) -> pd.DataFrame:

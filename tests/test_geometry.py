@@ -23,6 +23,7 @@ from iclnoise.io import read_parquet, write_json
 from iclnoise.model import ModelConfig, build_model, mse_loss
 from iclnoise.probes import geometry_for_run
 from iclnoise.runs import checkpoint_path, checkpoint_precond, sampler, save_torch
+from iclnoise.sections import Geometry
 from iclnoise.tasks import BatchSampler, task_pool
 
 CFG = ModelConfig(D=2, K=3, d_model=4, n_layers=1, n_heads=2, d_mlp=4)
@@ -189,7 +190,7 @@ def test_geometry_for_run_on_a_checkpoint_fixture(tmp_path):
                           "spec_hash": "x"}, checkpoint_path(run, 0)),
            20: save_torch(checkpoint_state(m, opt), checkpoint_path(run, 20))}
     write_json({str(k): v for k, v in man.items()}, run / "checkpoints.json")
-    cfg = {"probes": 4, "lanczos_iters": 10, "n_heldout": 16, "sam_batches": 3}
+    cfg = Geometry(probes=4, lanczos_iters=10, lanczos_tol=1e-3, sam_rho=0.05, sam_batches=3, n_heldout=16, seed=0)
     df = geometry_for_run(run, cfg)
     assert list(df.step) == [0, 20] and list(df.columns) == GEOMETRY_SCHEMA.names
     assert np.isnan(df.precond_trace[0]) and np.isfinite(df.precond_trace[1]) and df.n_dead[1] > 0
@@ -197,7 +198,7 @@ def test_geometry_for_run_on_a_checkpoint_fixture(tmp_path):
     state = checkpoint_state(m, opt)
     spec = {"keys": keys, "data": {"D": 2, "K": 3, "noise_var": 0.125, "pool_seed": 0}}
     held = sampler(spec, "geometry").batch(0, 16)
-    gen = torch.Generator().manual_seed(cfg.get("seed", 0) + 20)
+    gen = torch.Generator().manual_seed(cfg.seed + 20)
     hutchinson_trace(lambda v: v, sum(p.numel() for p in m.parameters()), 4, gen)      # the draws before it
     lanczos(lambda v: v, sum(p.numel() for p in m.parameters()), 10, gen)
     assert df.precond_trace[1] == pytest.approx(precond_trace(m, checkpoint_precond(state), held, 4, gen)[0], rel=1e-12)

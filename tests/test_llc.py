@@ -82,7 +82,7 @@ def known_model(name: str, n: int = 1000, seed: int = 0):
 
 
 KNOWN = ("linear_d4", "quartic", "product")
-BIAS_CFG = dict(gamma=1.0, chains=16, burn_in=200, draws=600, n=1000)
+BIAS_CFG = dict(gamma=1.0, chains=16, burn_in=200, draws=600, n=1000, seed=0)
 BIAS_EPS = {"sgld": 3e-4, "rmsprop_sgld": 1e-4}
 BATCHES = {"full": 1000, "mini": 100}
 
@@ -106,7 +106,7 @@ def test_regular_model_matches_the_discrete_time_closed_form():
     (P (I − εP/4))⁻¹, so E[λ̂] = Σ nβ a_i / (p_i (1 − ε p_i / 4)). At γ = 300, ε = 1e-3 that is far from
     both d/2 = 2 and the ε → 0 limit Σ nβ a_i / p_i, so the check pins nβ, γ and ε."""
     m, X, Y, _ = known_model("linear_d4")
-    cfg = LLCConfig(epsilon=1e-3, gamma=300.0, chains=8, burn_in=300, draws=1000, batch=1000, n=1000)
+    cfg = LLCConfig(seed=0, epsilon=1e-3, gamma=300.0, chains=8, burn_in=300, draws=1000, batch=1000, n=1000)
     nb = cfg.resolved_nbeta()
     a = torch.linalg.eigvalsh(X.T @ X / X.shape[0]).double().numpy()
     p = 2 * nb * a + cfg.gamma
@@ -136,7 +136,7 @@ def test_mala_acceptance_matches_an_independent_numpy_chain():
     X, Y = torch.zeros(4, 1), torch.zeros(4)
     rng = np.random.default_rng(0)
     for eps in (0.2, 0.8):
-        cfg = LLCConfig(epsilon=eps, gamma=0.0, nbeta=1.0, chains=16, burn_in=100, draws=400, batch=4, n=4)
+        cfg = LLCConfig(seed=0, epsilon=eps, gamma=0.0, nbeta=1.0, chains=16, burn_in=100, draws=400, batch=4, n=4)
         ours = estimate_llc(Free(), half_sq, X, Y, cfg).mala_accept
         w = np.zeros((4000, d))
         acc = []
@@ -151,7 +151,7 @@ def test_mala_acceptance_matches_an_independent_numpy_chain():
         ref = float(np.mean(acc))
         assert abs(ours - ref) < 0.03, (eps, ours, ref)
     assert estimate_llc(Free(), half_sq, X, Y, LLCConfig(epsilon=0.05, gamma=0.0, nbeta=1.0, chains=4, burn_in=20,
-                                                          draws=100, batch=4, n=4)).mala_accept > 0.97
+                                                          draws=100, batch=4, n=4, seed=0)).mala_accept > 0.97
 
 
 def test_mala_log_ratio_is_zero_for_a_flat_potential_and_an_exact_reverse():
@@ -167,13 +167,13 @@ def test_mala_log_ratio_is_zero_for_a_flat_potential_and_an_exact_reverse():
 def test_rmsprop_with_large_delta_is_sgld_with_a_smaller_step():
     """G = 1/(√V + δ) ≈ 1/δ when δ ≫ √V: RMSProp-SGLD at ε·δ follows plain SGLD at ε."""
     m, X, Y, _ = known_model("linear_d4")
-    base = dict(gamma=1.0, chains=2, burn_in=0, draws=50, batch=100, n=1000)
+    base = dict(gamma=1.0, chains=2, burn_in=0, draws=50, batch=100, n=1000, seed=0)
     plain = sgld_chains(m, mse, X, Y, LLCConfig(epsilon=1e-3, **base)).loss
     rms = sgld_chains(m, mse, X, Y, LLCConfig(epsilon=1e-3 * 1e4, method="rmsprop_sgld", rmsprop_eps=1e4,
                                               **base)).loss
     np.testing.assert_allclose(rms, plain, rtol=2e-3)
     with pytest.raises(ValueError, match="allowed"):
-        LLCConfig(method="sgnht")
+        LLCConfig(epsilon=1e-3, method="sgnht", **base)
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +224,7 @@ def test_agrees_with_devinterp(tiny_checkpoint, method):
                         batch_size=B, num_burnin_steps=0, num_init_loss_batches=n // B, loss_fn=per_token_loss,
                         device="cpu", sampling_method="rmsprop_sgld" if method == "rmsprop_sgld" else "sgmcmc_sgld")
     ours = estimate_llc(m, mse_loss, xs, ys, LLCConfig(epsilon=eps, gamma=gamma, nbeta=nbeta, chains=C, burn_in=0,
-                                                        draws=T, batch=B, n=n, method=method))
+                                                        draws=T, batch=B, n=n, method=method, seed=0))
     assert float(ref.init_loss) == pytest.approx(ours.init_loss, rel=1e-5)
     se = math.sqrt(float(ref.llc_std) ** 2 / C + ours.llc_std ** 2 / C)
     assert abs(float(ref.llc_mean) - ours.llc_mean) < 3 * se, (float(ref.llc_mean), ours.llc_mean, se)
@@ -234,7 +234,7 @@ def test_agrees_with_devinterp(tiny_checkpoint, method):
 @pytest.mark.parametrize("method", ["sgld", "rmsprop_sgld"])
 def test_invariances(tiny_checkpoint, method):
     m, xs, ys, *_ = tiny_checkpoint
-    cfg = LLCConfig(epsilon=1e-4, gamma=100.0, chains=3, burn_in=5, draws=20, batch=32, n=256, method=method)
+    cfg = LLCConfig(seed=0, epsilon=1e-4, gamma=100.0, chains=3, burn_in=5, draws=20, batch=32, n=256, method=method)
     ch = sgld_chains(m, mse_loss, xs, ys, cfg)
     base = ch.loss
     assert ch.accept.shape == (3, 24) and np.isfinite(ch.accept).all() and (ch.accept <= 1).all()
@@ -278,7 +278,7 @@ def test_many_checkpoints_in_one_pass_equal_one_at_a_time(tiny_checkpoint, metho
 
 def test_flags_divergence_and_checkpoint_selection(tiny_checkpoint):
     m, xs, ys, *_ = tiny_checkpoint
-    r = estimate_llc(m, mse_loss, xs, ys, LLCConfig(epsilon=1.0, gamma=0.0, chains=2, burn_in=2, draws=10,
+    r = estimate_llc(m, mse_loss, xs, ys, LLCConfig(seed=0, epsilon=1.0, gamma=0.0, chains=2, burn_in=2, draws=10,
                                                     batch=32, n=256))
     assert r.flags["diverged"]
     assert select_steps([0, 1, 2, 5, 10, 20, 50], 3) == [0, 5, 50]
@@ -301,7 +301,7 @@ def test_full_batch_uses_the_whole_set_and_matches_the_loop():
     """batch ≥ n: every chain sees the whole set each step (shared, not copied); the loss trace at step 0
     is the full-data loss, and vmap equals the Python loop."""
     m, X, Y, _ = known_model("linear_d4", n=200)
-    cfg = LLCConfig(epsilon=1e-3, gamma=1.0, chains=3, burn_in=0, draws=10, batch=200, n=200)
+    cfg = LLCConfig(seed=0, epsilon=1e-3, gamma=1.0, chains=3, burn_in=0, draws=10, batch=200, n=200)
     ch = sgld_chains(m, mse, X, Y, cfg)
     np.testing.assert_allclose(ch.loss[:, 0], float(mse(m, X, Y)), rtol=1e-6)
     np.testing.assert_allclose(sgld_chains(m, mse, X, Y, cfg, vectorize=False).loss, ch.loss, rtol=1e-5)
@@ -316,7 +316,7 @@ def test_llc_for_run_is_byte_identical_on_rerun(tiny, tmp_path):
 
     run = tmp_path / "run"
     train_run(run_spec(tiny, "M4-B16-none-s0"), run, progress=False)
-    cfg = LLCConfig(epsilon=1e-4, gamma=100.0, chains=2, burn_in=2, draws=8, batch=16, n=64)
+    cfg = LLCConfig(seed=0, epsilon=1e-4, gamma=100.0, chains=2, burn_in=2, draws=8, batch=16, n=64)
     df = llc_for_run(run, cfg, every=3, progress=False)
     first = (run / "llc.parquet").read_bytes()
     llc_for_run(run, cfg, every=3, progress=False)

@@ -25,6 +25,7 @@ from iclnoise.model import ModelConfig, build_model
 from iclnoise.predictors import icl_score, ridge, token_losses
 from iclnoise.probes import mech_for_run
 from iclnoise.runs import checkpoint_path, save_torch
+from iclnoise.sections import Mech
 from iclnoise.tasks import BatchSampler, eval_set, task_pool
 
 CFG = ModelConfig(D=3, K=5, d_model=16, n_layers=2, n_heads=2, d_mlp=16)
@@ -149,7 +150,7 @@ def test_mech_for_run_uses_the_metrics_ood_set_and_is_finite_at_m1(tmp_path):
     write_json(spec, run / "run.json")
     state = {"model": m.state_dict(), "model_config": CFG.to_dict(), "adam": None, "spec_hash": "x"}
     write_json({"3": save_torch(state, checkpoint_path(run, 3))}, run / "checkpoints.json")
-    df = mech_for_run(run, {"n_probe": 60})
+    df = mech_for_run(run, Mech(n_probe=60, ln_threshold=0.05, seed=0))
     assert list(df.columns) == MECH_SCHEMA.names and set(df.step) == {3}
     assert not np.isinf(df.value).any()
     nan = df[df.value.isna()]

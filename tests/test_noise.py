@@ -13,6 +13,7 @@ from iclnoise.exposure import grad_noise, group_grads, preconditioner
 from iclnoise.hooks import NoiseInjector, NoiseMeter, StepContext
 from iclnoise.io import read_parquet
 from iclnoise.noise import CovModel, psd_clip, shaped_covariance, target_at
+from iclnoise.sections import Exposure, NoiseCondition
 from iclnoise.tasks import Batch
 from iclnoise.train import train_ensemble, train_run
 
@@ -96,13 +97,19 @@ def _injection_spec(source, emulate, B, shape="diagonal", every=10 ** 9):  # tes
     return {"keys": {"run_id": "t", "seed": 0, "batch": B},
             "train": {"steps": 10 ** 6, "grad_clip": None, "optimizer": {"betas": [0.9, 0.999]}},
             "noise": {"source": source, "shape": shape, "schedule": "constant", "emulate_batch": emulate},
-            "exposure": {"every": every, "groups": B, "per_example": True}}
+            "exposure": {"enabled": True, "every": every, "groups": B, "per_example": True, "kappa": None,
+                         "curvature": "ggn", "curvature_probes": 2, "heldout": 8, "floor": 1e-12, "eig_rank": 2}}
 
 
 def _meter(spec):
-    m = NoiseMeter(spec["exposure"], spec["train"]["steps"])
+    m = NoiseMeter(Exposure.from_dict(spec["exposure"]), spec["train"]["steps"])
     m.extra = set()  # tests set the covariance themselves: never due
     return m
+
+
+def _injector(spec):
+    return NoiseInjector(spec, NoiseCondition.from_dict(spec["noise"]), Exposure.from_dict(spec["exposure"]),
+                         _meter(spec), {"curv": 1.0}, torch.device("cpu"))
 
 
 def test_gradient_injection_emulating_a_smaller_batch_matches_its_update_noise():
@@ -133,7 +140,7 @@ def test_gradient_injection_emulating_a_smaller_batch_matches_its_update_noise()
             if inject_to:
                 if inj is None:  # the covariance is measured once, on a large batch at w0 (per-example)
                     spec = _injection_spec("grad", inject_to, B)
-                    inj = NoiseInjector(spec, _meter(spec), {"curv": 1.0}, torch.device("cpu"))
+                    inj = _injector(spec)
                     bx, by = (t.float() for t in batch(4096, 7))
                     inj.cov, _ = shaped_covariance(grad_noise(group_grads(model, half_mse, bx, by, 4096), 1),
                                                    1 / inject_to - 1 / B, "diagonal")
@@ -156,8 +163,8 @@ def test_gradient_injection_emulating_a_smaller_batch_matches_its_update_noise()
 def test_parameter_injection_has_covariance_eta2_A_R_A():
     n = random_noise(K=8, P=5)
     spec = _injection_spec("param", 4, 16)
-    spec["noise"]["shape"] = "lowrank"
-    inj = NoiseInjector(spec, _meter(spec), {"curv": 1.0}, torch.device("cpu"))
+    spec["noise"].update(shape="lowrank", rank=7)
+    inj = _injector(spec)
     inj.cov, _ = shaped_covariance(n, 1 / 4 - 1 / 16, "lowrank", rank=7)
     model = torch.nn.Linear(5, 1, bias=False).double()
     model.weight.grad = torch.zeros_like(model.weight)
@@ -181,7 +188,7 @@ def test_isotropic_parameter_noise_is_isotropic_in_parameter_space():
     """source param, shape isotropic: Cov ζ = τ² I with τ² P = η² Tr(A R' A) (SPEC §5), not ∝ A²."""
     n = random_noise(K=8, P=5)
     spec = _injection_spec("param", 4, 16, shape="isotropic")
-    inj = NoiseInjector(spec, _meter(spec), {"curv": 1.0}, torch.device("cpu"))
+    inj = _injector(spec)
     inj.cov, _ = shaped_covariance(n, 1 / 4 - 1 / 16, "isotropic")
     model = torch.nn.Linear(5, 1, bias=False).double()
     model.weight.grad = torch.zeros_like(model.weight)

@@ -24,6 +24,7 @@ import yaml
 from . import stats
 from .io import KEY_FIELDS, read_json, read_parquet, write_json, write_parquet, write_text
 from .schedules import lr_lambda
+from .sections import LRSchedule, NoiseCondition, Stats
 from .tasks import M_INF, m_label
 
 OUTCOME_FIELDS = KEY_FIELDS + [
@@ -85,28 +86,27 @@ GATES = {
 def integrated_lr_over_b(spec: dict) -> float:
     """Σ_t η_t / B over training: the η/B noise-temperature proxy (Smith & Le), exact from the schedule."""
     t = spec["train"]
-    s = t["lr_schedule"]
-    f = lr_lambda(s["kind"], t["steps"], s.get("warmup_frac", 0.0), s.get("min_lr_frac", 0.0))
+    s = LRSchedule.from_dict(t["lr_schedule"])
+    f = lr_lambda(s.kind, t["steps"], s.warmup_frac, s.min_lr_frac)
     return t["optimizer"]["lr"] * sum(f(i) for i in range(t["steps"])) / spec["keys"]["batch"]
 
 
 def _noise_fields(spec: dict) -> dict:
     """Source, schedule, shape and level of a run's noise. The level is 1/B for batch noise and
-    1/B_target for an emulated batch (an effective inverse batch size), else the budget or target."""
-    n = spec.get("noise") or {}
-    source = n.get("source", "none")
-    if source == "none":
+    1/B_target for an emulated batch (an effective inverse batch size), else the budget or target. Absent
+    schedule / shape (source none) read "none"; no emulated batch reads 0."""
+    n = NoiseCondition.of_spec(spec)
+    if n.source == "none":
         level = 1.0 / spec["keys"]["batch"]
-    elif n.get("emulate_batch"):
-        level = 1.0 / n["emulate_batch"]
+    elif n.emulate_batch:
+        level = 1.0 / n.emulate_batch
     else:
-        level = float(n.get("budget", n.get("target", math.nan)))
-    return {"noise_source": "batch" if source == "none" else source, "noise_schedule": n.get("schedule", "none"),
-            "noise_shape": n.get("shape", "none"), "noise_level": level,
-            "emulate_batch": int(n.get("emulate_batch") or 0)}
+        level = float(n.budget if n.budget is not None else n.target if n.target is not None else math.nan)
+    return {"noise_source": "batch" if n.source == "none" else n.source, "noise_schedule": n.schedule or "none",
+            "noise_shape": n.shape or "none", "noise_level": level, "emulate_batch": n.emulate_batch or 0}
 
 
-def run_outcomes(run_dir: Path, transient_tol: float = 0.05) -> dict:
+def run_outcomes(run_dir: Path, transient_tol: float) -> dict:
     spec = read_json(run_dir / "run.json")
     m = read_parquet(run_dir / "metrics.parquet").sort_values("step")
     end = m.iloc[-1]
@@ -139,7 +139,7 @@ def run_outcomes(run_dir: Path, transient_tol: float = 0.05) -> dict:
     return row
 
 
-def outcomes(run_dirs: list[Path], transient_tol: float = 0.05) -> tuple[pd.DataFrame, pa.Schema]:
+def outcomes(run_dirs: list[Path], transient_tol: float) -> tuple[pd.DataFrame, pa.Schema]:
     """One row per run; every column of OUTCOMES_SCHEMA is present (null where a probe did not run)."""
     df = pd.DataFrame([run_outcomes(d, transient_tol) for d in run_dirs], columns=OUTCOMES_SCHEMA.names)
     for f in OPTIONAL_FIELDS:
@@ -200,22 +200,16 @@ def _gate_llc(runs: pd.DataFrame, max_share: float) -> list[str]:
         if k / n > max_share else []
 
 
-def _gates(cfg: dict) -> dict:
-    return {**GATES, **(cfg.get("gates") or {})}
-
-
-def thresholds(out: pd.DataFrame, cfg: dict | None = None, conv: pd.DataFrame | None = None) -> pd.DataFrame:
+def thresholds(out: pd.DataFrame, cfg: Stats, conv: pd.DataFrame | None = None) -> pd.DataFrame:
     """M* per (batch, noise) condition (stats.threshold_with_ci) with its validity gates: convergence, a threshold
     that exists inside the grid with every per-seed fit successful, r spanning low to high, ≥ min_seeds seeds and
     equal data across the condition's runs."""
-    cfg = cfg or {}
-    gates = _gates(cfg)
+    gates = GATES
     conv = convergence(out, gates["convergence_tol"]) if conv is None else conv
     rows = []
     ok = out[~out.diverged & (out.M != M_INF)]
     for (B, noise), g in ok.groupby(["batch", "noise"]):
-        est = stats.threshold_with_ci(g, level=1 - cfg.get("alpha", 0.05), min_seeds=gates["min_seeds"],
-                                      alpha=cfg.get("alpha", 0.05))
+        est = stats.threshold_with_ci(g, level=1 - cfg.alpha, min_seeds=gates["min_seeds"], alpha=cfg.alpha)
         mean_r = g.groupby("M").r.mean()
         fails = _gate_convergence(out[(out.batch == B) & (out.noise == noise)], conv)
         name = _cond(B, noise)
@@ -272,9 +266,9 @@ def _direction(est: float, up: str, down: str) -> str:
     return up if est > 0 else down
 
 
-def hypothesis_tests(out: pd.DataFrame, cfg: dict, conv: pd.DataFrame | None = None) -> pd.DataFrame:
-    alpha, margin = cfg.get("alpha", 0.05), cfg.get("equivalence_margin", 0.05)
-    gates = _gates(cfg)
+def hypothesis_tests(out: pd.DataFrame, cfg: Stats, conv: pd.DataFrame | None = None) -> pd.DataFrame:
+    alpha, margin = cfg.alpha, cfg.equivalence_margin
+    gates = GATES
     conv = convergence(out, gates["convergence_tol"]) if conv is None else conv
     rows = []
     fin = out[(out.M != M_INF) & ~out.diverged].copy()
@@ -427,14 +421,14 @@ def cli(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="iclnoise aggregate", description=__doc__)
     ap.add_argument("run_dirs", nargs="+")
     ap.add_argument("--out", default="results/aggregate")
-    ap.add_argument("--cfg", default="{}", help="JSON of the params.yaml stats section")
+    ap.add_argument("--cfg", required=True, help="JSON of the params.yaml stats section")
     ap.add_argument("--figures", default="results/figures")
     a = ap.parse_args(argv)
-    cfg = yaml.safe_load(a.cfg) or {}
+    cfg = Stats.from_dict(yaml.safe_load(a.cfg))
     out_dir = Path(a.out)
-    out, schema = outcomes([Path(d) for d in a.run_dirs], cfg.get("transient_tol", 0.05))
+    out, schema = outcomes([Path(d) for d in a.run_dirs], cfg.transient_tol)
     write_parquet(out, out_dir / "outcomes.parquet", schema)
-    conv = convergence(out, _gates(cfg)["convergence_tol"])
+    conv = convergence(out, GATES["convergence_tol"])
     th = thresholds(out, cfg, conv)
     write_parquet(th, out_dir / "thresholds.parquet", THRESHOLD_SCHEMA)
     tests = hypothesis_tests(out, cfg, conv)

@@ -15,11 +15,12 @@ import pandas as pd
 import torch
 
 from . import runs
-from .ed import EVENTS_SCHEMA, FORMS_SCHEMA, MAX_GAP, PCS_SCHEMA, SAMPLING_SCHEMA, VAR_SCHEMA
+from .ed import EVENTS_SCHEMA, FORMS_SCHEMA, MAX_GAP, PCS_SCHEMA, SAMPLING_SCHEMA, VAR_SCHEMA, ed_config
 from .io import write_parquet
 from .llc import LLCConfig, estimate_llc
 from .mech import run_summary
 from .probes import essential_dynamics, geometry_for_run, llc_for_run, mech_for_run, sampling_data, stages_for_run
+from .sections import Geometry, Mech, Stages
 
 
 def _doc(module: str) -> str:
@@ -31,15 +32,15 @@ def _doc(module: str) -> str:
 def llc(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="iclnoise llc", description="LLC per checkpoint of one run.")
     ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--sampler", default="{}", help="JSON of LLCConfig fields (params.yaml llc.sampler)")
-    ap.add_argument("--every", type=int, default=1, help="every k-th checkpoint (the last always)")
+    ap.add_argument("--sampler", required=True, help="JSON of the params.yaml llc.sampler section")
+    ap.add_argument("--every", type=int, default=1, help="every k-th checkpoint (the last always; default: all)")
     ap.add_argument("--at", default="null", help='JSON {"linear": a, "log": b} (params.yaml llc.at); '
                     "overrides --every")
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(a.threads)
-    df = llc_for_run(a.run_dir, LLCConfig(**json.loads(a.sampler)), a.every, at=json.loads(a.at))
+    df = llc_for_run(a.run_dir, LLCConfig.from_dict(json.loads(a.sampler)), a.every, at=json.loads(a.at))
     print(df[["step", "llc_mean", "llc_std", "mala_accept", "not_levelled", "negative", "diverged"]]
           .to_string(index=False))
 
@@ -56,13 +57,14 @@ def llc_calibrate(argv: list[str]) -> None:
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: the last)")
     ap.add_argument("--epsilons", type=float, nargs="+", default=[1e-5, 3e-5, 1e-4, 3e-4, 1e-3])
     ap.add_argument("--gammas", type=float, nargs="+", default=[10.0, 100.0, 1000.0])
-    ap.add_argument("--cfg", default="{}", help="JSON of other LLCConfig fields")
+    ap.add_argument("--cfg", required=True, help="JSON of the params.yaml llc.sampler section (epsilon and gamma "
+                    "are swept)")
     ap.add_argument("--out", default=None, help="output stem (default: <run-dir>/llc_calibration)")
     a = ap.parse_args(argv)
     run_dir = Path(a.run_dir)
     spec = runs.read_spec(run_dir)
     step = a.step if a.step is not None else max(runs.checkpoint_steps(run_dir))
-    base = LLCConfig(**json.loads(a.cfg))
+    base = LLCConfig.from_dict(json.loads(a.cfg))
     xs, ys = sampling_data(spec, base.n)
     model = runs.load_model(run_dir, step)
     style.setup()
@@ -101,12 +103,13 @@ def geometry(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="iclnoise geometry", description=_doc("geometry"))
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--every", type=int, default=1)
-    ap.add_argument("--cfg", default="{}",
-                    help="JSON: probes, lanczos_iters, lanczos_tol, sam_rho, sam_batches, n_heldout, seed")
+    ap.add_argument("--cfg", required=True,
+                    help="JSON of the params.yaml geometry section: probes, lanczos_iters, lanczos_tol, sam_rho, "
+                    "sam_batches, n_heldout, seed")
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    df = geometry_for_run(a.run_dir, json.loads(a.cfg), a.every)
+    df = geometry_for_run(a.run_dir, Geometry.from_dict(json.loads(a.cfg)), a.every)
     print(df[["step", "hessian_trace", "hessian_trace_ci95", "top_eigenvalue", "min_eigenvalue", "sam_sharpness",
               "sam_sharpness_se", "precond_trace", "precond_trace_ci95"]].to_string(index=False))
 
@@ -116,13 +119,13 @@ def mech(argv: list[str]) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--every", type=int, default=1)
-    ap.add_argument("--cfg", default="{}", help="JSON: n_probe, ln_threshold, seed")
+    ap.add_argument("--cfg", required=True, help="JSON of the params.yaml mech section: n_probe, ln_threshold, seed")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--figure", default=None, help="write the per-run head figure here (stem)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     t0 = time.time()
-    df = mech_for_run(a.run_dir, json.loads(a.cfg), a.every)
+    df = mech_for_run(a.run_dir, Mech.from_dict(json.loads(a.cfg)), a.every)
     if a.figure:
         from .figures.probes import fig_heads
         fig_heads(df, a.figure)
@@ -133,10 +136,11 @@ def mech(argv: list[str]) -> None:
 def stages(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="iclnoise stages", description=_doc("stages"))
     ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--sigma", type=float, default=0.1, help="smoothing width in decades of training steps")
-    ap.add_argument("--plateau-tol", type=float, default=0.1)
+    ap.add_argument("--sigma", type=float, required=True, help="llc.stages.sigma: smoothing width in decades of "
+                    "training steps")
+    ap.add_argument("--plateau-tol", type=float, required=True, help="llc.stages.plateau_tol")
     a = ap.parse_args(argv)
-    df = stages_for_run(a.run_dir, a.sigma, a.plateau_tol)
+    df = stages_for_run(a.run_dir, Stages(sigma=a.sigma, plateau_tol=a.plateau_tol))
     print(df[["stage", "type", "start_step", "end_step", "kind", "delta_llc", "delta_loss"]].to_string(index=False))
 
 
@@ -146,9 +150,9 @@ def ed(argv: list[str]) -> None:
     ap.add_argument("run_dirs", nargs="+")
     ap.add_argument("--family", required=True)
     ap.add_argument("--out", required=True, help="output directory, e.g. results/ed/<family>")
-    ap.add_argument("--cfg", default="{}", help="JSON of the params.yaml ed section")
+    ap.add_argument("--cfg", required=True, help="JSON of the params.yaml ed section")
     a = ap.parse_args(argv)
-    res = essential_dynamics([Path(d) for d in a.run_dirs], a.family, json.loads(a.cfg))
+    res = essential_dynamics([Path(d) for d in a.run_dirs], a.family, ed_config(json.loads(a.cfg)))
     out = Path(a.out)
     write_parquet(res["variance"], out / "variance.parquet", VAR_SCHEMA)
     write_parquet(res["events"], out / "events.parquet", EVENTS_SCHEMA)

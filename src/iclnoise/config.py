@@ -10,13 +10,13 @@ import math
 import re
 import warnings
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import yaml
 
+from .sections import all_sections, schema
 from .tasks import M_INF, m_label, parse_m
 
 
@@ -24,8 +24,6 @@ class ParamsError(ValueError):
     """An invalid parameter; the message names the key and the allowed values."""
 
 
-def schema() -> dict:
-    return yaml.safe_load(resources.files("iclnoise").joinpath("params.schema.yaml").read_text())
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
@@ -234,6 +232,10 @@ def _cross_checks(p: dict) -> None:
     _seed_checks(p)
     _noise_checks(p)
     _memory_check(p)
+    try:  # the typed sections (iclnoise.sections) build from what the schema let through
+        all_sections(p)
+    except ValueError as e:
+        raise ParamsError(str(e)) from None
 
 
 PROBE_SECTIONS = ("llc", "geometry", "mech", "ed")
@@ -440,9 +442,13 @@ def _noise_checks(p: dict) -> None:
             raise ParamsError(f"{key}.fraction is required for schedule {c['schedule']} (0 < f ≤ 1)")
         if c["schedule"] == "controlled" and name in used and not exp.get("enabled"):
             raise ParamsError(f"{key}: schedule controlled needs exposure.enabled: true (it measures P-NE*)")
-        if c["shape"] == "lowrank" and name in used and not exp.get("per_example") \
-                and c.get("rank", 8) >= exp["groups"]:
-            raise ParamsError(f"{key}.rank = {c.get('rank', 8)} is not allowed; with exposure.groups = "
+        if c["shape"] == "lowrank" and "rank" not in c:
+            raise ParamsError(f"{key}.rank is required for shape lowrank (the rank of the low-rank part)")
+        if c["schedule"] == "controlled" and "controller" not in c:
+            raise ParamsError(f"{key}.controller is required for schedule controlled; allowed: {{kp: …, ki: …}} "
+                              f"(PI gains on log P-NE*)")
+        if c["shape"] == "lowrank" and name in used and not exp.get("per_example") and c["rank"] >= exp["groups"]:
+            raise ParamsError(f"{key}.rank = {c['rank']} is not allowed; with exposure.groups = "
                               f"{exp['groups']} the covariance has rank ≤ {exp['groups'] - 1}")
         runs_at = [B for B in p["grid"]["batch_sizes"] if B in c.get("batch_sizes", [B])]
         if "emulate_batch" in c and name in used and runs_at and c["emulate_batch"] >= min(runs_at):
@@ -531,7 +537,7 @@ def ensemble_groups(params: dict) -> dict[str, list[str]]:
     """Ensembles: runs trained together in one process (iclnoise.train). Runs of one (batch, noise condition)
     share model shape, step count and training configuration; each such set is split into chunks of at
     most `train.ensemble_runs` runs (in grid order). Group id `B{batch}-{noise}` (+ `-c{k}` when chunked)."""
-    cap = params["train"].get("ensemble_runs", 1 << 30)
+    cap = params["train"]["ensemble_runs"]
     by_key: dict[str, list[str]] = {}
     for k in expand_grid(params):
         by_key.setdefault(f"B{k.batch}-{k.noise}", []).append(k.run_id)

@@ -51,10 +51,9 @@ from scipy.signal import find_peaks
 
 from .io import KEY_FIELDS
 from .predictors import dmmse, ridge
+from .sections import ED
 from .tasks import M_INF, eval_set, task_pool
 
-DEFAULTS = {"n_pcs": 3, "n_form_pcs": 3, "bandwidth": 0.7, "tolerance": 1.0, "margin": 1.4,
-            "vertex_prominence": 0.5, "cusp_speed": 0.3, "moving": 0.2, "n_boot": 50, "z_min": 3.0, "seed": 0}
 MAX_GAP = 1.5  # largest checkpoint gap inside the margins, in bandwidths, for a run to be analysable
 GRID_PER_BANDWIDTH = 10  # grid points per bandwidth of the uniform τ grid
 
@@ -75,11 +74,12 @@ SAMPLING_SCHEMA = pa.schema([pa.field("family", pa.string())] + KEY_FIELDS + [
     pa.field("undersampled", pa.bool_()), pa.field("n_forms", pa.int64())])
 
 
-def ed_config(cfg: dict) -> dict:
-    """The ed section with defaults filled in; rejects the retired checkpoint-index key `sigma`."""
+def ed_config(cfg: dict) -> ED:
+    """The typed ed section (every key required: params.yaml ed); rejects the retired checkpoint-index
+    key `sigma` by name."""
     if "sigma" in cfg:
         raise ValueError("ed.sigma (checkpoint units) was replaced by ed.bandwidth (units of log(step + 1))")
-    return {**DEFAULTS, **cfg}
+    return ED.from_dict(cfg)
 
 
 def log_time(steps) -> np.ndarray:
@@ -189,27 +189,26 @@ def significance(stat: np.ndarray, null: float) -> float:
     return float((stat[0] - null) / sd) if sd > 0 else (float("inf") if stat[0] > null else 0.0)
 
 
-def detect_events(tau: np.ndarray, curves: np.ndarray, cfg: dict) -> list[dict]:
+def detect_events(tau: np.ndarray, curves: np.ndarray, cfg: ED) -> list[dict]:
     """Vertices and cusps of every pair i < j of the leading `n_form_pcs` PCs of the observed curve
     `curves[0]` (n, P) sampled at τ (module docstring, steps 1-4), each with its significance z over
     the resampled curves `curves[1:]` and `kept` = z ≥ `z_min` (without resampled curves z = inf)."""
-    cfg = ed_config(cfg)
     curves = curves[None] if curves.ndim == 2 else curves
-    grid, sm = smooth_curve(tau, curves, cfg["bandwidth"])
-    h, bw = grid[1] - grid[0], cfg["bandwidth"]
-    inner = (grid >= grid[0] + cfg["margin"]) & (grid <= grid[-1] - cfg["margin"])
+    grid, sm = smooth_curve(tau, curves, cfg.bandwidth)
+    h, bw = grid[1] - grid[0], cfg.bandwidth
+    inner = (grid >= grid[0] + cfg.margin) & (grid <= grid[-1] - cfg.margin)
     window = max(1, int(round(bw / h)))
     events = []
-    for i, j in combinations(range(min(cfg["n_form_pcs"], sm.shape[-1])), 2):
+    for i, j in combinations(range(min(cfg.n_form_pcs, sm.shape[-1])), 2):
         g = plane_geometry(sm[..., i], sm[..., j], h)  # every row: one curve
         med = np.median(np.abs(g["kappa"][0][inner])) if inner.any() else 1.0
         k = scaled_curvature(g["kappa"], inner, med)
-        found = [(c, "cusp", np.inf, None) for c in cusps(g["dx"][0], g["dy"][0], inner, cfg["cusp_speed"], window)]
+        found = [(c, "cusp", np.inf, None) for c in cusps(g["dx"][0], g["dy"][0], inner, cfg.cusp_speed, window)]
         sp = g["speed"][0]
-        moving = sp >= cfg["moving"] * sp[inner].max() if inner.any() else inner
+        moving = sp >= cfg.moving * sp[inner].max() if inner.any() else inner
         for m in find_peaks(-sp)[0]:   # a slow turn (a smoothed cusp) is a speed minimum; a stall is not
             moving[max(0, m - window): m + window + 1] = True
-        found += [(v[0], "vertex", abs(k[0, v[0]]), v) for v in vertices(k[0], inner, cfg["vertex_prominence"])
+        found += [(v[0], "vertex", abs(k[0, v[0]]), v) for v in vertices(k[0], inner, cfg.vertex_prominence)
                   if moving[v[0]]]
         while found:  # the strongest event suppresses others within 2 bandwidths (the smoother's resolution)
             c, kind, _, v = max(found, key=lambda f: (f[2], -f[0]))
@@ -221,7 +220,7 @@ def detect_events(tau: np.ndarray, curves: np.ndarray, cfg: dict) -> list[dict]:
             else:
                 z = significance(turning_angle(g["dx"], g["dy"], c, window), np.pi / 2)
             events.append({"pc_i": i + 1, "pc_j": j + 1, "kind": kind, "log_step": float(grid[c]),
-                           "z": z, "kept": bool(z >= cfg["z_min"])})
+                           "z": z, "kept": bool(z >= cfg.z_min)})
     return events
 
 

@@ -160,13 +160,13 @@ def precond_ggn_trace(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor
     return _mean_se(JtU.square().sum(1) * (2 * loss_scale / out.numel()))
 
 
-def kappa(cfg: dict, beta1: float) -> float:
+def kappa(setting: float | str | None, beta1: float) -> float:
     """κ, the long-run diffusion factor of the optimizer's momentum (SPEC §6): 1 for Adam/AdamW, whose momentum
     is dampened (m ← β1 m + (1 − β1) g, so one gradient moves the weights by η·A·g in total whatever β1),
-    unless `kappa` is a number. (1/(1 − β1)² is the undampened heavy-ball value; it would overstate AdamW's
-    diffusion 100× at β1 = 0.9.) `kappa: calibrated` starts from 1 and is replaced by `calibrated_kappa`."""
-    k = cfg.get("kappa")
-    return float(k) if isinstance(k, (int, float)) else 1.0
+    unless `setting` (params exposure.kappa) is a number. (1/(1 − β1)² is the undampened heavy-ball value; it
+    would overstate AdamW's diffusion 100× at β1 = 0.9.) `calibrated` starts from 1 and is replaced by
+    `calibrated_kappa`; None is 1."""
+    return float(setting) if isinstance(setting, (int, float)) else 1.0
 
 
 def ne_unit(lr: float, kappa_: float, a: torch.Tensor, diag: torch.Tensor) -> float:

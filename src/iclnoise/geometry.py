@@ -26,6 +26,7 @@ from torch.func import functional_call, grad, jvp, vmap
 
 from .adam import adam_a, adam_preconditioner  # noqa: F401  (re-exported: exposure and its tests use them here)
 from .io import KEY_FIELDS
+from .sections import Geometry
 
 HVP = Callable[[torch.Tensor], torch.Tensor]
 PROBE_CHUNK = 8   # Hutchinson probes per vmapped H·v (memory: one batch's activations per probe)
@@ -159,21 +160,21 @@ def precond_trace(model: torch.nn.Module, a: torch.Tensor, batch, n_probes: int,
     return hutchinson_trace(preconditioned(f.hvp, a.double()), f.w0.numel(), n_probes, generator, dtype=torch.float64)
 
 
-def geometry_at(model: torch.nn.Module, a: torch.Tensor | None, batches: list, cfg: dict, seed: int) -> dict:
+def geometry_at(model: torch.nn.Module, a: torch.Tensor | None, batches: list, cfg: Geometry, seed: int) -> dict:
     """Every column of GEOMETRY_SCHEMA except keys and step, for one model; `batches[0]` carries the
     trace and eigenvalue estimates, every batch one SAM sharpness."""
     from .model import mse_loss
 
     f = FlatLoss(model, mse_loss, batches[0].xs, batches[0].ys)
-    dim, n = f.w0.numel(), cfg.get("probes", 8)
+    dim, n = f.w0.numel(), cfg.probes
     gen = torch.Generator().manual_seed(seed)
     tr, tr_se = hutchinson_trace(f.hvp, dim, n, gen)
-    eig = lanczos(f.hvp, dim, cfg.get("lanczos_iters", 20), gen, cfg.get("lanczos_tol", 1e-3))
+    eig = lanczos(f.hvp, dim, cfg.lanczos_iters, gen, cfg.lanczos_tol)
     if a is not None:
         ptr, ptr_se = precond_trace(model, a, batches[0], n, gen)
     else:
         ptr, ptr_se = math.nan, math.nan
-    rho = cfg.get("sam_rho", 0.05)
+    rho = cfg.sam_rho
     sam, sam_se = mean_se([sam_sharpness(FlatLoss(model, mse_loss, b.xs, b.ys), rho) for b in batches])
     return {"loss": float(f(f.w0)), "hessian_trace": tr, "hessian_trace_se": tr_se,
             "hessian_trace_ci95": t_halfwidth(tr_se, n),

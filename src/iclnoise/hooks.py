@@ -40,6 +40,7 @@ from .exposure import (
     update_innovation_variance,
 )
 from .noise import CovModel, PIController, shaped_covariance, target_at, window
+from .sections import Exposure, NoiseCondition, enabled
 from .tasks import Batch, _seed_mix
 
 _NOISE, _PROBE = 0x7015E, 0xC0A7
@@ -81,9 +82,9 @@ class NoiseMeter:
     steps, the last step, and the last step before each injection window opens or closes, so that no
     logged row stands for steps in which a schedule was in another state (SPEC §6)."""
 
-    def __init__(self, cfg: dict, total: int, boundaries: tuple[int, ...] = ()):
-        self.every, self.total = cfg["every"], total
-        self.groups, self.per_example = cfg["groups"], cfg["per_example"]
+    def __init__(self, cfg: Exposure, total: int, boundaries: tuple[int, ...] = ()):
+        self.every, self.total = cfg.every, total
+        self.groups, self.per_example = cfg.groups, cfg.per_example
         self.extra = {b - 1 for b in boundaries if 0 < b <= total} | {0, total - 1}
         self._step, self._noise, self.G = -1, None, None
 
@@ -123,19 +124,18 @@ class NoiseInjector:
 
     name, schema = "injection", INJECTION_SCHEMA
 
-    def __init__(self, spec: dict, meter: NoiseMeter, shared: dict, device: torch.device):
-        n, t = spec["noise"], spec["train"]
+    def __init__(self, spec: dict, noise: NoiseCondition, exposure: Exposure, meter: NoiseMeter, shared: dict,
+                 device: torch.device):
+        n, t = noise, spec["train"]
         self.run_id, self.seed = spec["keys"]["run_id"], spec["keys"]["seed"]
         self.batch, self.total, self.clip = spec["keys"]["batch"], t["steps"], t["grad_clip"]
-        self.source, self.shape, self.rank = n["source"], n.get("shape", "diagonal"), n.get("rank", 8)
-        self.schedule = n.get("schedule", "constant")
-        self.start, self.stop = window(self.schedule, self.total, n.get("fraction", 1.0))
-        self.emulate = n.get("emulate_batch")
+        self.source, self.shape, self.rank, self.schedule = n.source, n.shape, n.rank, n.schedule
+        self.start, self.stop = window(self.schedule, self.total, n.window_fraction)
+        self.emulate = n.emulate_batch
         self.coef = (1.0 / self.emulate - 1.0 / self.batch) if self.emulate else 1.0
-        self.budget = n.get("budget")
-        self.kappa = kappa(spec.get("exposure") or {}, t["optimizer"]["betas"][0])
-        c = n.get("controller") or {}
-        self.ctl = (PIController(n["target"], c.get("kp", 0.5), c.get("ki", 0.3))
+        self.budget = n.budget
+        self.kappa = kappa(exposure.kappa, t["optimizer"]["betas"][0])
+        self.ctl = (PIController(n.target, n.controller.kp, n.controller.ki)
                     if self.schedule == "controlled" else None)
         self.ctl_started = False
         self.meter, self.shared, self.device = meter, shared, device
@@ -256,15 +256,14 @@ class ExposureLogger:
 
     name, schema = "exposure", EXPOSURE_SCHEMA
 
-    def __init__(self, spec: dict, meter: NoiseMeter, shared: dict, injector: NoiseInjector | None,
+    def __init__(self, spec: dict, cfg: Exposure, meter: NoiseMeter, shared: dict, injector: NoiseInjector | None,
                  device: torch.device):
-        cfg = spec["exposure"]
         self.keys, self.batch, self.total = spec["keys"], spec["keys"]["batch"], spec["train"]["steps"]
         self.beta1 = spec["train"]["optimizer"]["betas"][0]
-        self.kappa, self.calibrate = kappa(cfg, self.beta1), cfg["kappa"] == "calibrated"
-        self.probes, self.n_heldout = cfg["curvature_probes"], cfg["heldout"]
-        self.floor, self.rank = cfg["floor"], cfg["eig_rank"]
-        self.curvature, self.D = cfg["curvature"], spec["data"]["D"]
+        self.kappa, self.calibrate = kappa(cfg.kappa, self.beta1), cfg.kappa == "calibrated"
+        self.probes, self.n_heldout = cfg.curvature_probes, cfg.heldout
+        self.floor, self.rank = cfg.floor, cfg.eig_rank
+        self.curvature, self.D = cfg.curvature, spec["data"]["D"]
         self.meter, self.shared, self.injector, self.device = meter, shared, injector, device
         self._rows: list[dict] = []
         self._m: dict | None = None
@@ -346,19 +345,19 @@ class ExposureLogger:
 
 def build_hooks(spec: dict, device: torch.device) -> list[StepHook]:
     """The step hooks of one run, [exposure logger, injector] (either may be absent); injected noise
-    needs the exposure section, which measures the covariance it is shaped from (validated)."""
-    cfg = spec.get("exposure") or {}
-    noise = spec.get("noise") or {"source": "none"}
-    if noise["source"] == "none" and not cfg.get("enabled"):
+    needs the exposure section, which measures the covariance it is shaped from (validated). The spec's
+    `exposure` and `noise` dicts become typed sections here, once."""
+    noise = NoiseCondition.of_spec(spec)
+    log_exposure = enabled(spec.get("exposure"))
+    if noise.source == "none" and not log_exposure:
         return []
-    total = spec["train"]["steps"]
-    bounds = window(noise.get("schedule", "constant"), total, noise.get("fraction", 1.0)) \
-        if noise["source"] != "none" else ()
+    cfg, total = Exposure.from_dict(spec["exposure"]), spec["train"]["steps"]
+    bounds = window(noise.schedule, total, noise.window_fraction) if noise.source != "none" else ()
     meter, shared = NoiseMeter(cfg, total, tuple(bounds)), {}
-    injector = NoiseInjector(spec, meter, shared, device) if noise["source"] != "none" else None
+    injector = NoiseInjector(spec, noise, cfg, meter, shared, device) if noise.source != "none" else None
     hooks: list[StepHook] = []
-    if cfg.get("enabled") or injector is not None:  # injection needs Curv and the covariance: the logger measures
-        hooks.append(ExposureLogger(spec, meter, shared, injector, device))
+    if log_exposure or injector is not None:  # injection needs Curv and the covariance: the logger measures
+        hooks.append(ExposureLogger(spec, cfg, meter, shared, injector, device))
     if injector is not None:
         hooks.append(injector)
     return hooks

@@ -40,37 +40,12 @@ from torch.func import functional_call, grad_and_value, vmap
 from tqdm import tqdm
 
 from .io import KEY_FIELDS
+from .sections import LLCConfig  # the typed llc.sampler section, importable from here
 
 LossFn = Callable[[Callable, torch.Tensor, torch.Tensor], torch.Tensor]
-METHODS = ("sgld", "rmsprop_sgld")
 log = logging.getLogger(__name__)
 
 # thin re-exports for modules that still import them from here (use iclnoise.runs)
-
-
-@dataclass
-class LLCConfig:
-    epsilon: float = 3e-4       # SGLD step size ε
-    gamma: float = 100.0        # localization γ
-    nbeta: float | None = None  # n·β; None = n / log n
-    chains: int = 4
-    burn_in: int = 100
-    draws: int = 100
-    batch: int = 64             # SGLD mini-batch (sequences); ≥ n: full batch (the whole set every step)
-    n: int = 1024               # size of the sampling dataset
-    micro_batches: int = 1      # split each SGLD mini-batch for the gradient (memory only)
-    seed: int = 0
-    trace_points: int = 50      # trace length kept in llc_traces.parquet
-    method: str = "sgld"        # sgld | rmsprop_sgld
-    rmsprop_alpha: float = 0.99  # RMSProp decay α of the squared-gradient average
-    rmsprop_eps: float = 0.1     # RMSProp δ in G = 1 / (√V + δ)
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"llc.sampler.method = {self.method!r}; allowed: {', '.join(METHODS)}")
-
-    def resolved_nbeta(self) -> float:
-        return self.nbeta if self.nbeta is not None else self.n / math.log(self.n)
 
 
 @dataclass

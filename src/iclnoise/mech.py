@@ -27,6 +27,7 @@ import pyarrow as pa
 import torch
 
 from .io import KEY_FIELDS
+from .sections import Mech
 
 MECH_SCHEMA = pa.schema(KEY_FIELDS + [
     pa.field("step", pa.int64()), pa.field("probe", pa.string()), pa.field("layer", pa.int64()),
@@ -202,7 +203,7 @@ def probes(model, batch, noise_var: float, seed: int = 0) -> dict[tuple[str, int
     return out
 
 
-def mech_at(model, ood, probe_batch, spec: dict, cfg: dict) -> list[dict]:
+def mech_at(model, ood, probe_batch, spec: dict, cfg: Mech) -> list[dict]:
     """The rows of one checkpoint (without keys and step)."""
     d, e = spec["data"], spec["eval"]
     rows = []
@@ -218,10 +219,10 @@ def mech_at(model, ood, probe_batch, spec: dict, cfg: dict) -> list[dict]:
     for (layer, h), vals in head_ablation(model, ood.xs, ood.ys, tuple(e["icl_tokens"])).items():
         for p, (v, se) in vals.items():
             row(p, layer, h, value=v, se=se)
-    for name, frac in layernorm_collapse(model, cfg.get("ln_threshold", 0.05)).items():
+    for name, frac in layernorm_collapse(model, cfg.ln_threshold).items():
         layer = int(name.split(".")[1]) if name.startswith("blocks.") else model.cfg.n_layers
         row(f"ln_collapse_{name.split('.')[-1]}", layer, value=frac)
-    for (p, layer, pos), (v, note) in probes(model, probe_batch, d["noise_var"], cfg.get("seed", 0)).items():
+    for (p, layer, pos), (v, note) in probes(model, probe_batch, d["noise_var"], cfg.seed).items():
         row(p, layer, position=pos, value=v, note=note)
     return rows
 

@@ -26,7 +26,6 @@ from .ed import (
     SAMPLING_SCHEMA,
     bootstrap_curves,
     detect_events,
-    ed_config,
     forms,
     joint_pca,
     log_time,
@@ -37,6 +36,7 @@ from .geometry import GEOMETRY_SCHEMA, geometry_at
 from .io import read_json, read_parquet, write_parquet
 from .llc import LLC_SCHEMA, TRACE_SCHEMA, LLCConfig, estimate_llcs
 from .mech import MECH_SCHEMA, mech_at
+from .sections import ED, Geometry, Mech, Stages
 from .stages import STAGES_SCHEMA, stages
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ def llc_for_run(run_dir: str | Path, cfg: LLCConfig, every: int = 1, progress: b
     return df
 
 
-def geometry_for_run(run_dir: str | Path, cfg: dict, every: int = 1) -> pd.DataFrame:
+def geometry_for_run(run_dir: str | Path, cfg: Geometry, every: int = 1) -> pd.DataFrame:
     """Geometry probes at every `every`-th analysis checkpoint (and the last) on held-out q_M batches
     of the named stream "geometry" (never trained on). No wall-clock column: reruns are byte-identical."""
     from .runs import (
@@ -130,19 +130,19 @@ def geometry_for_run(run_dir: str | Path, cfg: dict, every: int = 1) -> pd.DataF
     run_dir = Path(run_dir)
     spec = read_spec(run_dir)
     held = sampler(spec, "geometry")
-    batches = [held.batch(i, cfg.get("n_heldout", 256)) for i in range(cfg.get("sam_batches", 4))]
+    batches = [held.batch(i, cfg.n_heldout) for i in range(cfg.sam_batches)]
     rows = []
     for step in select_steps(checkpoint_steps(run_dir), every):
         state = load_checkpoint(run_dir, step)
         model = model_from_checkpoint(state)
         rows.append({**spec["keys"], "step": step,
-                     **geometry_at(model, checkpoint_precond(state), batches, cfg, cfg.get("seed", 0) + step)})
+                     **geometry_at(model, checkpoint_precond(state), batches, cfg, cfg.seed + step)})
     df = pd.DataFrame(rows, columns=GEOMETRY_SCHEMA.names)
     write_parquet(df, run_dir / "geometry.parquet", GEOMETRY_SCHEMA)
     return df
 
 
-def mech_for_run(run_dir: str | Path, cfg: dict, every: int = 1) -> pd.DataFrame:
+def mech_for_run(run_dir: str | Path, cfg: Mech, every: int = 1) -> pd.DataFrame:
     """Mechanistic probes at every `every`-th analysis checkpoint (and the last) of a run."""
     from .runs import checkpoint_steps, load_model, read_spec, sampler, select_steps
     from .tasks import eval_set
@@ -151,7 +151,7 @@ def mech_for_run(run_dir: str | Path, cfg: dict, every: int = 1) -> pd.DataFrame
     spec = read_spec(run_dir)
     d, k, e = spec["data"], spec["keys"], spec["eval"]
     ood = eval_set("ood", k["M"], e["n_sequences"], d["K"], d["D"], d["noise_var"], d["pool_seed"], e["eval_seed"])
-    probe_batch = sampler(spec, "mech").batch(0, cfg.get("n_probe", 1024))
+    probe_batch = sampler(spec, "mech").batch(0, cfg.n_probe)
     rows = []
     for step in select_steps(checkpoint_steps(run_dir), every):
         model = load_model(run_dir, step).eval()
@@ -161,25 +161,24 @@ def mech_for_run(run_dir: str | Path, cfg: dict, every: int = 1) -> pd.DataFrame
     return df
 
 
-def stages_for_run(run_dir: str | Path, sigma: float = 0.1, plateau_tol: float = 0.1) -> pd.DataFrame:
+def stages_for_run(run_dir: str | Path, cfg: Stages) -> pd.DataFrame:
     run_dir = Path(run_dir)
     llc = read_parquet(run_dir / "llc.parquet").sort_values("step")
     keys = llc.iloc[0][["run_id", "M", "seed", "batch", "noise"]].to_dict()
     llc = llc[~(llc.diverged | llc.negative)]
     metrics = read_parquet(run_dir / "metrics.parquet").set_index("step")
     df = stages(keys, llc.step.to_numpy(), llc.llc_mean.to_numpy(), metrics.loc[llc.step, "id_loss"].to_numpy(),
-                sigma, plateau_tol)
+                cfg.sigma, cfg.plateau_tol)
     write_parquet(df, run_dir / "stages.parquet", STAGES_SCHEMA)
     return df
 
 
-def essential_dynamics(run_dirs: list[Path], family: str, cfg: dict) -> dict[str, pd.DataFrame]:
+def essential_dynamics(run_dirs: list[Path], family: str, cfg: ED) -> dict[str, pd.DataFrame]:
     """Joint PCA of a family of runs, projected predictors, and per run its events and forms."""
-    cfg = ed_config(cfg)
     specs = [read_json(d / "run.json") for d in run_dirs]
     preds = [read_parquet(d / "root_preds.parquet").sort_values("step") for d in run_dirs]
     Xs = [np.stack(p.preds.to_numpy()).astype(np.float64) for p in preds]
-    scores, comps, mean, evr = joint_pca(np.concatenate(Xs), cfg["n_pcs"])
+    scores, comps, mean, evr = joint_pca(np.concatenate(Xs), cfg.n_pcs)
     rows, o = [], 0
     for spec, p in zip(specs, preds):
         for r, step in enumerate(p.step):
@@ -197,15 +196,15 @@ def essential_dynamics(run_dirs: list[Path], family: str, cfg: dict) -> dict[str
     for r, (spec, d, p, X) in enumerate(zip(specs, run_dirs, preds, Xs)):
         rid, steps = spec["keys"]["run_id"], p.step.to_numpy()
         tau = log_time(steps)
-        curves = bootstrap_curves(X, mean, comps, spec["eval"]["n_root"], cfg["n_boot"], cfg["seed"] + r)
+        curves = bootstrap_curves(X, mean, comps, spec["eval"]["n_root"], cfg.n_boot, cfg.seed + r)
         events = detect_events(tau, curves, cfg)
         ev_rows += [{"family": family, "run_id": rid, **e, "step": float(np.expm1(e["log_step"]))} for e in events]
         stage_steps = (read_parquet(d / "stages.parquet").query("kind != 'end'").step.to_numpy()
                        if (d / "stages.parquet").exists() else np.array([], dtype=int))
-        found = forms(events, min(cfg["n_form_pcs"], curves.shape[-1]), cfg["tolerance"])
-        gap = max_inner_gap(tau, cfg["margin"])
+        found = forms(events, min(cfg.n_form_pcs, curves.shape[-1]), cfg.tolerance)
+        gap = max_inner_gap(tau, cfg.margin)
         samp_rows.append({"family": family, **spec["keys"], "n_checkpoints": len(steps), "max_gap_log": gap,
-                          "bandwidth": cfg["bandwidth"], "undersampled": gap > MAX_GAP * cfg["bandwidth"],
+                          "bandwidth": cfg.bandwidth, "undersampled": gap > MAX_GAP * cfg.bandwidth,
                           "n_forms": len(found)})
         for f, t0 in enumerate(found):
             near = int(stage_steps[np.abs(log_time(stage_steps) - t0).argmin()]) if len(stage_steps) else -1

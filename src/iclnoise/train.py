@@ -47,6 +47,7 @@ from .runs import (
     spec_hash,
 )
 from .schedules import checkpoint_steps, lr_lambda
+from .sections import LRSchedule
 
 log = logging.getLogger(__name__)
 RESUME, RESUME_PREV = "resume.pt", "resume.prev.pt"
@@ -245,8 +246,8 @@ class Ensemble:
                 owner._parameters[leaf] = p
             m.optimizer = RunOptimizer(self.opt, self.P, list(m.model.parameters()), r)
         self.loss = vmap(self._loss, in_dims=(0, 0, 0))
-        s = t["lr_schedule"]
-        self.lr_at = lr_lambda(s["kind"], self.total, s.get("warmup_frac", 0.0), s.get("min_lr_frac", 0.0))
+        s = LRSchedule.from_dict(t["lr_schedule"])
+        self.lr_at = lr_lambda(s.kind, self.total, s.warmup_frac, s.min_lr_frac)
         self.ckpt_at = set(checkpoint_steps(self.total, t["checkpoints"]["linear"], t["checkpoints"]["log"]))
 
     def _loss(self, params: tuple, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ import pandas as pd
 
 from ..ed import ed_config, log_time, plane_geometry, smooth_curve
 from ..io import read_parquet
+from ..sections import ED
 from . import style
 
 
@@ -64,14 +65,13 @@ def fig_essential_subspace(pcs: pd.DataFrame, var: pd.DataFrame, metrics: pd.Dat
     style.save_figure(fig, path, pcs)
 
 
-def fig_forms(pcs: pd.DataFrame, forms: pd.DataFrame, events: pd.DataFrame, cfg: dict, path: str | Path,
+def fig_forms(pcs: pd.DataFrame, forms: pd.DataFrame, events: pd.DataFrame, cfg: ED, path: str | Path,
               run_id: str | None = None, sampling: pd.DataFrame | None = None) -> None:
     """For one run (default: the one with the most forms): each PC-pair plane curve as smoothed for
     detection (a function of log-step, colour = log-step), its evolute, osculating circles at the kept
     vertices, cusps, forms (black X, on the curve at the form's time); below, PCs against log-step
     with forms dashed and the end margins shaded. Says "no forms" on the figure when there are none."""
     style.setup()
-    cfg = ed_config(cfg)
     runs = pcs[pcs.kind == "run"]
     if run_id is None:  # the run with the most forms, ties to the largest finite M
         order = runs.groupby("run_id").M.first().map(lambda m: m if m > 0 else 0).rename("M").to_frame()
@@ -79,13 +79,13 @@ def fig_forms(pcs: pd.DataFrame, forms: pd.DataFrame, events: pd.DataFrame, cfg:
         run_id = order.sort_values(["forms", "M"]).index[-1]
     steps, c = _curve(pcs, run_id)
     tau = log_time(steps)
-    grid, sm = smooth_curve(tau, c, cfg["bandwidth"])
+    grid, sm = smooth_curve(tau, c, cfg.bandwidth)
     h = grid[1] - grid[0]
-    n = min(cfg["n_form_pcs"], c.shape[1])
+    n = min(cfg.n_form_pcs, c.shape[1])
     pairs = list(combinations(range(n), 2))
     f_tau = forms[forms.run_id == run_id].log_step.to_numpy()
     ev_run = events[(events.run_id == run_id) & events.kept] if len(events) else events
-    inner = (grid >= grid[0] + cfg["margin"]) & (grid <= grid[-1] - cfg["margin"])
+    inner = (grid >= grid[0] + cfg.margin) & (grid <= grid[-1] - cfg.margin)
     fig = plt.figure(figsize=(4.2 * len(pairs), 7.5))
     gs = fig.add_gridspec(2, len(pairs), height_ratios=[1.3, 1])
     at = lambda t: int(np.abs(grid - t).argmin())  # noqa: E731
@@ -127,7 +127,7 @@ def fig_forms(pcs: pd.DataFrame, forms: pd.DataFrame, events: pd.DataFrame, cfg:
         ax.scatter(tau, c[:, k], s=8, color=f"C{k}")
     for t in f_tau:
         ax.axvline(t, color="black", ls="--", lw=1)
-    for lo, hi in ((grid[0], grid[0] + cfg["margin"]), (grid[-1] - cfg["margin"], grid[-1])):
+    for lo, hi in ((grid[0], grid[0] + cfg.margin), (grid[-1] - cfg.margin, grid[-1])):
         ax.axvspan(lo, hi, color="0.9", zorder=0)
     ax.set_xlabel("log(step + 1)  (shaded: end margins, no events)")
     ax.set_ylabel("PC value")
@@ -138,7 +138,7 @@ def fig_forms(pcs: pd.DataFrame, forms: pd.DataFrame, events: pd.DataFrame, cfg:
         ax.text(0.5, 0.9, msg, transform=ax.transAxes, ha="center", fontsize=12, color="C3",
                 bbox={"facecolor": "white", "edgecolor": "C3"})
     fig.suptitle(f"Essential dynamics of {run_id}: {len(f_tau)} form(s) where every PC pair has a significant "
-                 f"vertex or cusp within ±{cfg['tolerance']} log-step (bandwidth {cfg['bandwidth']})")
+                 f"vertex or cusp within ±{cfg.tolerance} log-step (bandwidth {cfg.bandwidth})")
     fig.tight_layout()
     style.save_figure(fig, path, pcs[pcs.run_id == run_id])
 
@@ -150,12 +150,13 @@ def cli_ed_figures(argv: list[str]) -> None:
     ap.add_argument("--family", required=True)
     ap.add_argument("--ed", required=True, help="the directory `iclnoise ed --out` wrote")
     ap.add_argument("--figures", required=True, help="figure directory")
-    ap.add_argument("--cfg", default="{}", help="JSON of the params.yaml ed section (as given to iclnoise ed)")
+    ap.add_argument("--cfg", required=True, help="JSON of the params.yaml ed section (as given to iclnoise ed)")
     a = ap.parse_args(argv)
     ed, figs = Path(a.ed), Path(a.figures)
     pcs, var = read_parquet(ed / "pcs.parquet"), read_parquet(ed / "variance.parquet")
     metrics = pd.concat([read_parquet(Path(d) / "metrics.parquet") for d in a.run_dirs])
     fig_essential_subspace(pcs, var, metrics, figs / f"fig02_essential_subspace_{a.family}")
     sampling = read_parquet(ed / "sampling.parquet") if (ed / "sampling.parquet").exists() else None
-    fig_forms(pcs, read_parquet(ed / "forms.parquet"), read_parquet(ed / "events.parquet"), json.loads(a.cfg),
+    cfg = ed_config(json.loads(a.cfg))
+    fig_forms(pcs, read_parquet(ed / "forms.parquet"), read_parquet(ed / "events.parquet"), cfg,
               figs / f"fig05_ed_forms_{a.family}", sampling=sampling)

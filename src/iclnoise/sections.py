@@ -1,0 +1,270 @@
+"""Typed params sections: one frozen dataclass per params.yaml section the code reads, built once where
+the dict enters the package (a command, `hooks.build_hooks`, `aggregate.cli`) and passed down.
+
+params.yaml, validated by params.schema.yaml, is the single source of truth. A field has a Python default
+only where (a) the schema gives the key a `default:`, which is read from the schema here and never retyped,
+or (b) the schema lets the key be absent and absence has a meaning: then the default is None and the class
+docstring says what None means. `from_dict(d)` raises a ValueError naming the section and the key for a
+missing or an unknown key; keys the schema allows in a section but that are read elsewhere (the workflow's
+`enabled`, `every`, `seeds`) are accepted and ignored.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, ClassVar
+
+import yaml
+
+METHODS = ("sgld", "rmsprop_sgld")  # LLC samplers (iclnoise.llc)
+
+
+@functools.lru_cache(maxsize=1)
+def _schema() -> dict:
+    return yaml.safe_load(resources.files("iclnoise").joinpath("params.schema.yaml").read_text(encoding="utf-8"))
+
+
+def schema() -> dict:
+    """params.schema.yaml, parsed (a fresh copy)."""
+    return copy.deepcopy(_schema())
+
+
+def _node(path: str) -> dict:
+    """The schema of section `path` ("llc.sampler"; "*" steps into additionalProperties)."""
+    node = _schema()
+    for part in path.split("."):
+        node = node["additionalProperties"] if part == "*" else node["properties"][part]
+    return node
+
+
+def schema_default(path: str, key: str) -> Any:
+    """The `default:` params.schema.yaml gives `key` of section `path`; KeyError if it gives none."""
+    return _node(path)["properties"][key]["default"]
+
+
+@dataclass(frozen=True)
+class Section:
+    """Base of the typed sections: `from_dict` checks the keys against the fields and the schema."""
+
+    SECTION: ClassVar[str] = ""   # dotted path of the section in params.yaml
+    SCHEMA: ClassVar[str] = ""    # its path in the schema, when it differs (noise conditions)
+
+    @classmethod
+    def from_dict(cls, d: dict | None):
+        name = cls.SECTION
+        if not isinstance(d, dict):
+            raise ValueError(f"{name}: expected a mapping of keys, got {d!r}")
+        node = _node(cls.SCHEMA or name)
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        allowed = set(fields) | set(node.get("properties", {}))
+        unknown = sorted(set(d) - allowed)
+        if unknown:
+            raise ValueError(f"{name}: unknown key(s) {', '.join(map(str, unknown))}; allowed: "
+                             f"{', '.join(sorted(allowed))}")
+        required = [k for k, f in fields.items()
+                    if f.default is dataclasses.MISSING or (f.default is None and k in node.get("required", ()))]
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise ValueError(f"{name}.{missing[0]} is missing; {name} needs the keys {', '.join(required)} "
+                             f"(params.yaml is the single source of truth: no value is filled in)")
+        return cls(**{k: v for k, v in d.items() if k in fields})
+
+
+@dataclass(frozen=True)
+class Geometry(Section):
+    """geometry (SPEC §9): Hutchinson probes, Lanczos, SAM sharpness on held-out batches."""
+
+    SECTION: ClassVar[str] = "geometry"
+    probes: int
+    lanczos_iters: int
+    lanczos_tol: float
+    sam_rho: float
+    sam_batches: int
+    n_heldout: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class Mech(Section):
+    """mech (SPEC §10): linear probes, LayerNorm collapse."""
+
+    SECTION: ClassVar[str] = "mech"
+    n_probe: int
+    ln_threshold: float
+    seed: int
+
+
+@dataclass(frozen=True)
+class Exposure(Section):
+    """exposure (SPEC §6). `kappa`: a number, None (κ = 1 for AdamW, iclnoise.exposure.kappa) or "calibrated".
+    A section written `{enabled: false}` alone has no typed form: check `enabled(d)` first."""
+
+    SECTION: ClassVar[str] = "exposure"
+    enabled: bool
+    every: int
+    groups: int
+    per_example: bool
+    kappa: float | str | None
+    curvature: str
+    curvature_probes: int
+    heldout: int
+    floor: float
+    eig_rank: int
+
+
+@dataclass(frozen=True)
+class Stats(Section):
+    """stats: test level, H3 equivalence margin, transient tolerance. (The validity gates are the
+    constants `iclnoise.aggregate.GATES`, not params.)"""
+
+    SECTION: ClassVar[str] = "stats"
+    alpha: float
+    equivalence_margin: float
+    transient_tol: float
+
+
+@dataclass(frozen=True)
+class ED(Section):
+    """ed (SPEC §8): widths in units of log(step + 1); see iclnoise.ed."""
+
+    SECTION: ClassVar[str] = "ed"
+    n_pcs: int
+    n_form_pcs: int
+    bandwidth: float
+    tolerance: float
+    margin: float
+    vertex_prominence: float
+    cusp_speed: float
+    moving: float
+    n_boot: int
+    z_min: float
+    seed: int
+
+
+@dataclass(frozen=True)
+class LLCConfig(Section):
+    """llc.sampler (SPEC §7). `nbeta` None: n / log n (`resolved_nbeta`). `method`, `micro_batches`,
+    `trace_points`, `rmsprop_alpha`, `rmsprop_eps` default to the schema's `default:` values."""
+
+    SECTION: ClassVar[str] = "llc.sampler"
+    epsilon: float              # SGLD step size ε
+    gamma: float                # localization γ
+    chains: int
+    burn_in: int
+    draws: int
+    batch: int                  # SGLD mini-batch (sequences); ≥ n: full batch (the whole set every step)
+    n: int                      # size of the sampling dataset
+    seed: int
+    nbeta: float | None = None  # n·β; None = n / log n
+    method: str = schema_default("llc.sampler", "method")                 # sgld | rmsprop_sgld
+    micro_batches: int = schema_default("llc.sampler", "micro_batches")   # memory only, same numbers
+    trace_points: int = schema_default("llc.sampler", "trace_points")     # kept in llc_traces.parquet
+    rmsprop_alpha: float = schema_default("llc.sampler", "rmsprop_alpha")  # RMSProp decay α
+    rmsprop_eps: float = schema_default("llc.sampler", "rmsprop_eps")      # RMSProp δ in G = 1 / (√V + δ)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"llc.sampler.method = {self.method!r}; allowed: {', '.join(METHODS)}")
+
+    def resolved_nbeta(self) -> float:
+        return self.nbeta if self.nbeta is not None else self.n / math.log(self.n)
+
+
+@dataclass(frozen=True)
+class Stages(Section):
+    """llc.stages: log-time smoothing width (decades of steps) and plateau tolerance (iclnoise.stages)."""
+
+    SECTION: ClassVar[str] = "llc.stages"
+    sigma: float
+    plateau_tol: float
+
+
+@dataclass(frozen=True)
+class LRSchedule(Section):
+    """train.lr_schedule; `warmup_frac` and `min_lr_frac` default to the schema's `default:` values."""
+
+    SECTION: ClassVar[str] = "train.lr_schedule"
+    kind: str
+    warmup_frac: float = schema_default("train.lr_schedule", "warmup_frac")
+    min_lr_frac: float = schema_default("train.lr_schedule", "min_lr_frac")
+
+
+@dataclass(frozen=True)
+class Controller(Section):
+    """noise.conditions.<name>.controller: PI gains on log P-NE* (iclnoise.noise.PIController)."""
+
+    SECTION: ClassVar[str] = "noise.conditions.<name>.controller"
+    SCHEMA: ClassVar[str] = "noise.conditions.*.controller"
+    kp: float
+    ki: float
+    initial_scale: float | None = None  # None: the open-loop estimate (iclnoise.hooks); not read otherwise
+
+
+@dataclass(frozen=True)
+class NoiseCondition(Section):
+    """One noise condition (SPEC §5; a run spec's `noise`). Every key but `source` may be absent (None):
+
+    shape, schedule  None only for source none (the validator requires them otherwise);
+    rank             None unless shape is lowrank (required there);
+    fraction         None unless schedule is early or late: the window is then the whole run;
+    emulate_batch    None: no emulated batch (the level is `budget` or `target`);
+    budget           None: no integrated-exposure budget;
+    target           None unless schedule is controlled: a P-NE* or [[fraction, P-NE*], ...];
+    controller       None unless schedule is controlled (required there);
+    batch_sizes      None: the condition runs at every grid batch size."""
+
+    SECTION: ClassVar[str] = "noise.conditions.<name>"
+    SCHEMA: ClassVar[str] = "noise.conditions.*"
+    source: str
+    shape: str | None = None
+    rank: int | None = None
+    schedule: str | None = None
+    fraction: float | None = None
+    emulate_batch: int | None = None
+    budget: float | None = None
+    target: float | list | None = None
+    controller: Controller | None = None
+    batch_sizes: list | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> NoiseCondition:
+        c = super().from_dict(d)
+        return dataclasses.replace(c, controller=Controller.from_dict(c.controller)) if c.controller is not None else c
+
+    @classmethod
+    def of_spec(cls, spec: dict) -> NoiseCondition:
+        """A run spec's noise condition; a spec without `noise` (older run.json) is batch noise only."""
+        return cls.from_dict(spec.get("noise") or {"source": "none"})
+
+    @property
+    def window_fraction(self) -> float:
+        """The share of training the injection window spans (iclnoise.noise.window): `fraction` for
+        schedules early and late, the whole run (1) for constant and controlled."""
+        return self.fraction if self.schedule in ("early", "late") else 1.0
+
+
+def enabled(d: dict | None) -> bool:
+    """A switchable section is on (`enabled: true`); absent or `{enabled: false}` is off."""
+    return bool(d) and d["enabled"] is True
+
+
+def all_sections(params: dict) -> dict[str, Section]:
+    """Every typed section of a validated params dict (switched-off sections left out): proves that the
+    dataclasses and the schema agree, e.g. for `iclnoise check`."""
+    out: dict[str, Section] = {"train.lr_schedule": LRSchedule.from_dict(params["train"]["lr_schedule"]),
+                               "stats": Stats.from_dict(params["stats"])}
+    for name, cond in params["noise"]["conditions"].items():
+        out[f"noise.conditions.{name}"] = NoiseCondition.from_dict(cond)
+    if "groups" in params["exposure"]:  # the full section (enabled or not: injection measures with it)
+        out["exposure"] = Exposure.from_dict(params["exposure"])
+    if enabled(params["llc"]):
+        out["llc.sampler"] = LLCConfig.from_dict(params["llc"]["sampler"])
+        out["llc.stages"] = Stages.from_dict(params["llc"]["stages"])
+    for name, cls in (("geometry", Geometry), ("mech", Mech), ("ed", ED)):
+        if enabled(params[name]):
+            out[name] = cls.from_dict(params[name])
+    return out
