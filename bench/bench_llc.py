@@ -77,7 +77,7 @@ def main() -> None:
         loss = float(mse_loss(model, data.xs, data.ys))
     print(f"checkpoint: {sum(p.numel() for p in model.parameters())} parameters, {a.train_steps} Adam steps "
           f"({time.perf_counter() - t0:.0f} s); loss {loss:.4f} per D")
-    cfg = LLCConfig(epsilon=a.epsilon, gamma=a.gamma, nbeta=a.nbeta, chains=a.chains, burn_in=0, draws=a.draws,
+    cfg = LLCConfig(seed=0, epsilon=a.epsilon, gamma=a.gamma, nbeta=a.nbeta, chains=a.chains, burn_in=0, draws=a.draws,
                     batch=a.batch, n=a.n, method=a.method)
 
     def per_token_loss(m, input_ids):

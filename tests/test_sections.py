@@ -225,8 +225,7 @@ def test_the_checker_finds_inline_defaults_and_ignores_other_data():
                                     (10, "ensemble_runs")]
 
 
-# train.py is the lead's file (issue 16 rewrite): its `train.get("device", "auto")` goes on merge
-KNOWN = {("train.py", "device")}
+KNOWN: set = set()   # (module, key) pairs allowed to keep an inline default: none
 
 
 def test_no_module_reads_a_params_key_with_an_inline_default():

@@ -33,7 +33,7 @@ def main() -> None:
             for name in KNOWN:
                 m, X, Y, lam = known_model(name)
                 for bname, b in BATCHES.items():
-                    cfg = LLCConfig(epsilon=eps, gamma=1.0, chains=8, burn_in=500, draws=1500, batch=b, n=1000,
+                    cfg = LLCConfig(seed=0, epsilon=eps, gamma=1.0, chains=8, burn_in=500, draws=1500, batch=b, n=1000,
                                     method=method)
                     t0 = time.perf_counter()
                     r = estimate_llc(m, mse, X, Y, cfg)

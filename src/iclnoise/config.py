@@ -340,7 +340,7 @@ def probed_checkpoints(params: dict, batch: int, section: str) -> int:
 
 
 def probe_seconds(params: dict, batch: int, section: str) -> float:
-    """Estimated CPU seconds of one probe job, counted in training-step equivalents (step_ms) per checkpoint:
+    """Estimated CPU seconds of one probe section in a run's probe job (without the job's start-up), counted in training-step equivalents (step_ms) per checkpoint:
     llc: chains · (burn_in + draws) SGLD steps at sampler.batch; geometry: (2·probes + lanczos_iters + 2)
     Hessian-vector products at n_heldout, 2 steps each; mech: (n_layers · n_heads + 2) forward passes (⅓ step)
     at n_sequences and one at n_probe. Measured on one default run (M16-B64-none-s0, snakemake benchmark
@@ -354,7 +354,7 @@ def probe_seconds(params: dict, batch: int, section: str) -> float:
     else:
         heads = m["n_layers"] * m["n_heads"]
         per = ((heads + 2) * step_ms(params, params["eval"]["n_sequences"]) + step_ms(params, g["n_probe"])) / 3
-    return JOB_START_S + probed_checkpoints(params, batch, section) * per / 1000
+    return probed_checkpoints(params, batch, section) * per / 1000
 
 
 def cost_estimate(params: dict) -> dict[str, Any]:
@@ -369,16 +369,19 @@ def cost_estimate(params: dict) -> dict[str, Any]:
         probes[name] = [k for k in runs if seeds is None or k.seed in seeds] if sec.get("enabled") else []
     families = len(ed_families(params))
     groups = ensemble_groups(params)
-    # stages per LLC run, llc figures, ed families (analysis + figures), training figures, aggregate, report, all
-    other = len(probes["llc"]) + (1 if probes["llc"] else 0) + 2 * families + 4
-    jobs = len(groups) + sum(map(len, probes.values())) + other
+    # one probe job per probed run (llc with its stages, geometry, mech in one process); llc figures, ed
+    # families (analysis + figures), training figures, aggregate, report, all
+    probed = {k for ks in probes.values() for k in ks}
+    other = (1 if probes["llc"] else 0) + 2 * families + 4
+    jobs = len(groups) + len(probed) + other
     run_steps = sum(steps_for(params, k.batch) for k in runs)
     train_s = 0.0
     for members in groups.values():
         k = parse_run_id(members[0])
         train_s += JOB_START_S + steps_for(params, k.batch) * step_ms(params, k.batch, conds[k.noise]["source"],
                                                                        len(members)) / 1000
-    probe_s = sum(probe_seconds(params, k.batch, name) for name, ks in probes.items() for k in ks)
+    probe_s = (len(probed) * JOB_START_S
+               + sum(probe_seconds(params, k.batch, name) for name, ks in probes.items() for k in ks))
     return {"runs": len(runs), "jobs": jobs, "run_steps": run_steps, "train_core_hours": train_s / 3600,
             "core_hours": (train_s + probe_s + other * JOB_START_S) / 3600,
             "peak_job_memory": memory_estimate(params)["total"], "threshold_core_hours": COST_CONFIRM_CORE_HOURS}

@@ -389,7 +389,7 @@ def train_ensemble(specs: list[dict], run_dirs: list[str | Path], progress: bool
     if len(specs) != len(run_dirs):
         raise ValueError("one run directory per spec")
     _check_shared(specs)
-    device = device or resolve_device(specs[0]["train"].get("device", "auto"))
+    device = device or resolve_device(specs[0]["train"]["device"])
     _memory_check(specs, device)
     members = []
     for spec, rd in zip(specs, run_dirs):

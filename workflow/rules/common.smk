@@ -2,16 +2,16 @@ def run_files(name):
     return expand(f"{RES}/runs/{{run}}/{name}", run=RUNS)
 
 
-EXPOSURE = PARAMS.get("exposure", {}).get("enabled", False)
+EXPOSURE = PARAMS["exposure"]["enabled"]
 
 
 def probe_runs(section):
     """The runs a probe section (llc, geometry, mech) covers: none when it is disabled, and only the runs
     whose seed is in `<section>.seeds` when that is set."""
-    cfg = PARAMS.get(section, {})
-    if not cfg.get("enabled", False):
+    cfg = PARAMS[section]
+    if not cfg["enabled"]:
         return []
-    seeds = cfg.get("seeds")
+    seeds = cfg.get("seeds")  # optional: absent = every seed
     return [r for r in RUNS if seeds is None or parse_run_id(r).seed in seeds]
 
 
