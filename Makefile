@@ -50,6 +50,7 @@ bench: setup
 	$(BIN)/python bench/bench_train.py
 	$(BIN)/python bench/bench_llc.py
 	$(BIN)/python bench/bench_noise.py
+	test -d results/runs/M16-B64-none-s0 && $(BIN)/python bench/bench_probes.py || echo "bench_probes: needs a finished make run"
 
 # Rerun only aggregation, figures and the report from existing per-run artifacts.
 figures: setup

@@ -340,7 +340,8 @@ def probed_checkpoints(params: dict, batch: int, section: str) -> int:
 
 
 def probe_seconds(params: dict, batch: int, section: str) -> float:
-    """Estimated CPU seconds of one probe section in a run's probe job (without the job's start-up), counted in training-step equivalents (step_ms) per checkpoint:
+    """Estimated CPU seconds of one probe section in a run's probe job (without the job's start-up), counted
+    in training-step equivalents (step_ms) per checkpoint:
     llc: chains · (burn_in + draws) SGLD steps at sampler.batch; geometry: (2·probes + lanczos_iters + 2)
     Hessian-vector products at n_heldout, 2 steps each; mech: (n_layers · n_heads + 2) forward passes (⅓ step)
     at n_sequences and one at n_probe. Measured on one default run (M16-B64-none-s0, snakemake benchmark
