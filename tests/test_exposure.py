@@ -12,6 +12,7 @@ from iclnoise.exposure import (
     grad_noise,
     group_grads,
     leading_eigs,
+    pne_columns,
     precond_ggn_trace,
     precond_hessian_trace,
     preconditioner,
@@ -217,3 +218,17 @@ def test_update_variance_matches_real_adamw_steps_and_calibrates_kappa_to_one(be
         obs.append(v)
         pred.append(1e-6 * float((a.square() * noise.diag).sum()) / 64)
     assert calibrated_kappa(obs, pred, beta1) == pytest.approx(1.0, rel=0.05)
+
+
+def test_pne_columns_by_hand():
+    """One exposure row's arithmetic (SPEC §6) against numbers worked by hand: a = (1, 2), diag C = (3, 4),
+    η = 0.1, κ = 1, B = 2 → NE = 0.1·(1·3 + 4·4)/2 = 0.95; Curv 0.5; injected NE 0.2 → P-NE* = 1.15/0.5 = 2.3;
+    clip factor 0.5 and injected post-clip P-NE* 0.3 → NE_post = 0.25·0.95 + 0.3·0.5 = 0.3875, P-NE*_post 0.775;
+    a Curv below the floor divides by the floor."""
+    a, diag = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])
+    c = pne_columns(0.1, 1.0, 2, a, diag, 0.5, 1e-12, 0.5, 0.2, 0.3)
+    want = {"trace_aca": 19.0, "ne": 0.95, "ne_total": 1.15, "pne": 2.3, "ne_postclip": 0.3875,
+            "pne_postclip": 0.775, "ne_simple": 0.1 * 1.15, "ne_simple_postclip": 0.1 * 0.3875}
+    for k, v in want.items():
+        assert c[k] == pytest.approx(v, rel=1e-6), k
+    assert pne_columns(0.1, 1.0, 2, a, diag, -3.0, 0.01, 1.0, 0.0, 0.0)["pne"] == pytest.approx(95.0, rel=1e-6)

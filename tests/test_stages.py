@@ -29,7 +29,7 @@ def test_milestones_sit_on_the_planted_plateaus_at_any_density(density):
     would smooth the dense linear tail ~25× less in log-time than the early log-spaced part)."""
     steps = DENSITIES[density]
     llc, t = planted(steps, noise=0.05)
-    found = [t[i] for i, _ in milestones(steps, llc, sigma=0.1)]
+    found = [t[i] for i, _ in milestones(steps, llc, sigma=0.1, plateau_tol=0.1)]
     assert any(1.8 < x < 2.3 for x in found), (density, found)      # plateau between the rises
     assert any(2.7 < x < 3.2 for x in found), (density, found)      # top, between rise and fall
     assert len(found) <= 3, (density, found)
@@ -48,7 +48,7 @@ def test_smoothing_is_in_log_time():
 def test_stage_types_follow_the_llc():
     steps = DENSITIES["log60"]
     llc, _ = planted(steps, noise=0.05)
-    df = stages(KEYS, steps, llc, np.linspace(1, 0.1, len(steps)), sigma=0.2)
+    df = stages(KEYS, steps, llc, np.linspace(1, 0.1, len(steps)), sigma=0.2, plateau_tol=0.1)
     assert df.type.iloc[0] == "A" and df.type.iloc[-1] == "B"
     assert np.isclose(df.delta_llc.sum(), llc[-1] - llc[0])
     assert (df.end_step.to_numpy()[:-1] == df.start_step.to_numpy()[1:]).all()

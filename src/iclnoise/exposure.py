@@ -174,6 +174,24 @@ def ne_unit(lr: float, kappa_: float, a: torch.Tensor, diag: torch.Tensor) -> fl
     return lr * kappa_ * float((a.square() * diag).sum())
 
 
+def pne_columns(lr: float, kappa_: float, batch: int, a: torch.Tensor, diag: torch.Tensor, curv: float,
+                floor: float, clip_coef: float, ne_injected: float, pne_injected_postclip: float) -> dict[str, float]:
+    """The exposure columns of one row (SPEC §6), from the measured diag C, Curv and the injector's interval means:
+
+        NE = η κ Σ a² diag(C) / B,   NE_total = NE + NE_inj,   P-NE* = NE_total / max(floor, Curv)
+        after clipping (factor c): NE_post = c² NE + P-NE*_inj,post · max(floor, Curv),  P-NE*_post = NE_post / den
+        simple forms: (η/κ) · NE  (= η² Σ a² (C/B + R'), the per-step update variance)."""
+    ne = ne_unit(lr, kappa_, a, diag) / batch
+    den = max(floor, curv)
+    ne_total = ne + ne_injected
+    ne_post = clip_coef ** 2 * ne + pne_injected_postclip * den
+    simple = lr / kappa_
+    return {"trace_aca": float((a.square() * diag).sum()), "ne": ne, "ne_injected": ne_injected,
+            "ne_total": ne_total, "ne_simple": simple * ne_total, "pne": ne_total / den, "ne_postclip": ne_post,
+            "pne_postclip": ne_post / den, "pne_injected_postclip": pne_injected_postclip,
+            "ne_simple_postclip": simple * ne_post}
+
+
 def budget_scale(target: float, curv: float, unit: float, grad_sq: float, trace_r: float,
                  clip: float | None) -> float:
     """Scale s of injected noise N(0, s R') whose post-clip P-NE* is `target` at this step.

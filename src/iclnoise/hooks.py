@@ -34,6 +34,7 @@ from .exposure import (
     kappa,
     leading_eigs,
     ne_unit,
+    pne_columns,
     precond_ggn_trace,
     precond_hessian_trace,
     preconditioner,
@@ -303,27 +304,18 @@ class ExposureLogger:
         noise, a = m["noise"], m["a"]
         interval = ctx.step - self._last
         acc = self.shared.pop("interval", {"ne_injected": 0.0, "pne_injected": 0.0})
-        ne = ne_unit(lr, self.kappa, a, noise.diag) / B
-        ne_inj, pne_inj = acc["ne_injected"] / interval, acc["pne_injected"] / interval  # exact interval means
-        den = max(self.floor, m["curv"])
-        c2 = ctx.clip_coef ** 2
-        ne_total = ne + ne_inj
-        ne_post = c2 * ne + pne_inj * den
-        simple = lr / self.kappa  # η² Σ a²(C/B + R') = (η/κ) · NE
+        cols = pne_columns(lr, self.kappa, B, a, noise.diag, m["curv"], self.floor, ctx.clip_coef,
+                           acc["ne_injected"] / interval, acc["pne_injected"] / interval)  # exact interval means
         lam, alpha, pr = leading_eigs(noise.factor, a, self.rank)
         self._rows.append({
             **self.keys, "step": ctx.step, "interval": interval, "lr": lr,
             "kappa": self.kappa, "update_var": m["upd_var"], "update_var_pred": m["upd_pred"],
             "groups": noise.factor.shape[0], "group_size": noise.m,
             "grad_norm": float(noise.mean.norm()), "trace_c": noise.trace,
-            "trace_aca": float((a.square() * noise.diag).sum()),
-            "b_simple": b_simple(noise, B), "ne": ne, "ne_injected": ne_inj, "ne_total": ne_total,
-            "ne_simple": simple * ne_total, "curv": m["curv"], "curv_se": m["curv_se"], "pne": ne_total / den,
-            "clip_coef": ctx.clip_coef, "clip_frac": self._clipped_steps / max(1, self._steps),
-            "ne_postclip": ne_post, "pne_postclip": ne_post / den, "pne_injected_postclip": pne_inj,
-            "ne_simple_postclip": simple * ne_post,
+            "b_simple": b_simple(noise, B), "curv": m["curv"], "curv_se": m["curv_se"],
+            "clip_coef": ctx.clip_coef, "clip_frac": self._clipped_steps / max(1, self._steps), **cols,
             "aca_eigs": lam.tolist(), "tail_index": alpha, "participation_ratio": pr})
-        self.shared["pne_postclip"] = ne_post / den
+        self.shared["pne_postclip"] = cols["pne_postclip"]
         self._last, self._m = ctx.step, None
         self._clipped_steps = self._steps = 0
 

@@ -103,7 +103,7 @@ def head_ablation(model, xs: torch.Tensor, ys: torch.Tensor, icl_tokens: tuple[i
     return out
 
 
-def layernorm_collapse(model, threshold: float = 0.05) -> dict[str, float]:
+def layernorm_collapse(model, threshold: float) -> dict[str, float]:
     """Fraction of LayerNorm weights with |w| < threshold, per norm (e.g. 'blocks.0.ln1')."""
     return {name: float((m.weight.abs() < threshold).float().mean())
             for name, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)}

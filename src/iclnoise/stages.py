@@ -57,8 +57,8 @@ def smooth_log_time(steps: np.ndarray, y: np.ndarray, sigma: float) -> np.ndarra
     return local_linear_log_time(steps, y, sigma)[0]
 
 
-def milestones(steps: np.ndarray, llc: np.ndarray, sigma: float = 0.1,
-               plateau_tol: float = 0.1) -> list[tuple[int, str]]:
+def milestones(steps: np.ndarray, llc: np.ndarray, sigma: float,
+               plateau_tol: float) -> list[tuple[int, str]]:
     """Indices and kinds of the critical points of the smoothed LLC curve (interior points only).
 
     A checkpoint is flat where |dŷ/dt| < plateau_tol × max |dŷ/dt|. Each run of flat checkpoints that
@@ -91,7 +91,7 @@ def milestones(steps: np.ndarray, llc: np.ndarray, sigma: float = 0.1,
     return out
 
 
-def stages(keys: dict, steps, llc, loss, sigma: float = 0.1, plateau_tol: float = 0.1) -> pd.DataFrame:
+def stages(keys: dict, steps, llc, loss, sigma: float, plateau_tol: float) -> pd.DataFrame:
     steps, llc, loss = np.asarray(steps), np.asarray(llc, float), np.asarray(loss, float)
     ms = milestones(steps, llc, sigma, plateau_tol)
     bounds = [(0, "start")] + ms + [(len(steps) - 1, "end")]
