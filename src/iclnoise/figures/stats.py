@@ -1,11 +1,13 @@
 """Figure 6 (headline: M* against noise level per source) and figure 7 (ICL against exposure)."""
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+from matplotlib.lines import Line2D
 from matplotlib.ticker import NullFormatter, ScalarFormatter
 
 from ..tasks import M_INF
@@ -34,9 +36,14 @@ def fig_threshold_vs_noise(th: pd.DataFrame, path: str | Path) -> None:
         bad = g[~g.gates_passed.astype(bool) & np.isfinite(g.M_star)]
         ax.scatter(bad.level, bad.M_star, s=40, facecolor="white", edgecolor=f"C{i}", zorder=4, lw=1.5)
     missing = df[~np.isfinite(df.M_star)]
-    if len(missing) and np.isfinite(df.M_star).any():
-        note = "\n".join(f"{r.noise}, B{r.batch}: {r.reason}" for r in missing.itertuples())
-        ax.text(0.02, 0.02, "no M*:\n" + note, transform=ax.transAxes, fontsize=6, color="grey", va="bottom")
+    no_ci = df[np.isfinite(df.M_star) & ~np.isfinite(df.M_star_lo)]
+    notes = [f"no M*: {r.noise}, B{r.batch}: {r.reason}" for r in missing.itertuples()]
+    notes += [f"no interval: {r.noise}, B{r.batch}: {r.reason.removeprefix('no interval: ')}"
+              for r in no_ci.itertuples()]
+    note = "\n".join(textwrap.fill(n, 100) for n in notes) if notes and np.isfinite(df.M_star).any() else ""
+    if note:  # below the axes, where it hides no data
+        fig.set_figheight(4 + 0.12 * (note.count("\n") + 1))
+        fig.text(0.01, 0.01, note, fontsize=6, color="dimgrey", va="bottom")
     if np.isfinite(df.M_star).any():
         ax.set_xscale("log")
         vals = df[["M_star", "M_star_lo", "M_star_hi"]].to_numpy(float)
@@ -58,8 +65,12 @@ def fig_threshold_vs_noise(th: pd.DataFrame, path: str | Path) -> None:
     ax.set_ylabel("task-diversity threshold M*  (95 % t-interval over seeds)")
     ax.set_title("Does more noise lower the task-diversity threshold?")
     if np.isfinite(df.M_star).any():
-        ax.legend()
-    fig.tight_layout()
+        handles, _ = ax.get_legend_handles_labels()
+        if (~df.gates_passed.astype(bool) & np.isfinite(df.M_star)).any():
+            handles.append(Line2D([], [], marker="o", ls="", mfc="white", mec="grey", mew=1.5,
+                                  label="hollow: a validity gate failed,\nthe verdict reads inconclusive"))
+        ax.legend(handles=handles, fontsize=8, loc="lower right")
+    fig.tight_layout(rect=(0, 0.03 * (note.count("\n") + 1) if note else 0, 1, 1))
     style.save_figure(fig, path, df)
 
 
