@@ -1,0 +1,68 @@
+"""Where a CPU ensemble step's time goes: the vmapped gradient of N stacked default models against the matmul rate
+of the same shapes and this core's large-matmul peak, side by side in one process (one thread).
+
+Prints, per (runs, batch): ms per step, the step's GFLOP/s (6 · parameters · tokens), and the ratios to the
+stacked-matmul rate and to the peak. A step far below the matmul rate is overhead-bound; one near it is
+arithmetic-bound and only a GPU (or fewer FLOPs) makes it faster.
+Usage: PYTHONPATH=src python bench/bench_step.py [--shapes 9x64 9x16] [--params params.yaml]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import yaml
+from torch.func import functional_call, grad, stack_module_state, vmap
+
+from iclnoise.model import ModelConfig, build_model, mse_loss
+
+
+def best_of(fn, reps: int = 20, rounds: int = 3) -> float:
+    fn()
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        out.append((time.perf_counter() - t0) / reps)
+    return min(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=["9x64", "9x16"])
+    ap.add_argument("--params", default="params.yaml")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    p = yaml.safe_load(open(a.params))
+    cfg = ModelConfig(D=p["data"]["D"], K=p["data"]["K"], **p["model"])
+    n = 1024
+    x, y = torch.randn(n, n), torch.randn(n, n)
+    peak = 2 * n ** 3 / best_of(lambda: x @ y, reps=5)
+    print(f"large matmul peak (1024², one thread): {peak / 1e9:.1f} GFLOP/s")
+    for shape in a.shapes:
+        N, B = map(int, shape.split("x"))
+        models = [build_model(cfg, s) for s in range(N)]
+        params, bufs = stack_module_state(models)
+        base = models[0]
+
+        def loss(pp, bb, xs, ys):
+            return mse_loss(lambda u, v: functional_call(base, (pp, bb), (u, v)), xs, ys)
+
+        g = vmap(grad(loss))
+        xs, ys = torch.randn(N, B, cfg.K, cfg.D), torch.randn(N, B, cfg.K)
+        dt = best_of(lambda: g(params, bufs, xs, ys))
+        P = sum(q.numel() for q in base.parameters())
+        tokens = N * B * 2 * cfg.K
+        step = 6 * P * tokens / dt
+        w = torch.randn(N, cfg.d_model, cfg.d_mlp)
+        h = torch.randn(N, B * 2 * cfg.K, cfg.d_model)
+        mm = 2 * N * B * 2 * cfg.K * cfg.d_model * cfg.d_mlp / best_of(lambda: torch.bmm(h, w))
+        print(f"{N} runs x batch {B}: {dt * 1e3:6.1f} ms/step, {N / dt:6.0f} run-steps/s, step {step / 1e9:5.1f} "
+              f"GFLOP/s; stacked matmul {mm / 1e9:5.1f} GFLOP/s; step / matmul {step / mm:.2f}, step / peak "
+              f"{step / peak:.2f}")
+
+
+if __name__ == "__main__":
+    main()
