@@ -37,8 +37,9 @@ def merge(a: dict, b: dict) -> dict:
 
 def runs_for(params: dict, n: int) -> list[str]:
     """n runs of one ensemble group (cycling seeds beyond the grid's if the group is smaller)."""
-    group = max(ensemble_groups(params).values(), key=len)
     p = copy.deepcopy(params)
+    p["train"]["ensemble_runs"] = n  # else groups are chunked at the params' size and never reach n
+    group = max(ensemble_groups(p).values(), key=len)
     seeds = list(p["grid"]["seeds"])
     while len(group) < n:
         seeds.append(max(seeds) + 1)
