@@ -105,3 +105,7 @@ def run_command(level: str, argv: list[str]) -> None:
     name = argv[0].replace("-", "_")
     fn = getattr(module, name if module.__name__ == "iclnoise.commands" else "cli_" + name, None) or module.cli
     fn(argv[1:])
+
+
+if __name__ == "__main__":
+    main()
