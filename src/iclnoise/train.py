@@ -68,6 +68,8 @@ class RunOptimizer:
 
     def __init__(self, opt: torch.optim.AdamW, stacked: list[torch.Tensor], params: list[nn.Parameter], r: int):
         self.opt, self.stacked, self.params, self.r = opt, stacked, params, r
+        self._key: tuple = ()
+        self._state: dict = {}
 
     @property
     def param_groups(self) -> list[dict]:
@@ -76,12 +78,16 @@ class RunOptimizer:
 
     @property
     def state(self) -> dict:
-        out = {}
-        for P, p in zip(self.stacked, self.params):
-            st = self.opt.state.get(P)
-            if st:
-                out[p] = {"step": st["step"], "exp_avg": st["exp_avg"][self.r], "exp_avg_sq": st["exp_avg_sq"][self.r]}
-        return out
+        """Views of run r's slices, rebuilt only when the optimizer's per-tensor state objects change (its first
+        step, a resume): AdamW updates them in place, so the views stay current between steps."""
+        sts = [self.opt.state.get(P) for P in self.stacked]
+        key = tuple(id(st) if st else 0 for st in sts)  # an empty state (not yet filled) is 0
+        if key != self._key:
+            self._key = key
+            self._state = {p: {"step": st["step"], "exp_avg": st["exp_avg"][self.r],
+                               "exp_avg_sq": st["exp_avg_sq"][self.r]}
+                           for p, st in zip(self.params, sts) if st}
+        return self._state
 
 
 @dataclass

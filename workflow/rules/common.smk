@@ -20,8 +20,11 @@ def probe_files(section, name):
     return expand(f"{RES}/runs/{{run}}/{name}", run=probe_runs(section))
 
 
+PROBED = {s: set(probe_runs(s)) for s in ("llc", "geometry", "mech")}
+
+
 def probe_sections(run):
-    return [s for s in ("llc", "geometry", "mech") if run in probe_runs(s)]
+    return [s for s, runs in PROBED.items() if run in runs]
 
 
 CONDA_ENV = "../envs/iclnoise.yaml"
