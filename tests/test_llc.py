@@ -322,3 +322,16 @@ def test_llc_for_run_is_byte_identical_on_rerun(tiny, tmp_path):
     llc_for_run(run, cfg, every=3, progress=False)
     assert (run / "llc.parquet").read_bytes() == first
     assert "seconds" not in df and df.mala_accept.between(0, 1).all() and (df.method == "sgld").all()
+
+
+def test_stacked_chains_equal_the_loop_with_full_batch(tiny_checkpoint):
+    """The hooked model runs all chains as stacked parameters (no vmap); with batch ≥ n every chain sees the
+    whole set, and the chains equal a Python loop over chains."""
+    m, xs, ys, *_ = tiny_checkpoint
+    assert m.stacks_runs
+    cfg = LLCConfig(seed=0, epsilon=1e-4, gamma=100.0, chains=2, burn_in=2, draws=8, batch=256, n=256)
+    ch = sgld_chains(m, mse_loss, xs, ys, cfg)
+    np.testing.assert_allclose(ch.loss[:, 0], float(mse_loss(m, xs, ys)), rtol=1e-5)
+    loop = sgld_chains(m, mse_loss, xs, ys, cfg, vectorize=False)
+    np.testing.assert_allclose(loop.loss, ch.loss, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(loop.accept, ch.accept, rtol=1e-4, atol=1e-6)

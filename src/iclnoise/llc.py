@@ -14,7 +14,8 @@ scaled by nβ, updated before it is used; defaults α = 0.99, δ = 0.1).
 E_w is the mean mini-batch loss over the post-burn-in draws of every chain (the loss at the
 current w, computed in the same pass as the gradient); L_n(w*) is the full-data loss at w*.
 Each chain owns a generator seeded by (seed, chain), so results do not depend on how many
-chains run together, in which order, or whether they run vmapped or in a loop.
+chains run together, in which order, or how they are batched: one call of a model that runs stacked
+parameters (`stacks_runs`, iclnoise.model), a vmap over chains, or a Python loop.
 
 MALA diagnostic (as devinterp's `MalaAcceptanceRate`): for every pair of consecutive SGLD steps
 w_t → w_{t+1}, the Metropolis-adjusted acceptance probability that step would have had as a
@@ -130,7 +131,20 @@ def sgld_chains(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: t
             l_tot = l_tot + l_ * wgt
         return g_tot, l_tot
 
-    batched = (vmap(grad_loss, in_dims=(0, None, None)) if full_batch else vmap(grad_loss)) if vectorize else None
+    def stacked_grad(params, x, y):  # every chain in one call: the model runs stacked parameters (C, ...)
+        with torch.enable_grad():
+            leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+            if full_batch:
+                x, y = x.expand(C, *x.shape), y.expand(C, *y.shape)
+            loss = loss_at(leaves, x, y)
+            return dict(zip(leaves, torch.autograd.grad(loss.sum(), list(leaves.values())))), loss.detach()
+
+    if not vectorize:
+        batched = None
+    elif getattr(model, "stacks_runs", False) and cfg.micro_batches == 1:
+        batched = stacked_grad
+    else:
+        batched = vmap(grad_loss, in_dims=(0, None, None)) if full_batch else vmap(grad_loss)
     losses = torch.empty(C, steps, dtype=torch.float64)
     accept = torch.empty(C, max(steps - 1, 0), dtype=torch.float64)
     prev = None   # (U_t, Σξ²/2, step, G) of the last transition, for the MALA ratio

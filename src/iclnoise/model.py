@@ -40,6 +40,35 @@ class ModelConfig:
         return asdict(self)
 
 
+def per_run(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Parameter v viewed to broadcast against activations x (b, n, d) of one model, or, stacked, v (R, ...)
+    against x (R, b, n, d): run r's slice meets run r's activations."""
+    return v if x.dim() == 3 else v.reshape(v.shape[0], *[1] * (x.dim() - v.dim()), *v.shape[1:])
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state dict) that also runs R stacked copies: weight (R, out, in) on
+    x (R, ..., in) is one batched matmul per step instead of a vmap over R calls."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dim() == 2:
+            return F.linear(x, self.weight, self.bias)
+        R, o, i = self.weight.shape
+        y = torch.bmm(x.reshape(R, -1, i), self.weight.transpose(1, 2)).view(*x.shape[:-1], o)
+        return y if self.bias is None else y + self.bias.reshape(R, *[1] * (x.dim() - 2), o)
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm that also runs R stacked copies (weight and bias (R, d))."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dim() == 1:
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        shape = (x.shape[0], *[1] * (x.dim() - 2), x.shape[-1])
+        y = F.layer_norm(x, self.normalized_shape, None, None, self.eps)
+        return torch.addcmul(self.bias.reshape(shape), y, self.weight.reshape(shape))
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -61,25 +90,28 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One (d, 3·h·d_head) matmul for q, k, v and batched matmuls for the pattern: the same maths as
-        # einsum("bpd,hde->bphe") per head, 2-4x faster on small CPU tensors and under vmap (bench/).
-        b, n, d = x.shape
-        h, e = self.W_Q.shape[0], self.W_Q.shape[2]
-        W = torch.cat([w.transpose(0, 1).reshape(d, h * e) for w in (self.W_Q, self.W_K, self.W_V)], 1)
-        bias = torch.cat([self.b_Q.reshape(-1), self.b_K.reshape(-1), self.b_V.reshape(-1)])
-        q, k, v = (x @ W + bias).view(b, n, 3, h, e).unbind(2)
+        # einsum("bpd,hde->bphe") per head, 2-4x faster on small CPU tensors (bench/). x is (*L, b, n, d)
+        # with L = () for one model or (R,) for R stacked runs (parameters with a leading run axis).
+        *lead, b, n, d = x.shape
+        h, e = self.W_Q.shape[-3], self.W_Q.shape[-1]
+        W = torch.cat([w.transpose(-3, -2).reshape(*lead, d, h * e) for w in (self.W_Q, self.W_K, self.W_V)], -1)
+        bias = torch.cat([c.reshape(*lead, 1, h * e) for c in (self.b_Q, self.b_K, self.b_V)], -1)
+        qkv = torch.matmul(x.reshape(*lead, b * n, d), W) + bias
+        q, k, v = qkv.view(*lead, b, n, 3, h, e).unbind(-3)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
-        scores = torch.matmul(q.transpose(1, 2), k.permute(0, 2, 3, 1)) * self.scale
+        scores = torch.matmul(q.transpose(-3, -2), k.transpose(-3, -2).transpose(-1, -2)) * self.scale
         scores = self.hook_attn_scores(scores.masked_fill(self.mask[:n, :n], float("-inf")))
         pattern = self.hook_pattern(F.softmax(scores, dim=-1))
-        z = self.hook_z(torch.matmul(pattern, v.transpose(1, 2)).transpose(1, 2))
-        return z.reshape(b, n, h * e) @ self.W_O.reshape(h * e, d) + self.b_O
+        z = self.hook_z(torch.matmul(pattern, v.transpose(-3, -2)).transpose(-3, -2))
+        out = torch.matmul(z.reshape(*lead, b * n, h * e), self.W_O.reshape(*lead, h * e, d))
+        return out.view(*lead, b, n, d) + per_run(self.b_O, x)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.fc_in = nn.Linear(cfg.d_model, cfg.d_mlp)
-        self.fc_out = nn.Linear(cfg.d_mlp, cfg.d_model)
+        self.fc_in = Linear(cfg.d_model, cfg.d_mlp)
+        self.fc_out = Linear(cfg.d_mlp, cfg.d_model)
         self.hook_post = HookPoint()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,7 +121,7 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        norm = (lambda: nn.LayerNorm(cfg.d_model)) if cfg.layer_norm else nn.Identity
+        norm = (lambda: LayerNorm(cfg.d_model)) if cfg.layer_norm else nn.Identity
         self.ln1, self.ln2 = norm(), norm()
         self.attn, self.mlp = Attention(cfg), MLP(cfg)
         self.hook_resid_pre, self.hook_attn_out = HookPoint(), HookPoint()
@@ -102,26 +134,31 @@ class Block(nn.Module):
 
 
 def encode(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
-    """(B, K, D), (B, K) → interleaved tokens (B, 2K, D+1): x-token (x_k, 0), y-token (0, y_k).
+    """(*L, B, K, D), (*L, B, K) → interleaved tokens (*L, B, 2K, D+1): x-token (x_k, 0), y-token (0, y_k).
 
-    Written without in-place writes so that it works under torch.func.vmap (the ensemble trainer)."""
-    B, K, D = xs.shape
-    x_tok = torch.cat([xs, xs.new_zeros(B, K, 1)], -1)
-    y_tok = torch.cat([xs.new_zeros(B, K, D), ys.unsqueeze(-1)], -1)
-    return torch.stack([x_tok, y_tok], 2).reshape(B, 2 * K, D + 1)
+    Written without in-place writes so that it works under torch.func transforms."""
+    *lead, K, D = xs.shape
+    x_tok = torch.cat([xs, xs.new_zeros(*lead, K, 1)], -1)
+    y_tok = torch.cat([xs.new_zeros(*lead, K, D), ys.unsqueeze(-1)], -1)
+    return torch.stack([x_tok, y_tok], -2).reshape(*lead, 2 * K, D + 1)
 
 
 class ICLTransformer(HookedRootModule):
-    """f(xs, ys) → predictions (B, K); prediction k is read at the x_k token (causal)."""
+    """f(xs, ys) → predictions (B, K); prediction k is read at the x_k token (causal).
+
+    Stacked runs: called (`torch.func.functional_call`) with every parameter given a leading run axis R and
+    xs (R, B, K, D), ys (R, B, K), it returns (R, B, K), run r computed with run r's parameters alone."""
+
+    stacks_runs = True  # callers (training, LLC chains) batch R parameter sets this way instead of a vmap
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Linear(cfg.D + 1, cfg.d_model)
+        self.embed = Linear(cfg.D + 1, cfg.d_model)
         self.pos_embed = nn.Parameter(torch.empty(2 * cfg.K, cfg.d_model))
         self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layers)])
-        self.ln_final = nn.LayerNorm(cfg.d_model) if cfg.layer_norm else nn.Identity()
-        self.unembed = nn.Linear(cfg.d_model, 1, bias=False)
+        self.ln_final = LayerNorm(cfg.d_model) if cfg.layer_norm else nn.Identity()
+        self.unembed = Linear(cfg.d_model, 1, bias=False)
         self.hook_embed, self.hook_resid_final = HookPoint(), HookPoint()
         self._init_weights()
         self.setup()
@@ -133,12 +170,13 @@ class ICLTransformer(HookedRootModule):
         nn.init.normal_(self.pos_embed, std=0.02)
 
     def forward(self, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
-        n = 2 * xs.shape[1]
-        h = self.hook_embed(self.embed(encode(xs, ys)) + self.pos_embed[:n])
+        n = 2 * xs.shape[-2]
+        x = encode(xs, ys)
+        h = self.hook_embed(self.embed(x) + per_run(self.pos_embed[..., :n, :], x))
         for block in self.blocks:
             h = block(h)
         h = self.hook_resid_final(self.ln_final(h))
-        return self.unembed(h[:, 0::2]).squeeze(-1)
+        return self.unembed(h[..., 0::2, :]).squeeze(-1)
 
 
 def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> ICLTransformer:
@@ -150,5 +188,6 @@ def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu")
 
 
 def mse_loss(model: nn.Module, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
-    """The training objective: mean over sequences and tokens of (f − y)², divided by D."""
-    return (model(xs, ys) - ys).square().mean() / xs.shape[-1]
+    """The training objective: mean over sequences and tokens of (f − y)², divided by D; one per run for
+    stacked runs (xs (R, B, K, D) → (R,))."""
+    return (model(xs, ys) - ys).square().flatten(-2).mean(-1) / xs.shape[-1]

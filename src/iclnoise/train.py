@@ -2,8 +2,9 @@
 
 An *ensemble* is a set of runs that share model shape, step count and training configuration (they
 differ in M, seed and so in task pool, data stream and initialisation). Their parameters are stacked
-along a leading run axis and one step is a `torch.func.vmap` over the hooked `ICLTransformer`
-(`functional_call`), so the per-step overhead is paid once for all runs. Everything per run stays
+along a leading run axis and one step is one call of the hooked `ICLTransformer` on the stacked
+parameters (`functional_call`: its layers run the R runs as batched matmuls; 1.5× a vmap over runs,
+bench/bench_step.py), so the per-step overhead is paid once for all runs. Everything per run stays
 per run: its task pool and counter-based data stream, its initialisation, its AdamW state (AdamW is
 elementwise, so one AdamW over stacked tensors is R AdamWs), its gradient-norm clipping, its noise
 injection and exposure hooks, its evaluation, checkpoints and divergence (a diverged run is frozen,
@@ -28,7 +29,7 @@ import numpy as np
 import pandas as pd
 import torch
 from torch import nn
-from torch.func import functional_call, vmap
+from torch.func import functional_call
 from tqdm import tqdm
 
 from .evaluate import METRICS_SCHEMA, TOKEN_SCHEMA, Evaluator, root_preds_schema
@@ -251,12 +252,12 @@ class Ensemble:
                 p.grad = P.grad[r]
                 owner._parameters[leaf] = p
             m.optimizer = RunOptimizer(self.opt, self.P, list(m.model.parameters()), r)
-        self.loss = vmap(self._loss, in_dims=(0, 0, 0))
         s = LRSchedule.from_dict(t["lr_schedule"])
         self.lr_at = lr_lambda(s.kind, self.total, s.warmup_frac, s.min_lr_frac)
         self.ckpt_at = set(checkpoint_steps(self.total, t["checkpoints"]["linear"], t["checkpoints"]["log"]))
 
-    def _loss(self, params: tuple, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+    def loss(self, params: list[torch.Tensor], xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+        """Every run's training loss (R,) on its own batch, from the stacked parameters (R, ...)."""
         p = dict(zip(self.names, params))
         return mse_loss(lambda a, b: functional_call(self.members[0].model, (p, self.buffers), (a, b)), xs, ys)
 
@@ -319,7 +320,7 @@ class Ensemble:
             loss = torch.zeros(R, device=self.device)
             for i in range(self.n_micro):
                 sl = slice(i * self.mb, (i + 1) * self.mb)
-                part = self.loss(tuple(self.P), xs[:, sl], ys[:, sl]) / self.n_micro
+                part = self.loss(self.P, xs[:, sl], ys[:, sl]) / self.n_micro
                 part.sum().backward()
                 loss += part.detach()
             values = loss.tolist()
