@@ -106,7 +106,8 @@ def test_leading_eigenvalues_match_a_dense_eigendecomposition():
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    cfg = ModelConfig(D=2, K=3, d_model=4, n_layers=1, n_heads=1, d_mlp=4)
+    # gpt2 init: the model these checks' precision bounds (se < 10 % of the trace at 4000 probes) were set on
+    cfg = ModelConfig(D=2, K=3, d_model=4, n_layers=1, n_heads=1, d_mlp=4, attn_init="gpt2")
     model = build_model(cfg, 0).double()
     g = torch.Generator().manual_seed(1)
     xs = torch.randn(16, 3, 2, generator=g, dtype=torch.float64)

@@ -69,7 +69,10 @@ def test_a_run_in_an_ensemble_is_the_run_trained_alone(tiny, tmp_path):
             ours = dict(load_model(tmp_path / r, steps).named_parameters())
             ref = reference_steps(spec, steps)
             for n, w in ref.items():
-                torch.testing.assert_close(ours[n].detach(), w, rtol=2e-5, atol=2e-6, msg=f"{r} {n} step {steps}")
+                # b_K's gradient is zero in exact arithmetic (it adds q·b_K to a whole row of scores, which the
+                # softmax ignores); Adam turns its round-off into steps of up to lr, so it gets lr per step
+                tol = 2 * spec["train"]["optimizer"]["lr"] * steps if n.endswith("b_K") else 2e-6
+                torch.testing.assert_close(ours[n].detach(), w, rtol=2e-5, atol=tol, msg=f"{r} {n} step {steps}")
 
 
 def test_resume_inside_an_ensemble_is_bitwise_identical(tiny, tmp_path):

@@ -31,6 +31,7 @@ class ModelConfig:
     n_heads: int = 4
     d_mlp: int = 64
     layer_norm: bool = True
+    attn_init: str = "fan_in"   # attention weights ~ N(0, 1/d_model), or "gpt2": N(0, 0.02²)
 
     @property
     def d_head(self) -> int:
@@ -164,9 +165,10 @@ class ICLTransformer(HookedRootModule):
         self.setup()
 
     def _init_weights(self) -> None:
+        std = 0.02 if self.cfg.attn_init == "gpt2" else self.cfg.d_model ** -0.5
         for name, p in self.named_parameters():
             if name.endswith(("W_Q", "W_K", "W_V", "W_O")):
-                nn.init.normal_(p, std=0.02)
+                nn.init.normal_(p, std=std)
         nn.init.normal_(self.pos_embed, std=0.02)
 
     def forward(self, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
