@@ -32,8 +32,11 @@ from iclnoise.config import (
 
 @pytest.fixture(scope="module")
 def params():
+    """params.yaml with an injected-noise condition in the grid (the checks of used conditions need one)."""
     with open("params.yaml") as f:
-        return validate_params(yaml.safe_load(f))
+        p = yaml.safe_load(f)
+    p["grid"]["noise"] = ["none", "grad_b16"]
+    return validate_params(p)
 
 
 def bad(params, path, value):
@@ -117,6 +120,7 @@ def canonical(text: str) -> str:
     the shipped defaults (D, lr, budget, M grid, seeds)."""
     for pattern, line in ((r"(?m)^  D: .*$", "  D: 4"), (r"(?m)^  M: \[.*$", "  M: [1, 4, 16, 64, 256, inf]"),
                           (r"(?m)^  seeds: \[0, 1, 2\].*$", "  seeds: [0, 1]"),
+                          (r"(?m)^  noise: \[.*$", "  noise: [none, grad_b16]"),
                           (r"(?m)^  budget: .*$", "  budget: {mode: steps, steps: 2500}"),
                           (r"\{lr: [0-9.e+-]+,", "{lr: 0.002,"),
                           (r"early, fraction: 0.3, budget: [0-9.e+-]+", "early, fraction: 0.3, budget: 4.0e+6"),

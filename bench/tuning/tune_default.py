@@ -36,7 +36,8 @@ def params_with(a: argparse.Namespace) -> dict:
     p["exposure"]["enabled"] = False
     p["grid"]["noise"] = ["none"]
     p["data"].update(D=a.D, K=a.K, noise_var=a.noise_var)
-    p["model"].update(d_model=a.d_model, n_layers=a.n_layers, n_heads=a.n_heads, d_mlp=a.d_mlp or 2 * a.d_model)
+    p["model"].update(d_model=a.d_model, n_layers=a.n_layers, n_heads=a.n_heads, d_mlp=a.d_mlp or 2 * a.d_model,
+                      attn_init=a.attn_init)
     t = p["train"]
     t["budget"] = {"mode": "sequences", "sequences": a.sequences} if a.sequences else {"mode": "steps",
                                                                                           "steps": a.steps}
@@ -64,6 +65,7 @@ def main() -> None:
     ap.add_argument("--n-layers", type=int, default=2)
     ap.add_argument("--n-heads", type=int, default=2)
     ap.add_argument("--d-mlp", type=int, default=0, help="0 = 2 · d_model")
+    ap.add_argument("--attn-init", default="fan_in", choices=["fan_in", "gpt2"])
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--beta2", type=float, default=0.999)
     ap.add_argument("--schedule", default="warmup_cosine")
