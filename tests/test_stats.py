@@ -142,6 +142,24 @@ def test_mixed_model_recovers_planted_slope():
     assert cmp["lr_stat"] == pytest.approx(2 * (llf[0] - llf[1]), rel=1e-4)
 
 
+def test_mixed_model_with_no_seed_effect_is_the_least_squares_fit():
+    """Seeds that differ only by 1e-3 noise put the seed variance on its boundary (0); L-BFGS then fails on a
+    singular X'V⁻¹X (the default grid hit this) and the fit falls back to Powell, whose optimum is OLS."""
+    import statsmodels.formula.api as smf
+
+    g = np.random.default_rng(0)
+    x, z, e = g.normal(size=8), g.normal(size=8), g.normal(scale=0.05, size=8)
+    df = pd.DataFrame([{"seed": s, "x": x[i], "z": z[i], "y": 0.3 * x[i] - 0.2 * z[i] + e[i] + 1e-3 * g.normal()}
+                       for s in range(3) for i in range(8)])
+    t = mixed_model(df, "y ~ x + z").set_index("term")
+    ols = smf.ols("y ~ x + z", df).fit()
+    for term in ("Intercept", "x", "z"):
+        assert t.loc[term, "estimate"] == pytest.approx(ols.params[term], abs=1e-4)
+    assert t.loc["x", "ci_lo"] <= 0.3 <= t.loc["x", "ci_hi"]
+    cmp = manipulation_lr_test(df, "y", "x", "z")
+    assert cmp["p"] < 1e-6
+
+
 def test_planted_null_rejects_at_about_the_nominal_rate():
     rng = np.random.default_rng(1)
     n_sim = 100

@@ -177,16 +177,24 @@ def transient_ridge_window(metrics: pd.DataFrame, rel_tol: float = 0.05) -> dict
 
 
 def _fit_mixed(df: pd.DataFrame, formula: str, group: str, reml: bool):
-    """MixedLM fit with L-BFGS; Powell only if that did not converge to a finite likelihood."""
+    """MixedLM fit with L-BFGS; Powell if that did not converge to a finite likelihood."""
     import statsmodels.formula.api as smf
 
+    return _fit_with_fallback(smf.mixedlm(formula, df, groups=df[group]), reml)
+
+
+def _fit_with_fallback(model, reml: bool):
+    """L-BFGS, else Powell. L-BFGS's gradient inverts X'V⁻¹X, which is singular when the group variance sits on
+    its boundary (0: no seed effect) and the fit is near exact; Powell needs no gradient and reaches that optimum."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = smf.mixedlm(formula, df, groups=df[group])
-        res = model.fit(reml=reml)
-        if not (res.converged and np.isfinite(res.llf)):
-            res = model.fit(reml=reml, method="powell")
-    return res
+        try:
+            res = model.fit(reml=reml)
+            if res.converged and np.isfinite(res.llf):
+                return res
+        except np.linalg.LinAlgError:
+            pass
+        return model.fit(reml=reml, method="powell")
 
 
 def mixed_model(df: pd.DataFrame, formula: str, group: str = "seed", alpha: float = 0.05,
@@ -226,13 +234,7 @@ def _fit_mixed_arrays(y: np.ndarray, X: np.ndarray, groups: np.ndarray):
     """ML MixedLM with a random intercept per group (L-BFGS, Powell if that did not converge)."""
     import statsmodels.api as sm
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = sm.MixedLM(y, X, groups)
-        res = model.fit(reml=False)
-        if not (res.converged and np.isfinite(res.llf)):
-            res = model.fit(reml=False, method="powell")
-    return res
+    return _fit_with_fallback(sm.MixedLM(y, X, groups), reml=False)
 
 
 def manipulation_lr_test(df: pd.DataFrame, outcome: str, treatment: str, controls: str,
