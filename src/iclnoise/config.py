@@ -293,20 +293,16 @@ def _memory_check(p: dict) -> None:
                           f"eval.n_sequences × data.K × model.d_mlp, training with train.micro_batch")
 
 
-# CPU milliseconds per training step = STEP_MS_BASE + STEP_MS_PER_MFLOP · step_flops / 1e6, × INJECTED_FACTOR[source].
-# Measured (process CPU time of iclnoise.train.train_run, 1 thread, evaluation, checkpoints and exposure logging
-# amortised; the shared 2-core dev machine, 2026-11-23), params.yaml unless noted, M = 16:
-#   batch 16: 8.55 ms (28.3 MFLOP); batch 64: 11.98 ms (113 MFLOP); d_model 128, d_mlp 512, 4 heads, K = 16,
-#   batch 64, 1000 steps: 152.0 ms (5033 MFLOP); batch 64 + grad_b16: 14.96 ms (×1.25), + param_b16: 14.25 (×1.19).
-# The line through the batch-64 and the large-model points: exact there, +12 % at batch 16. For the default grid it
-# predicts 0.30 core-hours of training; the three measured run types sum to 0.296. Re-measure on new hardware.
-# Ensembles (iclnoise.train), fitted to the CPU time of the default DAG's training jobs (benchmarks/train/*.tsv
-# cpu_time, D = 3, K = 8, d_model 32, evaluation and exposure logging amortised): batch 16, 11 runs × 6000 steps:
-# 257 s (42.8 ms per ensemble step; model 45.4); batch 64 + grad_b16, 10 runs × 1500 steps: 269 s (179 ms; model
-# 158). Per FLOP an ensemble step is slower than the single-run line above (small vmapped kernels).
-STEP_MS_BASE = 8.76
+# CPU milliseconds per ensemble step = STEP_MS_BASE + runs · (STEP_MS_PER_RUN + STEP_MS_PER_MFLOP · step MFLOPs),
+# × INJECTED_FACTOR[source]. Fitted to the CPU time of the default DAG's training jobs (fresh clone of 9baea51,
+# benchmarks/train/*.tsv cpu_time; 3 layers, d_model 32, D = 3, K = 8, stacked-parameter step; evaluation at 24-28
+# checkpoints and exposure every 400 steps amortised; 9 runs per job): batch 16, 8000 steps: 250.7 and 222.4 s
+# (29.6 ms per ensemble step, 42.5 MFLOP per run-step); batch 64, 2000 steps: 192.8 and 162.1 s (88.7 ms, 170
+# MFLOP). STEP_MS_PER_RUN kept from the earlier fit; the line is exact at the two means. The injection factors were
+# measured on single runs (batch 64 + grad_b16 ×1.25, + param_b16 ×1.19). Re-measure on new hardware.
+STEP_MS_BASE = 5.35
 STEP_MS_PER_RUN = 0.5
-STEP_MS_PER_MFLOP = 0.1
+STEP_MS_PER_MFLOP = 0.0516
 INJECTED_FACTOR = {"none": 1.0, "grad": 1.25, "param": 1.19}
 COST_CONFIRM_CORE_HOURS = 2.0
 
