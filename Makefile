@@ -47,6 +47,7 @@ test-slurm: setup
 
 bench: setup
 	$(BIN)/python bench/bench_ensemble.py
+	$(BIN)/python bench/bench_step.py
 	$(BIN)/python bench/bench_train.py
 	$(BIN)/python bench/bench_llc.py
 	$(BIN)/python bench/bench_noise.py
