@@ -13,6 +13,6 @@ def tiny() -> dict:
     p["train"]["checkpoints"] = {"linear": 3, "log": 3}
     p["train"]["micro_batch"] = 8
     p["eval"].update(n_sequences=64, n_root=16)
-    p["model"].update(d_model=16, d_mlp=16)
+    p["model"].update(d_model=16, d_mlp=16, n_layers=2)  # the tests' measured numbers are on 2 layers
     p["exposure"].update(every=10, groups=8, curvature_probes=4, heldout=16)
     return p
