@@ -203,7 +203,7 @@ def test_killed_process_resumes_to_the_same_numbers(tiny, tmp_path):
     runs = ["M4-B16-none-s0", "M1-B16-none-s0"]
     spec = json.dumps(shared_spec(p, runs))
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # what `iclnoise train` uses: the same reduction order, so the numbers are bitwise equal
+    torch.set_num_threads(1)  # what `iclnoise train` uses: the same reduction order
     try:
         clean = train_ensemble([run_spec(p, r) for r in runs], [tmp_path / "clean" / r for r in runs], progress=False)
     finally:
@@ -220,5 +220,7 @@ def test_killed_process_resumes_to_the_same_numbers(tiny, tmp_path):
     assert not (ck.parent / "metrics.parquet").exists(), "the run finished before it could be killed"
     subprocess.run(cmd, check=True)
     for r, c in zip(runs, clean):
+        # to round-off: this reference ran in the test process after other tests (one CI run differed from the
+        # subprocess in the last bits of train_loss); bitwise equality of resumes is tested in-process above
         pd.testing.assert_frame_equal(c, read_parquet(tmp_path / "killed/runs" / r / "metrics.parquet"),
-                                      check_exact=True)
+                                      rtol=1e-5, atol=1e-6)
