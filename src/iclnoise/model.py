@@ -56,7 +56,7 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         R, o, i = self.weight.shape
         y = torch.bmm(x.reshape(R, -1, i), self.weight.transpose(1, 2)).view(*x.shape[:-1], o)
-        return y if self.bias is None else y + self.bias.reshape(R, *[1] * (x.dim() - 2), o)
+        return y if self.bias is None else y + per_run(self.bias, y)
 
 
 class LayerNorm(nn.LayerNorm):
@@ -65,9 +65,8 @@ class LayerNorm(nn.LayerNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dim() == 1:
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
-        shape = (x.shape[0], *[1] * (x.dim() - 2), x.shape[-1])
         y = F.layer_norm(x, self.normalized_shape, None, None, self.eps)
-        return torch.addcmul(self.bias.reshape(shape), y, self.weight.reshape(shape))
+        return torch.addcmul(per_run(self.bias, y), y, per_run(self.weight, y))
 
 
 class Attention(nn.Module):
