@@ -42,11 +42,13 @@ OUTCOME_FIELDS = KEY_FIELDS + [
 # schema of outcomes.parquet does not depend on which probes ran.
 LLC_COLUMNS = ["llc_final", "llc_final_std"]
 LLC_COUNTS = ["llc_n_estimates", "llc_n_flagged"]   # estimates in llc.parquet; flagged not-levelled/negative/diverged
+LLC_FLAGS = ["llc_final_flagged"]   # the final estimate (the one H4 tests) is not levelled / negative / diverged
 EXPOSURE_COLUMNS = ["integrated_pne", "integrated_pne_preclip", "integrated_ne", "integrated_ne_injected",
                     "integrated_ne_simple", "integrated_pne_injected"]   # exposure.summarize keys (realised, per run)
 GEOMETRY_COLUMNS = ["hessian_trace", "top_eigenvalue", "sam_sharpness"]
 CIRCUIT_COLUMNS = ["attn_to_y_excess", "icl_drop_max", "probe_ridge_r2_max"]   # mech.run_summary (end of training)
 OPTIONAL_FIELDS = ([pa.field(c, pa.float64()) for c in LLC_COLUMNS] + [pa.field(c, pa.int64()) for c in LLC_COUNTS]
+                   + [pa.field(c, pa.bool_()) for c in LLC_FLAGS]
                    + [pa.field(c, pa.float64()) for c in EXPOSURE_COLUMNS + GEOMETRY_COLUMNS + CIRCUIT_COLUMNS])
 OUTCOMES_SCHEMA = pa.schema(OUTCOME_FIELDS + OPTIONAL_FIELDS)
 GATE_FIELDS = [pa.field("gates_passed", pa.bool_()), pa.field("gate_failures", pa.string())]
@@ -79,7 +81,8 @@ GATES = {
     "r_high": 0.75,            # ... to high (some M with seed-mean r ≥ r_high) for a threshold to be a transition
     "data_tol": 0.01,          # compared arms saw the same number of sequences within 1 %
     "exposure_tol": 0.10,      # H2: early and late realised injected exposure within 10 %
-    "llc_flagged_max": 0.25,   # LLC verdicts: at most 25 % of estimates not levelled / negative / diverged
+    "llc_flagged_max": 0.25,   # LLC verdicts: at most 25 % of the tested (final) estimates not levelled / negative /
+                               # diverged; estimates at initialisation (no minimum there) do not enter
 }
 
 
@@ -124,7 +127,8 @@ def run_outcomes(run_dir: Path, transient_tol: float) -> dict:
         if len(llc):
             flagged = llc.not_levelled.astype(bool) | llc.negative.astype(bool) | llc.diverged.astype(bool)
             row.update(llc_final=float(llc.llc_mean.iloc[-1]), llc_final_std=float(llc.llc_std.iloc[-1]),
-                       llc_n_estimates=len(llc), llc_n_flagged=int(flagged.sum()))
+                       llc_n_estimates=len(llc), llc_n_flagged=int(flagged.sum()),
+                       llc_final_flagged=bool(flagged.iloc[-1]))
     if (run_dir / "exposure.parquet").exists():
         from .exposure import summarize  # the noise module owns exposure summaries
         s = summarize(read_parquet(run_dir / "exposure.parquet"))
@@ -193,10 +197,14 @@ def _gate_equal_data(runs: pd.DataFrame, tol: float, strata: list[str] | None = 
 
 
 def _gate_llc(runs: pd.DataFrame, max_share: float) -> list[str]:
-    n, k = runs.llc_n_estimates.sum(), runs.llc_n_flagged.sum()
+    """The estimates a verdict uses (each run's final LLC) must be reliable: at most `max_share` of them flagged.
+    Flags earlier in training do not enter: at initialisation the model is not near a minimum, where the LLC
+    is defined, and a negative estimate there is expected (the report shows them apart)."""
+    flags = runs.llc_final_flagged.dropna().astype(bool)
+    n, k = len(flags), int(flags.sum())
     if not n:
         return ["LLC diagnostics (no estimates)"]
-    return [f"LLC diagnostics ({k / n:.0%} of {n} estimates not levelled / negative / diverged)"] \
+    return [f"LLC diagnostics ({k} of {n} final estimates not levelled / negative / diverged)"] \
         if k / n > max_share else []
 
 
@@ -407,6 +415,8 @@ def metrics_summary(th: pd.DataFrame, tests: pd.DataFrame, conv: pd.DataFrame, o
         "convergence": {_cond(r.batch, r.noise): {"ood_loss_over_ridge": _json_safe(r.ood_loss_over_ridge),
                                                   "converged": bool(r.converged)} for r in conv.itertuples()},
         "llc_flagged_share": _json_safe(out.llc_n_flagged.sum() / n_llc) if n_llc else None,
+        "llc_final_flagged_share": _json_safe(out.llc_final_flagged.dropna().astype(bool).mean())
+        if out.llc_final_flagged.notna().any() else None,
     }
 
 
