@@ -6,7 +6,8 @@ side in one process (one thread; the two paths alternate, best of 3 rounds each)
 Prints, per (runs, batch): ms per step for both paths and their ratio, the step's GFLOP/s (6 · parameters ·
 tokens), and the ratios to the stacked-matmul rate and to the peak. A step far below the matmul rate is
 overhead-bound; one near it is arithmetic-bound and only a GPU (or fewer FLOPs) makes it faster.
-Usage: PYTHONPATH=src python bench/bench_step.py [--shapes 9x64 9x16] [--params params.yaml]
+Usage: PYTHONPATH=src python bench/bench_step.py [--shapes 18x64 18x16] [--params params.yaml]
+(default shapes: the params' train.ensemble_runs × each grid batch size, i.e. the default's training jobs)
 """
 from __future__ import annotations
 
@@ -36,17 +37,18 @@ def best_of(*fns, reps: int = 20, rounds: int = 3) -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", nargs="+", default=["9x64", "9x16"])
+    ap.add_argument("--shapes", nargs="+", default=None, help="RUNSxBATCH ...")
     ap.add_argument("--params", default="params.yaml")
     a = ap.parse_args()
     torch.set_num_threads(1)
     p = yaml.safe_load(open(a.params))
+    shapes = a.shapes or [f"{p['train']['ensemble_runs']}x{b}" for b in p["grid"]["batch_sizes"]]
     cfg = ModelConfig(D=p["data"]["D"], K=p["data"]["K"], **p["model"])
     n = 1024
     x, y = torch.randn(n, n), torch.randn(n, n)
     peak = 2 * n ** 3 / best_of(lambda: x @ y, reps=5)[0]
     print(f"large matmul peak (1024², one thread): {peak / 1e9:.1f} GFLOP/s")
-    for shape in a.shapes:
+    for shape in shapes:
         N, B = map(int, shape.split("x"))
         models = [build_model(cfg, s) for s in range(N)]
         params, bufs = stack_module_state(models)

@@ -30,8 +30,8 @@ CONDITIONS = {  # noise -> (batch, source, schedule, emulated batch, η/B)
 def planted(rng, late_gain=0.1, inj_shift=0.0, exposure={"early": 1.0, "late": 1.0}, seq_b16=64_000, seeds=6,
             llc_flagged=0.0):
     """4 finite M × `seeds` seeds in four conditions (batch 16; batch 64 emulating 16; early and late injection at
-    batch 64), each with converged M = ∞ runs (OOD loss 5 % above ridge's). A share `llc_flagged` of the runs end
-    on a flagged LLC estimate; every run has 3 of its 10 estimates flagged (as at initialisation, where no minimum is)."""
+    batch 64), each with converged M = ∞ runs (OOD loss 5 % above ridge's). A share `llc_flagged` of the runs
+    end on a flagged LLC estimate; every run has 3 of its 10 estimates flagged (as at initialisation: no minimum)."""
     rows = []
     for seed in range(seeds):
         for M in (4, 16, 64, 256, -1):
