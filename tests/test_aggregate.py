@@ -103,7 +103,8 @@ def test_planted_clean_transition_passes_every_gate_and_recovers_m_star(tmp_path
         xk = 5.0 + 0.3 * rng.standard_normal()
         for M in [2 ** k for k in range(11)] + [-1]:
             r = float(np.clip(0.02 + 0.96 * logistic(np.log2(M), xk, 0.7) + 0.02 * rng.standard_normal(), 0, 1))
-            dirs.append(fake_run(tmp_path / "runs", M, 16, seed, r, ood_end=0.42, llc=5.0))
+            # every run's first LLC estimate is flagged (as at initialisation), its final one is not
+            dirs.append(fake_run(tmp_path / "runs", M, 16, seed, r, ood_end=0.42, llc=5.0, llc_flags=True))
     out = tmp_path / "aggregate"
     aggregate_cli([str(d) for d in dirs] + ["--out", str(out), "--cfg", STATS, "--figures", str(tmp_path / "figures")])
     th = read_parquet(out / "thresholds.parquet").iloc[0]
@@ -114,7 +115,7 @@ def test_planted_clean_transition_passes_every_gate_and_recovers_m_star(tmp_path
     assert (tests.gate_failures == "").all()
     m = json.loads((out / "metrics.json").read_text())
     assert m["convergence"]["none/B16"]["converged"] and m["thresholds"]["none/B16"]["gates_passed"]
-    assert m["llc_flagged_share"] == 0.0
+    assert m["llc_flagged_share"] == 0.5 and m["llc_final_flagged_share"] == 0.0   # the LLC gate reads the latter
 
 
 def test_figure_1_has_one_panel_per_trained_condition(tmp_path, monkeypatch):

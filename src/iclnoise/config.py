@@ -294,15 +294,16 @@ def _memory_check(p: dict) -> None:
 
 
 # CPU milliseconds per ensemble step = STEP_MS_BASE + runs · (STEP_MS_PER_RUN + STEP_MS_PER_MFLOP · step MFLOPs),
-# × INJECTED_FACTOR[source]. Fitted to the CPU time of the default DAG's training jobs (fresh clone of 9baea51,
-# benchmarks/train/*.tsv cpu_time; 3 layers, d_model 32, D = 3, K = 8, stacked-parameter step; evaluation at 24-28
-# checkpoints and exposure every 400 steps amortised; 9 runs per job): batch 16, 8000 steps: 250.7 and 222.4 s
-# (29.6 ms per ensemble step, 42.5 MFLOP per run-step); batch 64, 2000 steps: 192.8 and 162.1 s (88.7 ms, 170
-# MFLOP). STEP_MS_PER_RUN kept from the earlier fit; the line is exact at the two means. The injection factors were
-# measured on single runs (batch 64 + grad_b16 ×1.25, + param_b16 ×1.19). Re-measure on new hardware.
-STEP_MS_BASE = 5.35
+# × INJECTED_FACTOR[source]. Fitted to the CPU time of the default DAG's training jobs (fresh clone of afcdeca,
+# benchmarks/train/*.tsv cpu_time; 3 layers, d_model 32, D = 3, K = 8, stacked-parameter step; evaluation at 25-26
+# checkpoints and exposure every 400 steps amortised; 18 runs per job, the two jobs side by side on 2 cores):
+# batch 16, 10000 steps: 546.7 s (54.7 ms per ensemble step, 42.5 MFLOP per run-step); batch 64, 2500 steps:
+# 456.8 s (182.7 ms, 170 MFLOP). STEP_MS_PER_RUN kept from the earlier fit; the line is exact at both jobs and
+# within 5 % of the 9-run jobs of 9baea51 (29.6 and 88.7 ms). The injection factors were measured on single runs
+# (batch 64 + grad_b16 ×1.25, + param_b16 ×1.19). Re-measure on new hardware.
+STEP_MS_BASE = 3.03
 STEP_MS_PER_RUN = 0.5
-STEP_MS_PER_MFLOP = 0.0516
+STEP_MS_PER_MFLOP = 0.0558
 INJECTED_FACTOR = {"none": 1.0, "grad": 1.25, "param": 1.19}
 COST_CONFIRM_CORE_HOURS = 2.0
 
