@@ -29,9 +29,10 @@ def planted_threshold(x0=6.0, s=0.8, seeds=4, noise=0.03, seed=0):
                          for M in Ms for k in range(seeds)] + [{"M": -1, "seed": k, "r": np.nan} for k in range(seeds)])
 
 
-def planted_plateau_grid(rng, n_seeds, x_star, floor=0.05, ceiling=0.6, s=0.8, seed_sd=0.3, noise=0.03):
-    """Planted grid: seed k's curve crosses r = 0.5 at log2 M = x_star + seed_sd · z_k, plateaus at floor/ceiling."""
-    x = np.arange(0, 13.0)
+def planted_plateau_grid(rng, n_seeds, x_star, floor=0.05, ceiling=0.6, s=0.8, seed_sd=0.3, noise=0.03,
+                         x=np.arange(0, 13.0)):
+    """Planted grid at log2 M = x: seed k's curve crosses r = 0.5 at log2 M = x_star + seed_sd · z_k, plateaus at
+    floor/ceiling."""
     rows = []
     for k in range(n_seeds):
         xk = x_star + seed_sd * rng.standard_normal()
@@ -127,12 +128,9 @@ def test_threshold_interval_on_a_five_m_grid_like_the_default():
     M = np.array([1, 2, 4, 8, 16])
     covered, missing = [], 0
     for _ in range(100):
-        x_star, rows = rng.uniform(2.5, 3.5), []
-        for k in range(3):
-            x0 = x_star + 0.2 * rng.standard_normal() - 0.6 * np.log(0.5 / 0.08)
-            y = logistic4(np.log2(M), 0.0, 0.58, x0, 0.6) + 0.02 * rng.standard_normal(5)
-            rows += [{"M": m, "seed": k, "r": float(v)} for m, v in zip(M, y)]
-        e = threshold_with_ci(pd.DataFrame(rows))
+        x_star = rng.uniform(2.5, 3.5)
+        e = threshold_with_ci(planted_plateau_grid(rng, 3, x_star, floor=0.0, ceiling=0.58, s=0.6, seed_sd=0.2,
+                                                   noise=0.02, x=np.log2(M)))
         if e["reason"]:
             missing += 1
             continue

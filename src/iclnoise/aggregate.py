@@ -199,7 +199,7 @@ def _gate_equal_data(runs: pd.DataFrame, tol: float, strata: list[str] | None = 
 def _gate_llc(runs: pd.DataFrame, max_share: float) -> list[str]:
     """The estimates a verdict uses (each run's final LLC) must be reliable: at most `max_share` of them flagged.
     Flags earlier in training do not enter: at initialisation the model is not near a minimum, where the LLC
-    is defined, and a negative estimate there is expected (the report shows them apart)."""
+    is defined, and a negative estimate there is expected (metrics.json keeps the share over all estimates)."""
     flags = runs.llc_final_flagged.dropna().astype(bool)
     n, k = len(flags), int(flags.sum())
     if not n:
