@@ -1,8 +1,13 @@
-"""LLC at a run's checkpoints: one batched SGLD pass over all of them (what `iclnoise llc` does) against
-one estimate per checkpoint (the path before), side by side in one process, alternating in rounds.
+"""The probe job's two costly parts, each against the path it replaced, side by side in one process,
+alternating in rounds (best of `--rounds`):
 
-Both arms use the run's params.yaml sampler settings and checkpoints (`llc.every`), so they give the same
-estimates (printed: the largest |difference| in λ̂); the ratio is the speed-up of the probe job's LLC part.
+- LLC at a run's checkpoints: one batched SGLD pass over all of them (what `iclnoise llc` does) against one
+  estimate per checkpoint. Both arms use the run's params.yaml sampler settings and checkpoints (`llc.every`),
+  so they give the same estimates (printed: the largest |difference| in λ̂).
+- Geometry's Hessian-vector products at the run's last checkpoint on `geometry.n_heldout` sequences, as one
+  checkpoint needs them (`geometry.lanczos_iters` single products and `geometry.probes` Hutchinson probes):
+  reverse-over-reverse on one retained graph of ∇L (`FlatLoss.hvp_at_w0`, what `iclnoise geometry` does)
+  against forward-over-reverse (`FlatLoss.hvp`; the probes vmapped). Printed: the largest |difference|.
 Usage: PYTHONPATH=src python bench/bench_probes.py [--run-dir results/runs/M16-B64-none-s0] [--rounds 2]
 """
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch
 import yaml
 
 from iclnoise import runs
+from iclnoise.geometry import FlatLoss
 from iclnoise.llc import LLCConfig, estimate_llc, estimate_llcs
 from iclnoise.model import mse_loss
 from iclnoise.probes import sampling_data
@@ -27,7 +33,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    llc = yaml.safe_load(open(a.params))["llc"]
+    p = yaml.safe_load(open(a.params))
+    llc = p["llc"]
     cfg = LLCConfig(**llc["sampler"])
     spec = runs.read_spec(a.run_dir)
     xs, ys = sampling_data(spec, cfg.n)
@@ -48,6 +55,38 @@ def main() -> None:
     for k, v in times.items():
         print(f"  {k:14s} best of {a.rounds}: {min(v):6.2f} s")
     print(f"  speed-up batched / one at a time: {min(times['one at a time']) / min(times['batched']):.2f}x")
+    bench_hvp(models[-1], xs[:p["geometry"]["n_heldout"]], ys[:p["geometry"]["n_heldout"]], p["geometry"], a.rounds)
+
+
+def bench_hvp(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor, geo: dict, rounds: int) -> None:
+    f = FlatLoss(model, mse_loss, xs, ys)
+    g = torch.Generator().manual_seed(0)
+    V = torch.randn(max(geo["lanczos_iters"], geo["probes"]), f.w0.numel(), generator=g)
+    single, probes = V[:geo["lanczos_iters"]], V[:geo["probes"]]
+
+    def fwd_over_rev():
+        return [f.hvp(v) for v in single], torch.func.vmap(f.hvp)(probes)
+
+    def rev_over_rev():
+        h = f.hvp_at_w0()
+        return [h(v) for v in single], torch.stack([h(v) for v in probes])
+
+    arms = {"forward-over-reverse": fwd_over_rev, "reverse-over-reverse": rev_over_rev}
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    out = {}
+    for _ in range(rounds):
+        for k, fn in arms.items():
+            t0 = time.perf_counter()
+            out[k] = fn()
+            times[k].append(time.perf_counter() - t0)
+    (s1, p1), (s2, p2) = out.values()
+    diff = max(max(float((x - y).abs().max()) for x, y in zip(s1, s2)), float((p1 - p2).abs().max()))
+    print(f"geometry H·v at the last checkpoint: {len(single)} single products + {len(probes)} probes on "
+          f"{len(xs)} sequences; max |difference| between the arms {diff:.1e}")
+    for k, v in times.items():
+        print(f"  {k:21s} best of {rounds}: {min(v):6.2f} s")
+    print(f"  speed-up reverse-over-reverse / forward-over-reverse: "
+          f"{min(times['forward-over-reverse']) / min(times['reverse-over-reverse']):.2f}x")
 
 
 if __name__ == "__main__":

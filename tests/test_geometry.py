@@ -73,6 +73,10 @@ def test_hvp_matches_exact_hessian(tiny):
     e[3] = 1.0
     fd = (f.grad(f.w0 + 1e-6 * e) - f.grad(f.w0 - 1e-6 * e)) / 2e-6           # central differences of ∇L
     torch.testing.assert_close(H[:, 3], fd, rtol=1e-5, atol=1e-7)
+    h = f.hvp_at_w0()                 # reverse-over-reverse on one retained graph, reused for every product
+    for s in (1, 2):
+        v = torch.randn(f.w0.numel(), dtype=torch.float64, generator=torch.Generator().manual_seed(s))
+        torch.testing.assert_close(h(v), H @ v, rtol=1e-8, atol=1e-10)
 
 
 def test_hutchinson_and_lanczos_extremes_against_exact_hessian(tiny):

@@ -10,7 +10,10 @@ from scipy.optimize import brentq
 
 from iclnoise.io import write_json
 from iclnoise.mech import (
+    LAMBDAS,
     MECH_SCHEMA,
+    _ridge_fit,
+    _ridge_predict,
     ablate_head_hook,
     attention_masses,
     head_ablation,
@@ -104,6 +107,20 @@ def test_probe_reads_a_planted_r2_of_one_half_at_the_paper_width():
     assert abs(ridge_probe_r2(x, torch.randn(1024, 4, generator=torch.Generator().manual_seed(0)).double())[0]) < 0.03
     x, t = planted(512, 32, 0.99, 2)
     assert ridge_probe_r2(x, t)[0] > 0.97
+
+
+def test_ridge_path_predictions_equal_a_direct_solve_for_every_penalty():
+    """The eigen-path predictions (every λ at once) against ridge solved directly per λ: standardise X with the
+    training mean and sd, W = (ZᵀZ + λ n I)⁻¹ Zᵀ(Y − Ȳ), prediction Ȳ + Z_new W."""
+    g = np.random.default_rng(0)
+    X, Y, Xn = g.normal(size=(200, 12)) * 3 + 1, g.normal(size=(200, 3)), g.normal(size=(50, 12))
+    X[:, 4] = 2.0   # a constant feature (sd 0): left unscaled
+    got = _ridge_predict(Xn, _ridge_fit(X, Y), LAMBDAS)
+    mu, sd = X.mean(0), np.where(X.std(0) > 1e-12, X.std(0), 1.0)
+    Z, Zn = (X - mu) / sd, (Xn - mu) / sd
+    for lam, pred in zip(LAMBDAS, got):
+        W = np.linalg.solve(Z.T @ Z + lam * len(X) * np.eye(12), Z.T @ (Y - Y.mean(0)))
+        np.testing.assert_allclose(pred, Y.mean(0) + Zn @ W, rtol=1e-8, atol=1e-10)
 
 
 def test_task_probe_splits_by_task_and_is_nan_with_a_reason_for_too_few_tasks():

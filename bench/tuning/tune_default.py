@@ -43,6 +43,8 @@ def params_with(a: argparse.Namespace) -> dict:
                                                                                           "steps": a.steps}
     t["optimizer"]["lr"] = a.lr
     t["optimizer"]["betas"] = [0.9, a.beta2]
+    t["optimizer"]["weight_decay"] = a.weight_decay
+    p["eval"]["icl_tokens"] = [1, a.K]
     t["lr_schedule"] = {"kind": a.schedule, "warmup_frac": a.warmup_frac, "min_lr_frac": a.min_lr_frac}
     t["grad_clip"] = a.grad_clip if a.grad_clip > 0 else None
     t["checkpoints"] = {"linear": a.ckpt_linear, "log": a.ckpt_log}
@@ -68,6 +70,7 @@ def main() -> None:
     ap.add_argument("--attn-init", default="fan_in", choices=["fan_in", "gpt2"])
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--beta2", type=float, default=0.999)
+    ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--schedule", default="warmup_cosine")
     ap.add_argument("--warmup-frac", type=float, default=0.05)
     ap.add_argument("--min-lr-frac", type=float, default=0.1)
@@ -98,8 +101,8 @@ def main() -> None:
             row = {"tag": a.tag, "engine": "single" if (train_ensemble is None or a.single) else "ensemble",
                    "n_runs": len(specs), "M": k["M"], "seed": k["seed"], "batch": B, "steps": steps,
                    "sequences": steps * B, "D": a.D, "K": a.K, "noise_var": a.noise_var, "d_model": a.d_model,
-                   "n_layers": a.n_layers, "lr": a.lr, "beta2": a.beta2, "schedule": a.schedule,
-                   "warmup_frac": a.warmup_frac, "grad_clip": a.grad_clip,
+                   "n_layers": a.n_layers, "lr": a.lr, "beta2": a.beta2, "weight_decay": a.weight_decay,
+                   "schedule": a.schedule, "warmup_frac": a.warmup_frac, "grad_clip": a.grad_clip,
                    "ood_loss": float(last.ood_loss), "ood_loss_ridge": float(last.ood_loss_ridge),
                    "ood_ratio": float(last.ood_loss / last.ood_loss_ridge),
                    "ood_loss_dmmse": float(last.ood_loss_dmmse), "id_loss": float(last.id_loss),

@@ -47,7 +47,6 @@ from itertools import combinations
 
 import numpy as np
 import pyarrow as pa
-from scipy.signal import find_peaks
 
 from .io import KEY_FIELDS
 from .predictors import dmmse, ridge
@@ -135,6 +134,14 @@ def plane_geometry(x: np.ndarray, y: np.ndarray, h: float = 1.0) -> dict[str, np
         rad = np.where(np.abs(kappa) > 1e-300, 1.0 / kappa, np.inf)
         return {"dx": dx, "dy": dy, "speed": speed, "kappa": kappa,
                 "ex": x - rad * dy / s, "ey": y + rad * dx / s}
+
+
+def find_peaks(x: np.ndarray, **kw) -> tuple[np.ndarray, dict]:
+    """scipy.signal.find_peaks, imported on first use: scipy.signal takes ~1 s to import, and the probe jobs
+    that import this module for its schemas never call it."""
+    from scipy.signal import find_peaks as fp
+
+    return fp(x, **kw)
 
 
 def scaled_curvature(kappa: np.ndarray, inner: np.ndarray, scale: float | None = None) -> np.ndarray:

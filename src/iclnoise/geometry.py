@@ -8,9 +8,10 @@
   reorthogonalisation), each with its Ritz residual and whether it met `lanczos_tol`;
 - SAM sharpness L(w + ρ g/‖g‖) − L(w) on each of `sam_batches` held-out batches: mean and se.
 
-All estimators work on a flat parameter vector through Hessian-vector products (forward-over-
-reverse with torch.func) in float32, except A·H·A (float64). Held-out sequences come from the
-run's own q_M on the named stream "geometry", which training never uses.
+All estimators work on a flat parameter vector through Hessian-vector products in float32, except A·H·A
+(float64): reverse-over-reverse on one retained graph of ∇L at the checkpoint (`FlatLoss.hvp_at_w0`: every
+product is one backward pass; faster than forward-over-reverse on CPU, bench/bench_probes.py). Held-out
+sequences come from the run's own q_M on the named stream "geometry", which training never uses.
 """
 from __future__ import annotations
 
@@ -22,14 +23,13 @@ import numpy as np
 import pyarrow as pa
 import torch
 from scipy import stats
-from torch.func import functional_call, grad, jvp, vmap
+from torch.func import functional_call, grad, jvp
 
 from .adam import adam_a, adam_preconditioner  # noqa: F401  (re-exported: exposure and its tests use them here)
 from .io import KEY_FIELDS
 from .sections import Geometry
 
 HVP = Callable[[torch.Tensor], torch.Tensor]
-PROBE_CHUNK = 8   # Hutchinson probes per vmapped H·v (memory: one batch's activations per probe)
 
 
 class FlatLoss:
@@ -54,7 +54,17 @@ class FlatLoss:
         return grad(self)(self.w0 if w is None else w)
 
     def hvp(self, v: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
+        """H·v by forward-over-reverse (torch.func): composes with vmap and works at any w."""
         return jvp(grad(self), (self.w0 if w is None else w,), (v,))[1]
+
+    def hvp_at_w0(self) -> HVP:
+        """v ↦ H(w0)·v by reverse-over-reverse: the graph of ∇L(w0) is built once (create_graph) and every
+        product is one backward pass through it, H v = ∂(∇L · v)/∂w. For many products at one point
+        (Hutchinson probes, Lanczos iterations); not under vmap."""
+        w = self.w0.clone().requires_grad_()
+        with torch.enable_grad():
+            g = torch.autograd.grad(self(w), w, create_graph=True)[0]
+        return lambda v: torch.autograd.grad(g, w, v, retain_graph=True)[0]
 
 
 def preconditioned(hvp: HVP, a: torch.Tensor | None) -> HVP:
@@ -71,11 +81,9 @@ def hutchinson_trace(hvp: HVP, dim: int, n_probes: int, generator: torch.Generat
 
 def hutchinson_samples(hvp: HVP, dim: int, n_probes: int, generator: torch.Generator,
                        device="cpu", dtype: torch.dtype = torch.float32) -> list[float]:
-    """The per-probe values z_kᵀ H z_k, Rademacher z_k drawn from `generator` (in order, as one draw each);
-    the H·z_k of up to PROBE_CHUNK probes run as one vmapped product."""
-    Z = torch.stack([torch.randint(0, 2, (dim,), generator=generator, device=device).to(dtype) * 2 - 1
-                     for _ in range(n_probes)])
-    return [float(v) for c in Z.split(PROBE_CHUNK) for v in (c * vmap(hvp)(c)).sum(1)]
+    """The per-probe values z_kᵀ H z_k, Rademacher z_k drawn from `generator` (in order, as one draw each)."""
+    Z = [torch.randint(0, 2, (dim,), generator=generator, device=device).to(dtype) * 2 - 1 for _ in range(n_probes)]
+    return [float(z @ hvp(z)) for z in Z]
 
 
 def t_halfwidth(se: float, n: int, level: float = 0.95) -> float:
@@ -157,7 +165,8 @@ def precond_trace(model: torch.nn.Module, a: torch.Tensor, batch, n_probes: int,
     from .model import mse_loss
 
     f = FlatLoss(copy.deepcopy(model).double(), mse_loss, batch.xs.double(), batch.ys.double())
-    return hutchinson_trace(preconditioned(f.hvp, a.double()), f.w0.numel(), n_probes, generator, dtype=torch.float64)
+    hvp = preconditioned(f.hvp_at_w0(), a.double())
+    return hutchinson_trace(hvp, f.w0.numel(), n_probes, generator, dtype=torch.float64)
 
 
 def geometry_at(model: torch.nn.Module, a: torch.Tensor | None, batches: list, cfg: Geometry, seed: int) -> dict:
@@ -168,8 +177,9 @@ def geometry_at(model: torch.nn.Module, a: torch.Tensor | None, batches: list, c
     f = FlatLoss(model, mse_loss, batches[0].xs, batches[0].ys)
     dim, n = f.w0.numel(), cfg.probes
     gen = torch.Generator().manual_seed(seed)
-    tr, tr_se = hutchinson_trace(f.hvp, dim, n, gen)
-    eig = lanczos(f.hvp, dim, cfg.lanczos_iters, gen, cfg.lanczos_tol)
+    hvp = f.hvp_at_w0()
+    tr, tr_se = hutchinson_trace(hvp, dim, n, gen)
+    eig = lanczos(hvp, dim, cfg.lanczos_iters, gen, cfg.lanczos_tol)
     if a is not None:
         ptr, ptr_se = precond_trace(model, a, batches[0], n, gen)
     else:

@@ -117,21 +117,24 @@ def _folds(n: int, k: int, groups: np.ndarray | None, rng: np.random.Generator) 
     return [np.nonzero(np.isin(groups, g))[0] for g in np.array_split(uniq, k)]
 
 
-def _ridge_path(X: np.ndarray, Y: np.ndarray, lambdas: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """(feature mean, sd, W) of ridge on standardised features with intercept, for each λ·n penalty."""
+def _ridge_fit(X: np.ndarray, Y: np.ndarray) -> tuple[np.ndarray, ...]:
+    """What ridge on standardised features with intercept needs for every penalty at once: feature mean and
+    sd, the training target mean, n, and the eigenpairs of ZᵀZ = V S² Vᵀ (p × p, p = d_model) with VᵀZᵀ(Y − Ȳ).
+    W(λ) = (ZᵀZ + λn I)⁻¹ Zᵀ(Y − Ȳ) = V diag(1 / (S² + λn)) VᵀZᵀ(Y − Ȳ): the SVD path of Z at a fraction of its
+    cost for n ≫ p."""
     mu, sd = X.mean(0), X.std(0)
     sd = np.where(sd > 1e-12, sd, 1.0)
     Z = (X - mu) / sd
-    # W = (ZᵀZ + λn I)⁻¹ Zᵀ(Y − Ȳ) through the eigenpairs of ZᵀZ = V S² Vᵀ (p × p, p = d_model): the
-    # same path as the SVD of Z, at a fraction of its cost for n ≫ p
     s2, V = np.linalg.eigh(Z.T @ Z)
-    VtZtY = V.T @ (Z.T @ (Y - Y.mean(0)))
-    return [(mu, sd, V @ (VtZtY / (np.clip(s2, 0.0, None) + lam * len(X))[:, None])) for lam in lambdas]
+    ym = Y.mean(0)
+    return mu, sd, ym, len(X), np.clip(s2, 0.0, None), V, V.T @ (Z.T @ (Y - ym))
 
 
-def _predict(X: np.ndarray, Ytr_mean: np.ndarray, fit: tuple) -> np.ndarray:
-    mu, sd, W = fit
-    return Ytr_mean + ((X - mu) / sd) @ W
+def _ridge_predict(X: np.ndarray, fit: tuple, lambdas: np.ndarray) -> np.ndarray:
+    """Predictions (len(lambdas), n, q) of the ridge fits of `_ridge_fit` with penalties λ·n, one per λ."""
+    mu, sd, ym, n, s2, V, VtZtY = fit
+    ZV = ((X - mu) / sd) @ V
+    return ym + ZV @ (VtZtY / (s2[None, :, None] + lambdas[:, None, None] * n))
 
 
 def ridge_probe_r2(feats: torch.Tensor, target: torch.Tensor, groups: np.ndarray | None = None, seed: int = 0,
@@ -156,13 +159,10 @@ def ridge_probe_r2(feats: torch.Tensor, target: torch.Tensor, groups: np.ndarray
         for val in _folds(len(Xt), n_inner, gt, rng):
             fit_idx = np.ones(len(Xt), bool)
             fit_idx[val] = False
-            ym = Yt[fit_idx].mean(0)
-            for i, fit in enumerate(_ridge_path(Xt[fit_idx], Yt[fit_idx], LAMBDAS)):
-                cv[i] += ((Yt[val] - _predict(Xt[val], ym, fit)) ** 2).sum()
+            cv += ((Yt[val] - _ridge_predict(Xt[val], _ridge_fit(Xt[fit_idx], Yt[fit_idx]), LAMBDAS)) ** 2).sum((1, 2))
         best = LAMBDAS[[int(np.argmin(cv))]]
-        ym = Yt.mean(0)
-        sse += float(((Y[test] - _predict(X[test], ym, _ridge_path(Xt, Yt, best)[0])) ** 2).sum())
-        sst += float(((Y[test] - ym) ** 2).sum())
+        sse += float(((Y[test] - _ridge_predict(X[test], _ridge_fit(Xt, Yt), best)[0]) ** 2).sum())
+        sst += float(((Y[test] - Yt.mean(0)) ** 2).sum())
     if sst <= 1e-12 * max(1.0, float((Y ** 2).sum())):
         return math.nan, "undefined: the target has no variance"
     return 1.0 - sse / sst, ""
