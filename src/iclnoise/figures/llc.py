@@ -44,9 +44,10 @@ def fig_llc_vs_m(summary: pd.DataFrame, llc: pd.DataFrame, path: str | Path) -> 
         ax.set_title(f"batch {B}: end-of-training loss")
         ax.set_ylabel("loss / D")
         ax = axes[1, j]
-        g = sub.groupby("x").llc_mean.agg(["mean", "std"]).reset_index()
+        g = sub.groupby("x").llc_mean.agg(["mean", "std", "count"]).reset_index()
+        seeds = int(g["count"].max()) if len(g) else 0
         ax.errorbar(g.x, g["mean"], yerr=g["std"].fillna(0), marker="s", color="C2", capsize=2,
-                    label="LLC (mean ± sd over seeds)")
+                    label="LLC (mean ± sd over seeds)" if seeds > 1 else "LLC (one probed seed: no error bar)")
         inf = sub[sub.M == M_INF].llc_mean
         if len(inf) and np.isfinite(inf).any():
             ax.axhline(inf.mean(), color="black", ls="--", lw=1, label="M = ∞ (ridge reference)")

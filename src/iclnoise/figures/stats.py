@@ -75,23 +75,24 @@ def fig_threshold_vs_noise(th: pd.DataFrame, path: str | Path) -> None:
 
 
 def fig_icl_vs_exposure(out: pd.DataFrame, path: str | Path) -> None:
-    """Ridge-likeness and OOD loss at the end of training against integrated exposure, by M and source."""
+    """Ridge-likeness and OOD loss at the end of training against integrated exposure; colour M, marker the arm
+    (batch size and noise condition)."""
     style.setup()
     col = "integrated_pne" if "integrated_pne" in out and out.integrated_pne.notna().any() else "integrated_lr_over_b"
     pal = style.m_palette(out.M)
-    markers = dict(zip(sorted(out.noise_source.unique()), "osD^v<>"))
+    marks = style.arm_markers(out)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for (M, src), g in out.groupby(["M", "noise_source"]):
+    for (M, b, n), g in out.groupby(["M", "batch", "noise"]):
         for ax, y in zip(axes, ("r", "ood_loss")):
             if y == "r" and M == M_INF:
                 continue
-            ax.scatter(g[col], g[y], color=pal[M], marker=markers[src], s=30, edgecolor="white", lw=0.5,
-                       label=f"{style.m_legend_label(M)}, {src}" if y == "ood_loss" else None)
+            ax.scatter(g[col], g[y], color=pal[M], marker=marks[(int(b), str(n))], s=30, edgecolor="white", lw=0.5)
     for ax, y in zip(axes, ("ridge-likeness r (end of training)", "OOD loss / D (end of training)")):
         ax.set_xscale("log")
-        ax.set_xlabel(col.replace("_", " "))
+        ax.set_xlabel(style.AXIS_LABELS.get(col, col.replace("_", " ")))
         ax.set_ylabel(y)
-    axes[1].legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7)
+    axes[1].legend(handles=style.m_arm_legend(out.M, pal, marks), loc="center left", bbox_to_anchor=(1.0, 0.5),
+                   fontsize=8)
     fig.suptitle("ICL outcome against integrated noise exposure (H1, H3)", y=1.02)
     fig.tight_layout()
     style.save_figure(fig, path, out)

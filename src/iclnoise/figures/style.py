@@ -44,6 +44,23 @@ def m_legend_label(M: int) -> str:
     return "M = ∞" if M == M_INF else f"M = {m_label(M)}"
 
 
+def arm_markers(out: pd.DataFrame) -> dict[tuple[int, str], str]:
+    """A marker per compared arm (batch size, noise condition) of a per-run table."""
+    arms = sorted({(int(b), str(n)) for b, n in zip(out.batch, out.noise)})
+    return dict(zip(arms, "osD^vP*X<>"))
+
+
+def m_arm_legend(ms, pal: dict, marks: dict[tuple[int, str], str]) -> list:
+    """Legend handles: one colour per M, then one grey marker per arm ("batch 64, grad_b16")."""
+    handles = [plt.Line2D([], [], marker="o", ls="", color=pal[M], label=m_legend_label(M)) for M in m_order(ms)]
+    return handles + [plt.Line2D([], [], marker=mk, ls="", color="grey", label=f"batch {b}" + (f", {n}" if n != "none"
+                                                                                                  else ""))
+                      for (b, n), mk in marks.items()]
+
+
+AXIS_LABELS = {"integrated_pne": "integrated P-NE* (noise exposure)", "integrated_lr_over_b": "integrated η / B"}
+
+
 def save_figure(fig: plt.Figure, path: str | os.PathLike, data: pd.DataFrame | None = None) -> list[Path]:
     """Save `path` as .pdf and .png (atomically) and `data` beside it as .parquet; close fig."""
     base = Path(path).with_suffix("")
