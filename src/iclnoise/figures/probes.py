@@ -40,11 +40,6 @@ def fig_heads(mech: pd.DataFrame, path: str | Path) -> None:
     style.save_figure(fig, path, mech[(mech["head"] >= 0) | (mech.probe == "attn_to_y_chance")])
 
 
-GEOMETRY_LABELS = {"hessian_trace": "Hessian trace", "top_eigenvalue": "largest Hessian eigenvalue",
-                   "min_eigenvalue": "smallest Hessian eigenvalue", "sam_sharpness": "SAM sharpness",
-                   **style.AXIS_LABELS}
-
-
 def fig_geometry(out: pd.DataFrame, path: str | Path) -> None:
     """Figure 9: end-of-training geometry (Hessian trace, top eigenvalue, SAM) against exposure and r."""
     cols = [c for c in ("hessian_trace", "top_eigenvalue", "min_eigenvalue", "sam_sharpness")
@@ -62,19 +57,18 @@ def fig_geometry(out: pd.DataFrame, path: str | Path) -> None:
     fig, axes = plt.subplots(2, len(cols), figsize=(4.2 * len(cols), 7), squeeze=False)
     for j, c in enumerate(cols):
         for (M, b, n), g in out.groupby(["M", "batch", "noise"]):
-            kw = dict(color=pal[M], marker=marks.get((int(b), str(n)), "o"), s=30, edgecolor="white", lw=0.5)
+            kw = dict(color=pal[M], marker=marks[(int(b), str(n))], s=30, edgecolor="white", lw=0.5)
             axes[0, j].scatter(g[xcol], g[c], **kw)
             if M != -1:
                 axes[1, j].scatter(g.r, g[c], **kw)
         axes[0, j].set_xscale("log")
-        axes[0, j].set_xlabel(GEOMETRY_LABELS.get(xcol, xcol.replace("_", " ")))
+        axes[0, j].set_xlabel(style.axis_label(xcol))
         axes[1, j].set_xlabel("ridge-likeness r")
         for i in range(2):
-            axes[i, j].set_ylabel(GEOMETRY_LABELS.get(c, c.replace("_", " ")))
+            axes[i, j].set_ylabel(style.axis_label(c))
             if np.nanmin(out[c]) > 0:
                 axes[i, j].set_yscale("log")
-    handles = style.m_arm_legend(out.M, pal, marks)
-    axes[0, -1].legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    axes[0, -1].legend(handles=style.m_arm_legend(out.M, pal, marks), loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.suptitle("Loss-landscape geometry at the end of training (H4; held-out batches)", y=1.01)
     fig.tight_layout()
     style.save_figure(fig, path, out)

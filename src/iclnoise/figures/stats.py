@@ -89,7 +89,7 @@ def fig_icl_vs_exposure(out: pd.DataFrame, path: str | Path) -> None:
             ax.scatter(g[col], g[y], color=pal[M], marker=marks[(int(b), str(n))], s=30, edgecolor="white", lw=0.5)
     for ax, y in zip(axes, ("ridge-likeness r (end of training)", "OOD loss / D (end of training)")):
         ax.set_xscale("log")
-        ax.set_xlabel(style.AXIS_LABELS.get(col, col.replace("_", " ")))
+        ax.set_xlabel(style.axis_label(col))
         ax.set_ylabel(y)
     axes[1].legend(handles=style.m_arm_legend(out.M, pal, marks), loc="center left", bbox_to_anchor=(1.0, 0.5),
                    fontsize=8)

@@ -1,6 +1,7 @@
 """One look for every figure: seaborn theme, M palette, and saving PDF + PNG + the data."""
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
@@ -45,20 +46,30 @@ def m_legend_label(M: int) -> str:
 
 
 def arm_markers(out: pd.DataFrame) -> dict[tuple[int, str], str]:
-    """A marker per compared arm (batch size, noise condition) of a per-run table."""
+    """A marker per compared arm (batch size, noise condition) of a per-run table (markers repeat past 10 arms)."""
     arms = sorted({(int(b), str(n)) for b, n in zip(out.batch, out.noise)})
-    return dict(zip(arms, "osD^vP*X<>"))
+    return dict(zip(arms, itertools.cycle("osD^vP*X<>")))
+
+
+def arm_label(batch: int, noise: str) -> str:
+    return f"batch {batch}" if noise == "none" else f"batch {batch}, {noise}"
 
 
 def m_arm_legend(ms, pal: dict, marks: dict[tuple[int, str], str]) -> list:
     """Legend handles: one colour per M, then one grey marker per arm ("batch 64, grad_b16")."""
     handles = [plt.Line2D([], [], marker="o", ls="", color=pal[M], label=m_legend_label(M)) for M in m_order(ms)]
-    return handles + [plt.Line2D([], [], marker=mk, ls="", color="grey", label=f"batch {b}" + (f", {n}" if n != "none"
-                                                                                                  else ""))
-                      for (b, n), mk in marks.items()]
+    return handles + [plt.Line2D([], [], marker=mk, ls="", color="grey", label=arm_label(*arm))
+                      for arm, mk in marks.items()]
 
 
-AXIS_LABELS = {"integrated_pne": "integrated P-NE* (noise exposure)", "integrated_lr_over_b": "integrated η / B"}
+AXIS_LABELS = {"integrated_pne": "integrated P-NE* (noise exposure)", "integrated_lr_over_b": "integrated η / B",
+               "hessian_trace": "Hessian trace", "top_eigenvalue": "largest Hessian eigenvalue",
+               "min_eigenvalue": "smallest Hessian eigenvalue", "sam_sharpness": "SAM sharpness"}
+
+
+def axis_label(col: str) -> str:
+    """A column's axis label: AXIS_LABELS, else the column name with spaces."""
+    return AXIS_LABELS.get(col, col.replace("_", " "))
 
 
 def save_figure(fig: plt.Figure, path: str | os.PathLike, data: pd.DataFrame | None = None) -> list[Path]:
