@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 CORES ?= 2
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup run test test-slurm bench figures clean-results lint
+.PHONY: setup run test test-float test-slurm bench figures clean-results lint
 
 setup: $(VENV)/.installed
 
@@ -39,6 +39,10 @@ run: setup
 
 test: lint
 	pytest -q -p no:cacheprovider
+
+# The unit tests under other float32 reduction orders (portable kernels, 1 thread; AVX2, 2 threads): CI runs it.
+test-float: setup
+	scripts/test-float.sh
 
 # The tiny DAG through `snakemake --profile slurm-cpu` on a real single-node SLURM cluster started on this
 # machine (needs root: apt-get installs slurm-wlm and munge if missing); the cluster is stopped at the end.

@@ -4,13 +4,20 @@ Every variant is the real training loop (iclnoise.train.train_run) on the defaul
 only at the start and the end so evaluation does not dilute the per-step cost; rounds are interleaved
 and the fastest of each variant kept (machines here are noisy: read the ratios).
 
+`--runs R` trains R runs together (an ensemble, as the noise experiment's jobs do: M 1, 4, 16, ∞ × seeds), so
+the per-run hook work is measured against the shared stacked step. `budget_diagonal` injects on every step
+under the closed loop of the early and late arms (the realised-exposure budget, curvature re-measured every
+`exposure.curvature_every` steps); compare it with `exposure`, the plain arm of the noise experiment.
+
 Usage: python bench/bench_noise.py [--steps 600] [--batch 64] [--every 100] [--rounds 3] [--device cpu]
+       python bench/bench_noise.py --runs 12 --every 400 --variants exposure budget_diagonal   (the H2 jobs)
        python bench/bench_noise.py --override configs/paper.yaml --device cuda --batch 256   (paper scale)
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import math
 import tempfile
 import time
 
@@ -19,7 +26,7 @@ import yaml
 
 from iclnoise.config import run_spec, validate_params
 from iclnoise.model import ModelConfig, build_model
-from iclnoise.train import train_run
+from iclnoise.train import train_ensemble
 
 
 def deep_update(base: dict, over: dict) -> dict:
@@ -38,6 +45,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--every", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=1, help="runs trained together (one ensemble)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     a = ap.parse_args()
@@ -65,6 +73,7 @@ def main() -> None:
                                   "emulate_batch": emulate}),
         "grad_lowrank+exposure": (True, {"source": "grad", "shape": "lowrank", "rank": 4, "schedule": "constant",
                                          "emulate_batch": emulate}),
+        "budget_diagonal": (True, {"source": "grad", "shape": "diagonal", "schedule": "constant", "budget": 1.0}),
     }
     variants = {k: v for k, v in variants.items() if not a.variants or k in a.variants or k == "plain"}
 
@@ -73,9 +82,11 @@ def main() -> None:
         p["exposure"]["enabled"] = log
         p["noise"]["conditions"]["bench"] = cond
         p["train"]["budget"]["steps"] = steps
+        Ms = ["1", "4", "16", "inf"]
+        specs = [run_spec(p, f"M{Ms[i % 4]}-B{a.batch}-bench-s{i // 4}") for i in range(a.runs)]
         with tempfile.TemporaryDirectory() as d:
             t0 = time.perf_counter()
-            train_run(run_spec(p, f"M64-B{a.batch}-bench-s0"), d, progress=False)
+            train_ensemble(specs, [f"{d}/{i}" for i in range(a.runs)], progress=False)
             return time.perf_counter() - t0
 
     for log, cond in variants.values():  # warm-up: imports, allocator, first vmap traces
@@ -89,10 +100,12 @@ def main() -> None:
         ModelConfig(D=base["data"]["D"], K=base["data"]["K"], **base["model"]),
         0).parameters())
     print(f"params={n_params} d_model={base['model']['d_model']} D={base['data']['D']} K={base['data']['K']}")
-    print(f"device={a.device} threads={a.threads} batch={a.batch} steps={a.steps} log/refresh every {a.every} steps; "
+    print(f"device={a.device} threads={a.threads} runs={a.runs} batch={a.batch} steps={a.steps} log/refresh every "
+          f"{a.every} steps; curvature every {base['exposure']['curvature_every']} steps in injection windows; "
           f"injection emulates batch {emulate}")
     for k, t in best.items():
-        print(f"  {k:22s} {1e3 * t / a.steps:7.3f} ms/step   ratio to plain: {t / best['plain']:.3f}x")
+        print(f"  {k:22s} {1e3 * t / a.steps / a.runs:7.3f} ms/run-step   ratio to plain: {t / best['plain']:.3f}x   "
+              f"to exposure: {t / best.get('exposure', math.nan):.3f}x")
 
 
 if __name__ == "__main__":

@@ -320,6 +320,25 @@ def test_cost_estimate_counts_the_dag():
     assert default["train_core_hours"] < default["core_hours"] < COST_CONFIRM_CORE_HOURS < paper["core_hours"]
 
 
+def test_cost_prices_only_the_injection_windows_steps_at_the_injected_rate():
+    """An early or late arm injects on `fraction` of its steps: its training costs plain · (1 + (f − 1) · fraction),
+    f = INJECTED_FACTOR[source] (measured, bench/bench_noise.py); a constant schedule pays f on every step."""
+    from iclnoise.config import INJECTED_FACTOR, step_ms
+
+    def train_hours(noise, **cond):
+        p = load_params("params.yaml", ["configs/noise.yaml"])
+        p["grid"].update(noise=[noise], batch_sizes=[64], M=[16], seeds=[0])
+        p["noise"]["conditions"][noise].update(cond)
+        return cost_estimate(p)["train_core_hours"]
+
+    p = load_params("params.yaml")
+    plain = train_hours("none")
+    early, const = train_hours("early"), train_hours("early", schedule="constant", fraction=None)
+    f, steps = INJECTED_FACTOR["grad"], 2500
+    extra = steps * (step_ms(p, 64) * (f - 1)) / 1000 / 3600
+    assert early == pytest.approx(plain + 0.3 * extra, rel=1e-9) and const == pytest.approx(plain + extra, rel=1e-9)
+
+
 def test_probed_checkpoints_match_a_real_run():
     """The default's probed checkpoints per batch-64 run equal what the probes select from the training
     schedule (runs.select_steps on schedules.checkpoint_steps, as iclnoise.probes does): 7 LLC, 5 geometry

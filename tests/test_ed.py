@@ -7,9 +7,12 @@ B = 64 resampled sequences, checkpoints log-spaced in [1, 2500] plus 0. Measured
 forms, each within ± tolerance; none = no form at all):
 
     curve        n=20    n=50    n=200
-    one form     1.000   1.000   1.000   (hit)
-    two forms    1.000   1.000   1.000   (hit; 2.0 log-step apart = 2 × tolerance)
+    one form     0.995   1.000   0.995   (hit)
+    two forms    0.975   0.970   0.970   (hit; 2.0 log-step apart = 2 × tolerance)
     event-free   0.995   1.000   1.000   (none)
+
+(local-cubic smoother, issue 27; the ringing local-quadratic one read 1.000 / 1.000 / 1.000 above
+and made false forms beside sharp turns and from turns in the margins: tests/test_ed_forms.py.)
 
 At twice the noise (1 %; `python tests/test_ed.py 100 0.01`) see the report / README. The tests
 rerun 40 replicates per cell and assert the issue's thresholds (≥ 0.9 hit, ≥ 0.95 none).

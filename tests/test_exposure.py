@@ -172,17 +172,29 @@ def test_kappa_is_the_optimizers_long_run_diffusion_factor():
 
 
 def test_preconditioner_uses_each_param_groups_own_eps_and_zeroes_dead_coordinates():
-    from iclnoise.adam import adam_a
     a_, b_ = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.AdamW([{"params": [a_], "eps": 1e-8}, {"params": [b_], "eps": 1e-1}], lr=1e-3)
     a_.grad, b_.grad = torch.tensor([1.0, 0.0, 2.0]), torch.tensor([3.0, 4.0])
     opt.step()
-    st = opt.state
-    want = torch.cat([adam_a(st[a_]["exp_avg_sq"], st[a_]["step"], 0.999, 1e-8),
-                      adam_a(st[b_]["exp_avg_sq"], st[b_]["step"], 0.999, 1e-1)])
-    got = preconditioner(opt)
-    torch.testing.assert_close(got, want)
-    assert got[1] == 0 and got[3] < 1 / (3.0 + 0.1) + 1e-6   # never-updated coordinate: a = 0, not 1/δ
+    root = torch.tensor([1.0, 0.0, 2.0, 3.0, 4.0])   # sqrt(v̂_1) = |g|
+    want = 1 / (root + torch.tensor([1e-8, 1e-8, 1e-8, 1e-1, 1e-1]))
+    want[1] = 0                                        # never-updated coordinate: a = 0, not 1/δ
+    torch.testing.assert_close(preconditioner(opt), want)
+
+
+def test_dead_coordinates_are_the_zero_or_round_off_second_moments_whatever_eps():
+    """a = 0 exactly where v̂ = 0 or sqrt(v̂) is below float32 resolution of the largest (ε32 · max, the b_K of the
+    default model sits at ~1e-9 of it); with a large δ, coordinates AdamW really moves keep a = 1/(sqrt(v̂) + δ)
+    (the old rule, sqrt(v̂) < δ, dropped them from NE, Curv and the preconditioned trace)."""
+    from iclnoise.adam import adam_a
+    root = torch.tensor([0.5, 2e-3, 1e-5, 1e-7, 5e-10, 0.0])   # real, real, real (small), real (tiny), round-off, zero
+    v = root.square()
+    for eps in (1e-8, 1e-3, 1e-1):
+        a = adam_a(v, 1e9, 0.999, eps)                         # step → ∞: v̂ = v
+        live = torch.tensor([True, True, True, True, False, False])
+        torch.testing.assert_close(a[live], 1 / (root[live] + eps))
+        assert (a[~live] == 0).all(), (eps, a)
+    assert (adam_a(torch.zeros(4), 10, 0.999, 1e-8) == 0).all()   # nothing moved: every coordinate dead
 
 
 @pytest.mark.parametrize("beta1", [0.0, 0.9])

@@ -10,6 +10,7 @@ Plain SGLD is within 0.04 everywhere; RMSProp-SGLD overestimates by 6-24 % (its 
 the chain's position, and the rule has no correction term for that). Tolerance: 0.1 + 0.05 λ. More
 settings (ε, 8 chains x 1500 draws): bench/reproductions/llc_bias.csv.
 """
+import copy
 import math
 
 import numpy as np
@@ -22,7 +23,15 @@ from iclnoise.model import ModelConfig, build_model, mse_loss
 from iclnoise.runs import select_steps
 from iclnoise.tasks import BatchSampler, task_pool
 
-torch.set_num_threads(1)
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """This module's small chains run on one thread (more costs more than it gives); the count is restored after,
+    so the rest of the suite keeps the thread count it was started with (make test-float varies it)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def mse(model, x, y):
@@ -156,12 +165,13 @@ def test_mala_acceptance_matches_an_independent_numpy_chain():
 
 def test_mala_log_ratio_is_zero_for_a_flat_potential_and_an_exact_reverse():
     """U constant and ∇U = 0: the proposal is symmetric, so log α = 0 whatever the step."""
-    step = {"w": torch.randn(3, 5)}
-    fwd_sq = (step["w"] ** 2).sum(1).double() / (2 * 0.1)
-    zero = {"w": torch.zeros(3, 5)}
+    step = {"w": torch.randn(3, 5, dtype=torch.float64)}
+    fwd_sq = (step["w"] ** 2).sum(1) / (2 * 0.1)
+    zero = {"w": torch.zeros(3, 5, dtype=torch.float64)}
     la = mala_log_ratio(torch.ones(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64), fwd_sq, step, zero,
                         None, 0.1)
-    np.testing.assert_allclose(la.numpy(), 0.0, atol=1e-4)
+    # float64: two 5-term sums of s²/(2ε) ≲ 100, each within 5·ε64·100 ≈ 1e-13 (float32 steps gave 1e-5)
+    np.testing.assert_allclose(la.numpy(), 0.0, atol=1e-12)
 
 
 def test_rmsprop_with_large_delta_is_sgld_with_a_smaller_step():
@@ -189,6 +199,14 @@ def tiny_checkpoint():
         opt.step()
     b = BatchSampler(task_pool(0, 4, D), K, D, 0.125, 0, stream=2).batch(0, 256)
     return m, b.xs, b.ys, K, D
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint64(tiny_checkpoint):
+    """The same checkpoint and data in float64: the invariance tests compare different code paths (stacked,
+    vmap, loop, micro-batches, one or many centers), whose float32 round-off depends on the CPU's kernels."""
+    m, xs, ys, K, D = tiny_checkpoint
+    return copy.deepcopy(m).double(), xs.double(), ys.double(), K, D
 
 
 @pytest.mark.parametrize("method", ["sgld", "rmsprop_sgld"])
@@ -225,6 +243,8 @@ def test_agrees_with_devinterp(tiny_checkpoint, method):
                         device="cpu", sampling_method="rmsprop_sgld" if method == "rmsprop_sgld" else "sgmcmc_sgld")
     ours = estimate_llc(m, mse_loss, xs, ys, LLCConfig(epsilon=eps, gamma=gamma, nbeta=nbeta, chains=C, burn_in=0,
                                                         draws=T, batch=B, n=n, method=method, seed=0))
+    # float32 both (devinterp casts to float): a mean of 1024 squares, each from a forward of ~30 rounding steps,
+    # in batches of 32 vs 256: ≤ (30 + log2 1024)·ε32 ≈ 5e-6 each side (measured: 0 apart, 4e-8 from float64)
     assert float(ref.init_loss) == pytest.approx(ours.init_loss, rel=1e-5)
     se = math.sqrt(float(ref.llc_std) ** 2 / C + ours.llc_std ** 2 / C)
     assert abs(float(ref.llc_mean) - ours.llc_mean) < 3 * se, (float(ref.llc_mean), ours.llc_mean, se)
@@ -232,33 +252,37 @@ def test_agrees_with_devinterp(tiny_checkpoint, method):
 
 
 @pytest.mark.parametrize("method", ["sgld", "rmsprop_sgld"])
-def test_invariances(tiny_checkpoint, method):
-    m, xs, ys, *_ = tiny_checkpoint
+def test_invariances(tiny_checkpoint64, method):
+    m, xs, ys, *_ = tiny_checkpoint64
     cfg = LLCConfig(seed=0, epsilon=1e-4, gamma=100.0, chains=3, burn_in=5, draws=20, batch=32, n=256, method=method)
     ch = sgld_chains(m, mse_loss, xs, ys, cfg)
     base = ch.loss
     assert ch.accept.shape == (3, 24) and np.isfinite(ch.accept).all() and (ch.accept <= 1).all()
+    # float64 (tiny_checkpoint64). Losses: ~10 ε64 per step, 25 contracting steps (γ = 100) → ≲ 1e-13 relative,
+    # rtol 1e-11; MALA: log α is a difference of float64 sums of size ~P/2 ≈ 300, ε64·300 ≈ 7e-14, atol 1e-11.
+    # A permuted or re-seeded chain is off by 0.3-0.8 relative. Measured (3 CPU settings): loss 4e-16, accept 7e-14.
+    tol, atol_acc = dict(rtol=1e-11, atol=1e-13), dict(rtol=0, atol=1e-11)
     # chain order: running chains [2, 0, 1] gives the same chains, permuted
     perm = sgld_chains(m, mse_loss, xs, ys, cfg, chains=[2, 0, 1])
-    np.testing.assert_allclose(perm.loss, base[[2, 0, 1]], rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(perm.accept, ch.accept[[2, 0, 1]], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(perm.loss, base[[2, 0, 1]], **tol)
+    np.testing.assert_allclose(perm.accept, ch.accept[[2, 0, 1]], **atol_acc)
     # a chain alone equals the same chain run with others
-    np.testing.assert_allclose(sgld_chains(m, mse_loss, xs, ys, cfg, chains=[1]).loss, base[[1]], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(sgld_chains(m, mse_loss, xs, ys, cfg, chains=[1]).loss, base[[1]], **tol)
     # vmap over chains vs a Python loop
-    np.testing.assert_allclose(sgld_chains(m, mse_loss, xs, ys, cfg, vectorize=False).loss, base, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(sgld_chains(m, mse_loss, xs, ys, cfg, vectorize=False).loss, base, **tol)
     # splitting each SGLD mini-batch into micro-batches for the gradient
     cfg2 = LLCConfig(**{**cfg.__dict__, "micro_batches": 4})
-    np.testing.assert_allclose(sgld_chains(m, mse_loss, xs, ys, cfg2).loss, base, rtol=1e-4, atol=1e-6)
-    # deterministic given the seed, different for another seed
+    np.testing.assert_allclose(sgld_chains(m, mse_loss, xs, ys, cfg2).loss, base, **tol)
+    # deterministic given the seed (same code path, same machine: bitwise), different for another seed
     np.testing.assert_array_equal(sgld_chains(m, mse_loss, xs, ys, cfg).loss, base)
     assert not np.allclose(sgld_chains(m, mse_loss, xs, ys, LLCConfig(**{**cfg.__dict__, "seed": 1})).loss, base)
 
 
 @pytest.mark.parametrize("method", ["sgld", "rmsprop_sgld"])
-def test_many_checkpoints_in_one_pass_equal_one_at_a_time(tiny_checkpoint, method):
+def test_many_checkpoints_in_one_pass_equal_one_at_a_time(tiny_checkpoint64, method):
     """The batched pass over several w* (a run's checkpoints, iclnoise.probes) gives each the estimate, the
-    traces and the MALA rate it gets alone: the same generators, only the summation order differs."""
-    m, xs, ys, *_ = tiny_checkpoint
+    traces and the MALA rate it gets alone: the same generators, only the summation order differs (float64)."""
+    m, xs, ys, *_ = tiny_checkpoint64
     cfg = LLCConfig(seed=0, epsilon=1e-4, gamma=100.0, chains=3, burn_in=5, draws=20, batch=32, n=256, method=method)
     w = {k: v.detach() for k, v in m.named_parameters()}
     gen = torch.Generator().manual_seed(0)
@@ -266,13 +290,14 @@ def test_many_checkpoints_in_one_pass_equal_one_at_a_time(tiny_checkpoint, metho
                {k: 0.5 * v for k, v in w.items()}]
     together = estimate_llcs(m, mse_loss, xs, ys, cfg, centers)
     for c, r in zip(centers, together):
-        alone = build_model(m.cfg, 1)
+        alone = build_model(m.cfg, 1).double()
         alone.load_state_dict({**alone.state_dict(), **c})
         a = estimate_llc(alone, mse_loss, xs, ys, cfg)
-        assert r.init_loss == pytest.approx(a.init_loss, rel=1e-6)
-        np.testing.assert_allclose(r.traces, a.traces, rtol=1e-4, atol=1e-6)
-        assert r.llc_mean == pytest.approx(a.llc_mean, rel=1e-3, abs=1e-3)
-        assert r.mala_accept == pytest.approx(a.mala_accept, abs=1e-3)
+        # float64 bounds as in test_invariances; λ̂ = nβ (E L − L(w*)) with nβ = 46, L ~ 1: 46·1e-13 < 1e-10
+        assert r.init_loss == pytest.approx(a.init_loss, rel=1e-12)
+        np.testing.assert_allclose(r.traces, a.traces, rtol=1e-11, atol=1e-13)
+        assert r.llc_mean == pytest.approx(a.llc_mean, rel=1e-10, abs=1e-10)
+        assert r.mala_accept == pytest.approx(a.mala_accept, abs=1e-11)
     assert len({round(r.llc_mean, 3) for r in together}) == 3  # the centers are really different
 
 
@@ -301,10 +326,12 @@ def test_full_batch_uses_the_whole_set_and_matches_the_loop():
     """batch ≥ n: every chain sees the whole set each step (shared, not copied); the loss trace at step 0
     is the full-data loss, and vmap equals the Python loop."""
     m, X, Y, _ = known_model("linear_d4", n=200)
+    m, X, Y = m.double(), X.double(), Y.double()   # vmap vs direct call and loop: compare in float64
     cfg = LLCConfig(seed=0, epsilon=1e-3, gamma=1.0, chains=3, burn_in=0, draws=10, batch=200, n=200)
     ch = sgld_chains(m, mse, X, Y, cfg)
-    np.testing.assert_allclose(ch.loss[:, 0], float(mse(m, X, Y)), rtol=1e-6)
-    np.testing.assert_allclose(sgld_chains(m, mse, X, Y, cfg, vectorize=False).loss, ch.loss, rtol=1e-5)
+    # mean of 200 squared 4-term residuals (|y|/|r| ≈ 4): ≲ (4·4 + log2 200)·ε64 ≈ 1e-14 relative
+    np.testing.assert_allclose(ch.loss[:, 0], float(mse(m, X, Y)), rtol=1e-12)
+    np.testing.assert_allclose(sgld_chains(m, mse, X, Y, cfg, vectorize=False).loss, ch.loss, rtol=1e-11)
 
 
 def test_llc_for_run_is_byte_identical_on_rerun(tiny, tmp_path):
@@ -324,14 +351,14 @@ def test_llc_for_run_is_byte_identical_on_rerun(tiny, tmp_path):
     assert "seconds" not in df and df.mala_accept.between(0, 1).all() and (df.method == "sgld").all()
 
 
-def test_stacked_chains_equal_the_loop_with_full_batch(tiny_checkpoint):
+def test_stacked_chains_equal_the_loop_with_full_batch(tiny_checkpoint64):
     """The hooked model runs all chains as stacked parameters (no vmap); with batch ≥ n every chain sees the
-    whole set, and the chains equal a Python loop over chains."""
-    m, xs, ys, *_ = tiny_checkpoint
+    whole set, and the chains equal a Python loop over chains (float64; bounds as in test_invariances)."""
+    m, xs, ys, *_ = tiny_checkpoint64
     assert m.stacks_runs
     cfg = LLCConfig(seed=0, epsilon=1e-4, gamma=100.0, chains=2, burn_in=2, draws=8, batch=256, n=256)
     ch = sgld_chains(m, mse_loss, xs, ys, cfg)
-    np.testing.assert_allclose(ch.loss[:, 0], float(mse_loss(m, xs, ys)), rtol=1e-5)
+    np.testing.assert_allclose(ch.loss[:, 0], float(mse_loss(m, xs, ys)), rtol=1e-12)
     loop = sgld_chains(m, mse_loss, xs, ys, cfg, vectorize=False)
-    np.testing.assert_allclose(loop.loss, ch.loss, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(loop.accept, ch.accept, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(loop.loss, ch.loss, rtol=1e-11, atol=1e-13)
+    np.testing.assert_allclose(loop.accept, ch.accept, rtol=0, atol=1e-11)

@@ -171,7 +171,7 @@ def test_a_killed_aggregate_leaves_no_partial_file_and_reruns_to_the_same_tables
             read_parquet(f)   # complete if present
     run(cmd, d)
     for f in (d / "results/aggregate").glob("*.parquet"):
-        pd.testing.assert_frame_equal(read_parquet(out / f.name), read_parquet(f))
+        pd.testing.assert_frame_equal(read_parquet(out / f.name), read_parquet(f))   # same code path, same machine
 
 
 def test_invalid_params_stop_before_any_job(tmp_path):

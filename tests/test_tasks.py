@@ -4,7 +4,7 @@ from iclnoise.tasks import M_INF, BatchSampler, eval_set, parse_m, task_pool
 
 
 def test_pools_are_nested_and_share_the_root_task():
-    big = task_pool(7, 1000, 8)
+    big = task_pool(7, 1000, 8)   # torch.equal: NumPy's sequential draws, not arithmetic along two code paths
     for M in (1, 2, 37, 512):
         assert torch.equal(task_pool(7, M, 8), big[:M])
     assert not torch.equal(task_pool(8, 4, 8), big[:4])
@@ -12,7 +12,7 @@ def test_pools_are_nested_and_share_the_root_task():
 
 def test_batches_are_deterministic_and_independent_of_splitting():
     s = BatchSampler(task_pool(0, 16, 4), 8, 4, 0.125, data_seed=3)
-    a, b = s.batch(5, 64), s.batch(5, 64)
+    a, b = s.batch(5, 64), s.batch(5, 64)   # same code path, same machine: bitwise
     assert torch.equal(a.xs, b.xs) and torch.equal(a.ys, b.ys)
     parts = a.split(4)
     assert torch.equal(torch.cat([p.xs for p in parts]), a.xs)
@@ -36,7 +36,7 @@ def test_infinite_pool_draws_fresh_tasks():
 
 
 def test_eval_sets_are_fixed_and_shared():
-    a = eval_set("ood", 4, 32, 8, 4, 0.125, 0, 1)
+    a = eval_set("ood", 4, 32, 8, 4, 0.125, 0, 1)   # same draws, same code path: bitwise
     assert torch.equal(a.xs, eval_set("ood", 64, 32, 8, 4, 0.125, 0, 1).xs)
     root = eval_set("root", 4, 32, 8, 4, 0.125, 0, 1)
     assert torch.equal(root.tasks, task_pool(0, 1, 4).expand(32, 4))

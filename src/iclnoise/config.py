@@ -299,12 +299,15 @@ def _memory_check(p: dict) -> None:
 # checkpoints and exposure every 400 steps amortised; 18 runs per job, the two jobs side by side on 2 cores):
 # batch 16, 10000 steps: 546.7 s (54.7 ms per ensemble step, 42.5 MFLOP per run-step); batch 64, 2500 steps:
 # 456.8 s (182.7 ms, 170 MFLOP). STEP_MS_PER_RUN kept from the earlier fit; the line is exact at both jobs and
-# within 5 % of the 9-run jobs of 9baea51 (29.6 and 88.7 ms). The injection factors were measured on single runs
-# (batch 64 + grad_b16 ×1.25, + param_b16 ×1.19). Re-measure on new hardware.
+# within 5 % of the 9-run jobs of 9baea51 (29.6 and 88.7 ms). INJECTED_FACTOR: the cost of a step that injects
+# relative to a plain one (exposure logged in both); only the injection window's share of a run's steps pays it.
+# grad: 1.22, the closed loop of the early and late arms (diagonal, curvature re-measured every 25 steps) on
+# 12-run ensembles at batch 64 (bench/bench_noise.py --runs 12 --every 400; README); param: 1.19, measured on a
+# single run (param_b16) before issue 27. Re-measure on new hardware.
 STEP_MS_BASE = 3.03
 STEP_MS_PER_RUN = 0.5
 STEP_MS_PER_MFLOP = 0.0558
-INJECTED_FACTOR = {"none": 1.0, "grad": 1.25, "param": 1.19}
+INJECTED_FACTOR = {"none": 1.0, "grad": 1.22, "param": 1.19}
 COST_CONFIRM_CORE_HOURS = 2.0
 
 
@@ -316,12 +319,13 @@ def step_flops(params: dict, batch: int) -> float:
     return 6.0 * batch * T * m["n_layers"] * (4 * d * d + 2 * d * m["d_mlp"] + 2 * T * d)
 
 
-def step_ms(params: dict, batch: int, source: str = "none", runs: int = 1) -> float:
+def step_ms(params: dict, batch: int, source: str = "none", runs: int = 1, injecting: float = 1.0) -> float:
     """Estimated CPU milliseconds of one step of an ensemble of `runs` runs (one core): the per-step overhead
-    STEP_MS_BASE is paid once per ensemble, STEP_MS_PER_RUN + STEP_MS_PER_MFLOP · MFLOPs per run;
-    × INJECTED_FACTOR[source] (noise source none, grad or param)."""
+    STEP_MS_BASE is paid once per ensemble, STEP_MS_PER_RUN + STEP_MS_PER_MFLOP · MFLOPs per run; a share
+    `injecting` of the steps (an early or late window's fraction, else 1) costs INJECTED_FACTOR[source] times
+    as much (noise source none, grad or param)."""
     per_run = STEP_MS_PER_RUN + STEP_MS_PER_MFLOP * step_flops(params, batch) / 1e6
-    return (STEP_MS_BASE + runs * per_run) * INJECTED_FACTOR[source]
+    return (STEP_MS_BASE + runs * per_run) * (1 + (INJECTED_FACTOR[source] - 1) * injecting)
 
 
 JOB_START_S = 2.5  # CPU seconds to start one `iclnoise` job (python + torch + package imports; measured 2.1–4.2 s)
@@ -376,8 +380,10 @@ def cost_estimate(params: dict) -> dict[str, Any]:
     train_s = 0.0
     for members in groups.values():
         k = parse_run_id(members[0])
-        train_s += JOB_START_S + steps_for(params, k.batch) * step_ms(params, k.batch, conds[k.noise]["source"],
-                                                                       len(members)) / 1000
+        cond = conds[k.noise]
+        window = cond.get("fraction") if cond.get("schedule") in ("early", "late") else 1.0
+        train_s += JOB_START_S + steps_for(params, k.batch) * step_ms(params, k.batch, cond["source"], len(members),
+                                                                       window) / 1000
     probe_s = (len(probed) * JOB_START_S
                + sum(probe_seconds(params, k.batch, name) for name, ks in probes.items() for k in ks))
     return {"runs": len(runs), "jobs": jobs, "run_steps": run_steps, "train_core_hours": train_s / 3600,

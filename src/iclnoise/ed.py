@@ -9,23 +9,29 @@ Forms. A run's PC trajectory is a curve in log training time τ = log(step + 1),
 index, so every width below is in units of τ and the same run sampled at 20 or 200 checkpoints
 has the same forms:
 
-1. smoothing: a local-quadratic Gaussian-kernel smoother of bandwidth `bandwidth` (in τ) evaluates
-   the curve on a uniform τ grid (spacing bandwidth / 10); a local polynomial, unlike a plain
-   Gaussian filter, has no bias where checkpoints are unevenly spaced (near-duplicate steps are
-   harmless), and degree 2 keeps curvature unbiased near the ends (local-linear flattens it there
-   and makes a false vertex just inside the margin);
-2. geometry: for each pair i < j of the leading `n_form_pcs` PCs, signed curvature κ (central
-   differences on the grid), osculating circles and the evolute;
-3. events: a vertex is a local extremum of k = arcsinh(κ / median|κ|) with prominence at least
-   `vertex_prominence` (arcsinh units: 0.5 ≈ κ changing by a factor 1.6 at large κ); a cusp is a
-   local minimum of the speed below `cusp_speed` × the median speed where the tangent turns by more
-   than 90° across ± `bandwidth`. Events within `margin` of either end of the τ range are dropped
-   (there the derivatives are one-sided), so are vertices where the curve stalls (speed below
-   `moving` × its maximum and no speed minimum within ± bandwidth: there κ is smoothing bias
-   divided by a small speed; a slow turn, e.g. a smoothed cusp, is a speed minimum and stays), and
-   in each pair the strongest event (cusps first, then the largest |κ|) suppresses the others
-   within 2 bandwidths, the smoother's resolution (smoothing turns a cusp into a sharp vertex
-   flanked by two weaker ones);
+1. smoothing: a local-cubic Gaussian-kernel fit of bandwidth `bandwidth` (in τ), evaluated on a uniform
+   τ grid (spacing bandwidth / 10); the curve's velocity and acceleration are the fit's own coefficients
+   (β_1, 2β_2), not differences of the smoothed curve. On evenly spaced checkpoints 2β_2 is the
+   Gaussian-smoothed γ'' (its Peano kernel is φ ≥ 0), so a sharp turn gives one curvature bump of one
+   sign: no side lobes. (Differentiating the fitted value instead applies (3 − s²)φ(s)/2 to γ'', which
+   rings: an opposite-sign bump ≈ 1.6 log-step beside every sharp turn, false forms beside turns and
+   from turns inside the margins.) A local polynomial has no bias where checkpoints are unevenly spaced,
+   and degree 3 reproduces cubics, so velocity is fourth-order accurate and a cubic's curvature exact up
+   to the ends (degree 2 gives the clothoid of tests/test_ed.py a false vertex just inside the margin);
+2. geometry: for each pair i < j of the leading `n_form_pcs` PCs, signed curvature κ (from the
+   smoother's velocity and acceleration), osculating circles and the evolute;
+3. events: a vertex is a local extremum of k = arcsinh(κ / κ₀) with prominence at least
+   `vertex_prominence` (arcsinh units: 0.5 ≈ κ changing by a factor 1.6 at large κ), κ₀ = median|κ|,
+   but at least KAPPA_FLOOR / (arc length inside the margins), so that wiggles of a straight stretch are
+   not measured against themselves; a cusp is a local minimum of the speed below `cusp_speed` × the
+   median speed where the tangent turns by more than 90° across ± `bandwidth`. Events within `margin`
+   of either end of the τ range are dropped (there the derivatives are one-sided), so are vertices
+   where the curve stalls (speed below `moving` × its maximum and no speed minimum within ± bandwidth:
+   there κ is smoothing bias divided by a small speed; a slow turn, e.g. a smoothed cusp, is a speed
+   minimum and stays), and in each pair the strongest event (cusps first, then the largest |κ|) hides
+   its smoothing companions within 2 bandwidths (`hides`): every event near a cusp (smoothing turns a
+   cusp into a sharp vertex flanked by two of the opposite sign) and same-sign vertices near a vertex
+   (a split peak); an opposite-sign vertex near a vertex is a turn back and stays;
 4. significance: the B root sequences are resampled with replacement `n_boot` times and each
    replicate is projected on the same components; an event is kept when its statistic (a vertex's
    prominence measured on its own bases; a cusp's turning angle minus 90°) is at least `z_min`
@@ -34,8 +40,10 @@ has the same forms:
    so a noise wiggle of the observed curve persists in most of them.)
 5. forms: the kept events are clustered greedily: the candidate time at which every pair has an
    event within ± `tolerance` and the events are tightest becomes a form, placed at the median of
-   its events (where they occur), which are used up; repeat. Events of one pair are ≥ 2 bandwidths
-   apart, so two forms more than 2 bandwidths apart stay two.
+   its events (where they occur), which are used up; repeat. Two forms a window (2 × tolerance) apart
+   stay two, also when their events fall at different times in different pairs, and a sharp turn or a
+   turn inside an end margin makes no other form (measured on planted polygons at 20, 50 and 200
+   checkpoints: tests/test_ed_forms.py, bench/bench_forms.py).
 
 Validity: where checkpoints are further apart in τ than MAX_GAP × bandwidth inside the margins the
 smoother cannot see features of the bandwidth's size; the run is flagged `undersampled` and its
@@ -55,6 +63,8 @@ from .tasks import M_INF, eval_set, task_pool
 
 MAX_GAP = 1.5  # largest checkpoint gap inside the margins, in bandwidths, for a run to be analysable
 GRID_PER_BANDWIDTH = 10  # grid points per bandwidth of the uniform τ grid
+DEGREE = 3  # local-cubic smoother (module docstring, step 1)
+KAPPA_FLOOR = 0.2  # κ₀ ≥ KAPPA_FLOOR / arc length inside the margins (module docstring, step 3)
 
 PCS_SCHEMA = pa.schema([pa.field("family", pa.string()), pa.field("kind", pa.string())] + KEY_FIELDS + [
     pa.field("step", pa.int64()), pa.field("pc", pa.int64()), pa.field("value", pa.float64())])
@@ -104,29 +114,35 @@ def joint_pca(X: np.ndarray, n_pcs: int) -> tuple[np.ndarray, np.ndarray, np.nda
 
 
 def local_poly_weights(tau: np.ndarray, grid: np.ndarray, bandwidth: float, degree: int = 2) -> np.ndarray:
-    """(G, n) weights W of the local-polynomial Gaussian-kernel smoother: γ̂(u) = Σ_i W[u, i] γ(τ_i), the
-    intercept of the degree-`degree` least-squares fit to (τ_i − u, γ_i) weighted by exp(−(τ_i − u)²/2h²).
-    Degree 2 reproduces quadratics exactly, so curvature has no smoothing bias at the ends either."""
-    d = tau[None, :] - grid[:, None]
-    k = np.exp(-0.5 * (d / bandwidth) ** 2)
-    V = (d / bandwidth)[..., None] ** np.arange(degree + 1)                # (G, n, p): scaled for conditioning
+    """(degree + 1, G, n) weights W of the local-polynomial Gaussian-kernel smoother and its derivatives:
+    γ̂⁽ʳ⁾(u) = Σ_i W[r, u, i] γ(τ_i) = r! β_r / h^r, β the degree-`degree` least-squares fit of γ_i on
+    ((τ_i − u)/h)^0..degree weighted by exp(−(τ_i − u)²/2h²) (SPEC §8). It reproduces polynomials of
+    the degree exactly, at the ends too. On dense, even checkpoints 2β_2 (degree 2 or 3) is the
+    Gaussian-smoothed γ'' (kernel (s² − 1)φ(s); integrated twice by parts, φ), whereas the second
+    derivative of the fitted value β_0 (degree 2: kernel (3 − s²)φ(s)/2) rings: negative lobes at ± √5 h."""
+    d = (tau[None, :] - grid[:, None]) / bandwidth
+    k = np.exp(-0.5 * d ** 2)
+    V = d[..., None] ** np.arange(degree + 1)                                  # (G, n, p): scaled for conditioning
     A = np.einsum("gn,gnp,gnq->gpq", k, V, V)
-    return np.einsum("gp,gnp,gn->gn", np.linalg.solve(A, np.eye(degree + 1)[None, :, :1].repeat(len(grid), 0))[..., 0],
-                     V, k)
+    beta = np.einsum("gpq,gnq,gn->pgn", np.linalg.inv(A), V, k)               # β = A⁻¹ Vᵀ K γ
+    fact = np.cumprod(np.concatenate([[1.0], np.arange(1, degree + 1)]))
+    return beta * (fact / bandwidth ** np.arange(degree + 1))[:, None, None]
 
 
-def smooth_curve(tau: np.ndarray, curve: np.ndarray, bandwidth: float) -> tuple[np.ndarray, np.ndarray]:
-    """(grid, smoothed): `curve` (..., n, P) sampled at τ, smoothed onto a uniform τ grid (..., G, P)."""
+def smooth_curve(tau: np.ndarray, curve: np.ndarray, bandwidth: float,
+                 derivatives: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(grid, smoothed): `curve` (..., n, P) sampled at τ, smoothed onto a uniform τ grid (..., G, P);
+    with `derivatives`, (3, ..., G, P): the curve and its first and second τ-derivatives (local_poly_weights)."""
     n_grid = int(np.ceil((tau.max() - tau.min()) / bandwidth * GRID_PER_BANDWIDTH)) + 1
     grid = np.linspace(tau.min(), tau.max(), n_grid)
-    return grid, np.einsum("gn,...np->...gp", local_poly_weights(tau, grid, bandwidth), curve)
+    W = local_poly_weights(tau, grid, bandwidth, DEGREE)[:3]
+    return grid, np.einsum("rgn,...np->r...gp", W, curve) if derivatives else np.einsum("gn,...np->...gp", W[0], curve)
 
 
-def plane_geometry(x: np.ndarray, y: np.ndarray, h: float = 1.0) -> dict[str, np.ndarray]:
-    """Velocity, speed, signed curvature κ = (x'y'' − y'x'')/|γ'|³ and the evolute (centres of the
-    osculating circles) by central differences along the last axis, a uniform grid of spacing h."""
-    dx, dy = np.gradient(x, h, axis=-1), np.gradient(y, h, axis=-1)
-    ddx, ddy = np.gradient(dx, h, axis=-1), np.gradient(dy, h, axis=-1)
+def curvature(x: np.ndarray, y: np.ndarray, dx: np.ndarray, dy: np.ndarray, ddx: np.ndarray,
+              ddy: np.ndarray) -> dict[str, np.ndarray]:
+    """Speed |γ'|, signed curvature κ = (x'y'' − y'x'')/|γ'|³ and the evolute (centres of the osculating
+    circles, γ + N/κ) of the plane curve γ = (x, y) from its derivatives (SPEC §8)."""
     speed = np.hypot(dx, dy)
     s = np.maximum(speed, 1e-300)
     kappa = (dx * ddy - dy * ddx) / s ** 3
@@ -134,6 +150,13 @@ def plane_geometry(x: np.ndarray, y: np.ndarray, h: float = 1.0) -> dict[str, np
         rad = np.where(np.abs(kappa) > 1e-300, 1.0 / kappa, np.inf)
         return {"dx": dx, "dy": dy, "speed": speed, "kappa": kappa,
                 "ex": x - rad * dy / s, "ey": y + rad * dx / s}
+
+
+def plane_geometry(x: np.ndarray, y: np.ndarray, h: float = 1.0) -> dict[str, np.ndarray]:
+    """curvature() with the derivatives by central differences along the last axis, a uniform grid of
+    spacing h (for curves given exactly; detect_events takes the smoother's own derivatives)."""
+    dx, dy = np.gradient(x, h, axis=-1), np.gradient(y, h, axis=-1)
+    return curvature(x, y, dx, dy, np.gradient(dx, h, axis=-1), np.gradient(dy, h, axis=-1))
 
 
 def find_peaks(x: np.ndarray, **kw) -> tuple[np.ndarray, dict]:
@@ -196,20 +219,29 @@ def significance(stat: np.ndarray, null: float) -> float:
     return float((stat[0] - null) / sd) if sd > 0 else (float("inf") if stat[0] > null else 0.0)
 
 
+def hides(strong: tuple[float, int | None], weak: tuple[float, int | None], radius: float) -> bool:
+    """Whether the stronger event `strong` = (τ, sign of κ, None for a cusp) hides `weak` as its smoothing
+    companion (SPEC §8: smoothing must not create events): every event within `radius` of a cusp (a smoothed
+    cusp is a sharp vertex flanked by two of the opposite sign), and a vertex of the same sign within
+    `radius` of a vertex (one turn's split peak). An opposite-sign vertex near a vertex is a turn back and
+    stays: the smoother's derivatives are Gaussian-weighted (local_poly_weights), without side lobes."""
+    return abs(strong[0] - weak[0]) <= radius and (strong[1] is None or strong[1] == weak[1])
+
+
 def detect_events(tau: np.ndarray, curves: np.ndarray, cfg: ED) -> list[dict]:
     """Vertices and cusps of every pair i < j of the leading `n_form_pcs` PCs of the observed curve
     `curves[0]` (n, P) sampled at τ (module docstring, steps 1-4), each with its significance z over
     the resampled curves `curves[1:]` and `kept` = z ≥ `z_min` (without resampled curves z = inf)."""
     curves = curves[None] if curves.ndim == 2 else curves
-    grid, sm = smooth_curve(tau, curves, cfg.bandwidth)
+    grid, sm = smooth_curve(tau, curves, cfg.bandwidth, derivatives=True)
     h, bw = grid[1] - grid[0], cfg.bandwidth
     inner = (grid >= grid[0] + cfg.margin) & (grid <= grid[-1] - cfg.margin)
     window = max(1, int(round(bw / h)))
     events = []
     for i, j in combinations(range(min(cfg.n_form_pcs, sm.shape[-1])), 2):
-        g = plane_geometry(sm[..., i], sm[..., j], h)  # every row: one curve
+        g = curvature(*(sm[r, ..., c] for r in range(3) for c in (i, j)))  # every row: one curve
         med = np.median(np.abs(g["kappa"][0][inner])) if inner.any() else 1.0
-        k = scaled_curvature(g["kappa"], inner, med)
+        k = scaled_curvature(g["kappa"], inner, max(med, KAPPA_FLOOR / max(g["speed"][0][inner].sum() * h, 1e-300)))
         found = [(c, "cusp", np.inf, None) for c in cusps(g["dx"][0], g["dy"][0], inner, cfg.cusp_speed, window)]
         sp = g["speed"][0]
         moving = sp >= cfg.moving * sp[inner].max() if inner.any() else inner
@@ -217,9 +249,9 @@ def detect_events(tau: np.ndarray, curves: np.ndarray, cfg: ED) -> list[dict]:
             moving[max(0, m - window): m + window + 1] = True
         found += [(v[0], "vertex", abs(k[0, v[0]]), v) for v in vertices(k[0], inner, cfg.vertex_prominence)
                   if moving[v[0]]]
-        while found:  # the strongest event suppresses others within 2 bandwidths (the smoother's resolution)
+        while found:  # the strongest event hides its smoothing companions (`hides`)
             c, kind, _, v = max(found, key=lambda f: (f[2], -f[0]))
-            found = [f for f in found if abs(grid[f[0]] - grid[c]) > 2 * bw]
+            found = [f for f in found if not hides((grid[c], v and v[1]), (grid[f[0]], f[3] and f[3][1]), 2 * bw)]
             if len(k) == 1:
                 z = float("inf")
             elif kind == "vertex":
@@ -235,8 +267,8 @@ def forms(events: list[dict], n_pcs: int, tolerance: float) -> list[float]:
     """Form times (τ) from kept events: greedily, the candidate time (an event's) at which every pair
     i < j of the leading `n_pcs` PCs has an unused event within ± tolerance, with the smallest total
     distance to those nearest events, becomes a form placed at the median of those events, which
-    are then used up; repeat until no candidate remains. Sorted by time. Within a pair, events are
-    already ≥ 2 bandwidths apart (detect_events), so forms that far apart stay distinct."""
+    are then used up; repeat until no candidate remains. Sorted by time. Within a pair, events of one
+    sign are already ≥ 2 bandwidths apart (detect_events), so forms that far apart stay distinct."""
     pairs = list(combinations(range(1, n_pcs + 1), 2))
     left = [((e["pc_i"], e["pc_j"]), e["log_step"]) for e in events if e.get("kept", True)]
     out = []

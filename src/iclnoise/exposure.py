@@ -4,8 +4,9 @@ At a logged step t, with B the batch, η_t the learning rate and A_t = diag(a), 
 
     diag(C_t) ≈ m · Var_k(ĝ_k)          K group gradients of m sequences each (m = 1: per-example)
     NE_t      = η_t · κ · Σ_i a_i² C_ii / B        κ = 1 for AdamW (dampened momentum; SPEC §6)
-    Curv_t    = Tr(A_t Ĥ_t A_t)                    Ĥ = Gauss–Newton (default) or Hessian, Hutchinson
-                                                   probes on a held-out batch (never trained on)
+    Curv_t    = Tr(A_t Ĥ A_t) = Σ_i a_i² Ĥ_ii      Ĥ = Gauss–Newton (default) or Hessian diagonal, Hutchinson
+                                                   probes on a held-out batch (never trained on), measured on
+                                                   logged steps; A_t is the step's own (injection's closed loop)
     P-NE*_t   = NE_t / max(ε, Curv_t);   integrated exposure = Σ_t P-NE*_t · (steps the row stands for)
     seed-001 form: η_t² · Tr(A C A) / B;  B_simple = Tr(C) / |G|²  with |G|² = |ḡ|² − Tr(C)/B (unbiased)
 
@@ -26,7 +27,7 @@ import pyarrow as pa
 import torch
 from torch.func import functional_call, grad, vmap
 
-from .adam import adam_a
+from .adam import adam_root, precondition
 from .geometry import FlatLoss
 from .io import KEY_FIELDS
 
@@ -113,18 +114,25 @@ def preconditioner(opt: torch.optim.Optimizer, fallback_grads: bool = True) -> t
 
     Before the first update there is no v; then v̂_1 = g² is what the first update will use, so the
     current gradients stand in (or None when `fallback_grads` is False or there are none)."""
-    parts, state = [], opt.state  # read once: an ensemble run's view builds it on access
+    roots, eps, state = [], [], opt.state  # read once: an ensemble run's view builds it on access
     for group in opt.param_groups:
-        b2, eps = group["betas"][1], group["eps"]
-        for p in group["params"]:
-            st = state.get(p)
-            if st and "exp_avg_sq" in st:
-                parts.append(adam_a(st["exp_avg_sq"], st["step"], b2, eps))
-            elif fallback_grads and p.grad is not None:
-                parts.append(adam_a(p.grad.detach().square(), 1.0, 0.0, eps))  # v̂_1 = g²
-            else:
-                return None
-    return torch.cat(parts)
+        sts = [state.get(p) for p in group["params"]]
+        if all(st and "exp_avg_sq" in st for st in sts):   # one foreach pass: this runs every injecting step
+            bc = [1 - group["betas"][1] ** float(st["step"]) for st in sts]
+            roots += torch._foreach_sqrt(torch._foreach_div([st["exp_avg_sq"] for st in sts], bc))
+        else:
+            for p, st in zip(group["params"], sts):
+                if st and "exp_avg_sq" in st:
+                    roots.append(adam_root(st["exp_avg_sq"], st["step"], group["betas"][1]))
+                elif fallback_grads and p.grad is not None:
+                    roots.append(p.grad.detach().abs())  # before its first update: sqrt(v̂_1) = |g|
+                else:
+                    return None
+        eps += [group["eps"]] * len(sts)
+    roots = [r.reshape(-1) for r in roots]
+    if len(set(eps)) > 1:
+        return precondition(torch.cat(roots), torch.cat([torch.full_like(r, e) for r, e in zip(roots, eps)]))
+    return precondition(torch.cat(roots), eps[0])
 
 
 def _rademacher(shape: tuple, generator: torch.Generator, like: torch.Tensor) -> torch.Tensor:
@@ -136,28 +144,59 @@ def _mean_se(vals: torch.Tensor) -> tuple[float, float]:
     return float(v.mean()), float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else math.nan
 
 
-def precond_hessian_trace(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: torch.Tensor,
-                          a: torch.Tensor | None, probes: int, generator: torch.Generator) -> tuple[float, float]:
-    """Tr(A H A) ≈ mean_k z_kᵀ A H A z_k (Rademacher z_k over parameters), all probes in one vmapped
-    forward-over-reverse pass; returns (estimate, standard error). a = None gives Tr(H)."""
+@dataclass
+class Curvature:
+    """Hutchinson samples of diag(Ĥ), one per probe, as products left_k ⊙ right_k · scale, so that
+    Curv = Tr(A Ĥ A) = Σ_i a_i² Ĥ_ii can be evaluated at any diagonal A (SPEC §6: the closed loop divides by a
+    curvature with the A of the step it scales; Ĥ is measured on logged steps, A moves every step).
+
+    Gauss–Newton: left = right = Jᵀu_k (Rademacher u_k over the N outputs), scale 2 loss_scale / N, E = diag(G);
+    Hessian: left = z_k, right = H z_k (Rademacher z_k over parameters), scale 1, E = diag(H)."""
+
+    left: torch.Tensor    # (probes, P)
+    right: torch.Tensor   # (probes, P)
+    scale: float = 1.0
+
+    @property
+    def diag(self) -> torch.Tensor:
+        return (self.left * self.right).mean(0) * self.scale
+
+    def at(self, a: torch.Tensor | None) -> tuple[float, float]:
+        """(Tr(A Ĥ A), its standard error over probes); a = None gives Tr(Ĥ)."""
+        left, right = (self.left, self.right) if a is None else (self.left * a, self.right * a)
+        return _mean_se((left * right).sum(1) * self.scale)
+
+
+def hessian_curvature(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: torch.Tensor, probes: int,
+                      generator: torch.Generator) -> Curvature:
+    """Hutchinson samples z ⊙ H z of the Hessian diagonal, all probes in one vmapped forward-over-reverse pass."""
     f = FlatLoss(model, loss_fn, xs, ys)
-    V = _rademacher((probes, f.w0.numel()), generator, f.w0)
-    V = V if a is None else V * a
-    return _mean_se((V * vmap(f.hvp)(V)).sum(1))
+    Z = _rademacher((probes, f.w0.numel()), generator, f.w0)
+    return Curvature(Z, vmap(f.hvp)(Z))
 
 
-def precond_ggn_trace(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor, a: torch.Tensor | None,
-                      probes: int, generator: torch.Generator, loss_scale: float = 1.0) -> tuple[float, float]:
-    """Tr(A G A) for the Gauss–Newton matrix of L = loss_scale · mean_n (f_n − y_n)² over N outputs,
-    G = (2 loss_scale / N) JᵀJ: mean_k ‖A Jᵀ u_k‖² · 2 loss_scale / N with Rademacher u_k over the
-    outputs (E[u uᵀ] = I), one vmapped vector-Jacobian product per probe. PSD, so never negative."""
+def ggn_curvature(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor, probes: int,
+                  generator: torch.Generator, loss_scale: float = 1.0) -> Curvature:
+    """Samples of the Gauss–Newton diagonal for L = loss_scale · mean_n (f_n − y_n)² over N outputs,
+    G = (2 loss_scale / N) JᵀJ: (Jᵀu_k)² · 2 loss_scale / N with Rademacher u_k over the outputs (E[u uᵀ] = I),
+    one vmapped vector-Jacobian product per probe. Non-negative, so every Tr(A G A) estimate is too."""
     f = FlatLoss(model, None, xs, ys)
     out, vjp_fn = torch.func.vjp(lambda w: functional_call(model, (f.unflatten(w), f.buffers), (xs, ys)), f.w0)
     U = _rademacher((probes, *out.shape), generator, out)
     JtU = vmap(vjp_fn)(U)[0]
-    if a is not None:
-        JtU = JtU * a
-    return _mean_se(JtU.square().sum(1) * (2 * loss_scale / out.numel()))
+    return Curvature(JtU, JtU, 2 * loss_scale / out.numel())
+
+
+def precond_hessian_trace(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: torch.Tensor,
+                          a: torch.Tensor | None, probes: int, generator: torch.Generator) -> tuple[float, float]:
+    """Tr(A H A) ≈ mean_k Σ_i a_i² z_ki (H z_k)_i; returns (estimate, standard error). a = None gives Tr(H)."""
+    return hessian_curvature(model, loss_fn, xs, ys, probes, generator).at(a)
+
+
+def precond_ggn_trace(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor, a: torch.Tensor | None,
+                      probes: int, generator: torch.Generator, loss_scale: float = 1.0) -> tuple[float, float]:
+    """Tr(A G A) ≈ mean_k Σ_i a_i² (Jᵀu_k)_i² · 2 loss_scale / N (ggn_curvature); (estimate, standard error)."""
+    return ggn_curvature(model, xs, ys, probes, generator, loss_scale).at(a)
 
 
 def kappa(setting: float | str | None, beta1: float) -> float:

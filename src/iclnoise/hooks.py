@@ -4,19 +4,19 @@ The trainer calls, for every step of every run, `on_grads` of each hook in list 
 backward pass and before clipping, then clips, steps the optimizer, and calls `on_update` of each
 hook in *reverse* order (hooks unwind like a stack). `build_hooks` orders them [logger, injector]:
 
-- on_grads:  the logger measures (group gradients, A, Curv on held-out data) on due steps, then the
-             injector sets its scale from the latest Curv and adds ε to the gradient;
+- on_grads:  the logger measures (group gradients, A, diag Ĥ on held-out data) on due steps, then the
+             injector sets its scale from Curv = Σ a² diag Ĥ at this step's own A and adds ε to the gradient;
 - on_update: the injector records the step's realised (post-clip) injected exposure, then the logger
              writes its row from the exact per-step sums of the interval.
 
 The maths lives in iclnoise.noise (covariances, schedules, controller) and iclnoise.exposure (P-NE);
-this module only keeps state between steps. Every state is in `state_dict`, so a killed run resumes
-to identical numbers.
+this module only keeps state between steps. The logger and the injector share one `ExposureState`. Every
+state is in `state_dict`, so a killed run resumes to identical numbers.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable, Protocol
 
 import pyarrow as pa
@@ -29,14 +29,14 @@ from .exposure import (
     b_simple,
     budget_scale,
     calibrated_kappa,
+    ggn_curvature,
     grad_noise,
     group_grads,
+    hessian_curvature,
     kappa,
     leading_eigs,
     ne_unit,
     pne_columns,
-    precond_ggn_trace,
-    precond_hessian_trace,
     preconditioner,
     update_innovation_variance,
 )
@@ -76,6 +76,24 @@ class StepHook(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
+@dataclass
+class ExposureState:
+    """What the exposure logger measures and the injector reads, and the injector's sums the logger's next
+    row reports: one per run."""
+
+    curv_diag: torch.Tensor | None = None  # diag Ĥ of the latest measurement: Curv(A) = Σ a² diag Ĥ
+    curv_step: int = -1                    # the step it was measured at
+    kappa: float | None = None             # calibrated κ (None: the configured one)
+    pne_postclip: float | None = None      # the latest row's P-NE* after clipping, until the controller reads it
+    ne_injected: float = 0.0               # Σ over the steps since the last row: injected NE (pre-clip)
+    pne_injected: float = 0.0              # ... and realised injected P-NE* after clipping
+
+    def take_interval(self) -> tuple[float, float]:
+        out = self.ne_injected, self.pne_injected
+        self.ne_injected = self.pne_injected = 0.0
+        return out
+
+
 class NoiseMeter:
     """When exposure is measured, and the group gradients of that step, shared by the hooks.
 
@@ -106,7 +124,7 @@ INJECTION_SCHEMA = pa.schema([
     pa.field("scale", pa.float64()),            # s_t multiplying R'
     pa.field("ne_injected", pa.float64()),      # η_t κ Σ a_i² s R'_ii (a before this update), pre-clip
     pa.field("clip_coef", pa.float64()),        # c² multiplies the injected noise (grad source); 1 for param
-    pa.field("curv", pa.float64()),             # the latest measured Tr(A Ĥ A) this step used
+    pa.field("curv", pa.float64()),             # max(floor, Σ a² diag Ĥ): this step's A, the latest measured Ĥ
     pa.field("pne_injected", pa.float64()),     # realised injected P-NE* after clipping: c² · ne_injected / curv
     pa.field("trace_injected", pa.float64()),   # Tr(s R')
     pa.field("clipped_trace", pa.float64()),    # s · trace removed by PSD clipping (what could not be matched)
@@ -125,8 +143,8 @@ class NoiseInjector:
 
     name, schema = "injection", INJECTION_SCHEMA
 
-    def __init__(self, spec: dict, noise: NoiseCondition, exposure: Exposure, meter: NoiseMeter, shared: dict,
-                 device: torch.device):
+    def __init__(self, spec: dict, noise: NoiseCondition, exposure: Exposure, meter: NoiseMeter,
+                 state: ExposureState, device: torch.device):
         n, t = noise, spec["train"]
         self.run_id, self.seed = spec["keys"]["run_id"], spec["keys"]["seed"]
         self.batch, self.total, self.clip = spec["keys"]["batch"], t["steps"], t["grad_clip"]
@@ -135,11 +153,11 @@ class NoiseInjector:
         self.emulate = n.emulate_batch
         self.coef = (1.0 / self.emulate - 1.0 / self.batch) if self.emulate else 1.0
         self.budget = n.budget
-        self.kappa = kappa(exposure.kappa, t["optimizer"]["betas"][0])
+        self.kappa, self.floor = kappa(exposure.kappa, t["optimizer"]["betas"][0]), exposure.floor
         self.ctl = (PIController(n.target, n.controller.kp, n.controller.ki)
                     if self.schedule == "controlled" else None)
         self.ctl_started = False
-        self.meter, self.shared, self.device = meter, shared, device
+        self.meter, self.state, self.device = meter, state, device
         self.cov: CovModel | None = None
         self.clipped = 0.0
         self._cached: tuple[CovModel | None, torch.Tensor | None] = (None, None)
@@ -147,10 +165,7 @@ class NoiseInjector:
         self._rows: list[dict] = []
         self._eps: torch.Tensor | None = None
         self._pending: dict | None = None
-
-    @property
-    def boundaries(self) -> tuple[int, int]:
-        return self.start, self.stop
+        self._plist: list[torch.Tensor] | None = None
 
     @property
     def _diag(self) -> torch.Tensor:
@@ -166,11 +181,20 @@ class NoiseInjector:
     def _refresh(self, ctx: StepContext) -> None:
         self.cov, self.clipped = shaped_covariance(self.meter.measure(ctx), self.coef, self.shape, self.rank)
 
+    def _kappa(self) -> float:
+        return self.kappa if self.state.kappa is None else self.state.kappa
+
+    def _curv(self, a: torch.Tensor) -> float:
+        """Curv_t = max(floor, Tr(A_t Ĥ A_t)) with this step's A_t (SPEC §6), Ĥ's diagonal from the latest row;
+        NaN before any measurement."""
+        if self.state.curv_diag is None:
+            return math.nan
+        return max(self.floor, float((a.square() * self.state.curv_diag).sum()))
+
     def _scale(self, ctx: StepContext, a: torch.Tensor, curv: float) -> float:
-        k = self.shared.get("kappa", self.kappa)
-        unit = ne_unit(ctx.lr, k, a, self._diag)
+        unit = ne_unit(ctx.lr, self._kappa(), a, self._diag)
         if self.ctl is not None:
-            pne = self.shared.pop("pne_postclip", None)
+            pne, self.state.pne_postclip = self.state.pne_postclip, None
             if not self.ctl_started:  # open-loop start: the scale that reaches the target by itself
                 s0 = budget_scale(target_at(self.ctl.target, ctx.step / self.total), curv, unit,
                                   self._grad_sq(ctx), self._trace, self.clip)
@@ -186,18 +210,23 @@ class NoiseInjector:
             s = min(s, SATURATION * g2 / self._trace)
         return min(s, math.exp(MAX_LOG_SCALE))
 
-    @staticmethod
-    def _grad_sq(ctx: StepContext) -> float:
-        return float(sum(p.grad.square().sum() for p in ctx.model.parameters()))
+    def _params(self, ctx: StepContext) -> list[torch.Tensor]:
+        """The run's parameters, listed once (a hooked model's `parameters()` walks every hook point)."""
+        if self._plist is None:
+            self._plist = list(ctx.model.parameters())
+        return self._plist
+
+    def _grad_sq(self, ctx: StepContext) -> float:
+        return float(torch.stack(torch._foreach_norm([p.grad for p in self._params(ctx)])).square().sum())
 
     def on_grads(self, ctx: StepContext) -> None:
         if self.meter.due(ctx.step) or self.cov is None:
             self._refresh(ctx)
         active = self.start <= ctx.step < self.stop
         a = preconditioner(ctx.optimizer)
-        curv = self.shared.get("curv", math.nan)
+        curv = self._curv(a)
         s = self._scale(ctx, a, curv) if active else 0.0
-        ne = s * ne_unit(ctx.lr, self.shared.get("kappa", self.kappa), a, self._diag) if s > 0 else 0.0
+        ne = s * ne_unit(ctx.lr, self._kappa(), a, self._diag) if s > 0 else 0.0
         self._pending = {"run_id": self.run_id, "step": ctx.step, "active": active, "scale": s, "ne_injected": ne,
                          "curv": curv, "trace_injected": s * self._trace, "clipped_trace": s * self.clipped}
         self._eps = None
@@ -205,7 +234,7 @@ class NoiseInjector:
             return
         gen = torch.Generator(device=self.device).manual_seed(_seed_mix(_NOISE, self.seed, ctx.step))
         eps = self.cov.sample(gen) * math.sqrt(s)
-        params = list(ctx.model.parameters())
+        params = self._params(ctx)
         if self.source == "grad":
             for p, e in zip(params, eps.split([p.numel() for p in params])):
                 p.grad.add_(e.view_as(p))
@@ -224,11 +253,10 @@ class NoiseInjector:
         tr, clip = row["trace_injected"], row["clipped_trace"]
         self._rows.append({**row, "clip_coef": c2, "pne_injected": pne,
                            "clipped_frac": clip / (clip + tr) if clip + tr > 0 else 0.0})
-        acc = self.shared.setdefault("interval", {"ne_injected": 0.0, "pne_injected": 0.0})
-        acc["ne_injected"] += row["ne_injected"]
-        acc["pne_injected"] += pne
+        self.state.ne_injected += row["ne_injected"]
+        self.state.pne_injected += pne
         if self._eps is not None:
-            params = list(ctx.model.parameters())
+            params = self._params(ctx)
             with torch.no_grad():
                 for p, z in zip(params, self._eps.split([p.numel() for p in params])):
                     p.add_(z.view_as(p))
@@ -253,26 +281,50 @@ class NoiseInjector:
 class ExposureLogger:
     """On due steps: the exposure row of EXPOSURE_SCHEMA (iclnoise.exposure). One A per row: the
     preconditioner before this update (v̂ of the previous steps; at step 0 the v̂_1 = g² the first update
-    uses) enters NE, the injected NE and Curv alike."""
+    uses) enters NE and Curv alike; the injected columns are sums of per-step values, each with its own A.
+
+    With an injector it also measures diag Ĥ alone (no row) every `curvature_every` steps inside the
+    injection window, and whenever none has been measured yet (a resume state written before the state kept
+    diag Ĥ): the closed loop's divisor Σ a_t² diag Ĥ then follows Ĥ as well as A."""
 
     name, schema = "exposure", EXPOSURE_SCHEMA
 
-    def __init__(self, spec: dict, cfg: Exposure, meter: NoiseMeter, shared: dict, injector: NoiseInjector | None,
-                 device: torch.device):
+    def __init__(self, spec: dict, cfg: Exposure, meter: NoiseMeter, state: ExposureState,
+                 window: tuple[int, int] | None, device: torch.device):
         self.keys, self.batch, self.total = spec["keys"], spec["keys"]["batch"], spec["train"]["steps"]
         self.beta1 = spec["train"]["optimizer"]["betas"][0]
         self.kappa, self.calibrate = kappa(cfg.kappa, self.beta1), cfg.kappa == "calibrated"
         self.probes, self.n_heldout = cfg.curvature_probes, cfg.heldout
         self.floor, self.rank = cfg.floor, cfg.eig_rank
-        self.curvature, self.D = cfg.curvature, spec["data"]["D"]
-        self.meter, self.shared, self.injector, self.device = meter, shared, injector, device
+        self.curvature, self.curv_every, self.D = cfg.curvature, cfg.curvature_every, spec["data"]["D"]
+        self.meter, self.state, self.window, self.device = meter, state, window, device
         self._rows: list[dict] = []
         self._m: dict | None = None
         self._last, self._clipped_steps, self._steps = -1, 0, 0
 
+    def _refresh_due(self, step: int) -> bool:
+        """diag Ĥ alone is due: none measured yet, or `curvature_every` steps old inside the injection window."""
+        if self.window is None:
+            return False
+        st, (start, stop) = self.state, self.window
+        return st.curv_diag is None or (start <= step < stop and step - st.curv_step >= self.curv_every)
+
+    def _measure_curvature(self, ctx: StepContext, a: torch.Tensor) -> tuple[float, float]:
+        """Hutchinson diag Ĥ on this step's held-out batch into the shared state; (Curv, SE) at `a`."""
+        gen = torch.Generator(device=self.device).manual_seed(_seed_mix(_PROBE, self.keys["seed"], ctx.step))
+        held = ctx.heldout(ctx.step, self.n_heldout)
+        if self.curvature == "ggn":  # the MSE objective: loss_scale 1/D (iclnoise.model.mse_loss)
+            hess = ggn_curvature(ctx.model, held.xs, held.ys, self.probes, gen, 1.0 / self.D)
+        else:
+            hess = hessian_curvature(ctx.model, ctx.loss_fn, held.xs, held.ys, self.probes, gen)
+        self.state.curv_diag, self.state.curv_step = hess.diag, ctx.step
+        return hess.at(a)
+
     def on_grads(self, ctx: StepContext) -> None:
+        self._m = None
         if not self.meter.due(ctx.step):
-            self._m = None
+            if self._refresh_due(ctx.step):
+                self._measure_curvature(ctx, None)
             return
         noise = self.meter.measure(ctx)
         a = preconditioner(ctx.optimizer)
@@ -284,14 +336,8 @@ class ExposureLogger:
             k = calibrated_kappa([r["update_var"] for r in self._rows] + [upd_var],
                                  [r["update_var_pred"] for r in self._rows] + [upd_pred], self.beta1)
             if math.isfinite(k):
-                self.kappa = self.shared["kappa"] = k
-        gen = torch.Generator(device=self.device).manual_seed(_seed_mix(_PROBE, self.keys["seed"], ctx.step))
-        held = ctx.heldout(ctx.step, self.n_heldout)
-        if self.curvature == "ggn":  # the MSE objective: loss_scale 1/D (iclnoise.model.mse_loss)
-            curv, curv_se = precond_ggn_trace(ctx.model, held.xs, held.ys, a, self.probes, gen, 1.0 / self.D)
-        else:
-            curv, curv_se = precond_hessian_trace(ctx.model, ctx.loss_fn, held.xs, held.ys, a, self.probes, gen)
-        self.shared["curv"] = max(self.floor, curv)
+                self.kappa = self.state.kappa = k
+        curv, curv_se = self._measure_curvature(ctx, a)
         self._m = {"noise": noise, "a": a, "curv": curv, "curv_se": curv_se, "upd_var": upd_var,
                    "upd_pred": upd_pred}
 
@@ -303,9 +349,9 @@ class ExposureLogger:
         m, B, lr = self._m, self.batch, ctx.lr
         noise, a = m["noise"], m["a"]
         interval = ctx.step - self._last
-        acc = self.shared.pop("interval", {"ne_injected": 0.0, "pne_injected": 0.0})
+        ne_inj, pne_inj = self.state.take_interval()
         cols = pne_columns(lr, self.kappa, B, a, noise.diag, m["curv"], self.floor, ctx.clip_coef,
-                           acc["ne_injected"] / interval, acc["pne_injected"] / interval)  # exact interval means
+                           ne_inj / interval, pne_inj / interval)  # exact interval means
         lam, alpha, pr = leading_eigs(noise.factor, a, self.rank)
         self._rows.append({
             **self.keys, "step": ctx.step, "interval": interval, "lr": lr,
@@ -315,7 +361,7 @@ class ExposureLogger:
             "b_simple": b_simple(noise, B), "curv": m["curv"], "curv_se": m["curv_se"],
             "clip_coef": ctx.clip_coef, "clip_frac": self._clipped_steps / max(1, self._steps), **cols,
             "aca_eigs": lam.tolist(), "tail_index": alpha, "participation_ratio": pr})
-        self.shared["pne_postclip"] = cols["pne_postclip"]
+        self.state.pne_postclip = cols["pne_postclip"]
         self._last, self._m = ctx.step, None
         self._clipped_steps = self._steps = 0
 
@@ -324,15 +370,19 @@ class ExposureLogger:
 
     def state_dict(self) -> dict:
         return {"rows": list(self._rows), "counts": (self._clipped_steps, self._steps), "last": self._last,
-                "shared": {k: v for k, v in self.shared.items() if k in ("pne_postclip", "curv", "kappa")}}
+                "state": asdict(self.state)}
 
     def load_state_dict(self, state: dict) -> None:
         self._rows = list(state["rows"])
         self._clipped_steps, self._steps = state["counts"]
         self._last = state["last"]
-        self.shared.update(state["shared"])
-        if self.calibrate and "kappa" in state["shared"]:
-            self.kappa = state["shared"]["kappa"]
+        if "state" in state:
+            vars(self.state).update(state["state"])
+        else:  # written before ExposureState: no diag Ĥ (on_grads measures it again) and no interval sums
+            old = state["shared"]
+            vars(self.state).update(kappa=old.get("kappa"), pne_postclip=old.get("pne_postclip"))
+        if self.calibrate and self.state.kappa is not None:
+            self.kappa = self.state.kappa
 
 
 def build_hooks(spec: dict, device: torch.device) -> list[StepHook]:
@@ -345,11 +395,11 @@ def build_hooks(spec: dict, device: torch.device) -> list[StepHook]:
         return []
     cfg, total = Exposure.from_dict(spec["exposure"]), spec["train"]["steps"]
     bounds = window(noise.schedule, total, noise.window_fraction) if noise.source != "none" else ()
-    meter, shared = NoiseMeter(cfg, total, tuple(bounds)), {}
-    injector = NoiseInjector(spec, noise, cfg, meter, shared, device) if noise.source != "none" else None
+    meter, state = NoiseMeter(cfg, total, tuple(bounds)), ExposureState()
+    injector = NoiseInjector(spec, noise, cfg, meter, state, device) if noise.source != "none" else None
     hooks: list[StepHook] = []
     if log_exposure or injector is not None:  # injection needs Curv and the covariance: the logger measures
-        hooks.append(ExposureLogger(spec, cfg, meter, shared, injector, device))
+        hooks.append(ExposureLogger(spec, cfg, meter, state, tuple(bounds) or None, device))
     if injector is not None:
         hooks.append(injector)
     return hooks

@@ -111,6 +111,7 @@ class Exposure(Section):
     kappa: float | str | None
     curvature: str
     curvature_probes: int
+    curvature_every: int
     heldout: int
     floor: float
     eig_rank: int

@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from ..ed import ed_config, log_time, plane_geometry, smooth_curve
+from ..ed import curvature, ed_config, log_time, smooth_curve
 from ..io import read_parquet
 from ..sections import ED
 from . import style
@@ -79,8 +79,7 @@ def fig_forms(pcs: pd.DataFrame, forms: pd.DataFrame, events: pd.DataFrame, cfg:
         run_id = order.sort_values(["forms", "M"]).index[-1]
     steps, c = _curve(pcs, run_id)
     tau = log_time(steps)
-    grid, sm = smooth_curve(tau, c, cfg.bandwidth)
-    h = grid[1] - grid[0]
+    grid, (sm, d1, d2) = smooth_curve(tau, c, cfg.bandwidth, derivatives=True)
     n = min(cfg.n_form_pcs, c.shape[1])
     pairs = list(combinations(range(n), 2))
     f_tau = forms[forms.run_id == run_id].log_step.to_numpy()
@@ -91,7 +90,7 @@ def fig_forms(pcs: pd.DataFrame, forms: pd.DataFrame, events: pd.DataFrame, cfg:
     at = lambda t: int(np.abs(grid - t).argmin())  # noqa: E731
     for p, (i, j) in enumerate(pairs):
         ax = fig.add_subplot(gs[0, p])
-        g = plane_geometry(sm[:, i], sm[:, j], h)
+        g = curvature(sm[:, i], sm[:, j], d1[:, i], d1[:, j], d2[:, i], d2[:, j])   # as detect_events
         ax.plot(sm[:, i], sm[:, j], color="0.75", lw=1, zorder=1)
         sc = ax.scatter(sm[inner, i], sm[inner, j], c=grid[inner], cmap="viridis", s=4, zorder=2)
         ax.scatter(c[:, i], c[:, j], s=8, color="black", marker=".", zorder=2, label="checkpoints")
