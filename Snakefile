@@ -8,7 +8,7 @@ from pathlib import Path
 from snakemake.utils import min_version
 
 from iclnoise.config import (ParamsError, check_cost, check_yaml_files, ed_families, ensemble_groups, expand_grid,
-                             format_cost, parse_run_id, shared_spec, validate_params)
+                             format_cost, parse_run_id, shared_spec, switch, validate_params)
 
 min_version("9.0")
 
@@ -21,7 +21,8 @@ RUN_KEYS = ("train_resources", "train_threads", "confirm_cost")
 try:
     check_yaml_files(["params.yaml", *workflow.configfiles])  # duplicate keys, syntax errors with line numbers
     PARAMS = validate_params({k: v for k, v in config.items() if k not in RUN_KEYS})
-    COST = check_cost(PARAMS, confirmed=bool(config.get("confirm_cost"))) if workflow.is_main_process else None
+    confirmed = switch(config.get("confirm_cost", False), "confirm_cost")
+    COST = check_cost(PARAMS, confirmed=confirmed) if workflow.is_main_process else None
 except ParamsError as err:
     raise WorkflowError(f"{' + '.join(['params.yaml', *map(str, workflow.configfiles)])}: {err}") from None
 if COST:

@@ -349,6 +349,28 @@ def test_probed_checkpoints_match_a_real_run():
     assert [probed_checkpoints(p, 64, s) for s in ("llc", "geometry", "mech")] == [7, 5, 2]
 
 
+def test_confirm_cost_takes_only_true_or_false():
+    """Issue 30: `--config confirm_cost=false` (or no, off) confirmed a 330 core-hour grid. A real dry run of the
+    paper grid: the words for no refuse with the cost message, other words are refused naming the key."""
+    import subprocess
+    import sys
+
+    def dry(value):
+        return subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--configfile",
+                               "configs/paper.yaml", "--config", f"confirm_cost={value}"], capture_output=True,
+                              text=True)
+    for value in ("false", "False", "0"):
+        out = dry(value)
+        assert out.returncode != 0 and "threshold" in out.stderr + out.stdout, (value, out.stderr[-500:])
+    for value in ("no", "off", "yes"):
+        out = dry(value)
+        assert out.returncode != 0 and "use confirm_cost=true or confirm_cost=false" in out.stderr + out.stdout
+    from iclnoise.config import switch
+    assert switch("TRUE", "k") is True and switch(1, "k") is True and switch(False, "k") is False
+    with pytest.raises(ParamsError):
+        switch(0.5, "k")
+
+
 def test_check_cost_refuses_a_large_grid_without_confirmation():
     check_cost(load_params("params.yaml"), confirmed=False)
     paper = load_params("params.yaml", ["configs/paper.yaml"])

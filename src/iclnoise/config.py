@@ -399,6 +399,17 @@ def format_cost(est: dict) -> str:
             f"training job")
 
 
+def switch(value: Any, key: str) -> bool:
+    """A `--config` on/off switch: True/False, 1/0, or the words true/false (any case); anything else is refused,
+    so that `confirm_cost=false` (a string to Snakemake) cannot read as a confirmation."""
+    words = {"true": True, "false": False, "1": True, "0": False}
+    if isinstance(value, bool):
+        return value
+    if str(value).strip().lower() in words:
+        return words[str(value).strip().lower()]
+    raise ParamsError(f"--config {key}={value!r}: use {key}=true or {key}=false")
+
+
 def check_cost(params: dict, confirmed: bool = False) -> dict[str, Any]:
     """The cost estimate; raises ParamsError above COST_CONFIRM_CORE_HOURS unless `confirmed`."""
     est = cost_estimate(params)

@@ -139,7 +139,8 @@ class NoiseInjector:
     early or late: s_t is set each step so that the *realised* injected P-NE* after clipping over the
     window adds up to E (closed loop on the cumulative integral: the per-step target is what remains of
     E over the steps that remain, solved for s through the clipping, iclnoise.exposure.budget_scale);
-    `controlled`: a PI controller on log P-NE* after clipping, started from the open-loop estimate."""
+    `controlled`: a PI controller on log P-NE* after clipping, started from the open-loop estimate.
+    Each step's P-NE* divides its NE by Curv_t = Σ a_t² diag Ĥ, both with this step's A (SPEC §6)."""
 
     name, schema = "injection", INJECTION_SCHEMA
 
