@@ -303,7 +303,7 @@ def test_early_and_late_realise_their_budget_by_specs_definition_where_A_moves_f
     measured with that row's A: by this reference early realised 8.6× the budget (its own books read 0.63,
     saturated) and late 0.87×. The injection never swamps the gradient: the clipping factor c² of every
     injecting step is ≥ 0.2 of what it would be without the injected noise (measured minimum 0.25; the loop caps
-    the scale at SATURATION·|g|²/Tr R', which bounds the expected ratio at 1/(1 + SATURATION) = 0.1)."""
+    the scale at SATURATION·max(|g|², G²/10)/Tr R', which bounds the expected ratio at 1/(1 + SATURATION) = 0.1)."""
     import iclnoise.train as train_mod
     made, build = [], train_mod.build_hooks
 

@@ -46,8 +46,9 @@ from .tasks import Batch, _seed_mix
 
 _NOISE, _PROBE = 0x7015E, 0xC0A7
 MAX_LOG_SCALE = 30.0  # bounds the controller's log-scale
-SATURATION = 9.0      # under clipping, s ≤ SATURATION·|g|²/Tr R': 90 % of the reachable injected exposure (more
-                      # noise only replaces the gradient, never adds exposure: see exposure.budget_scale)
+SATURATION = 9.0      # under clipping at G, s ≤ SATURATION·max(|g|², G²/10)/Tr R' reaches 90 % of the most injected
+                      # exposure there is, ∝ G²/Tr R' (more noise only replaces the gradient: exposure.budget_scale);
+                      # with |g|² < G²/10 that is s = 0.9·G²/Tr R', where the step is not clipped yet
 
 
 @dataclass
@@ -208,7 +209,7 @@ class NoiseInjector:
         left, g2 = self.stop - ctx.step, self._grad_sq(ctx)
         s = budget_scale(max(0.0, self.budget - self.realised) / left, curv, unit, g2, self._trace, self.clip)
         if self.clip is not None and self._trace > 0:  # an unreachable target saturates, it does not explode
-            s = min(s, SATURATION * g2 / self._trace)
+            s = min(s, SATURATION * max(g2, self.clip ** 2 / (1 + SATURATION)) / self._trace)
         return min(s, math.exp(MAX_LOG_SCALE))
 
     def _params(self, ctx: StepContext) -> list[torch.Tensor]:
