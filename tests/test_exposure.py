@@ -9,12 +9,12 @@ from torch import nn
 from iclnoise.adam import adam_preconditioner
 from iclnoise.exposure import (
     b_simple,
+    ggn_curvature,
     grad_noise,
     group_grads,
+    hessian_curvature,
     leading_eigs,
     pne_columns,
-    precond_ggn_trace,
-    precond_hessian_trace,
     preconditioner,
     summarize,
 )
@@ -134,14 +134,14 @@ def test_curvature_estimators_match_exact_hessian_and_gauss_newton(tiny_model):
     J = torch.autograd.functional.jacobian(_flat(model, lambda fm: fm(xs, ys)), w0).reshape(-1, w0.numel())
     G = 2.0 / (xs.shape[-1] * J.shape[0]) * J.T @ J   # mse_loss = mean (f − y)² / D
     A = torch.diag(a)
-    for est_fn, exact in ((lambda gen: precond_hessian_trace(model, mse_loss, xs, ys, a, 4000, gen), A @ H @ A),
-                          (lambda gen: precond_ggn_trace(model, xs, ys, a, 4000, gen, 1.0 / xs.shape[-1]), A @ G @ A)):
+    for est_fn, exact in ((lambda gen: hessian_curvature(model, mse_loss, xs, ys, 4000, gen).at(a), A @ H @ A),
+                          (lambda gen: ggn_curvature(model, xs, ys, 4000, gen, 1.0 / xs.shape[-1]).at(a), A @ G @ A)):
         est, se = est_fn(torch.Generator().manual_seed(0))
         truth = float(torch.trace(exact))
         assert abs(est - truth) < 4 * se, (est, truth, se)
         assert se < 0.1 * abs(truth)
     # a = None is the plain trace
-    est, se = precond_ggn_trace(model, xs, ys, None, 4000, torch.Generator().manual_seed(1), 0.5)
+    est, se = ggn_curvature(model, xs, ys, 4000, torch.Generator().manual_seed(1), 0.5).at(None)
     assert abs(est - float(torch.trace(G))) < 4 * se
 
 

@@ -187,18 +187,6 @@ def ggn_curvature(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor, pr
     return Curvature(JtU, JtU, 2 * loss_scale / out.numel())
 
 
-def precond_hessian_trace(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: torch.Tensor,
-                          a: torch.Tensor | None, probes: int, generator: torch.Generator) -> tuple[float, float]:
-    """Tr(A H A) ≈ mean_k Σ_i a_i² z_ki (H z_k)_i; returns (estimate, standard error). a = None gives Tr(H)."""
-    return hessian_curvature(model, loss_fn, xs, ys, probes, generator).at(a)
-
-
-def precond_ggn_trace(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor, a: torch.Tensor | None,
-                      probes: int, generator: torch.Generator, loss_scale: float = 1.0) -> tuple[float, float]:
-    """Tr(A G A) ≈ mean_k Σ_i a_i² (Jᵀu_k)_i² · 2 loss_scale / N (ggn_curvature); (estimate, standard error)."""
-    return ggn_curvature(model, xs, ys, probes, generator, loss_scale).at(a)
-
-
 def kappa(setting: float | str | None, beta1: float) -> float:
     """κ, the long-run diffusion factor of the optimizer's momentum (SPEC §6): 1 for Adam/AdamW, whose momentum
     is dampened (m ← β1 m + (1 − β1) g, so one gradient moves the weights by η·A·g in total whatever β1),

@@ -25,6 +25,7 @@ from torch import nn
 
 from .exposure import (
     EXPOSURE_SCHEMA,
+    Curvature,
     GradNoise,
     b_simple,
     budget_scale,
@@ -125,7 +126,7 @@ INJECTION_SCHEMA = pa.schema([
     pa.field("scale", pa.float64()),            # s_t multiplying R'
     pa.field("ne_injected", pa.float64()),      # η_t κ Σ a_i² s R'_ii (a before this update), pre-clip
     pa.field("clip_coef", pa.float64()),        # c² multiplies the injected noise (grad source); 1 for param
-    pa.field("curv", pa.float64()),             # max(floor, Σ a² diag Ĥ): this step's A, the latest measured Ĥ
+    pa.field("curv", pa.float64()),             # max(floor, Σ a² diag Ĥ): this step's A, the latest Ĥ (NaN off-window)
     pa.field("pne_injected", pa.float64()),     # realised injected P-NE* after clipping: c² · ne_injected / curv
     pa.field("trace_injected", pa.float64()),   # Tr(s R')
     pa.field("clipped_trace", pa.float64()),    # s · trace removed by PSD clipping (what could not be matched)
@@ -225,8 +226,8 @@ class NoiseInjector:
         if self.meter.due(ctx.step) or self.cov is None:
             self._refresh(ctx)
         active = self.start <= ctx.step < self.stop
-        a = preconditioner(ctx.optimizer)
-        curv = self._curv(a)
+        a = preconditioner(ctx.optimizer) if active else None   # outside the window: nothing to scale
+        curv = self._curv(a) if active else math.nan
         s = self._scale(ctx, a, curv) if active else 0.0
         ne = s * ne_unit(ctx.lr, self._kappa(), a, self._diag) if s > 0 else 0.0
         self._pending = {"run_id": self.run_id, "step": ctx.step, "active": active, "scale": s, "ne_injected": ne,
@@ -311,8 +312,8 @@ class ExposureLogger:
         st, (start, stop) = self.state, self.window
         return st.curv_diag is None or (start <= step < stop and step - st.curv_step >= self.curv_every)
 
-    def _measure_curvature(self, ctx: StepContext, a: torch.Tensor) -> tuple[float, float]:
-        """Hutchinson diag Ĥ on this step's held-out batch into the shared state; (Curv, SE) at `a`."""
+    def _measure_curvature(self, ctx: StepContext) -> Curvature:
+        """Hutchinson diag Ĥ on this step's held-out batch, kept in the shared state."""
         gen = torch.Generator(device=self.device).manual_seed(_seed_mix(_PROBE, self.keys["seed"], ctx.step))
         held = ctx.heldout(ctx.step, self.n_heldout)
         if self.curvature == "ggn":  # the MSE objective: loss_scale 1/D (iclnoise.model.mse_loss)
@@ -320,13 +321,13 @@ class ExposureLogger:
         else:
             hess = hessian_curvature(ctx.model, ctx.loss_fn, held.xs, held.ys, self.probes, gen)
         self.state.curv_diag, self.state.curv_step = hess.diag, ctx.step
-        return hess.at(a)
+        return hess
 
     def on_grads(self, ctx: StepContext) -> None:
         self._m = None
         if not self.meter.due(ctx.step):
             if self._refresh_due(ctx.step):
-                self._measure_curvature(ctx, None)
+                self._measure_curvature(ctx)
             return
         noise = self.meter.measure(ctx)
         a = preconditioner(ctx.optimizer)
@@ -339,7 +340,7 @@ class ExposureLogger:
                                  [r["update_var_pred"] for r in self._rows] + [upd_pred], self.beta1)
             if math.isfinite(k):
                 self.kappa = self.state.kappa = k
-        curv, curv_se = self._measure_curvature(ctx, a)
+        curv, curv_se = self._measure_curvature(ctx).at(a)
         self._m = {"noise": noise, "a": a, "curv": curv, "curv_se": curv_se, "upd_var": upd_var,
                    "upd_pred": upd_pred}
 
