@@ -47,9 +47,17 @@ include: "workflow/rules/probes.smk"
 include: "workflow/rules/aggregate.smk"
 
 
+# Snakemake rebuilds a missing file only when a target asks for it, not when a file made from it is
+# present: so `all` names every artifact, and any deleted or failed output is rebuilt by plain `snakemake`.
 rule all:
-    """The report, and every run's training, probe and essential-dynamics outputs (a deleted run is rebuilt)."""
+    """Every artifact: each run's training and probe outputs, essential dynamics, figures, aggregate, report."""
     input:
-        rules.report.output,
         [f for r in RUNS for f in train_outputs(r)],
+        [f for r in RUNS for f in probe_outputs(r, probe_sections(r))],
+        expand(rules.ed.output, family=list(ED_FAMILIES)),
+        expand(rules.ed_figures.output, family=list(ED_FAMILIES)),
+        rules.training_figures.output,
+        rules.llc_figures.output if PARAMS["llc"]["enabled"] else [],
+        rules.aggregate.output,
+        rules.report.output,
     default_target: True

@@ -16,18 +16,23 @@ from iclnoise.stats import logistic
 STATS = json.dumps({"alpha": 0.05, "equivalence_margin": 0.05, "transient_tol": 0.05})  # params.yaml stats
 
 
-def fake_run(root, M, B, seed, r_end, diverged=False, llc=None, ood_end=0.8, steps=1000, ridge=0.4, llc_flags=False):
+def fake_run(root, M, B, seed, r_end, diverged=False, llc=None, ood_end=0.8, steps=1000, ridge=0.4, llc_flags=False,
+             pull=0.0):
+    """A finished run; `pull` = the slope of ln Δ_ood(f, ridge) − ln Δ_ood(f, dMMSE_M) against ln sequences."""
     rid = f"M{'inf' if M == -1 else M}-B{B}-none-s{seed}"
     d = root / rid
     keys = {"run_id": rid, "M": M, "seed": seed, "batch": B, "noise": "none"}
     spec = {"keys": keys, "noise": {"source": "none"},
-            "train": {"steps": steps, "optimizer": {"lr": 0.01}, "lr_schedule": {"kind": "constant"}}}
+            "train": {"steps": steps, "budget": {}, "optimizer": {"lr": 0.01}, "lr_schedule": {"kind": "constant"}}}
     write_json(spec, d / "run.json")
     rows = []
-    for i, s in enumerate([0, steps // 100, steps // 10, steps]):
-        rows.append({**keys, "step": s, "sequences": s * B, "lr": 0.01, "train_loss": 1.0, "id_loss": 1 - 0.2 * i,
-                     "ood_loss": [1.0, 0.6, 0.7, ood_end][i], "id_loss_dmmse": 0.3, "id_loss_ridge": 0.4,
+    ood = [1.0, 0.6, 0.7, 0.7 + 0.5 * (ood_end - 0.7), 0.7 + 0.75 * (ood_end - 0.7), ood_end]
+    for i, s in enumerate([0, steps // 100, steps // 10, steps // 2, 3 * steps // 4, steps]):
+        rows.append({**keys, "step": s, "sequences": s * B, "lr": 0.01, "train_loss": 1.0, "id_loss": 1 - 0.1 * i,
+                     "ood_loss": ood[i], "id_loss_dmmse": 0.3, "id_loss_ridge": 0.4,
                      "ood_loss_dmmse": 0.9, "ood_loss_ridge": ridge, "delta_dmmse": r_end, "delta_ridge": 1 - r_end,
+                     "ood_delta_dmmse": 0.2 * max(s * B, 1) ** (-pull / 2) if M != -1 else np.nan,
+                     "ood_delta_ridge": 0.2 * max(s * B, 1) ** (pull / 2),
                      "r": r_end if M != -1 else np.nan, "icl_score": 0.1 * i, "diverged": diverged and s == steps})
     write_parquet(pd.DataFrame(rows), d / "metrics.parquet", METRICS_SCHEMA)
     if llc is not None:
@@ -48,11 +53,13 @@ def runs(tmp_path):
     dirs = []
     for B, x0 in ((16, 4.0), (64, 6.0)):           # planted: larger batch (less noise) → higher threshold
         for seed in range(3):
+            xs = x0 + 0.3 * rng.standard_normal()           # this seed's crossover of the pull
             for M in (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, -1):
                 r = (float(np.clip(logistic(np.log2(M), x0, 0.7) + 0.02 * rng.standard_normal(), 0, 1))
                      if M != -1 else 0.5)
+                pull = np.tanh(xs - np.log2(abs(M))) + 0.1 * rng.standard_normal()
                 dirs.append(fake_run(tmp_path / "runs", M, B, seed, r, llc=10 + 5 * r if B == 16 else None,
-                                     diverged=(M == 2 and seed == 2 and B == 64)))
+                                     diverged=(M == 2 and seed == 2 and B == 64), pull=pull))
     return tmp_path, dirs
 
 
@@ -69,9 +76,13 @@ def test_aggregate_outcomes_thresholds_tests_and_report(runs):
     assert o.llc_final.notna().sum() == 33 and o.llc_final.isna().sum() == 33   # llc only where it exists
     assert o.integrated_pne.isna().all() and o.hessian_trace.isna().all()       # absent probes: null columns
     assert set(o.sequences) == {16000, 64000} and (o.ood_loss_ridge == 0.4).all()
-    th = read_parquet(out / "thresholds.parquet").set_index("batch")
-    assert th.loc[16, "M_star"] == pytest.approx(16, rel=0.25) and th.loc[64, "M_star"] == pytest.approx(64, rel=0.25)
-    assert th.loc[16, "M_star_lo"] <= 16 <= th.loc[16, "M_star_hi"]
+    th = read_parquet(out / "thresholds.parquet").set_index(["batch", "method"])
+    assert len(th) == 4 and set(th.index.get_level_values("method")) == {"r50", "crossover"}
+    for method in ("r50", "crossover"):
+        t16, t64 = th.loc[(16, method)], th.loc[(64, method)]
+        assert t16.M_star == pytest.approx(16, rel=0.25) and t64.M_star == pytest.approx(64, rel=0.25), method
+        assert t16.M_star_lo <= 16 <= t16.M_star_hi, method
+    assert th.loc[(16, "crossover")].slope_first > 0 > th.loc[(16, "crossover")].slope_last
     assert not th.gates_passed.any() and th.gate_failures.str.contains("unconverged").all()
     tests = read_parquet(out / "tests.parquet")
     assert set(tests.hypothesis) == {"H1", "H2", "H3", "H4"}
@@ -85,6 +96,7 @@ def test_aggregate_outcomes_thresholds_tests_and_report(runs):
     m = json.loads((out / "metrics.json").read_text())
     assert m["convergence"]["none/B16"] == {"ood_loss_over_ridge": pytest.approx(2.0), "converged": False}
     assert m["thresholds"]["none/B64"]["M_star"] == pytest.approx(64, rel=0.25)
+    assert m["thresholds_crossover"]["none/B64"]["M_star"] == pytest.approx(64, rel=0.25)
     assert not any(t["gates_passed"] for t in m["tests"].values())
     report_cli(["--results", str(root), "--params", "{grid: {M: [1]}}", "--out", str(root / "report.md")])
     text = (root / "report.md").read_text()
@@ -103,18 +115,20 @@ def test_planted_clean_transition_passes_every_gate_and_recovers_m_star(tmp_path
         xk = 5.0 + 0.3 * rng.standard_normal()
         for M in [2 ** k for k in range(11)] + [-1]:
             r = float(np.clip(0.02 + 0.96 * logistic(np.log2(M), xk, 0.7) + 0.02 * rng.standard_normal(), 0, 1))
+            pull = np.tanh(xk - np.log2(abs(M))) + 0.1 * rng.standard_normal()   # crossover at xk too
             # every run's first LLC estimate is flagged (as at initialisation), its final one is not
-            dirs.append(fake_run(tmp_path / "runs", M, 16, seed, r, ood_end=0.42, llc=5.0, llc_flags=True))
+            dirs.append(fake_run(tmp_path / "runs", M, 16, seed, r, ood_end=0.42, llc=5.0, llc_flags=True, pull=pull))
     out = tmp_path / "aggregate"
     aggregate_cli([str(d) for d in dirs] + ["--out", str(out), "--cfg", STATS, "--figures", str(tmp_path / "figures")])
-    th = read_parquet(out / "thresholds.parquet").iloc[0]
-    assert th.gates_passed and th.gate_failures == "" and th.reason == "", th.to_dict()
-    assert th.M_star_lo <= 32 <= th.M_star_hi and th.M_star == pytest.approx(32, rel=0.3)
-    assert th.n_seeds == 3 and th.method.startswith("t-interval")
+    for th in read_parquet(out / "thresholds.parquet").itertuples():   # r50, then crossover
+        assert th.gates_passed and th.gate_failures == "" and th.reason == "", th
+        assert th.M_star_lo <= 32 <= th.M_star_hi and th.M_star == pytest.approx(32, rel=0.3)
+        assert th.n_seeds == 3 and th.interval.startswith("t-interval")
     tests = read_parquet(out / "tests.parquet")
     assert (tests.gate_failures == "").all()
     m = json.loads((out / "metrics.json").read_text())
     assert m["convergence"]["none/B16"]["converged"] and m["thresholds"]["none/B16"]["gates_passed"]
+    assert m["thresholds_crossover"]["none/B16"]["gates_passed"]
     assert m["llc_flagged_share"] == 0.5 and m["llc_final_flagged_share"] == 0.0   # the LLC gate reads the latter
 
 

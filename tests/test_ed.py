@@ -257,7 +257,8 @@ def fake_run(root, M, seed=0, steps=(0, 1, 2, 4, 8, 17, 35, 71, 145, 296, 603, 9
     m = [{**keys, "step": s, "sequences": s * 8, "lr": 1e-3, "train_loss": 1.0, "id_loss": 1.0,
           "ood_loss": 1.0 / (1 + i),
           "id_loss_dmmse": 0.1, "id_loss_ridge": 0.2, "ood_loss_dmmse": 0.5, "ood_loss_ridge": 0.3, "delta_dmmse": 0.1,
-          "delta_ridge": 0.1, "r": 0.5, "icl_score": 0.0, "diverged": False} for i, s in enumerate(steps)]
+          "delta_ridge": 0.1, "ood_delta_dmmse": 0.3, "ood_delta_ridge": 0.2, "r": 0.5, "icl_score": 0.0,
+          "diverged": False} for i, s in enumerate(steps)]
     write_parquet(pd.DataFrame(m), d / "metrics.parquet", METRICS_SCHEMA)
     return d
 

@@ -13,6 +13,7 @@ from iclnoise.io import (
     CorruptFileError,
     atomic_path,
     content_hash,
+    read_json,
     read_metadata,
     read_parquet,
     write_json,
@@ -87,7 +88,27 @@ def test_corrupt_file_is_named_with_what_to_do(tmp_path, damage):
     p.write_bytes({"truncate": data[: len(data) // 2], "garbage": b"x" * len(data), "empty": b""}[damage])
     with pytest.raises(CorruptFileError) as e:
         read_parquet(p)
-    assert str(p) in str(e.value) and "truncated or corrupt" in str(e.value) and "rerun snakemake" in str(e.value)
+    assert str(p) in str(e.value) and "truncated or corrupt" in str(e.value) and f"rm {p})" in str(e.value)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "empty", "not utf-8"])
+def test_corrupt_json_is_named_with_the_smallest_thing_to_delete(tmp_path, damage):
+    """A truncated or corrupt JSON file (issue 30) raises CorruptFileError naming it: delete the file itself, or for a
+    run's run.json (which no rule declares) the file with the run's metrics.parquet; never a directory."""
+    run = tmp_path / "results/runs/M4-B16-none-s0"
+    for name in ("checkpoints.json", "run.json"):
+        p = run / name
+        write_json({"spec_hash": "0123456789abcdef", "keys": {"M": 4}}, p)
+        data = p.read_bytes()
+        p.write_bytes({"truncate": data[: len(data) // 2], "empty": b"", "not utf-8": b'{"a": "\xff\xfe"}'}[damage])
+        with pytest.raises(CorruptFileError) as e:
+            read_json(p)
+        msg = str(e.value)
+        assert msg.startswith(f"{p}: unreadable JSON file, truncated or corrupt") and "rerun snakemake" in msg, msg
+        want = f"rm {p} {run / 'metrics.parquet'})" if name == "run.json" else f"rm {p})"
+        assert want in msg, msg
+    with pytest.raises(FileNotFoundError):
+        read_json(tmp_path / "absent.json")
 
 
 def test_schema_mismatch_is_named(tmp_path):

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from iclnoise.io import read_parquet
 from iclnoise.llc import LLCConfig, estimate_llc, estimate_llcs, mala_log_ratio, sgld_chains
 from iclnoise.model import ModelConfig, build_model, mse_loss
 from iclnoise.runs import select_steps
@@ -362,3 +363,51 @@ def test_stacked_chains_equal_the_loop_with_full_batch(tiny_checkpoint64):
     loop = sgld_chains(m, mse_loss, xs, ys, cfg, vectorize=False)
     np.testing.assert_allclose(loop.loss, ch.loss, rtol=1e-11, atol=1e-13)
     np.testing.assert_allclose(loop.accept, ch.accept, rtol=0, atol=1e-11)
+
+
+def test_a_killed_llc_job_resumes_from_its_finished_passes(tiny, tmp_path, monkeypatch):
+    """A job killed after its first batched pass leaves that pass in llc.partial.parquet; the rerun estimates
+    only the other checkpoints and writes the same llc.parquet, byte for byte, as an uninterrupted job (each
+    checkpoint's chains draw from their own seeded generators, whichever pass they are in). A partial file
+    written under other sampler settings is not reused. Also: `at: {steps: [...]}` picks the nearest."""
+    from iclnoise import probes
+    from iclnoise.config import run_spec
+    from iclnoise.train import train_run
+
+    run = tmp_path / "run"
+    train_run(run_spec(tiny, "M4-B16-none-s0"), run, progress=False)
+    cfg = LLCConfig(seed=0, epsilon=1e-4, gamma=100.0, chains=2, burn_in=2, draws=8, batch=16, n=64)
+    monkeypatch.setattr(probes, "LAUNCH_SEQUENCES", 32)  # one checkpoint per pass
+    at = {"steps": [0, 19, 41, 60]}
+    full = probes.llc_for_run(run, cfg, progress=False, at=at)
+    assert list(full.step) == [0, 20, 40, 60]
+    whole = (run / "llc.parquet").read_bytes()
+    (run / "llc.parquet").unlink()
+
+    calls, real = [], probes.estimate_llcs
+
+    def killed_on_third_pass(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(probes, "estimate_llcs", killed_on_third_pass)
+    with pytest.raises(KeyboardInterrupt):
+        probes.llc_for_run(run, cfg, progress=False, at=at)
+    assert len(read_parquet(run / "llc.partial.parquet")) == 2 and not (run / "llc.parquet").exists()
+    calls.clear()
+    monkeypatch.setattr(probes, "estimate_llcs", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    probes.llc_for_run(run, cfg, progress=False, at=at)
+    assert len(calls) == 2                                   # only the two checkpoints not yet estimated
+    assert (run / "llc.parquet").read_bytes() == whole
+    assert not list(run.glob("llc*.partial.*"))
+    # a partial file of other settings is estimated afresh
+    monkeypatch.setattr(probes, "estimate_llcs", killed_on_third_pass)
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        probes.llc_for_run(run, cfg, progress=False, at=at)
+    calls.clear()
+    monkeypatch.setattr(probes, "estimate_llcs", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    probes.llc_for_run(run, LLCConfig(**{**cfg.__dict__, "draws": 9}), progress=False, at=at)
+    assert len(calls) == 4

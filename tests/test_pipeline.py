@@ -1,5 +1,6 @@
 """Real Snakemake runs of a minimal grid in temporary directories (DVC: test_dvc.py, SLURM: test_slurm.py)."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -86,6 +87,76 @@ def test_snakemake_minimal_grid_produces_parquet_and_figure(finished):
 
 def test_a_second_invocation_has_nothing_to_do(finished):
     assert "Nothing to be done" in snakemake(finished, "-n").stdout
+
+
+def plan(dry_run: str) -> list[tuple[str, str]]:
+    """(rule, reason) of every job a dry run lists."""
+    return re.findall(r"^(?:local)?rule (\w+):\n(?:    .*\n)*?    reason: (.*)$", dry_run, re.M)
+
+
+def test_any_deleted_output_is_rebuilt_by_plain_snakemake_and_nothing_else(finished, tmp_path):
+    """Rule `all` asks for every artifact (issue 30): a deleted output of any job (training, a probe, essential
+    dynamics, a figure, the summary, aggregate, the report) is made again by plain `snakemake`, by its own job (then
+    the jobs that read it); no other job reruns. Snakemake removes a failed job's outputs: the same repair."""
+    d = finished
+    made_by = {
+        "results/runs/M1-B8-none-s0/token_losses.parquet": "train_B8_none",
+        "results/runs/M4-B16-none-s0/geometry.parquet": "probe_M4_B16_none_s0",
+        "results/figures/heads/M1-B16-inj-s0.png": "probe_M1_B16_inj_s0",
+        "results/ed/bym-none-B16-s0/forms.parquet": "ed",
+        "results/figures/fig02_essential_subspace_bym-inj-B16-s0.png": "ed_figures",
+        "results/summary.md": "training_figures",
+        "results/figures/fig04_llc_over_training.pdf": "llc_figures",
+        "results/aggregate/tests.md": "aggregate",
+        "results/report.md": "report",
+    }
+    aside = {f: tmp_path / str(i) for i, f in enumerate(made_by)}
+    for f, a in aside.items():
+        os.replace(d / f, a)
+    try:
+        jobs = plan(snakemake(d, "-n").stdout)
+    finally:
+        for f, a in aside.items():
+            os.replace(a, d / f)   # a rename keeps the file's mtime: the results are as before
+    missing = [(rule, m.group(1).split(", ")) for rule, reason in jobs
+               if (m := re.search(r"Missing output files: ([^;]*)", reason))]
+    for f, rule in made_by.items():
+        assert any(r == rule and f in files for r, files in missing), (f, rule, jobs)
+    untouched = {"train_B16_none", "train_B16_inj", "probe_M1_B16_none_s0", "probe_Minf_B16_inj_s0"}
+    assert not untouched & {rule for rule, _ in jobs}, jobs
+    assert "Nothing to be done" in snakemake(d, "-n").stdout
+
+
+def test_a_killed_aggregate_is_rerun_by_plain_snakemake(finished):
+    """Ctrl-C (SIGINT to the process group) while aggregate writes its tables: its outputs are marked incomplete.
+    The workflow profile (profiles/default: rerun-incomplete) is found and applied, so plain `snakemake` reruns
+    aggregate instead of stopping with IncompleteFilesException (issue 30); then nothing is left to do."""
+    import signal
+    import time
+
+    d = finished
+    agg = d / "results/aggregate"
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"), "--directory", str(d),
+           "--cores", "1", "--forcerun", "aggregate", "--until", "aggregate"]
+    start = time.time_ns()
+    proc = subprocess.Popen(cmd, cwd=d, env=ENV, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(p.stat().st_mtime_ns > start for p in agg.glob("*.parquet")):   # its first new table
+            assert proc.poll() is None and time.monotonic() < deadline, "aggregate ended or never started"
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+        proc.wait()
+    bare = snakemake(d, "-n", "--workflow-profile", "none", check=False)
+    assert bare.returncode and "IncompleteFilesException" in bare.stdout + bare.stderr   # what the profile repairs
+    r = snakemake(d, "-n")
+    assert f"workflow specific profile {ROOT / 'profiles/default'}" in r.stderr
+    assert "aggregate" in {rule for rule, _ in plan(r.stdout)}
+    snakemake(d)
+    assert "Nothing to be done" in snakemake(d, "-n").stdout
 
 
 def test_snakemake_report_holds_the_figures(finished):

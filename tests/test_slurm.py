@@ -66,8 +66,10 @@ def test_profile_asks_for_one_training_jobs_resources(tmp_path, profile, want):
     own with the resources of one job. Grouping several jobs (group-components: train=8) made Snakemake sum
     them: 8 GPUs, 32 CPUs and 128 GB for one group."""
     write_params(tmp_path, small_grid())
-    out = run([sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"), "--directory",
-               str(tmp_path), "--profile", str(ROOT / profile), "-n"], cwd=tmp_path).stdout
+    r = run([sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"), "--directory",
+             str(tmp_path), "--profile", str(ROOT / profile), "-n"], cwd=tmp_path)
+    out = r.stdout
+    assert f"and workflow specific profile {ROOT / 'profiles/default'}" in r.stderr   # rerun-incomplete applies too
     jobs = re.findall(r"rule (train_B\w+):\n(?:[ \t]+\w+:.*\n)*?[ \t]+resources: (.*)", out)
     assert jobs, out[-3000:]
     for _, resources in jobs:

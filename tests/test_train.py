@@ -8,9 +8,18 @@ import pytest
 import torch
 
 from iclnoise.config import run_spec
-from iclnoise.io import read_parquet
+from iclnoise.io import CorruptFileError, read_parquet
 from iclnoise.model import ModelConfig, build_model, mse_loss
-from iclnoise.runs import checkpoint_path, load_model, manifest, sha256
+from iclnoise.runs import (
+    CorruptFile,
+    checkpoint_path,
+    load_checkpoint,
+    load_model,
+    load_torch,
+    manifest,
+    sha256,
+    spec_hash,
+)
 from iclnoise.schedules import checkpoint_steps, lr_lambda
 from iclnoise.tasks import BatchSampler, task_pool
 from iclnoise.train import train_ensemble, train_run
@@ -95,6 +104,34 @@ def test_resume_inside_an_ensemble_is_bitwise_identical(tiny, tmp_path):
         assert manifest(tmp_path / "full" / r) == manifest(tmp_path / "part" / r)  # same bytes, per checkpoint
 
 
+def test_stop_at_writes_a_finished_run_on_the_whole_schedule_and_resumes_under_a_later_stop(tiny, tmp_path):
+    """budget.stop_at 25 of 60: outputs as a finished run (rows on the 60-step checkpoint grid up to 25, plus 25;
+    the 60-step learning rates); the same run with stop_at 60 resumes from step 25 (no retraining) and ends
+    bitwise identical to an uninterrupted 60-step run (same code path, same machine)."""
+    p = copy.deepcopy(tiny)
+    full = train_ensemble([run_spec(p, r) for r in RUNS], [tmp_path / "full" / r for r in RUNS], progress=False)
+    p["train"]["budget"]["stop_at"] = 25
+    specs = [run_spec(p, r) for r in RUNS]
+    part = [tmp_path / "part" / r for r in RUNS]
+    stopped = train_ensemble(specs, part, progress=False)
+    grid = checkpoint_steps(60, 3, 3)
+    for a, b, d in zip(full, stopped, part):
+        assert list(b.step) == [s for s in grid if s <= 25] + ([25] if 25 not in grid else [])
+        common = a[a.step.isin(b.step)].reset_index(drop=True)
+        pd.testing.assert_frame_equal(common, b[b.step.isin(a.step)].reset_index(drop=True))  # the 60-step lr
+        assert sorted(manifest(d)) == list(b.step)
+        assert (d / "exposure.parquet").exists() and (d / "token_losses.parquet").exists()
+    p["train"]["budget"]["stop_at"] = 60
+    resumed = train_ensemble([run_spec(p, r) for r in RUNS], part, progress=False)
+    for a, whole in zip(full, resumed):
+        assert len(whole) == len(a) + (25 not in grid)          # the row at the old stop stays
+        b = whole[whole.step.isin(a.step)].reset_index(drop=True)
+        # train_loss averages the updates since the previous row, and the row at 25 is one more row
+        pd.testing.assert_frame_equal(a.drop(columns="train_loss"), b.drop(columns="train_loss"))
+        pd.testing.assert_series_equal(a.train_loss[a.step <= 25], b.train_loss[b.step <= 25])
+    assert spec_hash(specs[0]) == spec_hash(run_spec(tiny, RUNS[0]))  # where a run stops is not its identity
+
+
 def test_micro_batching_does_not_change_the_data_stream(tiny, tmp_path):
     p = copy.deepcopy(tiny)
     spec1 = run_spec(p, "M4-B16-none-s0")
@@ -176,6 +213,64 @@ def test_a_corrupt_newest_resume_state_falls_back_to_the_previous_one(tiny, tmp_
     (rd / "resume.pt").write_bytes(data[: len(data) // 2])           # a truncated newest state
     resumed = train_ensemble(specs, [rd], progress=False)[0]
     pd.testing.assert_frame_equal(full, resumed)   # same code path, same machine: bitwise
+
+
+def files(d) -> dict:
+    return {p: p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_a_corrupt_run_json_is_named_deletes_nothing_and_the_advice_repairs_it(tiny, tmp_path):
+    """A truncated run.json is a corrupt file, not a changed spec (issue 30): training stops naming it and what to
+    delete, and no file of the run changes. Doing what the message says resumes the run from its resume state: the
+    same tables, the checkpoints and resume states untouched."""
+    spec = run_spec(tiny, RUNS[0])
+    rd = tmp_path / "results/runs" / RUNS[0]
+    full = train_run(spec, rd, progress=False)
+    data = (rd / "run.json").read_bytes()
+    (rd / "run.json").write_bytes(data[: len(data) // 2])
+    before = files(rd)
+    with pytest.raises(CorruptFileError) as e:
+        train_run(spec, rd, progress=False)
+    assert f"{rd / 'run.json'}: unreadable JSON file" in str(e.value)
+    assert f"rm {rd / 'run.json'} {rd / 'metrics.parquet'}" in str(e.value), e.value
+    assert files(rd) == before
+    (rd / "run.json").unlink()
+    (rd / "metrics.parquet").unlink()
+    pd.testing.assert_frame_equal(train_run(spec, rd, progress=False), full)
+    after = files(rd)
+    assert all(after[p] == b for p, b in before.items() if p.suffix == ".pt"), "a checkpoint or resume state changed"
+    assert json.loads(after[rd / "run.json"]) == json.loads(data)
+
+
+def test_corrupt_run_files_name_the_run_directory_never_its_parent(tiny, tmp_path, caplog):
+    """Every repair message names the run's own directory or file, never results/runs (issue 30: both resume states
+    corrupt said to delete results/runs). Both corrupt: training starts again from step 0, to the same numbers."""
+    spec = run_spec(tiny, RUNS[0])
+    rd = tmp_path / "results/runs" / RUNS[0]
+    full = train_run(spec, rd, progress=False)
+    step = max(manifest(rd))
+    ckpt = checkpoint_path(rd, step)
+    ckpt.write_bytes(ckpt.read_bytes()[:100])
+    with pytest.raises(CorruptFile, match=f"Delete the run directory {rd} and rerun"):
+        load_checkpoint(rd, step)
+    man = (rd / "checkpoints.json").read_bytes()
+    (rd / "checkpoints.json").write_bytes(man[: len(man) // 2])
+    with pytest.raises(CorruptFileError) as e:
+        load_checkpoint(rd, step)
+    msg = str(e.value)
+    assert f"{rd / 'checkpoints.json'}: unreadable JSON file" in msg and f"rm {rd / 'checkpoints.json'})" in msg, msg
+    (rd / "checkpoints.json").write_bytes(man)
+    for name in ("resume.pt", "resume.prev.pt"):
+        (rd / name).write_bytes((rd / name).read_bytes()[:100])
+    with pytest.raises(CorruptFile, match=f"Delete the run directory {rd} and rerun"):
+        load_torch(rd / "resume.pt")
+    with caplog.at_level("WARNING", logger="iclnoise.train"):
+        again = train_run(spec, rd, progress=False)
+    pd.testing.assert_frame_equal(again, full)   # same code path, same machine: bitwise
+    warned = [r.getMessage() for r in caplog.records]
+    assert [m for m in warned if "truncated or corrupt" in m] == [
+        f"{RUNS[0]}: {rd / n} is truncated or corrupt; not resuming from it" for n in ("resume.pt", "resume.prev.pt")]
+    assert not any(f"{rd.parent} " in m or m.endswith(str(rd.parent)) for m in warned), warned
 
 
 def test_an_ensemble_of_mixed_shapes_or_too_big_is_refused_before_training(tiny, tmp_path):

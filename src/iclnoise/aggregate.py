@@ -23,6 +23,7 @@ import yaml
 
 from . import stats
 from .io import KEY_FIELDS, read_json, read_parquet, write_json, write_parquet, write_text
+from .runs import last_step
 from .schedules import lr_lambda
 from .sections import LRSchedule, NoiseCondition, Stats
 from .tasks import M_INF, m_label
@@ -59,16 +60,24 @@ TESTS_SCHEMA = pa.schema([
     pa.field("effect_size", pa.float64()), pa.field("n", pa.int64()), pa.field("status", pa.string()),
     pa.field("verdict", pa.string()), *GATE_FIELDS,
 ])
-THRESHOLD_SCHEMA = pa.schema([
+THRESHOLD_SCHEMA = pa.schema([   # one row per (batch, noise, method)
     pa.field("batch", pa.int64()), pa.field("noise", pa.string()), pa.field("noise_source", pa.string()),
     pa.field("noise_schedule", pa.string()), pa.field("emulate_batch", pa.int64()),
-    pa.field("noise_level", pa.float64()), pa.field("M_star", pa.float64()), pa.field("M_star_lo", pa.float64()),
+    pa.field("noise_level", pa.float64()),
+    pa.field("method", pa.string()),   # r50: r crosses 0.5 (stats.threshold_with_ci); crossover: the anchor's M*
+                                       # where the late pull on new tasks turns from dMMSE_M to ridge
+                                       # (stats.crossover_threshold)
+    pa.field("M_star", pa.float64()), pa.field("M_star_lo", pa.float64()),
     pa.field("M_star_hi", pa.float64()), pa.field("log2_M_star", pa.float64()), pa.field("log2_se", pa.float64()),
     pa.field("floor", pa.float64()), pa.field("ceiling", pa.float64()), pa.field("scale", pa.float64()),
-    pa.field("p_rise", pa.float64()), pa.field("in_range", pa.bool_()), pa.field("n_seeds", pa.int64()),
-    pa.field("n_seeds_fit", pa.int64()), pa.field("method", pa.string()), pa.field("reason", pa.string()),
+    pa.field("p_rise", pa.float64()),                                     # r50 only: NaN for crossover
+    pa.field("p_sign", pa.float64()), pa.field("slope_first", pa.float64()),
+    pa.field("slope_last", pa.float64()),                                 # crossover only: NaN for r50
+    pa.field("in_range", pa.bool_()), pa.field("n_seeds", pa.int64()),
+    pa.field("n_seeds_fit", pa.int64()), pa.field("interval", pa.string()), pa.field("reason", pa.string()),
     pa.field("r_min", pa.float64()), pa.field("r_max", pa.float64()), *GATE_FIELDS,
 ])
+TRAJECTORY_COLUMNS = ["run_id", "M", "seed", "batch", "noise", "sequences", "ood_delta_dmmse", "ood_delta_ridge"]
 CONVERGENCE_SCHEMA = pa.schema([
     pa.field("batch", pa.int64()), pa.field("noise", pa.string()), pa.field("n_inf_runs", pa.int64()),
     pa.field("ood_loss_over_ridge", pa.float64()), pa.field("converged", pa.bool_()),
@@ -87,11 +96,12 @@ GATES = {
 
 
 def integrated_lr_over_b(spec: dict) -> float:
-    """Σ_t η_t / B over training: the η/B noise-temperature proxy (Smith & Le), exact from the schedule."""
+    """Σ_t η_t / B over the steps trained (to `train.budget.stop_at` where set): the η/B noise-temperature
+    proxy (Smith & Le), exact from the schedule."""
     t = spec["train"]
     s = LRSchedule.from_dict(t["lr_schedule"])
     f = lr_lambda(s.kind, t["steps"], s.warmup_frac, s.min_lr_frac)
-    return t["optimizer"]["lr"] * sum(f(i) for i in range(t["steps"])) / spec["keys"]["batch"]
+    return t["optimizer"]["lr"] * sum(f(i) for i in range(last_step(spec))) / spec["keys"]["batch"]
 
 
 def _noise_fields(spec: dict) -> dict:
@@ -208,34 +218,51 @@ def _gate_llc(runs: pd.DataFrame, max_share: float) -> list[str]:
         if k / n > max_share else []
 
 
-def thresholds(out: pd.DataFrame, cfg: Stats, conv: pd.DataFrame | None = None) -> pd.DataFrame:
-    """M* per (batch, noise) condition (stats.threshold_with_ci) with its validity gates: convergence, a threshold
-    that exists inside the grid with every per-seed fit successful, r spanning low to high, ≥ min_seeds seeds and
-    equal data across the condition's runs."""
+def trajectories(run_dirs: list[Path]) -> pd.DataFrame:
+    """Per-checkpoint Δ on new tasks of every run (the crossover threshold's input); NaN for runs whose
+    metrics.parquet predates the ood_delta_* columns."""
+    frames = [read_parquet(d / "metrics.parquet").reindex(columns=TRAJECTORY_COLUMNS) for d in run_dirs]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=TRAJECTORY_COLUMNS)
+
+
+def thresholds(out: pd.DataFrame, cfg: Stats, conv: pd.DataFrame | None = None,
+               traj: pd.DataFrame | None = None) -> pd.DataFrame:
+    """M* per (batch, noise) condition by both methods, each with its validity gates: convergence, a threshold that
+    exists inside the grid with every per-seed estimate successful, ≥ min_seeds seeds and equal data across the
+    condition's runs; r50 (stats.threshold_with_ci) also needs r spanning low to high. crossover
+    (stats.crossover_threshold) reads `traj` (trajectories(); None: not logged)."""
     gates = GATES
     conv = convergence(out, gates["convergence_tol"]) if conv is None else conv
+    traj = pd.DataFrame(columns=TRAJECTORY_COLUMNS) if traj is None else traj
     rows = []
     ok = out[~out.diverged & (out.M != M_INF)]
     for (B, noise), g in ok.groupby(["batch", "noise"]):
-        est = stats.threshold_with_ci(g, level=1 - cfg.alpha, min_seeds=gates["min_seeds"], alpha=cfg.alpha)
-        mean_r = g.groupby("M").r.mean()
-        fails = _gate_convergence(out[(out.batch == B) & (out.noise == noise)], conv)
         name = _cond(B, noise)
-        if est["reason"].startswith("no threshold"):
-            fails.append(f"threshold fit ({name}: {est['reason'].removeprefix('no threshold: ')})")
-        elif est["seeds_failed"]:
-            fails.append(f"threshold fit ({name}: per-seed fits without threshold: {est['seeds_failed']})")
-        if not (mean_r.min() <= gates["r_low"] and mean_r.max() >= gates["r_high"]):
-            fails.append(f"r does not span low to high ({name}: seed-mean r {mean_r.min():.2f}–"
-                         f"{mean_r.max():.2f}, needs ≤ {gates['r_low']} and ≥ {gates['r_high']})")
-        fails += _gate_seeds(g, gates["min_seeds"]) + _gate_equal_data(g, gates["data_tol"])
-        rows.append({"batch": B, "noise": noise, "noise_source": g.noise_source.iloc[0],
-                     "noise_schedule": g.noise_schedule.iloc[0], "emulate_batch": int(g.emulate_batch.iloc[0]),
-                     "noise_level": float(g.noise_level.iloc[0]), **{k: est[k] for k in THRESHOLD_SCHEMA.names
-                                                                      if k in est},
-                     "r_min": float(mean_r.min()), "r_max": float(mean_r.max()),
-                     "gates_passed": not fails, "gate_failures": "; ".join(fails)})
-    return pd.DataFrame(rows, columns=THRESHOLD_SCHEMA.names)
+        mean_r = g.groupby("M").r.mean()
+        unconverged = _gate_convergence(out[(out.batch == B) & (out.noise == noise)], conv)
+        design = _gate_seeds(g, gates["min_seeds"]) + _gate_equal_data(g, gates["data_tol"])
+        base = {"batch": B, "noise": noise, "noise_source": g.noise_source.iloc[0],
+                "noise_schedule": g.noise_schedule.iloc[0], "emulate_batch": int(g.emulate_batch.iloc[0]),
+                "noise_level": float(g.noise_level.iloc[0]), "r_min": float(mean_r.min()), "r_max": float(mean_r.max())}
+        t = traj[traj.run_id.isin(g.run_id)]
+        ests = {"r50": stats.threshold_with_ci(g, level=1 - cfg.alpha, min_seeds=gates["min_seeds"], alpha=cfg.alpha),
+                "crossover": stats.crossover_threshold(stats.pull_slopes(t), level=1 - cfg.alpha,
+                                                       min_seeds=gates["min_seeds"], alpha=cfg.alpha)}
+        if not t.ood_delta_ridge.notna().any():
+            ests["crossover"]["reason"] = "no threshold: Δ on new tasks not logged (runs predate ood_delta_*)"
+        for method, est in ests.items():
+            gate = "threshold fit" if method == "r50" else "crossover fit"
+            fails = []
+            if est["reason"].startswith("no threshold"):
+                fails.append(f"{gate} ({name}: {est['reason'].removeprefix('no threshold: ')})")
+            elif est["seeds_failed"]:
+                fails.append(f"{gate} ({name}: per-seed estimates without threshold: {est['seeds_failed']})")
+            if method == "r50" and not (mean_r.min() <= gates["r_low"] and mean_r.max() >= gates["r_high"]):
+                fails.append(f"r does not span low to high ({name}: seed-mean r {mean_r.min():.2f}–"
+                             f"{mean_r.max():.2f}, needs ≤ {gates['r_low']} and ≥ {gates['r_high']})")
+            fails = unconverged + fails + design
+            rows.append({**base, **est, "method": method, "gates_passed": not fails, "gate_failures": "; ".join(fails)})
+    return pd.DataFrame(rows).reindex(columns=THRESHOLD_SCHEMA.names)
 
 
 def _row(h, test, outcome, term="", status="run", n=0, words=("", ""), fails=(), **vals) -> dict:
@@ -402,13 +429,15 @@ def _json_safe(v):
 
 
 def metrics_summary(th: pd.DataFrame, tests: pd.DataFrame, conv: pd.DataFrame, out: pd.DataFrame) -> dict:
-    """Small machine-readable summary for `dvc metrics show`: M* per condition, verdicts with their gates,
+    """Small machine-readable summary for `dvc metrics show`: M* per condition (thresholds: r50,
+    thresholds_crossover: the anchor's crossover), verdicts with their gates,
     convergence per condition and the share of flagged LLC estimates."""
     n_llc = out.llc_n_estimates.sum()
     return {
-        "thresholds": {_cond(r.batch, r.noise): {k: _json_safe(getattr(r, k)) for k in (
+        **{key: {_cond(r.batch, r.noise): {k: _json_safe(getattr(r, k)) for k in (
             "M_star", "M_star_lo", "M_star_hi", "n_seeds", "reason", "gates_passed", "gate_failures")}
-            for r in th.itertuples()},
+            for r in th[th.method == method].itertuples()}
+           for key, method in (("thresholds", "r50"), ("thresholds_crossover", "crossover"))},
         "tests": {f"{r.hypothesis} {r.test} [{r.outcome}{', ' + r.term if r.term else ''}]": {
             "verdict": r.verdict or r.status, "estimate": _json_safe(r.estimate), "p_holm": _json_safe(r.p_holm),
             "gates_passed": bool(r.gates_passed), "gate_failures": r.gate_failures} for r in tests.itertuples()},
@@ -436,10 +465,11 @@ def cli(argv: list[str]) -> None:
     a = ap.parse_args(argv)
     cfg = Stats.from_dict(yaml.safe_load(a.cfg))
     out_dir = Path(a.out)
-    out, schema = outcomes([Path(d) for d in a.run_dirs], cfg.transient_tol)
+    run_dirs = [Path(d) for d in a.run_dirs]
+    out, schema = outcomes(run_dirs, cfg.transient_tol)
     write_parquet(out, out_dir / "outcomes.parquet", schema)
     conv = convergence(out, GATES["convergence_tol"])
-    th = thresholds(out, cfg, conv)
+    th = thresholds(out, cfg, conv, trajectories(run_dirs))
     write_parquet(th, out_dir / "thresholds.parquet", THRESHOLD_SCHEMA)
     tests = hypothesis_tests(out, cfg, conv)
     write_parquet(tests, out_dir / "tests.parquet", TESTS_SCHEMA)

@@ -37,10 +37,13 @@ def llc(argv: list[str]) -> None:
     ap.add_argument("--at", default="null", help='JSON {"linear": a, "log": b} (params.yaml llc.at); '
                     "overrides --every")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, or auto (cuda where visible)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(a.threads)
-    df = llc_for_run(a.run_dir, LLCConfig.from_dict(json.loads(a.sampler)), a.every, at=json.loads(a.at))
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
+    df = llc_for_run(a.run_dir, LLCConfig.from_dict(json.loads(a.sampler)), a.every, at=json.loads(a.at),
+                     device=device)
     print(df[["step", "llc_mean", "llc_std", "mala_accept", "not_levelled", "negative", "diverged"]]
           .to_string(index=False))
 

@@ -333,11 +333,13 @@ JOB_START_S = 2.5  # CPU seconds to start one `iclnoise` job (python + torch + p
 
 def probed_checkpoints(params: dict, batch: int, section: str) -> int:
     """How many checkpoints of a run at `batch` a probe section (llc, geometry, mech) analyses."""
+    from .probes import steps_at
     from .runs import select_steps
     from .schedules import checkpoint_steps
-    c = params["train"]["checkpoints"]
-    steps = checkpoint_steps(steps_for(params, batch), c["linear"], c["log"])
-    return len(select_steps(steps, params[section]["every"]))
+    c, stop = params["train"]["checkpoints"], trained_steps(params, batch)
+    steps = sorted({s for s in checkpoint_steps(steps_for(params, batch), c["linear"], c["log"]) if s <= stop} | {stop})
+    at = params[section].get("at") if section == "llc" else None
+    return len(steps_at(steps, **at) if at else select_steps(steps, params[section]["every"]))
 
 
 def probe_seconds(params: dict, batch: int, section: str) -> float:
@@ -376,13 +378,13 @@ def cost_estimate(params: dict) -> dict[str, Any]:
     probed = {k for ks in probes.values() for k in ks}
     other = (1 if probes["llc"] else 0) + 2 * families + 4
     jobs = len(groups) + len(probed) + other
-    run_steps = sum(steps_for(params, k.batch) for k in runs)
+    run_steps = sum(trained_steps(params, k.batch) for k in runs)
     train_s = 0.0
     for members in groups.values():
         k = parse_run_id(members[0])
         cond = conds[k.noise]
         window = cond.get("fraction") if cond.get("schedule") in ("early", "late") else 1.0
-        train_s += JOB_START_S + steps_for(params, k.batch) * step_ms(params, k.batch, cond["source"], len(members),
+        train_s += JOB_START_S + trained_steps(params, k.batch) * step_ms(params, k.batch, cond["source"], len(members),
                                                                        window) / 1000
     probe_s = (len(probed) * JOB_START_S
                + sum(probe_seconds(params, k.batch, name) for name, ks in probes.items() for k in ks))
@@ -528,8 +530,14 @@ def ed_families(params: dict) -> dict[str, list[str]]:
 
 
 def steps_for(params: dict, batch: int) -> int:
+    """A run's schedule length (its budget in steps)."""
     b = params["train"]["budget"]
     return b["steps"] if b["mode"] == "steps" else max(1, b["sequences"] // batch)
+
+
+def trained_steps(params: dict, batch: int) -> int:
+    """The steps a run trains: its schedule, or up to `train.budget.stop_at` where that comes first."""
+    return min(steps_for(params, batch), params["train"]["budget"].get("stop_at") or steps_for(params, batch))
 
 
 def run_spec(params: dict, run_id: str) -> dict[str, Any]:
@@ -604,7 +612,8 @@ def cli(argv: list[str]) -> None:
     runs = expand_grid(params)
     print(f"{' + '.join([a.params, *a.configfile])}: valid; {len(runs)} runs")
     for k in runs:
-        print(f"  {k.run_id}  ({steps_for(params, k.batch)} steps)")
+        n, stop = steps_for(params, k.batch), trained_steps(params, k.batch)
+        print(f"  {k.run_id}  ({n} steps{f', stopping at {stop}' if stop < n else ''})")
     est = cost_estimate(params)
     print(f"cost estimate: {format_cost(est)}")
     if est["core_hours"] > COST_CONFIRM_CORE_HOURS:

@@ -1,4 +1,7 @@
-"""Per-checkpoint behavioural metrics against dMMSE_M and ridge on fixed evaluation sets (SPEC §3)."""
+"""Per-checkpoint behavioural metrics against dMMSE_M and ridge on fixed evaluation sets (SPEC §3).
+
+Δ to both predictors is logged on the in-distribution set (q_M: ridge-likeness r) and on the OOD set (new tasks,
+q_∞, with dMMSE_M of the run's pool: the anchor's crossover threshold, stats.crossover_threshold)."""
 from __future__ import annotations
 
 import functools
@@ -11,7 +14,7 @@ import torch
 
 from .io import KEY_FIELDS
 from .predictors import delta, dmmse, icl_score, ridge, ridge_likeness, token_losses
-from .tasks import Batch, eval_set, pool_for
+from .tasks import M_INF, Batch, eval_set, pool_for
 
 METRICS_SCHEMA = pa.schema(KEY_FIELDS + [
     pa.field("step", pa.int64()),
@@ -26,6 +29,8 @@ METRICS_SCHEMA = pa.schema(KEY_FIELDS + [
     pa.field("ood_loss_ridge", pa.float64()),
     pa.field("delta_dmmse", pa.float64()),   # Δ(f, dMMSE_M) on the in-distribution set
     pa.field("delta_ridge", pa.float64()),   # Δ(f, ridge) on the in-distribution set
+    pa.field("ood_delta_dmmse", pa.float64()),   # Δ(f, dMMSE_M) on the OOD set (new tasks, q_∞); NaN for M = ∞
+    pa.field("ood_delta_ridge", pa.float64()),   # Δ(f, ridge) on the OOD set
     pa.field("r", pa.float64()),             # ridge-likeness; NaN for M = ∞ (dMMSE_∞ is ridge)
     pa.field("icl_score", pa.float64()),     # OOD ℓ_{k_early} − ℓ_{k_late}
     pa.field("diverged", pa.bool_()),
@@ -51,8 +56,9 @@ class _Split:
 @functools.lru_cache(maxsize=64)
 def _split(kind: str, M: int, n: int, K: int, D: int, noise_var: float, pool_seed: int,
            eval_seed: int) -> tuple[Batch, torch.Tensor | None, torch.Tensor]:
-    """An evaluation set with dMMSE_M (None for M = ∞) and ridge on it, on the CPU; cached, because the
-    OOD and root sets (and their ridge predictions) are the same for every run of an ensemble."""
+    """An evaluation set with dMMSE_M of the run's pool (None for M = ∞) and ridge on it, on the CPU; cached,
+    because the OOD and root sets (and their ridge predictions) are the same for every run of an ensemble, and
+    dMMSE_M on them the same for every seed of one M."""
     b = eval_set(kind, M, n, K, D, noise_var, pool_seed, eval_seed)
     pool = pool_for(M, {"pool_seed": pool_seed, "D": D})
     dm = None if pool is None else dmmse(b.xs, b.ys, pool, noise_var)
@@ -90,13 +96,14 @@ class Evaluator:
         preds = {k: model(s.batch.xs, s.batch.ys) for k, s in self.splits.items()}
         model.train(was_training)
         tok = {k: token_losses(preds[k], self.splits[k].batch.ys, self.D) for k in ("id", "ood")}
-        sid = self.splits["id"]
-        d_ridge = delta(preds["id"], sid.ridge, self.D)
-        d_dmmse = math.nan if sid.dmmse is None else delta(preds["id"], sid.dmmse, self.D)
+        d = {}
+        for split, pre in (("id", ""), ("ood", "ood_")):   # Δ on the q_M set (r reads it) and on new tasks
+            s = self.splits[split]
+            d[f"{pre}delta_ridge"] = delta(preds[split], s.ridge, self.D)
+            d[f"{pre}delta_dmmse"] = math.nan if s.dmmse is None else delta(preds[split], s.dmmse, self.D)
         metrics = {
-            "id_loss": float(tok["id"].mean()), "ood_loss": float(tok["ood"].mean()),
-            "delta_dmmse": d_dmmse, "delta_ridge": d_ridge,
-            "r": math.nan if sid.dmmse is None else ridge_likeness(d_dmmse, d_ridge),
+            "id_loss": float(tok["id"].mean()), "ood_loss": float(tok["ood"].mean()), **d,
+            "r": math.nan if self.M == M_INF else ridge_likeness(d["delta_dmmse"], d["delta_ridge"]),
             "icl_score": icl_score(tok["ood"], *self.icl_tokens),
             **self.reference,
         }

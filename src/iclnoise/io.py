@@ -2,8 +2,9 @@
 
 Every Parquet file carries provenance in its key-value metadata (`iclnoise.*`: package versions, the
 git commit of the package source, a spec hash when the writer passes one) and no wall-clock time, so
-writing the same frame twice gives the same bytes. `read_parquet` names a truncated or corrupt file
-and what to do, and checks the columns against an expected schema when given one.
+writing the same frame twice gives the same bytes. `read_parquet` and `read_json` name a truncated or
+corrupt file and the smallest thing to delete (`repair_advice`); `read_parquet` checks the columns against
+an expected schema when given one.
 """
 from __future__ import annotations
 
@@ -126,11 +127,22 @@ def _schema_problems(found: pa.Schema, expected: pa.Schema) -> list[str]:
     return problems
 
 
+def repair_advice(path: str | os.PathLike) -> str:
+    """What to delete so that plain `snakemake` writes `path` again, and nothing more: the file itself (rule
+    `all` asks for every output), except a run's run.json, which the run's training job writes without
+    declaring it: delete it with the run's metrics.parquet, and the job reruns from the run's resume state."""
+    path = Path(path)
+    if path.name == "run.json":
+        metrics = path.parent / "metrics.parquet"
+        return (f"delete it and the run's metrics.parquet (rm {path} {metrics}) and rerun snakemake: the run's "
+                f"training job writes both again, resuming from the run's resume state")
+    return f"delete it (rm {path}) and rerun snakemake: the job that writes it runs again"
+
+
 def read_parquet(path: str | os.PathLike, schema: pa.Schema | None = None) -> pd.DataFrame:
     """Read a Parquet table. A truncated or corrupt file, or (given `schema`) one whose columns differ,
     raises CorruptFileError naming the file and what to do; a missing file raises FileNotFoundError."""
-    what_to_do = (f"delete it (rm {path}) and rerun snakemake: the job that writes it runs again "
-                  f"(for a run's own tables, delete the run directory)")
+    what_to_do = repair_advice(path)
     try:
         table = pq.read_table(path)
     except FileNotFoundError:
@@ -164,7 +176,13 @@ def write_text(text: str, path: str | os.PathLike) -> None:
 
 
 def read_json(path: str | os.PathLike) -> Any:
-    return json.loads(Path(path).read_text())
+    """Read a JSON file. A truncated or corrupt one raises CorruptFileError naming it and what to do; a missing
+    one raises FileNotFoundError."""
+    try:
+        return json.loads(Path(path).read_bytes())
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise CorruptFileError(f"{path}: unreadable JSON file, truncated or corrupt ({e}); "
+                               f"{repair_advice(path)}") from None
 
 
 KEY_FIELDS = [

@@ -9,6 +9,14 @@ an identity module, so training pays almost nothing for them (measured in bench/
 Inputs are interleaved tokens x_1, y_1, ..., x_K, y_K in R^(D+1): x-tokens carry (x_k, 0),
 y-tokens (0, y_k). A linear map embeds them, learned positional embeddings are added, pre-LN
 blocks follow, and the prediction for y_k is a linear readout at the x_k position.
+
+`arch: dtransformer` builds instead the network of Raventós et al. and Hoogland et al. (their
+`DTransformer`, timaeus-research/icl), parameter for parameter (52 741 at D 4, K 16, d 64, 2 layers,
+4 heads, MLP 64): tokens x (0, x_k) and y (y_k, 0); embedding, positional map and Q, K, V, O without
+biases; ReLU MLP; each block's output added to the stream it already added its input to
+(h ← h + block(h), block(h) = h + attn + mlp); readout Linear(d → D+1) with bias, y_k read from
+component 0 at the x_k position; every weight initialised as PyTorch initialises their layers
+(U(±1/√fan_in); the positional map is their Linear(2K → d), fan_in 2K).
 """
 from __future__ import annotations
 
@@ -21,6 +29,8 @@ import torch.nn.functional as F
 from transformer_lens import HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
+ARCHS = ("default", "dtransformer")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -31,7 +41,16 @@ class ModelConfig:
     n_heads: int = 4
     d_mlp: int = 64
     layer_norm: bool = True
-    attn_init: str = "fan_in"   # attention weights ~ N(0, 1/d_model), or "gpt2": N(0, 0.02²)
+    attn_init: str = "fan_in"   # attention weights ~ N(0, 1/d_model), or "gpt2": N(0, 0.02²) (default arch)
+    arch: str = "default"       # "default", or "dtransformer": Raventós/Hoogland's network (module docstring)
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"model.arch = {self.arch!r}; allowed: {', '.join(ARCHS)}")
+
+    @property
+    def theirs(self) -> bool:
+        return self.arch == "dtransformer"
 
     @property
     def d_head(self) -> int:
@@ -77,10 +96,12 @@ class Attention(nn.Module):
         self.W_K = nn.Parameter(torch.empty(h, d, dh))
         self.W_V = nn.Parameter(torch.empty(h, d, dh))
         self.W_O = nn.Parameter(torch.empty(h, dh, d))
-        self.b_Q = nn.Parameter(torch.zeros(h, dh))
-        self.b_K = nn.Parameter(torch.zeros(h, dh))
-        self.b_V = nn.Parameter(torch.zeros(h, dh))
-        self.b_O = nn.Parameter(torch.zeros(d))
+        self.bias = not cfg.theirs
+        if self.bias:
+            self.b_Q = nn.Parameter(torch.zeros(h, dh))
+            self.b_K = nn.Parameter(torch.zeros(h, dh))
+            self.b_V = nn.Parameter(torch.zeros(h, dh))
+            self.b_O = nn.Parameter(torch.zeros(d))
         n = 2 * cfg.K
         self.register_buffer("mask", torch.triu(torch.ones(n, n, dtype=torch.bool), 1), persistent=False)
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
@@ -95,16 +116,17 @@ class Attention(nn.Module):
         *lead, b, n, d = x.shape
         h, e = self.W_Q.shape[-3], self.W_Q.shape[-1]
         W = torch.cat([w.transpose(-3, -2).reshape(*lead, d, h * e) for w in (self.W_Q, self.W_K, self.W_V)], -1)
-        bias = torch.cat([c.reshape(*lead, 1, h * e) for c in (self.b_Q, self.b_K, self.b_V)], -1)
-        qkv = torch.matmul(x.reshape(*lead, b * n, d), W) + bias
+        qkv = torch.matmul(x.reshape(*lead, b * n, d), W)
+        if self.bias:
+            qkv = qkv + torch.cat([c.reshape(*lead, 1, h * e) for c in (self.b_Q, self.b_K, self.b_V)], -1)
         q, k, v = qkv.view(*lead, b, n, 3, h, e).unbind(-3)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         scores = torch.matmul(q.transpose(-3, -2), k.transpose(-3, -2).transpose(-1, -2)) * self.scale
         scores = self.hook_attn_scores(scores.masked_fill(self.mask[:n, :n], float("-inf")))
         pattern = self.hook_pattern(F.softmax(scores, dim=-1))
         z = self.hook_z(torch.matmul(pattern, v.transpose(-3, -2)).transpose(-3, -2))
-        out = torch.matmul(z.reshape(*lead, b * n, h * e), self.W_O.reshape(*lead, h * e, d))
-        return out.view(*lead, b, n, d) + per_run(self.b_O, x)
+        out = torch.matmul(z.reshape(*lead, b * n, h * e), self.W_O.reshape(*lead, h * e, d)).view(*lead, b, n, d)
+        return out + per_run(self.b_O, x) if self.bias else out
 
 
 class MLP(nn.Module):
@@ -113,9 +135,10 @@ class MLP(nn.Module):
         self.fc_in = Linear(cfg.d_model, cfg.d_mlp)
         self.fc_out = Linear(cfg.d_mlp, cfg.d_model)
         self.hook_post = HookPoint()
+        self.act = F.relu if cfg.theirs else F.gelu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc_out(self.hook_post(F.gelu(self.fc_in(x))))
+        return self.fc_out(self.hook_post(self.act(self.fc_in(x))))
 
 
 class Block(nn.Module):
@@ -133,13 +156,15 @@ class Block(nn.Module):
         return self.hook_resid_post(x + self.hook_mlp_out(self.mlp(self.ln2(x))))
 
 
-def encode(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
-    """(*L, B, K, D), (*L, B, K) → interleaved tokens (*L, B, 2K, D+1): x-token (x_k, 0), y-token (0, y_k).
+def encode(xs: torch.Tensor, ys: torch.Tensor, y_first: bool = False) -> torch.Tensor:
+    """(*L, B, K, D), (*L, B, K) → interleaved tokens (*L, B, 2K, D+1): x-token (x_k, 0), y-token (0, y_k);
+    with `y_first` (the dtransformer layout) x-token (0, x_k), y-token (y_k, 0).
 
     Written without in-place writes so that it works under torch.func transforms."""
     *lead, K, D = xs.shape
-    x_tok = torch.cat([xs, xs.new_zeros(*lead, K, 1)], -1)
-    y_tok = torch.cat([xs.new_zeros(*lead, K, D), ys.unsqueeze(-1)], -1)
+    zero, y = xs.new_zeros(*lead, K, 1), ys.unsqueeze(-1)
+    x_tok = torch.cat([zero, xs] if y_first else [xs, zero], -1)
+    y_tok = torch.cat([y, torch.zeros_like(xs)] if y_first else [torch.zeros_like(xs), y], -1)
     return torch.stack([x_tok, y_tok], -2).reshape(*lead, 2 * K, D + 1)
 
 
@@ -154,30 +179,36 @@ class ICLTransformer(HookedRootModule):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = Linear(cfg.D + 1, cfg.d_model)
+        self.embed = Linear(cfg.D + 1, cfg.d_model, bias=not cfg.theirs)
         self.pos_embed = nn.Parameter(torch.empty(2 * cfg.K, cfg.d_model))
         self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layers)])
         self.ln_final = LayerNorm(cfg.d_model) if cfg.layer_norm else nn.Identity()
-        self.unembed = Linear(cfg.d_model, 1, bias=False)
+        # theirs predicts a whole next token (D+1 outputs, bias) and reads y from component 0
+        self.unembed = Linear(cfg.d_model, cfg.D + 1, bias=True) if cfg.theirs else Linear(cfg.d_model, 1, bias=False)
         self.hook_embed, self.hook_resid_final = HookPoint(), HookPoint()
         self._init_weights()
         self.setup()
 
     def _init_weights(self) -> None:
+        attn = [p for name, p in self.named_parameters() if name.endswith(("W_Q", "W_K", "W_V", "W_O"))]
+        if self.cfg.theirs:  # PyTorch's nn.Linear init of their Linear(d, 3d), Linear(d, d), Linear(2K, d)
+            for p in attn:
+                nn.init.uniform_(p, -self.cfg.d_model ** -0.5, self.cfg.d_model ** -0.5)
+            nn.init.uniform_(self.pos_embed, -(2 * self.cfg.K) ** -0.5, (2 * self.cfg.K) ** -0.5)
+            return
         std = 0.02 if self.cfg.attn_init == "gpt2" else self.cfg.d_model ** -0.5
-        for name, p in self.named_parameters():
-            if name.endswith(("W_Q", "W_K", "W_V", "W_O")):
-                nn.init.normal_(p, std=std)
+        for p in attn:
+            nn.init.normal_(p, std=std)
         nn.init.normal_(self.pos_embed, std=0.02)
 
     def forward(self, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
         n = 2 * xs.shape[-2]
-        x = encode(xs, ys)
+        x = encode(xs, ys, y_first=self.cfg.theirs)
         h = self.hook_embed(self.embed(x) + per_run(self.pos_embed[..., :n, :], x))
         for block in self.blocks:
-            h = block(h)
+            h = h + block(h) if self.cfg.theirs else block(h)
         h = self.hook_resid_final(self.ln_final(h))
-        return self.unembed(h[..., 0::2, :]).squeeze(-1)
+        return self.unembed(h[..., 0::2, :])[..., 0]
 
 
 def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> ICLTransformer:

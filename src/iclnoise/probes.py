@@ -6,6 +6,7 @@ read through iclnoise.runs (verified against their manifest), data from the run'
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import sys
@@ -33,7 +34,7 @@ from .ed import (
     predictor_vectors,
 )
 from .geometry import GEOMETRY_SCHEMA, geometry_at
-from .io import read_json, read_parquet, write_parquet
+from .io import read_json, read_parquet, write_json, write_parquet
 from .llc import LLC_SCHEMA, TRACE_SCHEMA, LLCConfig, estimate_llcs
 from .mech import MECH_SCHEMA, mech_at
 from .sections import ED, Geometry, Mech, Stages
@@ -53,13 +54,15 @@ def sampling_data(spec: dict, n: int, device="cpu") -> tuple[torch.Tensor, torch
     return b.xs, b.ys
 
 
-def steps_at(available: list[int], linear: int, log: int) -> list[int]:
+def steps_at(available: list[int], linear: int = 0, log: int = 0, steps: list[int] = ()) -> list[int]:
     """The available checkpoints nearest to `linear` evenly spaced and `log` log-spaced steps of
-    [0, last checkpoint] (a published schedule on our checkpoints); duplicates dropped."""
+    [0, last checkpoint] and to the listed `steps` up to the last checkpoint (a published schedule on our
+    checkpoints); duplicates dropped."""
     from .schedules import checkpoint_steps
 
     avail = np.asarray(sorted(available))
-    wanted = checkpoint_steps(int(avail[-1]), linear, log)
+    last = int(avail[-1])
+    wanted = checkpoint_steps(last, linear, log) + [s for s in steps if s <= last]
     return sorted({int(avail[np.abs(avail - w).argmin()]) for w in wanted})
 
 
@@ -68,29 +71,42 @@ def _on_terminal() -> bool:
 
 
 def llc_for_run(run_dir: str | Path, cfg: LLCConfig, every: int = 1, progress: bool | None = None,
-                at: dict | None = None) -> pd.DataFrame:
+                at: dict | None = None, device: str = "cpu") -> pd.DataFrame:
     """Estimate the LLC at the selected checkpoints of a run; write llc.parquet and llc_traces.parquet.
 
-    Checkpoints: every `every`-th (and the last), or with `at` = {"linear": a, "log": b} those nearest
-    to a published schedule (`steps_at`).
+    Checkpoints: every `every`-th (and the last), or with `at` = {"linear": a, "log": b} or {"steps": [...]}
+    those nearest to a published schedule (`steps_at`). `device`: where the chains run (the sampling set and the
+    checkpoints are moved there; chain noise comes from that device's generators).
 
     Progress bars only on a terminal (progress=None); wall-clock times go to the log, never to the
-    parquet, so reruns are byte-identical.
+    parquet, so reruns are byte-identical. A killed job resumes: each batched pass is added to
+    llc.partial.parquet (and its traces), kept only while the sampler settings and the checkpoints' sha256
+    are those it was written with (llc.partial.json); the final tables replace them.
     """
     from .model import mse_loss
 
     run_dir = Path(run_dir)
     show = _on_terminal() if progress is None else progress
     spec = runs.read_spec(run_dir)
-    xs, ys = sampling_data(spec, cfg.n)
+    xs, ys = sampling_data(spec, cfg.n, device)
     rows, traces = [], []
     avail = runs.checkpoint_steps(run_dir)
-    chosen = steps_at(avail, at["linear"], at["log"]) if at else runs.select_steps(avail, every)
+    chosen = steps_at(avail, **at) if at else runs.select_steps(avail, every)
+    part = {k: run_dir / f"llc{k}.partial.parquet" for k in ("", "_traces")}
+    key = {"sampler": dataclasses.asdict(cfg),
+           "sha256": {str(s): h for s, h in runs.manifest(run_dir).items() if s in chosen}}
+    marker = run_dir / "llc.partial.json"
+    if marker.exists() and all(f.exists() for f in part.values()) and read_json(marker) == key:
+        rows = read_parquet(part[""]).to_dict("records")
+        traces = read_parquet(part["_traces"]).to_dict("records")
+        log.info("resuming: %d of %d checkpoints already estimated", len(rows), len(chosen))
+    write_json(key, marker)
+    todo = [s for s in chosen if s not in {r["step"] for r in rows}]
     per = max(1, LAUNCH_SEQUENCES // (cfg.chains * min(cfg.batch, cfg.n)))  # checkpoints per batched pass
-    for i in tqdm(range(0, len(chosen), per), desc=f"LLC {spec['keys']['run_id']}", disable=not show,
+    for i in tqdm(range(0, len(todo), per), desc=f"LLC {spec['keys']['run_id']}", disable=not show,
                   mininterval=5):
-        steps = chosen[i:i + per]
-        models = [runs.load_model(run_dir, step) for step in steps]
+        steps = todo[i:i + per]
+        models = [runs.load_model(run_dir, step, device) for step in steps]
         centers = [{k: v.detach() for k, v in m.named_parameters()} for m in models]
         t0 = time.perf_counter()
         results = estimate_llcs(models[0], mse_loss, xs, ys, cfg, centers)
@@ -108,9 +124,14 @@ def llc_for_run(run_dir: str | Path, cfg: LLCConfig, every: int = 1, progress: b
                                          min(cfg.trace_points, r.traces.shape[1])).astype(int))
             traces += [{"run_id": spec["keys"]["run_id"], "step": step, "chain": c, "sgld_step": int(t),
                         "loss": float(r.traces[c, t])} for c in range(cfg.chains) for t in keep]
-    df = pd.DataFrame(rows)
-    write_parquet(pd.DataFrame(traces), run_dir / "llc_traces.parquet", TRACE_SCHEMA)
+        write_parquet(pd.DataFrame(traces), part["_traces"], TRACE_SCHEMA)
+        write_parquet(pd.DataFrame(rows), part[""], LLC_SCHEMA)
+    df = pd.DataFrame(rows).sort_values("step", kind="stable").reset_index(drop=True)
+    write_parquet(pd.DataFrame(traces).sort_values(["step", "chain", "sgld_step"], kind="stable"),
+                  run_dir / "llc_traces.parquet", TRACE_SCHEMA)
     write_parquet(df, run_dir / "llc.parquet", LLC_SCHEMA)
+    for f in [*part.values(), marker]:
+        f.unlink(missing_ok=True)
     return df
 
 

@@ -52,7 +52,9 @@ LIMITS = [
     ("r does not span low to high", "ridge-likeness r does not run from dMMSE-like to ridge-like across the grid "
                                     "({detail}; a transition needs some M at r ≤ {r_low} and some at "
                                     "r ≥ {r_high}): an r = 0.5 crossing there is not a transition"),
-    ("threshold fit", "a threshold could not be fitted everywhere ({detail})"),
+    ("threshold fit", "an r = 0.5 threshold could not be fitted everywhere ({detail})"),
+    ("crossover fit", "the crossover threshold (where more data stops pulling toward dMMSE_M) could not be "
+                      "estimated everywhere ({detail})"),
     ("LLC diagnostics", "too many LLC estimates are unreliable ({detail})"),
 ]
 
@@ -62,7 +64,7 @@ def _fmt_m(v: float) -> str:
 
 
 def _threshold_sentence(t) -> str:
-    cond = f"noise {t.noise}, batch {t.batch}"
+    cond = f"{t.method}, noise {t.noise}, batch {t.batch}"
     if not t.M_star == t.M_star:
         return f"{cond}: no M* ({t.reason.removeprefix('no threshold: ')})"
     ci = (f"[{_fmt_m(t.M_star_lo)}, {_fmt_m(t.M_star_hi)}]" if t.M_star_lo == t.M_star_lo
@@ -83,7 +85,9 @@ def what_this_run_shows(th, tests, convergence: dict | None = None) -> list[str]
         lines += [f"Convergence (final OOD loss of the M = ∞ runs over ridge's, worst seed): {', '.join(parts)}; "
                   + ("every condition converged." if ok else "not every condition converged (see below)."), ""]
     if th is not None and len(th):
-        lines += ["Task-diversity threshold M* (where ridge-likeness r crosses 0.5; 95 % t-interval over seeds):", ""]
+        lines += ["Task-diversity threshold M* by two methods (95 % t-intervals over seeds): r50, where ridge-likeness "
+                  "r crosses 0.5; crossover (Raventós et al.), where more data (late training) stops pulling the "
+                  "model toward dMMSE_M and pulls it toward ridge on new tasks:", ""]
         lines += [f"- {_threshold_sentence(t)}." for t in th.itertuples()] + [""]
     if tests is not None and len(tests):
         lines += ["Hypotheses (each verdict follows its Holm-adjusted test and passes its validity gates, "

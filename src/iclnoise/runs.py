@@ -55,22 +55,25 @@ def save_torch(obj: dict, path: str | Path) -> str:
 
 
 def load_torch(path: str | Path, device: str | torch.device = "cpu", expect_sha: str | None = None) -> dict:
-    """torch.load with a clear error naming the file; checks the sha256 when one is expected."""
+    """torch.load with a clear error naming the file and what to do: delete its run directory (checkpoints are
+    not Snakemake outputs, so deleting one alone retrains nothing); checks the sha256 when one is expected."""
     path = Path(path)
+    run_dir = path.parent.parent if path.parent.name == CKPT_DIR else path.parent  # a checkpoint, or resume.pt
+    retrain = f"Delete the run directory {run_dir} and rerun snakemake to retrain the run."
     if expect_sha is not None and path.exists() and sha256(path) != expect_sha:
-        raise CorruptFile(f"{path} does not match its manifest (sha256 differs): the file is corrupt. "
-                          f"Delete the run directory {path.parent.parent} and rerun snakemake to retrain it.")
+        raise CorruptFile(f"{path} does not match its manifest (sha256 differs): the file is corrupt. {retrain}")
     try:
         return torch.load(path, map_location=device, weights_only=False)
     except FileNotFoundError:
-        raise CorruptFile(f"{path} is missing. Delete {path.parent.parent} and rerun snakemake to retrain the run.")
+        raise CorruptFile(f"{path} is missing. {retrain}")
     except Exception as err:  # noqa: BLE001 - any unpickling error means the same thing to the user
         raise CorruptFile(f"{path} cannot be read ({type(err).__name__}: {err}): the file is truncated or "
-                          f"corrupt. Delete {path.parent.parent} and rerun snakemake to retrain the run.") from None
+                          f"corrupt. {retrain}") from None
 
 
 def manifest(run_dir: str | Path) -> dict[int, str]:
-    """{step: sha256} of the run's analysis checkpoints ({} when there is no manifest yet)."""
+    """{step: sha256} of the run's analysis checkpoints ({} when there is no manifest yet; CorruptFileError,
+    naming the file and what to do, when it is truncated or corrupt)."""
     p = Path(run_dir) / MANIFEST
     return {int(k): v for k, v in read_json(p).items()} if p.exists() else {}
 
@@ -112,6 +115,7 @@ def checkpoint_precond(state: dict) -> torch.Tensor | None:
 
 
 def read_spec(run_dir: str | Path) -> dict:
+    """The run's run.json (CorruptFileError, naming it and what to do, when it is truncated or corrupt)."""
     return read_json(Path(run_dir) / "run.json")
 
 
@@ -130,5 +134,14 @@ def select_steps(steps: list[int], every: int) -> list[int]:
 
 
 def spec_hash(spec: dict) -> str:
-    """A run's identity: sha256 of its canonical JSON spec (16 hex digits)."""
-    return hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+    """A run's identity: sha256 of its canonical JSON spec (16 hex digits), without `train.budget.stop_at`:
+    where a run stops changes none of its steps, so a run stopped early resumes under a later stop."""
+    t = spec["train"]
+    same = {**spec, "train": {**t, "budget": {k: v for k, v in t["budget"].items() if k != "stop_at"}}}
+    return hashlib.sha256(json.dumps(same, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def last_step(spec: dict) -> int:
+    """The step a run trains to: its budget's steps, or `train.budget.stop_at` where that comes first."""
+    t = spec["train"]
+    return min(t["steps"], t["budget"].get("stop_at") or t["steps"])

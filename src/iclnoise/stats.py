@@ -147,7 +147,7 @@ def threshold_with_ci(df: pd.DataFrame, level: float = 0.95, min_seeds: int = 3,
     per = {s: fit_threshold(g.M.to_numpy(), g.r.to_numpy(), None) for s, g in df.groupby("seed")}
     failed = {s: f["reason"] for s, f in per.items() if f["reason"]}
     out = {**pooled, "M_star_lo": math.nan, "M_star_hi": math.nan, "log2_se": math.nan, "n_seeds": len(seeds),
-           "n_seeds_fit": len(per) - len(failed), "method": "pooled fit",
+           "n_seeds_fit": len(per) - len(failed), "interval": "pooled fit",
            "seeds_failed": " | ".join(f"seed {s}: {v}" for s, v in failed.items())}
     if pooled["reason"]:
         out["reason"] = f"no threshold: {pooled['reason']}"
@@ -163,7 +163,107 @@ def threshold_with_ci(df: pd.DataFrame, level: float = 0.95, min_seeds: int = 3,
     mean, se = float(v.mean()), float(v.std(ddof=1) / math.sqrt(k))
     tq = float(stats.t.ppf(0.5 + level / 2, k - 1))
     return {**out, "M_star": 2.0 ** mean, "log2_M_star": mean, "M_star_lo": 2.0 ** (mean - tq * se),
-            "M_star_hi": 2.0 ** (mean + tq * se), "log2_se": se, "method": f"t-interval over {k} per-seed fits",
+            "M_star_hi": 2.0 ** (mean + tq * se), "log2_se": se, "interval": f"t-interval over {k} per-seed fits",
+            "reason": ""}
+
+
+def pull_slopes(traj: pd.DataFrame, late: float = 0.5, min_points: int = 3) -> pd.DataFrame:
+    """Late-training pull of each run (M, seed) toward dMMSE_M or ridge on new tasks (SPEC §3, §11: the anchor's
+    threshold). Per checkpoint, from Δ on the OOD set (q_∞):
+
+        d = ln Δ_ood(f, ridge) − ln Δ_ood(f, dMMSE_M) = −logit r_ood,
+        r_ood = Δ(f, dMMSE_M) / (Δ(f, dMMSE_M) + Δ(f, ridge))   (ridge-likeness on new tasks),
+
+    and the pull β is the least-squares slope of d against ln S (S = sequences seen) over the late checkpoints,
+    S ≥ late · S_end. β > 0: more data moves the model toward dMMSE_M; β < 0: toward ridge. The log ratio is
+    unchanged when both distances shrink by a common factor (the model's own error falling), so β reads the
+    direction between the two predictors, not overall progress; on new tasks they stay far apart at every finite
+    M, so neither distance sits at the model's error floor.
+
+    `traj`: one row per checkpoint with M, seed, sequences, ood_delta_dmmse, ood_delta_ridge (M = ∞ rows and
+    non-positive or missing Δ are dropped). Returns M, seed, slope, n (late checkpoints used); slope NaN with
+    fewer than `min_points` late checkpoints."""
+    t = traj[(traj.M != M_INF) & (traj.ood_delta_dmmse > 0) & (traj.ood_delta_ridge > 0)]
+    rows = []
+    for (M, seed), g in t.groupby(["M", "seed"]):
+        g = g[g.sequences >= late * g.sequences.max()]
+        x = np.log(g.sequences.to_numpy(float))
+        d = np.log(g.ood_delta_ridge.to_numpy(float)) - np.log(g.ood_delta_dmmse.to_numpy(float))
+        xc = x - x.mean()
+        ok = len(x) >= min_points and (xc ** 2).sum() > 0
+        rows.append({"M": M, "seed": seed, "slope": float(xc @ (d - d.mean()) / (xc @ xc)) if ok else math.nan,
+                     "n": len(x)})
+    return pd.DataFrame(rows, columns=["M", "seed", "slope", "n"])
+
+
+def sign_change(x: np.ndarray, b: np.ndarray) -> tuple[float, str]:
+    """Where a pull that should fall with x = log2 M changes sign from + to −: the decreasing isotonic
+    (least-squares) fit of b on x, then linear interpolation between the last x where the fit is > 0 and the next
+    one. Noise that breaks monotonicity is pooled by the fit, so there is one crossing at most. Returns (x*, '')
+    or (NaN, reason): every fitted pull of one sign, i.e. the crossing is outside the grid."""
+    o = np.argsort(x)
+    x, b = np.asarray(x, float)[o], np.asarray(b, float)[o]
+    fit = optimize.isotonic_regression(b, increasing=False).x
+    pos = np.flatnonzero(fit > 0)
+    if not len(pos):
+        return math.nan, "pull toward ridge at every M (M* below the grid)"
+    i = pos[-1]
+    if i == len(x) - 1:
+        return math.nan, "pull toward dMMSE_M at every M (M* above the grid)"
+    return float(x[i] + (x[i + 1] - x[i]) * fit[i] / (fit[i] - fit[i + 1])), ""
+
+
+def crossover_threshold(slopes: pd.DataFrame, level: float = 0.95, min_seeds: int = 3, alpha: float = 0.05,
+                        min_m: int = 5) -> dict:
+    """The anchor's task-diversity threshold (Raventós et al.; SPEC §11): M* where more data stops pulling the
+    model toward dMMSE_M and starts pulling it toward ridge, from the late pulls β(M, seed) of `pull_slopes`.
+
+    Per seed, x*_s = sign_change(log2 M, β_s); the interval is mean ± t_{n−1} · sd / √n over seeds in log2 M and
+    M* = 2^mean, as in threshold_with_ci. Whether the sign changes at all is decided once, on the seed-mean pulls:
+    their crossing x̄ splits the grid, and per seed u_s = mean β below x̄, v_s = mean β above it; the change is
+    significant when both one-sided t-tests over seeds reject (u > 0 and v < 0; p_sign = the larger p). Without
+    it there is no M*, and `reason` says why: 'too few M' (< min_m distinct finite M with a pull), 'too few seeds'
+    (< 2: no test), the crossing outside the grid (all seed-mean pulls of one sign), 'no significant sign change'.
+    No interval (M* from the seed means) with < min_seeds seeds or when a seed's own pulls do not change sign.
+    slope_first, slope_last: the seed-mean pull at the smallest and the largest M."""
+    b = slopes[np.isfinite(slopes.slope) & (slopes.M != M_INF)].assign(x=lambda d: np.log2(d.M.astype(float)))
+    seeds = sorted(b.seed.unique())
+    mean = b.groupby("x").slope.mean()
+    out = {"M_star": math.nan, "log2_M_star": math.nan, "M_star_lo": math.nan, "M_star_hi": math.nan,
+           "log2_se": math.nan, "in_range": False, "n_seeds": len(seeds), "n_seeds_fit": 0, "p_sign": math.nan,
+           "slope_first": float(mean.iloc[0]) if len(mean) else math.nan,
+           "slope_last": float(mean.iloc[-1]) if len(mean) else math.nan, "interval": "seed means",
+           "seeds_failed": ""}
+    if len(mean) < min_m:
+        return {**out, "reason": f"no threshold: too few M ({len(mean)} distinct finite M with a pull < {min_m})"}
+    if len(seeds) < 2:
+        return {**out, "reason": f"no threshold: too few seeds ({len(seeds)} < 2) to test the sign change"}
+    xbar, why = sign_change(mean.index.to_numpy(), mean.to_numpy())
+    if why:
+        return {**out, "reason": f"no threshold: {why}"}
+    per_seed = b.groupby("seed")
+    u = per_seed.apply(lambda g: g.slope[g.x < xbar].mean()).dropna()
+    v = per_seed.apply(lambda g: g.slope[g.x > xbar].mean()).dropna()
+    p_u = stats.ttest_1samp(u, 0.0, alternative="greater").pvalue if len(u) > 1 else math.nan
+    p_v = stats.ttest_1samp(v, 0.0, alternative="less").pvalue if len(v) > 1 else math.nan
+    p = float(max(p_u, p_v)) if np.isfinite([p_u, p_v]).all() else math.nan
+    out.update(p_sign=p, M_star=2.0 ** xbar, log2_M_star=xbar, in_range=True)
+    if not p < alpha:
+        return {**out, "M_star": math.nan, "log2_M_star": math.nan, "in_range": False,
+                "reason": f"no threshold: no significant sign change of the pull (p = {p:.2g})"}
+    per = {s: sign_change(g.x.to_numpy(), g.slope.to_numpy()) for s, g in per_seed}
+    failed = {s: why for s, (_, why) in per.items() if why}
+    out.update(n_seeds_fit=len(per) - len(failed), seeds_failed=" | ".join(f"seed {s}: {w}" for s, w in failed.items()))
+    if len(seeds) < min_seeds:
+        return {**out, "reason": f"no interval: insufficient seeds ({len(seeds)} < {min_seeds})"}
+    if failed:
+        return {**out, "reason": f"no interval: a seed's pull does not change sign ({out['seeds_failed']})"}
+    xs = np.array([per[s][0] for s in seeds])
+    k = len(xs)
+    m, se = float(xs.mean()), float(xs.std(ddof=1) / math.sqrt(k))
+    tq = float(stats.t.ppf(0.5 + level / 2, k - 1))
+    return {**out, "M_star": 2.0 ** m, "log2_M_star": m, "M_star_lo": 2.0 ** (m - tq * se),
+            "M_star_hi": 2.0 ** (m + tq * se), "log2_se": se, "interval": f"t-interval over {k} per-seed crossings",
             "reason": ""}
 
 

@@ -34,13 +34,14 @@ from tqdm import tqdm
 
 from .evaluate import METRICS_SCHEMA, TOKEN_SCHEMA, Evaluator, root_preds_schema
 from .hooks import StepContext, StepHook, build_hooks
-from .io import write_json, write_parquet
+from .io import CorruptFileError, repair_advice, write_json, write_parquet
 from .model import ModelConfig, build_model, mse_loss
 from .runs import (
     CKPT_DIR,
     MANIFEST,
     CorruptFile,
     checkpoint_path,
+    last_step,
     load_torch,
     read_spec,
     sampler,
@@ -162,14 +163,15 @@ def _memory_check(specs: list[dict], device: torch.device) -> None:
 
 
 def _load_resume(m: Member) -> dict | None:
-    """The newest readable resume state of the run whose spec hash matches; stale state is removed."""
+    """The newest readable resume state of the run whose spec hash matches; stale state is removed. A corrupt
+    run.json stops here (CorruptFileError, naming it and what to do) and deletes nothing: it is not a changed spec."""
     rd = m.run_dir
     old = rd / "run.json"
     if old.exists():
-        try:
-            prev_hash = read_spec(rd).get("spec_hash")
-        except ValueError:
-            prev_hash = None
+        prev = read_spec(rd)
+        if not isinstance(prev, dict) or not isinstance(prev.get("spec_hash"), str):
+            raise CorruptFileError(f"{old}: not a run spec (no spec_hash), corrupt; {repair_advice(old)}")
+        prev_hash = prev["spec_hash"]
         if prev_hash != m.hash:
             log.warning("%s: spec changed (hash %s → %s): removing the stale run state and training from scratch",
                         m.run_id, prev_hash, m.hash)
@@ -181,8 +183,8 @@ def _load_resume(m: Member) -> dict | None:
             continue
         try:
             state = load_torch(path, "cpu")
-        except CorruptFile as err:
-            log.warning("%s: %s; trying the previous resume state", m.run_id, err)
+        except CorruptFile:  # the previous state, or training from step 0, replaces it
+            log.warning("%s: %s is truncated or corrupt; not resuming from it", m.run_id, path)
             continue
         if state.get("spec_hash") == m.hash:
             return state
@@ -220,6 +222,7 @@ class Ensemble:
         spec = members[0].spec
         self.t = t = spec["train"]
         self.total, self.B, self.mb = t["steps"], spec["keys"]["batch"], t["micro_batch"]
+        self.stop = last_step(spec)  # the schedule runs over `total`; training may stop before (budget.stop_at)
         self.n_micro = self.B // self.mb
         self.device = members[0].device
         base = members[0].model
@@ -255,6 +258,7 @@ class Ensemble:
         s = LRSchedule.from_dict(t["lr_schedule"])
         self.lr_at = lr_lambda(s.kind, self.total, s.warmup_frac, s.min_lr_frac)
         self.ckpt_at = set(checkpoint_steps(self.total, t["checkpoints"]["linear"], t["checkpoints"]["log"]))
+        self.ckpt_at = {s for s in self.ckpt_at if s <= self.stop} | {self.stop}
 
     def loss(self, params: list[torch.Tensor], xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
         """Every run's training loss (R,) on its own batch, from the stacked parameters (R, ...)."""
@@ -305,7 +309,7 @@ class Ensemble:
                 if m.resume is None:
                     self.checkpoint(r, 0)
         desc = members[0].run_id if R == 1 else f"{R} runs B{self.B} {members[0].spec['keys']['noise']}"
-        bar = tqdm(range(self.start, self.total), initial=self.start, total=self.total, desc=desc,
+        bar = tqdm(range(self.start, self.stop), initial=self.start, total=self.stop, desc=desc,
                    disable=not progress, mininterval=1.0, dynamic_ncols=True)
         clip, thr = self.t["grad_clip"], self.t["diverge_loss"]
         for step in bar:
@@ -363,7 +367,7 @@ class Ensemble:
                 live = [m.rows[-1]["ood_loss"] for m, f in zip(members, frozen) if not f]
                 if live:
                     bar.set_postfix(ood=f"{np.mean(live):.3f}")
-                    log.info("%s: step %d/%d, mean OOD loss %.4f over %d live runs", desc, step + 1, self.total,
+                    log.info("%s: step %d/%d, mean OOD loss %.4f over %d live runs", desc, step + 1, self.stop,
                              np.mean(live), len(live))
         bar.close()
 
@@ -417,14 +421,14 @@ def train_ensemble(specs: list[dict], run_dirs: list[str | Path], progress: bool
             for h, hs in zip(m.hooks, st["hooks"]):
                 h.load_state_dict(hs)
             log.info("%s: resuming at step %d", m.run_id, m.step)
-        if not (m.diverged or m.step >= m.spec["train"]["steps"]):
+        if not (m.diverged or m.step >= last_step(m.spec)):
             todo.append(m)
         else:  # finished earlier: restore its final weights so outputs match the state
             m.model.load_state_dict({**m.model.state_dict(), **m.resume["params"]})
     for start in sorted({m.step for m in todo}):
         group = [m for m in todo if m.step == start]
         Ensemble(group, start).run(show, stop_after)
-    return [_write_outputs(m) if m.diverged or m.step >= m.spec["train"]["steps"] else None for m in members]
+    return [_write_outputs(m) if m.diverged or m.step >= last_step(m.spec) else None for m in members]
 
 
 def train_run(spec: dict, run_dir: str | Path, progress: bool | None = None) -> pd.DataFrame:

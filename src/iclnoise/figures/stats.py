@@ -15,9 +15,10 @@ from . import style
 
 
 def fig_threshold_vs_noise(th: pd.DataFrame, path: str | Path) -> None:
-    """M* (r = 0.5 crossing of a logistic in log2 M with free plateaus) with 95 % t-intervals over seeds, against
-    the noise level. Conditions without a threshold are listed with the reason; hollow markers: the condition
-    failed a validity gate (thresholds.parquet gate_failures).
+    """M* by both methods with 95 % t-intervals over seeds, against the noise level: r50 (circles, solid: r = 0.5
+    crossing of a logistic in log2 M with free plateaus) and crossover (squares, dashed, drawn a little to the
+    right: where the late pull on new tasks turns from dMMSE_M to ridge). Conditions without a threshold are listed
+    with the reason; hollow markers: the condition failed a validity gate (thresholds.parquet gate_failures).
 
     The level is an effective inverse batch size: 1/B for batch noise, 1/B_target for injected noise
     emulating batch B_target (conditions with other levels are in figures 7, 8 and 10)."""
@@ -28,17 +29,21 @@ def fig_threshold_vs_noise(th: pd.DataFrame, path: str | Path) -> None:
     fig, ax = plt.subplots(figsize=(5.5, 4))
     # one line for batch noise across batch sizes, one per injected condition (source, shape)
     df["series"] = np.where(df.noise_source == "batch", "batch noise", "injected: " + df.noise)
-    for i, (label, g) in enumerate(df.groupby("series")):
+    colour = {label: f"C{i}" for i, label in enumerate(sorted(df.series.unique()))}
+    for (label, method), g in df.groupby(["series", "method"]):
         g = g.sort_values("level")
+        x = g.level * (1.06 if method == "crossover" else 1.0)   # side by side where both exist
+        mk, ls = ("s", "--") if method == "crossover" else ("o", "-")
         yerr = np.vstack([g.M_star - g.M_star_lo, g.M_star_hi - g.M_star]).clip(min=0)
-        ax.errorbar(g.level, g.M_star, yerr=np.nan_to_num(yerr), marker="o", capsize=4, lw=1.5, color=f"C{i}",
-                    label=label)
-        bad = g[~g.gates_passed.astype(bool) & np.isfinite(g.M_star)]
-        ax.scatter(bad.level, bad.M_star, s=40, facecolor="white", edgecolor=f"C{i}", zorder=4, lw=1.5)
+        ax.errorbar(x, g.M_star, yerr=np.nan_to_num(yerr), marker=mk, ls=ls, capsize=4, lw=1.5,
+                    color=colour[label], label=f"{label} ({method})")
+        bad = ~g.gates_passed.astype(bool) & np.isfinite(g.M_star)
+        ax.scatter(x[bad], g.M_star[bad], s=40, marker=mk, facecolor="white", edgecolor=colour[label], zorder=4,
+                   lw=1.5)
     missing = df[~np.isfinite(df.M_star)]
     no_ci = df[np.isfinite(df.M_star) & ~np.isfinite(df.M_star_lo)]
-    notes = [f"no M*: {r.noise}, B{r.batch}: {r.reason}" for r in missing.itertuples()]
-    notes += [f"no interval: {r.noise}, B{r.batch}: {r.reason.removeprefix('no interval: ')}"
+    notes = [f"no M* ({r.method}): {r.noise}, B{r.batch}: {r.reason}" for r in missing.itertuples()]
+    notes += [f"no interval ({r.method}): {r.noise}, B{r.batch}: {r.reason.removeprefix('no interval: ')}"
               for r in no_ci.itertuples()]
     note = "\n".join(textwrap.fill(n, 100) for n in notes) if notes and np.isfinite(df.M_star).any() else ""
     if note:  # below the axes, where it hides no data
@@ -55,7 +60,7 @@ def fig_threshold_vs_noise(th: pd.DataFrame, path: str | Path) -> None:
         ax.set_xticks(xs, [f"1/{1 / x:.0f}" for x in xs])
         ax.xaxis.set_minor_formatter(NullFormatter())
     else:
-        reasons = sorted({f"{r.noise}, B{r.batch}: {r.reason.removeprefix('no threshold: ')}"
+        reasons = sorted({f"{r.method}, {r.noise}, B{r.batch}: {r.reason.removeprefix('no threshold: ')}"
                           for r in df.itertuples()}) or ["no condition in the grid"]
         ax.text(0.5, 0.5, "no threshold could be fitted\n" + "\n".join(reasons), transform=ax.transAxes,
                 ha="center", va="center", color="grey", fontsize=7)
