@@ -62,7 +62,7 @@ def steps_at(available: list[int], linear: int = 0, log: int = 0, steps: list[in
 
     avail = np.asarray(sorted(available))
     last = int(avail[-1])
-    wanted = checkpoint_steps(last, linear, log) + [s for s in steps if s <= last]
+    wanted = (checkpoint_steps(last, linear, log) if linear or log else []) + [s for s in steps if s <= last]
     return sorted({int(avail[np.abs(avail - w).argmin()]) for w in wanted})
 
 
