@@ -335,9 +335,9 @@ def probed_checkpoints(params: dict, batch: int, section: str) -> int:
     """How many checkpoints of a run at `batch` a probe section (llc, geometry, mech) analyses."""
     from .probes import steps_at
     from .runs import select_steps
-    from .schedules import checkpoint_steps
-    c, stop = params["train"]["checkpoints"], trained_steps(params, batch)
-    steps = sorted({s for s in checkpoint_steps(steps_for(params, batch), c["linear"], c["log"]) if s <= stop} | {stop})
+    from .schedules import checkpoints_until
+    c = params["train"]["checkpoints"]
+    steps = checkpoints_until(steps_for(params, batch), c["linear"], c["log"], trained_steps(params, batch))
     at = params[section].get("at") if section == "llc" else None
     return len(steps_at(steps, **at) if at else select_steps(steps, params[section]["every"]))
 

@@ -46,3 +46,9 @@ def lr_lambda(kind: str, total: int, warmup_frac: float = 0.0, min_lr_frac: floa
         peak = warm
         return lambda s: (s + 1) / peak if s < peak else max(0.0, (total - s) / max(1, total - peak))
     raise ValueError(f"unknown lr schedule {kind!r}; allowed: constant, warmup_cosine, triangle")
+
+
+def checkpoints_until(total: int, n_linear: int, n_log: int, stop: int) -> list[int]:
+    """The checkpoint_steps of a `total`-step schedule up to `stop`, plus `stop` itself: the analysis
+    checkpoints of a run stopped early (train.budget.stop_at)."""
+    return sorted({s for s in checkpoint_steps(total, n_linear, n_log) if s <= stop} | {stop})

@@ -48,7 +48,7 @@ from .runs import (
     save_torch,
     spec_hash,
 )
-from .schedules import checkpoint_steps, lr_lambda
+from .schedules import checkpoints_until, lr_lambda
 from .sections import LRSchedule
 
 log = logging.getLogger(__name__)
@@ -257,8 +257,8 @@ class Ensemble:
             m.optimizer = RunOptimizer(self.opt, self.P, list(m.model.parameters()), r)
         s = LRSchedule.from_dict(t["lr_schedule"])
         self.lr_at = lr_lambda(s.kind, self.total, s.warmup_frac, s.min_lr_frac)
-        self.ckpt_at = set(checkpoint_steps(self.total, t["checkpoints"]["linear"], t["checkpoints"]["log"]))
-        self.ckpt_at = {s for s in self.ckpt_at if s <= self.stop} | {self.stop}
+        self.ckpt_at = set(checkpoints_until(self.total, t["checkpoints"]["linear"], t["checkpoints"]["log"],
+                                             self.stop))
 
     def loss(self, params: list[torch.Tensor], xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
         """Every run's training loss (R,) on its own batch, from the stacked parameters (R, ...)."""
