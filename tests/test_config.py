@@ -94,6 +94,21 @@ def test_grid_and_run_ids(params):
     assert spec["train"]["micro_batch"] == 16
 
 
+def test_condition_restricted_to_some_m(params):
+    """A condition with `M` runs only at those grid M (configs/science.yaml's early/late pair at M = 16); the
+    run's spec does not carry the restriction, and an M outside the grid is refused."""
+    p = copy.deepcopy(params)
+    p["grid"].update(M=[1, 16, "inf"], noise=["none", "early"])
+    p["noise"]["conditions"]["early"]["M"] = [16, "inf"]
+    early = [k for k in expand_grid(p) if k.noise == "early"]
+    assert {k.M for k in early} == {16, -1} and {k.batch for k in early} == {64}
+    assert len(early) == 2 * len(p["grid"]["seeds"])
+    assert "M" not in run_spec(p, "M16-B64-early-s0")["noise"]
+    p["noise"]["conditions"]["early"]["M"] = [3]
+    with pytest.raises(ParamsError, match=r"noise.conditions.early.M = \[3\] shares no value with grid.M"):
+        validate_params(p)
+
+
 @pytest.mark.parametrize("edit, key, allowed", [
     (lambda p: p["noise"]["conditions"]["early"].pop("budget"), "noise.conditions.early", "budget"),
     (lambda p: p["noise"]["conditions"]["grad_b16"].update(shape="spiky"), "noise.conditions.grad_b16.shape",

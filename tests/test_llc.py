@@ -377,7 +377,7 @@ def test_a_killed_llc_job_resumes_from_its_finished_passes(tiny, tmp_path, monke
     run = tmp_path / "run"
     train_run(run_spec(tiny, "M4-B16-none-s0"), run, progress=False)
     cfg = LLCConfig(seed=0, epsilon=1e-4, gamma=100.0, chains=2, burn_in=2, draws=8, batch=16, n=64)
-    monkeypatch.setattr(probes, "LAUNCH_SEQUENCES", 32)  # one checkpoint per pass
+    monkeypatch.setattr(probes, "LAUNCH_SEQUENCES", {"cpu": 32})  # one checkpoint per pass
     at = {"steps": [0, 19, 41, 60]}
     full = probes.llc_for_run(run, cfg, progress=False, at=at)
     assert list(full.step) == [0, 20, 40, 60]

@@ -442,8 +442,11 @@ def _noise_checks(p: dict) -> None:
         if name in used and "batch_sizes" in c and not set(c["batch_sizes"]) & set(p["grid"]["batch_sizes"]):
             raise ParamsError(f"{key}.batch_sizes = {c['batch_sizes']} shares no value with grid.batch_sizes = "
                               f"{p['grid']['batch_sizes']}; the condition would have no runs")
+        if name in used and "M" in c and not set(map(parse_m, c["M"])) & set(grid_ms(p)):
+            raise ParamsError(f"{key}.M = {c['M']} shares no value with grid.M = {p['grid']['M']}; "
+                              f"the condition would have no runs")
         if c["source"] == "none":
-            extra = sorted(set(c) - {"source", "batch_sizes"})
+            extra = sorted(set(c) - {"source", "batch_sizes", "M"})
             if extra:
                 raise ParamsError(f"{key}: source none takes no other keys, got {', '.join(extra)}")
             continue
@@ -503,10 +506,11 @@ def parse_run_id(run_id: str) -> RunKeys:
 
 def expand_grid(params: dict) -> list[RunKeys]:
     """Every (M, batch, noise, seed) of the grid, in a stable order; a noise condition with its own
-    `batch_sizes` runs only at those."""
+    `batch_sizes` or `M` runs only at those."""
     g, conds = params["grid"], params["noise"]["conditions"]
     return [RunKeys(parse_m(M), B, n, s) for M in g["M"] for B in g["batch_sizes"] for n in g["noise"]
-            for s in g["seeds"] if B in conds[n].get("batch_sizes", [B])]
+            for s in g["seeds"] if B in conds[n].get("batch_sizes", [B])
+            and parse_m(M) in map(parse_m, conds[n].get("M", [M]))]
 
 
 def grid_ms(params: dict) -> list[int]:
@@ -553,7 +557,7 @@ def run_spec(params: dict, run_id: str) -> dict[str, Any]:
         "train": train,
         "eval": copy.deepcopy(params["eval"]),
         "noise": {k: v for k, v in copy.deepcopy(params["noise"]["conditions"][keys.noise]).items()
-                  if k != "batch_sizes"},  # which runs exist is the grid's business, not the run's
+                  if k not in ("batch_sizes", "M")},  # which runs exist is the grid's business, not the run's
         "exposure": copy.deepcopy(params.get("exposure")),
     }
     return spec

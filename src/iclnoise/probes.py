@@ -44,8 +44,10 @@ log = logging.getLogger(__name__)
 
 
 # sequences in one batched SGLD pass (chains × checkpoints × mini-batch): the checkpoints of a run are
-# sampled together up to this, which keeps memory bounded on the paper model's 8 × 1024-sequence chains
-LAUNCH_SEQUENCES = 8192
+# sampled together up to this, which keeps memory bounded on the paper model's 8 × 1024-sequence chains.
+# A GPU's step is launch-bound at 8192 (README, Benchmarks), so it takes 8 such checkpoints at once
+# (≈ 30 GB of activations for the Hoogland model).
+LAUNCH_SEQUENCES = {"cpu": 8192, "cuda": 65536}
 
 
 def sampling_data(spec: dict, n: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +104,8 @@ def llc_for_run(run_dir: str | Path, cfg: LLCConfig, every: int = 1, progress: b
         log.info("resuming: %d of %d checkpoints already estimated", len(rows), len(chosen))
     write_json(key, marker)
     todo = [s for s in chosen if s not in {r["step"] for r in rows}]
-    per = max(1, LAUNCH_SEQUENCES // (cfg.chains * min(cfg.batch, cfg.n)))  # checkpoints per batched pass
+    launch = LAUNCH_SEQUENCES.get(torch.device(device).type, LAUNCH_SEQUENCES["cpu"])
+    per = max(1, launch // (cfg.chains * min(cfg.batch, cfg.n)))  # checkpoints per batched pass
     for i in tqdm(range(0, len(todo), per), desc=f"LLC {spec['keys']['run_id']}", disable=not show,
                   mininterval=5):
         steps = todo[i:i + per]

@@ -216,7 +216,8 @@ class NoiseCondition(Section):
     budget           None: no integrated-exposure budget;
     target           None unless schedule is controlled: a P-NE* or [[fraction, P-NE*], ...];
     controller       None unless schedule is controlled (required there);
-    batch_sizes      None: the condition runs at every grid batch size."""
+    batch_sizes      None: the condition runs at every grid batch size;
+    M                None: the condition runs at every grid M."""
 
     SECTION: ClassVar[str] = "noise.conditions.<name>"
     SCHEMA: ClassVar[str] = "noise.conditions.*"
@@ -230,6 +231,7 @@ class NoiseCondition(Section):
     target: float | list | None = None
     controller: Controller | None = None
     batch_sizes: list | None = None
+    M: list | None = None
 
     @classmethod
     def from_dict(cls, d: dict | None) -> NoiseCondition:
