@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 CORES ?= 2
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup run test test-float test-slurm bench figures clean-results lint
+.PHONY: setup run test test-float test-slurm bench figures paper clean-results lint
 
 setup: $(VENV)/.installed
 
@@ -56,6 +56,11 @@ bench: setup
 	$(BIN)/python bench/bench_llc.py
 	$(BIN)/python bench/bench_noise.py
 	test -d results/runs/M16-B64-none-s0 && $(BIN)/python bench/bench_probes.py || echo "bench_probes: needs a finished make run"
+
+# The paper's figures and a report per committed reference set (reference/*/), from their tables alone:
+# nothing trains; paper/<set>/figures/*.png and paper/<set>/report.md.
+paper: setup
+	iclnoise paper $(wildcard reference/*/) --out paper
 
 # Rerun only aggregation, figures and the report from existing per-run artifacts.
 figures: setup

@@ -8,7 +8,7 @@ from pathlib import Path
 from snakemake.utils import min_version
 
 from iclnoise.config import (ParamsError, check_cost, check_yaml_files, ed_families, ensemble_groups, expand_grid,
-                             format_cost, parse_run_id, shared_spec, switch, validate_params)
+                             format_cost, parse_run_id, run_options, shared_spec, switch, validate_params)
 
 min_version("9.0")
 
@@ -22,6 +22,7 @@ try:
     check_yaml_files(["params.yaml", *workflow.configfiles])  # duplicate keys, syntax errors with line numbers
     PARAMS = validate_params({k: v for k, v in config.items() if k not in RUN_KEYS})
     confirmed = switch(config.get("confirm_cost", False), "confirm_cost")
+    TRAIN_THREADS, TRAIN_RESOURCES = run_options(config)
     COST = check_cost(PARAMS, confirmed=confirmed) if workflow.is_main_process else None
 except ParamsError as err:
     raise WorkflowError(f"{' + '.join(['params.yaml', *map(str, workflow.configfiles)])}: {err}") from None

@@ -62,6 +62,9 @@ def main() -> None:
     ap.add_argument("--nbeta", type=float, default=240.0)
     ap.add_argument("--method", default="sgld", choices=["sgld", "rmsprop_sgld"])
     ap.add_argument("--train-steps", type=int, default=300)
+    ap.add_argument("--run-dir", help="a trained configs/hoogland.yaml run (e.g. results/hoogland/runs/"
+                    "Minf-B256-none-s0): its checkpoint at --step instead of the --train-steps model")
+    ap.add_argument("--step", type=int, default=985)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--loop", action="store_true", help="also time our chains in a Python loop (no vmap)")
@@ -71,7 +74,12 @@ def main() -> None:
     from devinterp.slt.llc import llc as devinterp_llc
 
     t0 = time.perf_counter()
-    model, K, D = hoogland_checkpoint(a.train_steps, a.device)
+    if a.run_dir:
+        from iclnoise import runs
+        model, K, D = runs.load_model(a.run_dir, a.step, a.device), 16, 4
+        a.train_steps = a.step
+    else:
+        model, K, D = hoogland_checkpoint(a.train_steps, a.device)
     data = BatchSampler(None, K, D, 0.125, 0, a.device, stream=2).batch(0, a.n)
     with torch.no_grad():
         loss = float(mse_loss(model, data.xs, data.ys))
@@ -101,9 +109,11 @@ def main() -> None:
     print(f"{a.method}: ε={cfg.epsilon:g} γ={cfg.gamma:g} nβ={cfg.nbeta:g}, {a.chains} chains x {a.draws} draws, "
           f"batch {a.batch}, n={a.n}, threads={a.threads}, device={a.device}")
     print(f"  devinterp 2.0.1   λ̂ = {float(ref.llc_mean):8.3f} ± {se_ref:.3f} (s.e.)  init loss "
-          f"{float(ref.init_loss):.5f}   {t_ref:7.1f} s")
+          f"{float(ref.init_loss):.5f}  mean sampled loss {float(ref.init_loss) + float(ref.llc_mean) / cfg.nbeta:.4f}"
+          f"   {t_ref:7.1f} s")
     print(f"  iclnoise (vmap)   λ̂ = {ours.llc_mean:8.3f} ± {se_ours:.3f} (s.e.)  init loss "
-          f"{ours.init_loss:.5f}   {t_ours:7.1f} s   MALA acceptance {ours.mala_accept:.3f}")
+          f"{ours.init_loss:.5f}  mean sampled loss {ours.traces.mean():.4f}   {t_ours:7.1f} s   "
+          f"MALA acceptance {ours.mala_accept:.3f}")
     print(f"relative difference ours/devinterp − 1 = {rel:+.1%} (combined s.e. "
           f"{math.hypot(se_ref, se_ours) / float(ref.llc_mean):.1%})")
     print(f"time ratio ours/devinterp = {t_ours / t_ref:.2f}")

@@ -176,3 +176,31 @@ def test_exposure_and_geometry_tables_reach_the_outcomes(tmp_path):
     assert o.integrated_pne.iloc[0] == pytest.approx(s["integrated_pne"]) and np.isfinite(o.integrated_pne.iloc[0])
     assert o.integrated_pne_injected.iloc[0] == pytest.approx(s.get("integrated_pne_injected", np.nan), nan_ok=True)
     assert o.hessian_trace.iloc[0] == 2.0 and o.llc_final.isna().all() and o.sequences.iloc[0] == 16_000
+
+
+def test_runs_that_diverged_at_their_first_update_are_reported_not_crashed_on(tiny, tmp_path):
+    """Real runs whose first loss is above train.diverge_loss stop at step 0 with one metrics row. Aggregate,
+    figure 1 and the report go through: no t_crit (−1), the condition's thresholds say 'every run diverged'."""
+    import copy
+
+    from iclnoise.config import run_spec
+    from iclnoise.figures.training import cli as figures_cli
+    from iclnoise.train import train_ensemble
+
+    p = copy.deepcopy(tiny)
+    p["train"]["diverge_loss"] = 0.01
+    ids = ["M1-B8-none-s0", "M4-B8-none-s0", "Minf-B8-none-s0"]
+    dirs = [tmp_path / "runs" / r for r in ids]
+    train_ensemble([run_spec(p, r) for r in ids], dirs, progress=False)
+    assert all(len(read_parquet(d / "metrics.parquet")) == 1 for d in dirs)
+    out = tmp_path / "aggregate"
+    aggregate_cli([str(d) for d in dirs] + ["--out", str(out), "--cfg", STATS, "--figures", str(tmp_path / "figures")])
+    o = read_parquet(out / "outcomes.parquet")
+    assert o.diverged.all() and (o.t_crit == -1).all() and (o.steps == 0).all()
+    th = read_parquet(out / "thresholds.parquet")
+    assert sorted(th.method) == ["crossover", "r50"] and (th.reason == "no threshold: every run diverged").all()
+    assert not th.gates_passed.any() and th.gate_failures.str.contains("every run with finite M diverged").all()
+    figures_cli(["--out-dir", str(tmp_path), *[str(d / "metrics.parquet") for d in dirs]])
+    assert (tmp_path / "figures" / "fig01_ood_loss.png").exists()
+    report_cli(["--results", str(tmp_path), "--params", "{grid: {M: [1]}}", "--out", str(tmp_path / "report.md")])
+    assert "every run diverged" in (tmp_path / "report.md").read_text()

@@ -243,6 +243,16 @@ BAD_FILES = [
     ("tab-indent", sub("  K: 8\n", "\tK: 8\n"), [f"line {K_LINE}, column 1: YAML syntax error", "no tabs"]),
     ("unclosed-list", sub("seeds: [0, 1]", "seeds: [0, 1"), ["YAML syntax error", "column", "expected ',' or ']'"]),
     ("bad-indent", sub("  K: 8\n", "   K: 8\n"), [f"line {K_LINE}, column", "YAML syntax error"]),
+    # keys that are not strings, nesting, alias expansion and size: refused before anything is built
+    ("int-key", lambda t: t + "1: 2\n", ["key '1' under <top level> is not a string", "reads it as int",
+                                         "allowed: string keys"]),
+    ("yaml11-on-key", lambda t: t + "on: true\n", ["key 'on'", "reads it as bool", "allowed: string keys"]),
+    ("deep-nesting", lambda t: t + "deep: " + "[" * 3000 + "]" * 3000 + "\n", ["nested too deeply"]),
+    ("alias-bomb", lambda t: t + "a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n"
+     + "".join(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 7)),
+     ["expands to more than 100,000 values", "aliases"]),
+    ("huge-file", lambda t: t + "big: [" + ", ".join(["1"] * 400_000) + "]\n",
+     ["allowed: a params file up to 1,048,576 bytes"]),
     # every section required, unless switched off with enabled: false
     *[(f"no-{s}", drop_section(s), [f"{s}: section missing", "every section is required",
                                     f"`{s}: {{enabled: false}}`"])
@@ -260,6 +270,13 @@ BAD_FILES = [
        [f"{s}.seeds = [0, 3]", "seed(s) [3] not in grid.seeds", SEEDS, "a subset of grid.seeds"])
       for s in ("llc", "geometry", "mech", "ed")],
 ]
+
+
+def test_a_file_that_is_not_utf8_is_refused_naming_the_line(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(TEXT.encode() + "# réglages\n".encode("latin-1"))
+    with pytest.raises(ParamsError, match=rf"line {TEXT.count(chr(10)) + 1}: byte 0xe9 is not UTF-8"):
+        load_params(path)
 
 
 @pytest.mark.parametrize("edit, expect", [c[1:] for c in BAD_FILES], ids=[c[0] for c in BAD_FILES])

@@ -168,6 +168,33 @@ def test_snakemake_report_holds_the_figures(finished):
         assert any(n.endswith(fig) for n in names), (fig, names[:20])
 
 
+def test_export_then_paper_redraws_every_figure_from_the_reference_tables_alone(finished, tmp_path):
+    """`iclnoise export` keeps the paper's tables (no checkpoint, no resume state) with their provenance;
+    `iclnoise paper` on that set alone draws every figure the workflow drew and the report, and its rerun
+    aggregate equals the exported one. A reference table that no longer follows from the per-run tables
+    (edited by hand) is refused, naming the table."""
+    import json
+    ref, out = tmp_path / "reference" / "tiny", tmp_path / "paper"
+    run([sys.executable, "-m", "iclnoise.cli", "export", "--results", str(finished / "results"), "--params",
+         str(finished / "params.yaml"), "--workdir", str(finished), "--out", str(ref)], cwd=finished)
+    files = [p for p in ref.rglob("*") if p.is_file()]
+    assert not [p for p in files if p.suffix == ".pt" or p.name in ("token_losses.parquet", "root_preds.parquet")]
+    prov = json.loads((ref / "provenance.json").read_text())
+    runs = sorted(p.name for p in (finished / "results/runs").iterdir())
+    assert sorted(prov["spec_hash"]) == runs and prov["params"]["grid"]["M"] == [1, 4, "inf"]
+    assert prov["wall_time"]["total_s"] > 0 and prov["versions"]["torch"]
+    r = run([sys.executable, "-m", "iclnoise.cli", "paper", str(ref), "--out", str(out)], cwd=tmp_path)
+    drawn = {p.name for p in (out / "tiny/figures").glob("*.png")}
+    assert drawn == {p.name for p in (finished / "results/figures").glob("*.png")} and len(drawn) >= 8, drawn
+    assert (out / "tiny/report.md").read_text().count(".png") >= len(drawn)
+    assert "tiny: " in r.stdout
+    th = read_parquet(ref / "aggregate/thresholds.parquet")
+    th.loc[0, "batch"] += 1
+    th.to_parquet(ref / "aggregate/thresholds.parquet")
+    r = run([sys.executable, "-m", "iclnoise.cli", "paper", str(ref), "--out", str(out)], cwd=tmp_path, check=False)
+    assert r.returncode != 0 and "thresholds.parquet differs from" in r.stderr + r.stdout
+
+
 def test_a_deleted_run_is_rebuilt(finished):
     """Delete one run directory: plain `snakemake` reruns its ensemble (issue 20). The members that were
     complete rewrite their tables from their final resume state, byte for byte; the deleted run trains again,
@@ -253,4 +280,18 @@ def test_invalid_params_stop_before_any_job(tmp_path):
     assert r.returncode != 0
     out = r.stdout + r.stderr
     assert "train.lr_schedule.kind" in out and "warmup_cosine" in out
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("override, expect", [
+    ("train_threads=abc", "--config train_threads='abc': allowed: a whole number 1-256"),
+    ("train_threads=0", "--config train_threads=0: allowed: a whole number 1-256"),
+    ("train_resources=5", "--config train_resources=5: allowed: a mapping of resources"),
+    ("train_resources={mem_mb: -1}", "--config train_resources.mem_mb=-1: allowed: a whole number >= 0"),
+])
+def test_bad_run_options_stop_before_any_job_naming_the_key(tmp_path, override, expect):
+    """The `--config` keys the profiles set (train_threads, train_resources) are checked with params.yaml."""
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny_params()))
+    r = snakemake(tmp_path, "--config", override, check=False)
+    assert r.returncode != 0 and expect in r.stdout + r.stderr, (r.stdout + r.stderr)[-2000:]
     assert not (tmp_path / "results").exists()

@@ -13,6 +13,7 @@ Holm-adjusted decision, with direction words only for significant effects.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from .runs import last_step
 from .schedules import lr_lambda
 from .sections import LRSchedule, NoiseCondition, Stats
 from .tasks import M_INF, m_label
+
+log = logging.getLogger(__name__)
 
 OUTCOME_FIELDS = KEY_FIELDS + [
     pa.field("steps", pa.int64()), pa.field("sequences", pa.int64()), pa.field("diverged", pa.bool_()),
@@ -124,7 +127,9 @@ def run_outcomes(run_dir: Path, transient_tol: float) -> dict:
     m = read_parquet(run_dir / "metrics.parquet").sort_values("step")
     end = m.iloc[-1]
     w = stats.transient_ridge_window(m, transient_tol)
-    at = m[m.step == w["t_crit"]].iloc[0]
+    if w["t_crit"] < 0:
+        log.warning("%s: no checkpoint after step 0 (diverged at its first update): no t_crit", run_dir.name)
+    at = m[m.step == w["t_crit"]].iloc[0] if w["t_crit"] >= 0 else pd.Series(math.nan, index=m.columns)
     row = {**spec["keys"], "steps": int(end.step), "sequences": int(end.sequences), "diverged": bool(m.diverged.any()),
            **{k: float(end[k]) for k in ("ood_loss", "id_loss", "r", "ood_loss_ridge", "ood_loss_dmmse",
                                          "delta_dmmse", "delta_ridge", "icl_score")},
@@ -262,6 +267,16 @@ def thresholds(out: pd.DataFrame, cfg: Stats, conv: pd.DataFrame | None = None,
                              f"{mean_r.max():.2f}, needs ≤ {gates['r_low']} and ≥ {gates['r_high']})")
             fails = unconverged + fails + design
             rows.append({**base, **est, "method": method, "gates_passed": not fails, "gate_failures": "; ".join(fails)})
+    finite = out[out.M != M_INF]
+    for (B, noise), g in finite.groupby(["batch", "noise"]):
+        if g.diverged.all():   # the condition stays in the table, saying why it has no threshold
+            name = _cond(B, noise)
+            base = {"batch": B, "noise": noise, "noise_source": g.noise_source.iloc[0],
+                    "noise_schedule": g.noise_schedule.iloc[0], "emulate_batch": int(g.emulate_batch.iloc[0]),
+                    "noise_level": float(g.noise_level.iloc[0])}
+            rows += [{**base, "method": method, "reason": "no threshold: every run diverged", "gates_passed": False,
+                      "gate_failures": f"{gate} ({name}: every run with finite M diverged)"}
+                     for method, gate in (("r50", "threshold fit"), ("crossover", "crossover fit"))]
     return pd.DataFrame(rows).reindex(columns=THRESHOLD_SCHEMA.names)
 
 

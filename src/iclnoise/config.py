@@ -26,47 +26,90 @@ class ParamsError(ValueError):
 
 
 
+MAX_YAML_BYTES = 1 << 20      # a params file is a few KB; bounds parsing time and memory
+MAX_YAML_DEPTH = 32           # params.yaml nests 5 levels
+MAX_YAML_NODES = 100_000      # values after expanding aliases (a few dozen aliases can otherwise expand to 10^9)
+_STR = "tag:yaml.org,2002:str"
+
+
 class UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that rejects a key given twice in one mapping (PyYAML silently keeps the last)."""
+    """yaml.SafeLoader that rejects a key given twice in one mapping (PyYAML silently keeps the last), a key that
+    is not a string (`1:`, YAML 1.1's `on:` = true), nesting deeper than MAX_YAML_DEPTH and aliases expanding to
+    more than MAX_YAML_NODES values."""
 
     def construct_document(self, node):
-        _reject_duplicate_keys(node, [], self.name, set())
+        _check_nodes(node, [], self.name, {})
         return super().construct_document(node)
 
 
-def _reject_duplicate_keys(node: yaml.Node, path: list, name: str, seen: set) -> None:
-    if id(node) in seen:  # an alias of an anchor already checked
-        return
-    seen.add(id(node))
+def _check_nodes(node: yaml.Node, path: list, name: str, sizes: dict) -> int:
+    """Check a node and its children; returns its size with aliases expanded (memoised per node, so an alias
+    is counted, not walked, again)."""
+    if id(node) in sizes:
+        return sizes[id(node)]
+    if len(path) > MAX_YAML_DEPTH:
+        raise ParamsError(f"{name}, line {node.start_mark.line + 1}: nested deeper than {MAX_YAML_DEPTH} levels "
+                          f"(at {_key(path[:3])}...); allowed: params.yaml's sections, a few levels deep")
+    size = 1
     if isinstance(node, yaml.MappingNode):
         first: dict[str, int] = {}
         for k, v in node.value:
-            key = k.value if isinstance(k, yaml.ScalarNode) else str(k)
             line = k.start_mark.line + 1
+            if not isinstance(k, yaml.ScalarNode) or k.tag != _STR:
+                raise ParamsError(f"{name}, line {line}: key {k.value if isinstance(k, yaml.ScalarNode) else '?'!r}"
+                                  f" under {_key(path)} is not a string (YAML reads it as {k.tag.rsplit(':', 1)[-1]});"
+                                  f" allowed: string keys (quote it, e.g. \"{k.value}\":)"
+                                  if isinstance(k, yaml.ScalarNode) else
+                                  f"{name}, line {line}: a key under {_key(path)} is a list or mapping; allowed: "
+                                  f"string keys")
+            key = k.value
             if key in first:
                 raise ParamsError(f"{name}, line {line}: key {_key(path + [key])} is given twice (first at line "
                                   f"{first[key]}); allowed: each key once (YAML would silently keep the last)")
             first[key] = line
-            _reject_duplicate_keys(v, path + [key], name, seen)
+            size += _check_nodes(v, path + [key], name, sizes)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
-            _reject_duplicate_keys(item, path + [i], name, seen)
+            size += _check_nodes(item, path + [i], name, sizes)
+    if size > MAX_YAML_NODES:
+        raise ParamsError(f"{name}: {_key(path)} expands to more than {MAX_YAML_NODES:,} values (aliases "
+                          f"included); allowed: a params file of the size of params.yaml")
+    sizes[id(node)] = size
+    return size
 
 
 def read_yaml(path: str | Path) -> Any:
-    """Parse a YAML file strictly: a duplicate key or a syntax error is a ParamsError naming the file,
-    the line and the column."""
-    with open(path, encoding="utf-8") as f:
+    """Parse a YAML file strictly: a duplicate or non-string key, a syntax error, bytes that are not UTF-8, a
+    file over MAX_YAML_BYTES, nesting or alias expansion beyond the bounds above are a ParamsError naming the
+    file (and the line and column where there is one)."""
+    size = Path(path).stat().st_size
+    if size > MAX_YAML_BYTES:
+        raise ParamsError(f"{path}: {size:,} bytes; allowed: a params file up to {MAX_YAML_BYTES:,} bytes")
+    raw = Path(path).read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ParamsError(f"{path}, line {line}: byte {raw[e.start]:#04x} is not UTF-8; allowed: a UTF-8 text "
+                          f"file (save it as UTF-8)") from None
+    try:
+        loader = UniqueKeyLoader(text)
+        loader.name = str(path)
         try:
-            return yaml.load(f, Loader=UniqueKeyLoader)
-        except yaml.MarkedYAMLError as e:
-            mark = e.problem_mark or e.context_mark
-            where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "position unknown"
-            what = "; ".join(x for x in (e.context, e.problem) if x)
-            raise ParamsError(f"{path}, {where}: YAML syntax error: {what}. Allowed: YAML mappings indented with "
-                              f"spaces (no tabs); quote strings that contain ': ' or ' #'") from None
-        except yaml.YAMLError as e:
-            raise ParamsError(f"{path}: not valid YAML: {e}") from None
+            return loader.get_single_data()
+        finally:
+            loader.dispose()
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "position unknown"
+        what = "; ".join(x for x in (e.context, e.problem) if x)
+        raise ParamsError(f"{path}, {where}: YAML syntax error: {what}. Allowed: YAML mappings indented with "
+                          f"spaces (no tabs); quote strings that contain ': ' or ' #'") from None
+    except yaml.YAMLError as e:
+        raise ParamsError(f"{path}: not valid YAML: {e}") from None
+    except RecursionError:
+        raise ParamsError(f"{path}: nested too deeply to parse; allowed: nesting up to {MAX_YAML_DEPTH} "
+                          f"levels") from None
 
 
 def check_yaml_files(paths: list[str | Path]) -> None:
@@ -410,6 +453,37 @@ def switch(value: Any, key: str) -> bool:
     if str(value).strip().lower() in words:
         return words[str(value).strip().lower()]
     raise ParamsError(f"--config {key}={value!r}: use {key}=true or {key}=false")
+
+
+RESOURCE_KEY = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def run_options(config: dict) -> tuple[int, dict]:
+    """The `--config` keys that say how training jobs run (the profiles set them): train_threads, a whole number
+    1-256, and train_resources, a mapping of Snakemake resource names to whole numbers ≥ 0 or words
+    (slurm_partition). Anything else is a ParamsError naming the key and an allowed value."""
+    t = config.get("train_threads", 1)
+    if isinstance(t, bool) or not (isinstance(t, int) or str(t).strip().isdigit()) or not 1 <= int(t) <= 256:
+        raise ParamsError(f"--config train_threads={t!r}: allowed: a whole number 1-256 (threads per training job),"
+                          f" e.g. train_threads=4")
+    res = config.get("train_resources") or {}
+    if not isinstance(res, dict):
+        raise ParamsError(f"--config train_resources={res!r}: allowed: a mapping of resources, e.g. "
+                          f"\"train_resources={{mem_mb: 16000, runtime: 720, slurm_partition: gpu}}\"")
+    out = {}
+    for k, v in res.items():
+        if not isinstance(k, str) or not RESOURCE_KEY.match(k):
+            raise ParamsError(f"--config train_resources: key {k!r} is not a resource name; allowed: lower-case "
+                              f"names such as mem_mb, runtime, cpus_per_task, slurm_partition")
+        try:
+            num = float(v) if not isinstance(v, bool) and v is not None else None
+        except (TypeError, ValueError):
+            num = None  # a word, e.g. slurm_partition=gpu
+        if isinstance(v, bool) or v is None or not str(v).strip() or (num is not None and (
+                not math.isfinite(num) or num < 0 or num != int(num))):
+            raise ParamsError(f"--config train_resources.{k}={v}: allowed: a whole number >= 0 or a word")
+        out[k] = int(num) if num is not None else str(v)
+    return int(t), out
 
 
 def check_cost(params: dict, confirmed: bool = False) -> dict[str, Any]:

@@ -270,9 +270,12 @@ def crossover_threshold(slopes: pd.DataFrame, level: float = 0.95, min_seeds: in
 def transient_ridge_window(metrics: pd.DataFrame, rel_tol: float = 0.05) -> dict:
     """t_crit = step of minimal OOD loss (step > 0); departure = first later checkpoint whose OOD
     loss exceeds the minimum by more than `rel_tol` × (initial − minimal OOD loss); the window is
-    departure − t_crit (NaN when the loss never departs: no transient)."""
+    departure − t_crit (NaN when the loss never departs: no transient). A run with no checkpoint after
+    step 0 (diverged at its first update) has no dip: t_crit = departure = −1, window NaN."""
     m = metrics.sort_values("step")
     m = m[m.step > 0]
+    if m.empty:
+        return {"t_crit": -1, "departure": -1, "window": math.nan}
     i = int(m.ood_loss.to_numpy().argmin())
     steps, loss = m.step.to_numpy(), m.ood_loss.to_numpy()
     depth = metrics.sort_values("step").ood_loss.iloc[0] - loss[i]

@@ -38,8 +38,6 @@ def figure(stem, caption, category, subcategory=None):
             "pdf": f"{base}.pdf", "data": f"{base}.parquet"}
 
 
-# Cluster resources of the training jobs (one per ensemble): config key train_resources (see slurm/config.yaml).
-TRAIN_RESOURCES = {k: int(v) if str(v).isdigit() else v for k, v in (config.get("train_resources") or {}).items()}
 
 
 def train_outputs(run):

@@ -20,7 +20,7 @@ for _group, _runs in GROUPS.items():
             f"logs/train/{_group}.log",
         benchmark:
             f"benchmarks/train/{_group}.tsv"
-        threads: int(config.get("train_threads", 1))
+        threads: TRAIN_THREADS
         resources:
             **{"mem_mb": 4000, "runtime": 240, **TRAIN_RESOURCES},
         conda:

@@ -28,7 +28,7 @@ def fig_threshold_vs_noise(th: pd.DataFrame, path: str | Path) -> None:
     df["level"] = df.noise_level
     fig, ax = plt.subplots(figsize=(5.5, 4))
     # one line for batch noise across batch sizes, one per injected condition (source, shape)
-    df["series"] = np.where(df.noise_source == "batch", "batch noise", "injected: " + df.noise)
+    df["series"] = np.where(df.noise_source == "batch", "batch noise", "injected: " + df.noise.astype(str))
     colour = {label: f"C{i}" for i, label in enumerate(sorted(df.series.unique()))}
     for (label, method), g in df.groupby(["series", "method"]):
         g = g.sort_values("level")

@@ -75,8 +75,9 @@ def fig_ood_loss(metrics: pd.DataFrame, path: str | Path) -> None:
             ax.plot(mean.index + 1, mean.values, color=pal[M], lw=2, label=style.m_legend_label(M))
             for rid, r in runs.groupby("run_id"):
                 ax.plot(r.step + 1, r.ood_loss, color=pal[M], lw=0.6, alpha=0.35)
-                ax.scatter(tc.loc[rid, "t_crit"] + 1, tc.loc[rid, "ood_loss_at_t_crit"], s=22,
-                           facecolor="white", edgecolor=pal[M], zorder=3, lw=1.2)
+                if rid in tc.index:  # not for a run that diverged at its first update
+                    ax.scatter(tc.loc[rid, "t_crit"] + 1, tc.loc[rid, "ood_loss_at_t_crit"], s=22,
+                               facecolor="white", edgecolor=pal[M], zorder=3, lw=1.2)
             dm = runs.ood_loss_dmmse.iloc[0]
             if np.isfinite(dm):
                 ax.axhline(dm, color=pal[M], ls=":", lw=1, alpha=0.8)
