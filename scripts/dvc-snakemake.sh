@@ -20,5 +20,7 @@ args=(--rerun-triggers params input code software-env)
 if [[ -n ${SNAKEMAKE_PROFILE:-} ]]; then args+=(--profile "$SNAKEMAKE_PROFILE"); else args+=(--cores all); fi
 if [[ -n ${ICLNOISE_CONFIGFILE:-} ]]; then args+=(--configfile "$ICLNOISE_CONFIGFILE"); fi
 snakemake "${args[@]}" "$@"
+# every table readable before DVC records it (a corrupt file that no rule reads would be versioned as data)
+iclnoise verify results
 # directory outputs of dvc.yaml that a configuration may leave empty (ed: false writes no results/ed)
 mkdir -p results/runs results/ed results/aggregate results/figures

@@ -243,6 +243,25 @@ BAD_FILES = [
     ("tab-indent", sub("  K: 8\n", "\tK: 8\n"), [f"line {K_LINE}, column 1: YAML syntax error", "no tabs"]),
     ("unclosed-list", sub("seeds: [0, 1]", "seeds: [0, 1"), ["YAML syntax error", "column", "expected ',' or ']'"]),
     ("bad-indent", sub("  K: 8\n", "   K: 8\n"), [f"line {K_LINE}, column", "YAML syntax error"]),
+    # seeds mix 32 bits into the streams: larger ones would share a stream with a smaller one
+    ("seed-2^32", sub("seeds: [0, 1]", "seeds: [0, 4294967296]"),
+     ["grid.seeds.1 = 4294967296 is not allowed", "<= 4294967295"]),
+    ("long-condition-name", sub("noise: [none, grad_b16]", "noise: [none, " + "n" * 40 + "]"),
+     ["grid.noise.1", "1-32 lowercase letters"]),
+    # every job kind has a memory model: probes and the exposure step too
+    ("llc-set-memory", sub("    n: 1024", "    n: 1000000000"),
+     ["estimated memory of one llc job", "allowed: <= 32.0 GiB", "llc.sampler.n"]),
+    ("exposure-memory", sub("  heldout: 32", "  heldout: 1000000000"),
+     ["estimated memory of one exposure step of a training job", "exposure.heldout"]),
+    # checkpoint counts the probes can use; ED's own rules
+    ("checkpoints-huge", sub("checkpoints: {linear: 12, log: 16}", "checkpoints: {linear: 1000000000, log: 16}"),
+     ["train.checkpoints.linear = 1000000000 is not allowed", "<= 1000000"]),
+    ("checkpoints-too-many", sub("checkpoints: {linear: 12, log: 16}", "checkpoints: {linear: 5000, log: 16}"),
+     ["checkpoints per run; allowed: at most 2000"]),
+    ("checkpoints-none", sub("checkpoints: {linear: 12, log: 16}", "checkpoints: {linear: 0, log: 0}"),
+     ["gives 2 checkpoints per run; essential dynamics needs at least ed.n_pcs + 2 = 5"]),
+    ("ed-form-pcs", sub("n_form_pcs: 3", "n_form_pcs: 4"), ["ed.n_form_pcs = 4 > ed.n_pcs = 3", "n_form_pcs <= n_pcs"]),
+    ("ed-no-family", sub("M: [1, 4, 16, 64, 256, inf]", "M: [16]"), ["ed: no family has two runs"]),
     # keys that are not strings, nesting, alias expansion and size: refused before anything is built
     ("int-key", lambda t: t + "1: 2\n", ["key '1' under <top level> is not a string", "reads it as int",
                                          "allowed: string keys"]),

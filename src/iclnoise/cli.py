@@ -25,6 +25,7 @@ COMMANDS = {  # command -> (module whose `cli` (or `cli_<command>`, or the funct
     "aggregate": ("iclnoise.aggregate", "outcomes, thresholds and hypothesis tests over all runs"),
     "report": ("iclnoise.report", "results/report.md from the aggregate tables and figures"),
     "check": ("iclnoise.config", "validate a params file, print the grid and its cost estimate"),
+    "verify": ("iclnoise.commands", "read every table of a results directory; name the unreadable ones"),
     "export": ("iclnoise.paper", "copy a finished results directory's paper tables to a reference set"),
     "paper": ("iclnoise.paper", "every figure and the report again from reference sets (no training)"),
     "each": ("iclnoise.cli", "several commands in one process: iclnoise each -- llc ARGS -- geometry ARGS ..."),

@@ -168,3 +168,27 @@ def ed(argv: list[str]) -> None:
     for _, r in res["sampling"][res["sampling"].undersampled].iterrows():
         print(f"inconclusive: {r.run_id} is undersampled (checkpoints up to {r.max_gap_log:.2f} apart in log-step, "
               f"more than {MAX_GAP} × bandwidth {r.bandwidth}); its forms (or their absence) are not reliable")
+
+
+def verify(argv: list[str]) -> None:
+    """Read every Parquet and JSON file under a results directory; name each unreadable one and what to do
+    (exit 1). scripts/dvc-snakemake.sh runs it last, so `dvc repro` never records a corrupt table."""
+    from .io import CorruptFileError, read_json, read_parquet
+
+    ap = argparse.ArgumentParser(prog="iclnoise verify", description=verify.__doc__)
+    ap.add_argument("dir", nargs="?", default="results")
+    a = ap.parse_args(argv)
+    bad, n = [], 0
+    for f in sorted(Path(a.dir).rglob("*")):
+        if f.suffix not in (".parquet", ".json") or f.name.startswith("."):
+            continue
+        n += 1
+        try:
+            read_parquet(f) if f.suffix == ".parquet" else read_json(f)
+        except CorruptFileError as e:
+            bad.append(str(e))
+    for line in bad:
+        print(line)
+    print(f"{a.dir}: {n} tables read, {len(bad)} unreadable")
+    if bad:
+        raise SystemExit(1)

@@ -202,7 +202,7 @@ def _describe(err: jsonschema.ValidationError) -> str:
         return f"{key} = {err.instance!r} is not allowed; it must be {op} {err.validator_value}"
     if err.validator == "pattern":
         return (f"{key} = {err.instance!r} is not allowed; it must match {err.validator_value} "
-                f"(lowercase letters, digits, _)")
+                f"(1-32 lowercase letters, digits, _)")
     desc = s.get("description", "")
     return f"{key}: {err.message}" + (f" (allowed: {desc})" if desc else "")
 
@@ -273,6 +273,7 @@ def _cross_checks(p: dict) -> None:
     if len(set(Ms)) != len(Ms):
         raise ParamsError(f"grid.M has duplicates: {p['grid']['M']}")
     _seed_checks(p)
+    _ed_checks(p)
     _noise_checks(p)
     _memory_check(p)
     try:  # the typed sections (iclnoise.sections) build from what the schema let through
@@ -292,6 +293,33 @@ def _seed_checks(p: dict) -> None:
         if sec.get("enabled") and missing:
             raise ParamsError(f"{name}.seeds = {sec['seeds']}: seed(s) {missing} not in grid.seeds = {grid}; allowed: "
                               f"a subset of grid.seeds (those runs do not exist and would be skipped silently)")
+
+
+MAX_CHECKPOINTS = 2000  # per run: each is a file, a row, and for the probes an estimate
+
+
+def _ed_checks(p: dict) -> None:
+    """Checkpoint counts the probes can use, and the ED section's own consistency."""
+    from .schedules import checkpoints_until
+
+    c = p["train"]["checkpoints"]
+    n = [len(checkpoints_until(steps_for(p, B), c["linear"], c["log"], trained_steps(p, B)))
+         for B in p["grid"]["batch_sizes"]]
+    if max(n) > MAX_CHECKPOINTS:
+        raise ParamsError(f"train.checkpoints = {c}: {max(n)} checkpoints per run; allowed: at most "
+                          f"{MAX_CHECKPOINTS} (lower linear or log)")
+    ed = p.get("ed") or {}
+    if not ed.get("enabled"):
+        return
+    if ed["n_form_pcs"] > ed["n_pcs"]:
+        raise ParamsError(f"ed.n_form_pcs = {ed['n_form_pcs']} > ed.n_pcs = {ed['n_pcs']}: forms are read in the "
+                          f"leading PCs the PCA keeps; allowed: n_form_pcs <= n_pcs")
+    if min(n) < ed["n_pcs"] + 2:
+        raise ParamsError(f"train.checkpoints = {c} gives {min(n)} checkpoints per run; essential dynamics needs at "
+                          f"least ed.n_pcs + 2 = {ed['n_pcs'] + 2} (raise linear or log, or ed.enabled: false)")
+    if not ed_families(p):
+        raise ParamsError(f"ed: no family has two runs (by_m needs >= 2 grid.M, by_noise >= 2 grid.noise at the "
+                          f"ed.seeds {ed['seeds']}); allowed: a grid with a family, or ed.enabled: false")
 
 
 def memory_estimate(params: dict) -> dict[str, int]:
@@ -327,6 +355,40 @@ def _bytes(n: float) -> str:
     return ""
 
 
+def probe_memory_estimate(params: dict) -> dict[str, dict[str, int]]:
+    """Bytes the other job kinds plan to allocate (floors, as memory_estimate), per job and part. With
+    a = 2K·L·(10d + 2·d_mlp + 3·2K·h)·4, one sequence's activations kept for a backward pass:
+
+    exposure (inside a training job)  curvature = 3·heldout·a (Hessian-vector products: double backward)
+    llc       set = n·K·(D+1)·4 (the sampling set), chains = min(8192, chains·min(batch, n))·a·2 (one batched
+              SGLD pass, per-chain weights and gradients included in the factor 2)
+    geometry  heldout = 3·n_heldout·a·sam_batches (held-out batches, Hessian-vector products)
+    mech      probe = n_probe·a"""
+    d, m = params["data"], params["model"]
+    D, K, T = d["D"], d["K"], 2 * d["K"]
+    a = T * m["n_layers"] * (10 * m["d_model"] + 2 * m["d_mlp"] + 3 * T * m["n_heads"]) * 4
+    out: dict[str, dict[str, int]] = {}
+    exp = params.get("exposure") or {}
+    if exp.get("enabled"):
+        out["exposure"] = {"curvature": 3 * exp["heldout"] * a}
+    llc = params.get("llc") or {}
+    if llc.get("enabled"):
+        s = llc["sampler"]
+        out["llc"] = {"set": s["n"] * K * (D + 1) * 4,
+                      "chains": min(8192, s["chains"] * min(s["batch"], s["n"])) * a * 2}
+    geo = params.get("geometry") or {}
+    if geo.get("enabled"):
+        out["geometry"] = {"heldout": 3 * geo["n_heldout"] * a * geo["sam_batches"]}
+    mech = params.get("mech") or {}
+    if mech.get("enabled"):
+        out["mech"] = {"probe": mech["n_probe"] * a}
+    return out
+
+
+PROBE_KEYS = {"exposure": "exposure.heldout", "llc": "llc.sampler.n, chains and batch",
+              "geometry": "geometry.n_heldout × sam_batches", "mech": "mech.n_probe"}
+
+
 def _memory_check(p: dict) -> None:
     est = memory_estimate(p)
     if est["total"] > MAX_JOB_MEMORY:
@@ -334,6 +396,13 @@ def _memory_check(p: dict) -> None:
         raise ParamsError(f"estimated memory of one job {_bytes(est['total'])} ({parts}) is not allowed; allowed: "
                           f"<= {_bytes(MAX_JOB_MEMORY)}; the pool grows with grid.M × data.D, evaluation with "
                           f"eval.n_sequences × data.K × model.d_mlp, training with train.micro_batch")
+    for job, parts in probe_memory_estimate(p).items():
+        total = sum(parts.values()) + (est["total"] if job == "exposure" else 0)
+        if total > MAX_JOB_MEMORY:
+            detail = ", ".join(f"{k} {_bytes(v)}" for k, v in parts.items())
+            what = "job" if job != "exposure" else "step of a training job"
+            raise ParamsError(f"estimated memory of one {job} {what} {_bytes(total)} ({detail}) is not allowed; "
+                              f"allowed: <= {_bytes(MAX_JOB_MEMORY)}; it grows with {PROBE_KEYS[job]}")
 
 
 # CPU milliseconds per ensemble step = STEP_MS_BASE + runs · (STEP_MS_PER_RUN + STEP_MS_PER_MFLOP · step MFLOPs),

@@ -4,8 +4,9 @@ directory, `iclnoise paper` draws every figure and the report again from a refer
 A reference set (reference/<name>/) is a results directory without checkpoints, resume states and the large
 per-token tables: per run run.json and the per-checkpoint tables the figures and the aggregate read
 (metrics, exposure, injection, llc, stages, geometry, mech), the aggregate tables, the essential-dynamics
-tables, summary.parquet, and provenance.json (the commit, the resolved parameters, each run's spec hash,
-the package versions, the jobs' measured wall time). `iclnoise paper` copies a set to an output directory,
+tables, summary.parquet, and provenance.json (the commit and package versions the tables were written with, read
+from their Parquet metadata; the resolved parameters, each run's spec hash, the jobs' measured wall time, each
+file's sha256). `iclnoise paper` copies a set to an output directory,
 reruns the aggregate from the per-run tables (its tables must equal the committed ones: the check is printed
 and a difference fails) and the figure and report commands there.
 """
@@ -16,44 +17,19 @@ import csv
 import hashlib
 import json
 import logging
-import platform
 import shutil
-import subprocess
 import time
-from importlib import metadata
 from pathlib import Path
 
 import pandas as pd
 
-from .io import read_json, read_parquet, write_json
+from .io import read_json, read_metadata, read_parquet, write_json
 
 log = logging.getLogger(__name__)
 
 RUN_TABLES = ("run.json", "metrics.parquet", "exposure.parquet", "injection.parquet", "llc.parquet",
               "stages.parquet", "geometry.parquet", "mech.parquet")
-PACKAGES = ("torch", "numpy", "pandas", "pyarrow", "scipy", "statsmodels", "transformer-lens", "snakemake", "dvc")
 AGGREGATE_TABLES = ("outcomes.parquet", "thresholds.parquet", "tests.parquet")
-
-
-def _versions() -> dict:
-    out = {"python": platform.python_version()}
-    for p in PACKAGES:
-        try:
-            out[p] = metadata.version(p)
-        except metadata.PackageNotFoundError:
-            out[p] = None
-    return out
-
-
-def _commit(repo: Path) -> str | None:
-    try:
-        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return head + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def _job_seconds(benchmarks: Path) -> dict:
@@ -89,8 +65,9 @@ def export(results: Path, out: Path, params: dict, workdir: Path) -> dict:
     for name in ("summary.parquet", "summary.md", "report.md"):
         if (results / name).exists():
             shutil.copy2(results / name, tmp / name)
-    prov = {"commit": _commit(workdir), "exported": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "params": params, "spec_hash": specs, "versions": _versions(),
+    made = read_metadata(next((tmp / "runs").glob("*/metrics.parquet")))   # the commit the tables were made at
+    prov = {"commit": made.get("iclnoise.commit"), "exported": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "params": params, "spec_hash": specs, "versions": json.loads(made.get("iclnoise.versions", "{}")),
             "wall_time": _job_seconds(workdir / "benchmarks"),
             "sha256": {str(p.relative_to(tmp)): hashlib.sha256(p.read_bytes()).hexdigest()
                        for p in sorted(tmp.rglob("*")) if p.is_file()}}
@@ -146,7 +123,7 @@ def cli_export(argv: list[str]) -> None:
     ap.add_argument("--results", default="results")
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--configfile", nargs="*", default=[], help="the config files the workflow ran with")
-    ap.add_argument("--workdir", default=".", help="the checkout that ran the workflow (commit, benchmarks/)")
+    ap.add_argument("--workdir", default=".", help="the directory the workflow ran in (its benchmarks/)")
     ap.add_argument("--out", required=True, help="e.g. reference/science")
     a = ap.parse_args(argv)
     prov = export(Path(a.results), Path(a.out), load_params(a.params, a.configfile), Path(a.workdir))
