@@ -133,3 +133,27 @@ def test_failed_write_keeps_the_old_file(tmp_path):
     with pytest.raises((pa.ArrowException, TypeError, ValueError)):
         write_parquet(frame().assign(loss="not a number"), p, SCHEMA)
     assert p.read_bytes() == before and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_verify_names_every_unreadable_table_and_fails(tmp_path, capsys):
+    """`iclnoise verify` (the last step of the DVC stage) reads every Parquet and JSON file under a directory."""
+    import pyarrow as pa
+
+    from iclnoise.commands import verify
+    from iclnoise.io import write_json, write_parquet
+
+    schema = pa.schema([pa.field("step", pa.int64())])
+    write_parquet(pd.DataFrame({"step": [0, 1]}), tmp_path / "runs/a/metrics.parquet", schema)
+    write_json({"0": "abc"}, tmp_path / "runs/a/checkpoints.json")
+    verify([str(tmp_path)])
+    assert "2 tables read, 0 unreadable" in capsys.readouterr().out
+    good = (tmp_path / "runs/a/metrics.parquet").read_bytes()
+    (tmp_path / "runs/b").mkdir()
+    (tmp_path / "runs/b/metrics.parquet").write_bytes(good[: len(good) // 2])
+    (tmp_path / "runs/b/checkpoints.json").write_text('{"0": "ab')
+    with pytest.raises(SystemExit) as e:
+        verify([str(tmp_path)])
+    out = capsys.readouterr().out
+    assert e.value.code == 1 and "4 tables read, 2 unreadable" in out
+    assert f"{tmp_path}/runs/b/metrics.parquet: unreadable Parquet file" in out
+    assert f"{tmp_path}/runs/b/checkpoints.json: unreadable JSON file" in out
