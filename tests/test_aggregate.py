@@ -204,3 +204,24 @@ def test_runs_that_diverged_at_their_first_update_are_reported_not_crashed_on(ti
     assert (tmp_path / "figures" / "fig01_ood_loss.png").exists()
     report_cli(["--results", str(tmp_path), "--params", "{grid: {M: [1]}}", "--out", str(tmp_path / "report.md")])
     assert "every run diverged" in (tmp_path / "report.md").read_text()
+
+
+def test_an_arm_run_at_one_m_is_judged_converged_by_the_batch_noise_runs_at_its_batch():
+    """configs/science.yaml's early/late pair runs at M = 16 only: no M = ∞ run of its own. The batch-noise
+    M = ∞ runs at the same batch size (same model, data and budget) stand for it, and their failure is named."""
+    from iclnoise.aggregate import _gate_convergence, convergence
+
+    def out(ratio_inf):
+        rows = [{"batch": 64, "noise": "none", "M": M, "ood_loss": ratio_inf * 0.4 if M == -1 else 0.6,
+                 "ood_loss_ridge": 0.4, "diverged": False} for M in (1, 16, -1)]
+        rows += [{"batch": 64, "noise": arm, "M": 16, "ood_loss": 0.6, "ood_loss_ridge": 0.4, "diverged": False}
+                 for arm in ("early", "late")]
+        return pd.DataFrame(rows)
+
+    arms = out(1.05)[lambda d: d.noise != "none"]
+    assert _gate_convergence(arms, convergence(out(1.05))) == []
+    assert _gate_convergence(arms, convergence(out(1.3))) == [
+        "unconverged (early/B64: no M = ∞ run; batch noise's at batch 64 1.30× ridge's, "
+        "late/B64: no M = ∞ run; batch noise's at batch 64 1.30× ridge's)"]
+    alone = out(1.05)[lambda d: d.noise != "none"]
+    assert "nor batch-noise M = ∞ runs at batch 64" in _gate_convergence(alone, convergence(alone))[0]

@@ -185,12 +185,21 @@ def convergence(out: pd.DataFrame, tol: float = GATES["convergence_tol"]) -> pd.
 
 
 def _gate_convergence(runs: pd.DataFrame, conv: pd.DataFrame) -> list[str]:
+    """A condition converged when its M = ∞ runs did. A condition run at some M only (noise.conditions.<c>.M,
+    e.g. an early/late pair at one M) has no M = ∞ run of its own: the batch-noise runs at its batch size, the
+    same model, data and budget without injection, stand for it."""
     c = conv.set_index(["batch", "noise"])
     bad = []
     for key in sorted({(int(b), n) for b, n in zip(runs.batch, runs.noise)}):
         row = c.loc[key] if key in c.index else None
         if row is None or not row.n_inf_runs:
-            bad.append(f"{_cond(*key)}: no M = ∞ run")
+            ref = (key[0], "none")
+            row = c.loc[ref] if ref in c.index and c.loc[ref].n_inf_runs else None
+            if row is None:
+                bad.append(f"{_cond(*key)}: no M = ∞ run, nor batch-noise M = ∞ runs at batch {key[0]}")
+            elif not row.converged:
+                bad.append(f"{_cond(*key)}: no M = ∞ run; batch noise's at batch {key[0]} "
+                           f"{row.ood_loss_over_ridge:.2f}× ridge's")
         elif not row.converged:
             bad.append(f"{_cond(*key)}: M = ∞ OOD loss {row.ood_loss_over_ridge:.2f}× ridge's")
     return [f"unconverged ({', '.join(bad)})"] if bad else []

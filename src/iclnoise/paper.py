@@ -65,8 +65,10 @@ def export(results: Path, out: Path, params: dict, workdir: Path) -> dict:
     for name in ("summary.parquet", "summary.md", "report.md"):
         if (results / name).exists():
             shutil.copy2(results / name, tmp / name)
-    made = read_metadata(next((tmp / "runs").glob("*/metrics.parquet")))   # the commit the tables were made at
-    prov = {"commit": made.get("iclnoise.commit"), "exported": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    made = read_metadata(next((tmp / "runs").glob("*/metrics.parquet")))   # the commit the runs were trained at
+    agg = read_metadata(tmp / "aggregate" / "tests.parquet")                # and the one that aggregated them
+    prov = {"commit": made.get("iclnoise.commit"), "aggregate_commit": agg.get("iclnoise.commit"),
+            "exported": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "params": params, "spec_hash": specs, "versions": json.loads(made.get("iclnoise.versions", "{}")),
             "wall_time": _job_seconds(workdir / "benchmarks"),
             "sha256": {str(p.relative_to(tmp)): hashlib.sha256(p.read_bytes()).hexdigest()
