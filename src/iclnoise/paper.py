@@ -65,9 +65,12 @@ def export(results: Path, out: Path, params: dict, workdir: Path) -> dict:
     for name in ("summary.parquet", "summary.md", "report.md"):
         if (results / name).exists():
             shutil.copy2(results / name, tmp / name)
-    made = read_metadata(next((tmp / "runs").glob("*/metrics.parquet")))   # the commit the runs were trained at
-    agg = read_metadata(tmp / "aggregate" / "tests.parquet")                # and the one that aggregated them
-    prov = {"commit": made.get("iclnoise.commit"), "aggregate_commit": agg.get("iclnoise.commit"),
+    trained = [read_metadata(p) for p in sorted((tmp / "runs").glob("*/metrics.parquet"))]
+    commits = pd.Series([m.get("iclnoise.commit") for m in trained]).value_counts()   # runs trained at each commit
+    agg = read_metadata(tmp / "aggregate" / "tests.parquet")                          # the one that aggregated them
+    made = trained[0]
+    prov = {"commit": commits.index[0], "runs_per_commit": {str(k): int(v) for k, v in commits.items()},
+            "aggregate_commit": agg.get("iclnoise.commit"),
             "exported": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "params": params, "spec_hash": specs, "versions": json.loads(made.get("iclnoise.versions", "{}")),
             "wall_time": _job_seconds(workdir / "benchmarks"),
