@@ -18,6 +18,7 @@ from iclnoise.config import (
     check_cost,
     check_yaml_files,
     cost_estimate,
+    ed_families,
     expand_grid,
     load_params,
     memory_estimate,
@@ -104,6 +105,8 @@ def test_condition_restricted_to_some_m(params):
     assert {k.M for k in early} == {16, -1} and {k.batch for k in early} == {64}
     assert len(early) == 2 * len(p["grid"]["seeds"])
     assert "M" not in run_spec(p, "M16-B64-early-s0")["noise"]
+    p["noise"]["conditions"]["early"]["M"] = [16]   # one run per seed: no ED family, and the workflow says so
+    assert "bym-early-B64-s0" not in ed_families(p) and list(ed_families(p, single=True)) == ["bym-early-B64-s0"]
     p["noise"]["conditions"]["early"]["M"] = [3]
     with pytest.raises(ParamsError, match=r"noise.conditions.early.M = \[3\] shares no value with grid.M"):
         validate_params(p)

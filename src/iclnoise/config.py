@@ -660,9 +660,10 @@ def grid_ms(params: dict) -> list[int]:
     return [parse_m(M) for M in params["grid"]["M"]]
 
 
-def ed_families(params: dict) -> dict[str, list[str]]:
+def ed_families(params: dict, single: bool = False) -> dict[str, list[str]]:
     """Essential-dynamics families: name → run ids. by_m: all M at one (noise, batch, seed);
-    by_noise: all noise conditions at one (M, batch, seed) (only when there are ≥ 2 conditions)."""
+    by_noise: all noise conditions at one (M, batch, seed) (only when there are ≥ 2 conditions). A family needs
+    two runs; `single`: the would-be families of one run instead (a condition run at one M), which have none."""
     ed = params.get("ed") or {}
     if not ed.get("enabled"):
         return {}
@@ -673,7 +674,7 @@ def ed_families(params: dict) -> dict[str, list[str]]:
             fams.setdefault(f"bym-{k.noise}-B{k.batch}-s{k.seed}", []).append(k.run_id)
         if "by_noise" in ed["families"] and len(params["grid"]["noise"]) > 1:
             fams.setdefault(f"bynoise-M{m_label(k.M)}-B{k.batch}-s{k.seed}", []).append(k.run_id)
-    return {f: r for f, r in fams.items() if len(r) >= 2}
+    return {f: r for f, r in fams.items() if (len(r) == 1) == single}
 
 
 def steps_for(params: dict, batch: int) -> int:

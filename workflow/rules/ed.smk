@@ -1,4 +1,6 @@
 ED_FAMILIES = ed_families(PARAMS)
+if ed_families(PARAMS, single=True):
+    logger.info(f"ed: no family for {', '.join(ed_families(PARAMS, single=True))} (one run each: a condition at one M)")
 ED_CFG = json.dumps({k: v for k, v in PARAMS["ed"].items() if k not in ("enabled", "families", "seeds")})
 
 
