@@ -151,7 +151,10 @@ def test_a_killed_aggregate_is_rerun_by_plain_snakemake(finished):
             os.killpg(proc.pid, signal.SIGINT)
         proc.wait()
     bare = snakemake(d, "-n", "--workflow-profile", "none", check=False)
-    assert bare.returncode and "IncompleteFilesException" in bare.stdout + bare.stderr   # what the profile repairs
+    if bare.returncode:   # the kill left the outputs marked incomplete: what the profile repairs
+        assert "IncompleteFilesException" in bare.stdout + bare.stderr
+    else:                 # Snakemake removed the killed job's outputs itself before exiting (a race, seen under load)
+        assert "aggregate" in {rule for rule, _ in plan(bare.stdout)}
     r = snakemake(d, "-n")
     assert f"workflow specific profile {ROOT / 'profiles/default'}" in r.stderr
     assert "aggregate" in {rule for rule, _ in plan(r.stdout)}
