@@ -264,7 +264,6 @@ BAD_FILES = [
     ("checkpoints-none", sub("checkpoints: {linear: 12, log: 16}", "checkpoints: {linear: 0, log: 0}"),
      ["gives 2 checkpoints per run; essential dynamics needs at least ed.n_pcs + 2 = 5"]),
     ("ed-form-pcs", sub("n_form_pcs: 3", "n_form_pcs: 4"), ["ed.n_form_pcs = 4 > ed.n_pcs = 3", "n_form_pcs <= n_pcs"]),
-    ("ed-no-family", sub("M: [1, 4, 16, 64, 256, inf]", "M: [16]"), ["ed: no family has two runs"]),
     # keys that are not strings, nesting, alias expansion and size: refused before anything is built
     ("int-key", lambda t: t + "1: 2\n", ["key '1' under <top level> is not a string", "reads it as int",
                                          "allowed: string keys"]),

@@ -1,6 +1,7 @@
 ED_FAMILIES = ed_families(PARAMS)
 if ed_families(PARAMS, single=True):
-    logger.info(f"ed: no family for {', '.join(ed_families(PARAMS, single=True))} (one run each: a condition at one M)")
+    logger.info(f"ed: no family for {', '.join(ed_families(PARAMS, single=True))} (one run each: a condition at "
+                f"one M, or a grid with one M): essential dynamics needs two runs")
 ED_CFG = json.dumps({k: v for k, v in PARAMS["ed"].items() if k not in ("enabled", "families", "seeds")})
 
 
