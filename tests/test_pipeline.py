@@ -150,14 +150,16 @@ def test_a_killed_aggregate_is_rerun_by_plain_snakemake(finished):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)
         proc.wait()
+    # Where the signal lands decides what is left (all three seen on this machine): the outputs marked incomplete
+    # (what the profile repairs), or removed by Snakemake on its way out, or the job finished before Snakemake
+    # stopped (then aggregate has nothing to redo). In the first two plain snakemake must plan aggregate.
     bare = snakemake(d, "-n", "--workflow-profile", "none", check=False)
-    if bare.returncode:   # the kill left the outputs marked incomplete: what the profile repairs
+    killed = bool(bare.returncode) or "aggregate" in {rule for rule, _ in plan(bare.stdout)}
+    if bare.returncode:
         assert "IncompleteFilesException" in bare.stdout + bare.stderr
-    else:                 # Snakemake removed the killed job's outputs itself before exiting (a race, seen under load)
-        assert "aggregate" in {rule for rule, _ in plan(bare.stdout)}
     r = snakemake(d, "-n")
     assert f"workflow specific profile {ROOT / 'profiles/default'}" in r.stderr
-    assert "aggregate" in {rule for rule, _ in plan(r.stdout)}
+    assert ("aggregate" in {rule for rule, _ in plan(r.stdout)}) == killed
     snakemake(d)
     assert "Nothing to be done" in snakemake(d, "-n").stdout
 
