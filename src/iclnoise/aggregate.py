@@ -239,6 +239,13 @@ def trajectories(run_dirs: list[Path]) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=TRAJECTORY_COLUMNS)
 
 
+def _condition_fields(B: int, noise: str, g: pd.DataFrame) -> dict:
+    """A thresholds row's condition columns, from the condition's outcome rows."""
+    return {"batch": B, "noise": noise, "noise_source": g.noise_source.iloc[0],
+            "noise_schedule": g.noise_schedule.iloc[0], "emulate_batch": int(g.emulate_batch.iloc[0]),
+            "noise_level": float(g.noise_level.iloc[0])}
+
+
 def thresholds(out: pd.DataFrame, cfg: Stats, conv: pd.DataFrame | None = None,
                traj: pd.DataFrame | None = None) -> pd.DataFrame:
     """M* per (batch, noise) condition by both methods, each with its validity gates: convergence, a threshold that
@@ -255,9 +262,7 @@ def thresholds(out: pd.DataFrame, cfg: Stats, conv: pd.DataFrame | None = None,
         mean_r = g.groupby("M").r.mean()
         unconverged = _gate_convergence(out[(out.batch == B) & (out.noise == noise)], conv)
         design = _gate_seeds(g, gates["min_seeds"]) + _gate_equal_data(g, gates["data_tol"])
-        base = {"batch": B, "noise": noise, "noise_source": g.noise_source.iloc[0],
-                "noise_schedule": g.noise_schedule.iloc[0], "emulate_batch": int(g.emulate_batch.iloc[0]),
-                "noise_level": float(g.noise_level.iloc[0]), "r_min": float(mean_r.min()), "r_max": float(mean_r.max())}
+        base = {**_condition_fields(B, noise, g), "r_min": float(mean_r.min()), "r_max": float(mean_r.max())}
         t = traj[traj.run_id.isin(g.run_id)]
         ests = {"r50": stats.threshold_with_ci(g, level=1 - cfg.alpha, min_seeds=gates["min_seeds"], alpha=cfg.alpha),
                 "crossover": stats.crossover_threshold(stats.pull_slopes(t), level=1 - cfg.alpha,
@@ -280,11 +285,8 @@ def thresholds(out: pd.DataFrame, cfg: Stats, conv: pd.DataFrame | None = None,
     for (B, noise), g in finite.groupby(["batch", "noise"]):
         if g.diverged.all():   # the condition stays in the table, saying why it has no threshold
             name = _cond(B, noise)
-            base = {"batch": B, "noise": noise, "noise_source": g.noise_source.iloc[0],
-                    "noise_schedule": g.noise_schedule.iloc[0], "emulate_batch": int(g.emulate_batch.iloc[0]),
-                    "noise_level": float(g.noise_level.iloc[0])}
-            rows += [{**base, "method": method, "reason": "no threshold: every run diverged", "gates_passed": False,
-                      "gate_failures": f"{gate} ({name}: every run with finite M diverged)"}
+            rows += [{**_condition_fields(B, noise, g), "method": method, "reason": "no threshold: every run diverged",
+                      "gates_passed": False, "gate_failures": f"{gate} ({name}: every run with finite M diverged)"}
                      for method, gate in (("r50", "threshold fit"), ("crossover", "crossover fit"))]
     return pd.DataFrame(rows).reindex(columns=THRESHOLD_SCHEMA.names)
 
