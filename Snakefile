@@ -7,8 +7,9 @@ from pathlib import Path
 
 from snakemake.utils import min_version
 
-from iclnoise.config import (ParamsError, check_cost, check_yaml_files, ed_families, ensemble_groups, expand_grid,
-                             format_cost, parse_run_id, run_options, shared_spec, switch, validate_params)
+from iclnoise.config import ParamsError, check_yaml_files, run_options, switch, validate_params
+from iclnoise.cost import check_cost, format_cost
+from iclnoise.grid import ed_families, ensemble_groups, expand_grid, parse_run_id, shared_spec
 
 min_version("9.0")
 
@@ -60,5 +61,6 @@ rule all:
         rules.training_figures.output,
         rules.llc_figures.output if PARAMS["llc"]["enabled"] else [],
         rules.aggregate.output,
+        rules.aggregate_figures.output,
         rules.report.output,
     default_target: True

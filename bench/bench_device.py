@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from iclnoise.config import load_params, run_spec
+from iclnoise.config import load_params
+from iclnoise.grid import run_spec
 from iclnoise.model import ModelConfig, build_model, mse_loss
 from iclnoise.probes import sampling_data
 from iclnoise.sections import LLCConfig

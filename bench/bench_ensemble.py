@@ -24,7 +24,8 @@ import pandas as pd
 import torch
 import yaml
 
-from iclnoise.config import ensemble_groups, run_spec, validate_params
+from iclnoise.config import validate_params
+from iclnoise.grid import ensemble_groups, run_spec
 from iclnoise.train import train_ensemble
 
 

@@ -24,7 +24,8 @@ import time
 import torch
 import yaml
 
-from iclnoise.config import run_spec, validate_params
+from iclnoise.config import validate_params
+from iclnoise.grid import run_spec
 from iclnoise.model import ModelConfig, build_model
 from iclnoise.train import train_ensemble
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from iclnoise.config import run_spec, validate_params
+from iclnoise.config import validate_params
+from iclnoise.grid import run_spec
 from iclnoise.io import read_parquet
 from iclnoise.train import train_run
 

@@ -6,14 +6,19 @@ import pandas as pd
 import pytest
 
 from iclnoise.aggregate import OUTCOMES_SCHEMA
-from iclnoise.aggregate import cli as aggregate_cli
+from iclnoise.commands.results import aggregate as aggregate_cli
+from iclnoise.commands.results import aggregate_figures as aggregate_figures_cli
+from iclnoise.commands.results import report as report_cli
+from iclnoise.config import load_params
 from iclnoise.evaluate import METRICS_SCHEMA
+from iclnoise.grid import run_spec
 from iclnoise.io import read_parquet, write_json, write_parquet
 from iclnoise.llc import LLC_SCHEMA
-from iclnoise.report import cli as report_cli
-from iclnoise.stats import logistic
+from iclnoise.thresholds import logistic
 
-STATS = json.dumps({"alpha": 0.05, "equivalence_margin": 0.05, "transient_tol": 0.05})  # params.yaml stats
+STATS = json.dumps({"stats": {"alpha": 0.05, "equivalence_margin": 0.05, "transient_tol": 0.05}})  # params.yaml
+
+PARAMS = load_params("params.yaml")
 
 
 def fake_run(root, M, B, seed, r_end, diverged=False, llc=None, ood_end=0.8, steps=1000, ridge=0.4, llc_flags=False,
@@ -22,8 +27,9 @@ def fake_run(root, M, B, seed, r_end, diverged=False, llc=None, ood_end=0.8, ste
     rid = f"M{'inf' if M == -1 else M}-B{B}-none-s{seed}"
     d = root / rid
     keys = {"run_id": rid, "M": M, "seed": seed, "batch": B, "noise": "none"}
-    spec = {"keys": keys, "noise": {"source": "none"},
-            "train": {"steps": steps, "budget": {}, "optimizer": {"lr": 0.01}, "lr_schedule": {"kind": "constant"}}}
+    spec = {**run_spec(PARAMS, rid), "keys": keys}
+    spec["train"].update(steps=steps, budget={"mode": "steps", "steps": steps}, lr_schedule={"kind": "constant"})
+    spec["train"]["optimizer"]["lr"] = 0.01
     write_json(spec, d / "run.json")
     rows = []
     ood = [1.0, 0.6, 0.7, 0.7 + 0.5 * (ood_end - 0.7), 0.7 + 0.75 * (ood_end - 0.7), ood_end]
@@ -68,7 +74,8 @@ def test_aggregate_outcomes_thresholds_tests_and_report(runs):
     fitted, but every threshold and every verdict that ran is gated and reads 'inconclusive'."""
     root, dirs = runs
     out = root / "aggregate"
-    aggregate_cli([str(d) for d in dirs] + ["--out", str(out), "--cfg", STATS, "--figures", str(root / "figures")])
+    aggregate_cli([str(d) for d in dirs] + ["--out", str(out), "--cfg", STATS])
+    aggregate_figures_cli(["--aggregate", str(out), "--out-dir", str(root / "figures")])
     o = read_parquet(out / "outcomes.parquet")
     assert list(o.columns) == OUTCOMES_SCHEMA.names                 # one schema whichever probes ran
     assert len(o) == len(dirs) and o.diverged.sum() == 1            # diverged run kept and flagged
@@ -98,7 +105,7 @@ def test_aggregate_outcomes_thresholds_tests_and_report(runs):
     assert m["thresholds"]["none/B64"]["M_star"] == pytest.approx(64, rel=0.25)
     assert m["thresholds_crossover"]["none/B64"]["M_star"] == pytest.approx(64, rel=0.25)
     assert not any(t["gates_passed"] for t in m["tests"].values())
-    report_cli(["--results", str(root), "--params", "{grid: {M: [1]}}", "--out", str(root / "report.md")])
+    report_cli(["--results", str(root), "--cfg", '{"grid": {"M": [1]}}', "--out", str(root / "report.md")])
     text = (root / "report.md").read_text()
     assert "Hypothesis verdicts" in text and "not run" in text and "grid:" in text
     shows = text.split("## What this run shows")[1].split("\n## ")[0]
@@ -119,7 +126,8 @@ def test_planted_clean_transition_passes_every_gate_and_recovers_m_star(tmp_path
             # every run's first LLC estimate is flagged (as at initialisation), its final one is not
             dirs.append(fake_run(tmp_path / "runs", M, 16, seed, r, ood_end=0.42, llc=5.0, llc_flags=True, pull=pull))
     out = tmp_path / "aggregate"
-    aggregate_cli([str(d) for d in dirs] + ["--out", str(out), "--cfg", STATS, "--figures", str(tmp_path / "figures")])
+    aggregate_cli([str(d) for d in dirs] + ["--out", str(out), "--cfg", STATS])
+    aggregate_figures_cli(["--aggregate", str(out), "--out-dir", str(tmp_path / "figures")])
     for th in read_parquet(out / "thresholds.parquet").itertuples():   # r50, then crossover
         assert th.gates_passed and th.gate_failures == "" and th.reason == "", th
         assert th.M_star_lo <= 32 <= th.M_star_hi and th.M_star == pytest.approx(32, rel=0.3)
@@ -179,12 +187,13 @@ def test_exposure_and_geometry_tables_reach_the_outcomes(tmp_path):
 
 
 def test_runs_that_diverged_at_their_first_update_are_reported_not_crashed_on(tiny, tmp_path):
-    """Real runs whose first loss is above train.diverge_loss stop at step 0 with one metrics row. Aggregate,
-    figure 1 and the report go through: no t_crit (−1), the condition's thresholds say 'every run diverged'."""
+    """Real runs whose first loss is above train.diverge_loss stop at step 0 with one metrics row. Aggregate, its
+    figures, figure 1 and the report go through: no t_crit (−1), the condition's thresholds say 'every run
+    diverged'."""
     import copy
 
-    from iclnoise.config import run_spec
-    from iclnoise.figures.training import cli as figures_cli
+    from iclnoise.commands.results import figures as figures_cli
+    from iclnoise.grid import run_spec
     from iclnoise.train import train_ensemble
 
     p = copy.deepcopy(tiny)
@@ -194,7 +203,8 @@ def test_runs_that_diverged_at_their_first_update_are_reported_not_crashed_on(ti
     train_ensemble([run_spec(p, r) for r in ids], dirs, progress=False)
     assert all(len(read_parquet(d / "metrics.parquet")) == 1 for d in dirs)
     out = tmp_path / "aggregate"
-    aggregate_cli([str(d) for d in dirs] + ["--out", str(out), "--cfg", STATS, "--figures", str(tmp_path / "figures")])
+    aggregate_cli([str(d) for d in dirs] + ["--out", str(out), "--cfg", STATS])
+    aggregate_figures_cli(["--aggregate", str(out), "--out-dir", str(tmp_path / "figures")])
     o = read_parquet(out / "outcomes.parquet")
     assert o.diverged.all() and (o.t_crit == -1).all() and (o.steps == 0).all()
     th = read_parquet(out / "thresholds.parquet")
@@ -202,14 +212,14 @@ def test_runs_that_diverged_at_their_first_update_are_reported_not_crashed_on(ti
     assert not th.gates_passed.any() and th.gate_failures.str.contains("every run with finite M diverged").all()
     figures_cli(["--out-dir", str(tmp_path), *[str(d / "metrics.parquet") for d in dirs]])
     assert (tmp_path / "figures" / "fig01_ood_loss.png").exists()
-    report_cli(["--results", str(tmp_path), "--params", "{grid: {M: [1]}}", "--out", str(tmp_path / "report.md")])
+    report_cli(["--results", str(tmp_path), "--cfg", '{"grid": {"M": [1]}}', "--out", str(tmp_path / "report.md")])
     assert "every run diverged" in (tmp_path / "report.md").read_text()
 
 
 def test_an_arm_run_at_one_m_is_judged_converged_by_the_batch_noise_runs_at_its_batch():
     """configs/science.yaml's early/late pair runs at M = 16 only: no M = ∞ run of its own. The batch-noise
     M = ∞ runs at the same batch size (same model, data and budget) stand for it, and their failure is named."""
-    from iclnoise.aggregate import _gate_convergence, convergence
+    from iclnoise.verdicts import _gate_convergence, convergence
 
     def out(ratio_inf):
         rows = [{"batch": 64, "noise": "none", "M": M, "ood_loss": ratio_inf * 0.4 if M == -1 else 0.6,

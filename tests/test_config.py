@@ -12,23 +12,10 @@ import pytest
 import yaml
 
 from iclnoise import cli as iclnoise_cli
-from iclnoise.config import (
-    COST_CONFIRM_CORE_HOURS,
-    ParamsError,
-    check_cost,
-    check_yaml_files,
-    cost_estimate,
-    ed_families,
-    expand_grid,
-    load_params,
-    memory_estimate,
-    merge_params,
-    parse_run_id,
-    read_yaml,
-    run_spec,
-    schema,
-    validate_params,
-)
+from iclnoise.config import ParamsError, check_yaml_files, load_params, merge_params, read_yaml, validate_params
+from iclnoise.cost import COST_CONFIRM_CORE_HOURS, check_cost, cost_estimate, job_memory
+from iclnoise.grid import ed_families, expand_grid, parse_run_id, run_spec
+from iclnoise.sections import Data, Eval, Model, schema
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +96,23 @@ def test_condition_restricted_to_some_m(params):
     assert "bym-early-B64-s0" not in ed_families(p) and list(ed_families(p, single=True)) == ["bym-early-B64-s0"]
     p["noise"]["conditions"]["early"]["M"] = [3]
     with pytest.raises(ParamsError, match=r"noise.conditions.early.M = \[3\] shares no value with grid.M"):
+        validate_params(p)
+
+
+def test_steps_as_batch_trains_another_batch_s_steps(params):
+    """configs/noise.yaml's grad_b16_steps: at batch 64 it trains the steps batch 16 takes on the sequence budget
+    (4× the sequences), and the cost estimate counts them; with a budget in steps the key is refused."""
+    p = copy.deepcopy(params)
+    p["grid"].update(M=[16], batch_sizes=[16, 64], noise=["none", "grad_b16"])
+    before = cost_estimate(p)["run_steps"]
+    p["noise"]["conditions"]["grad_b16"]["steps_as_batch"] = 16
+    validate_params(p)
+    n16 = p["train"]["budget"]["sequences"] // 16
+    assert run_spec(p, "M16-B64-grad_b16-s0")["train"]["steps"] == n16
+    assert run_spec(p, "M16-B64-none-s0")["train"]["steps"] == n16 // 4
+    assert cost_estimate(p)["run_steps"] - before == len(p["grid"]["seeds"]) * (n16 - n16 // 4)
+    p["train"]["budget"].update(mode="steps", steps=100)
+    with pytest.raises(ParamsError, match="steps_as_batch needs train.budget.mode: sequences"):
         validate_params(p)
 
 
@@ -233,7 +237,7 @@ BAD_FILES = [
      ["grid.M.3 = 1099511627776", "1 <= M <= 1048576 (2^20)", "'inf'"]),
     ("pool-memory", both(sub("M: [1, 4, 16, 64, 256, inf]", "M: [1, 4, 16, 64, 1048576, inf]"),
                          sub("  D: 4\n", "  D: 4096\n")),
-     ["estimated memory of one job", "pool 64.2 GiB", "allowed: <= 32.0 GiB", "grid.M × data.D"]),
+     ["estimated memory of one job", "pool 128.4 GiB", "allowed: <= 32.0 GiB", "grid.M × data.D"]),  # 2 seeds' pools
     ("eval-memory", sub("n_sequences: 1024", "n_sequences: 100000000"),
      ["estimated memory of one job", "allowed: <= 32.0 GiB", "eval.n_sequences"]),
     # duplicate keys, with file and line
@@ -324,7 +328,12 @@ def test_the_shipped_configs_are_valid_with_their_overrides():
     for override in ("configs/noise.yaml", "configs/paper.yaml"):
         p = load_params("params.yaml", [override])
         assert p["data"] == yaml.safe_load(Path(override).read_text()).get("data", p["data"])
-    assert load_params("params.yaml", ["configs/noise.yaml"])["llc"]["enabled"] is False
+    # configs/noise.yaml goes on top of configs/science.yaml: science's runs plus H3 at batch 16's steps
+    p = load_params("params.yaml", ["configs/science.yaml", "configs/noise.yaml"])
+    science = load_params("params.yaml", ["configs/science.yaml"])
+    extra = set(expand_grid(p)) - set(expand_grid(science))
+    assert {k.noise for k in extra} == {"grad_b16_steps"} and set(expand_grid(science)) <= set(expand_grid(p))
+    assert {run_spec(p, k.run_id)["train"]["steps"] for k in extra} == {640_000 // 16}
 
 
 def test_schema_is_draft_2020_12_and_validated_once():
@@ -376,7 +385,7 @@ def test_cost_estimate_counts_the_dag():
 def test_cost_prices_only_the_injection_windows_steps_at_the_injected_rate():
     """An early or late arm injects on `fraction` of its steps: its training costs plain · (1 + (f − 1) · fraction),
     f = INJECTED_FACTOR[source] (measured, bench/bench_noise.py); a constant schedule pays f on every step."""
-    from iclnoise.config import INJECTED_FACTOR, step_ms
+    from iclnoise.cost import INJECTED_FACTOR, step_ms
 
     def train_hours(noise, **cond):
         p = load_params("params.yaml", ["configs/noise.yaml"])
@@ -397,7 +406,7 @@ def test_probed_checkpoints_match_a_real_run():
     schedule (runs.select_steps on schedules.checkpoint_steps, as iclnoise.probes does): 7 LLC, 5 geometry
     and 2 mech checkpoints of 24 (checked against llc.parquet, geometry.parquet and mech.parquet of
     M16-B64-none-s0 in a default DAG run of 9baea51)."""
-    from iclnoise.config import probed_checkpoints
+    from iclnoise.cost import probed_checkpoints
     p = load_params("params.yaml")
     assert [probed_checkpoints(p, 64, s) for s in ("llc", "geometry", "mech")] == [7, 5, 2]
 
@@ -436,7 +445,7 @@ def test_check_cost_refuses_a_large_grid_without_confirmation():
 
 
 def test_check_command_prints_the_estimate(capsys):
-    from iclnoise.config import cli
+    from iclnoise.commands.runs import check as cli
     cli(["params.yaml"])
     out = capsys.readouterr().out
     est = cost_estimate(load_params("params.yaml"))
@@ -491,8 +500,9 @@ def test_pool_memory_estimate_matches_a_measured_peak():
             "dmmse(b.xs, b.ys, pool, 0.125)\nprint((kb('VmHWM:') - r0) * 1024)\n")
     measured = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     p = yaml.safe_load(Path("params.yaml").read_text())
-    p["grid"]["M"], p["data"]["D"] = [M], D
-    evaluator_part = memory_estimate(p)["pool"] - M * D * 4
+    p["data"]["D"] = D
+    evaluator_part = job_memory(Data.from_dict(p["data"]), Model.from_dict(p["model"]), Eval.from_dict(p["eval"]), 64,
+                                [M])["pool"] - M * D * 4
     assert 0.7 * evaluator_part < measured < 1.3 * evaluator_part, (measured, evaluator_part)
 
 

@@ -13,11 +13,14 @@ import pandas as pd
 import pytest
 import torch
 
+from iclnoise.config import load_params
 from iclnoise.evaluate import Evaluator
+from iclnoise.grid import run_spec
 from iclnoise.predictors import delta, dmmse, ridge
 from iclnoise.schedules import checkpoint_steps
-from iclnoise.stats import crossover_threshold, pull_slopes, sign_change
-from iclnoise.tasks import M_INF, eval_set, task_pool
+from iclnoise.sections import RunSpec
+from iclnoise.tasks import M_INF, eval_set, m_label, task_pool
+from iclnoise.thresholds import crossover_threshold, pull_slopes, sign_change
 
 DEFAULT_CK = np.array(checkpoint_steps(10_000, 12, 16)[1:]) * 16   # the default's batch-16 checkpoints
 SPARSE_CK = np.array(checkpoint_steps(10_000, 4, 4)[1:]) * 16      # 7 checkpoints, 3 in the late half
@@ -139,14 +142,15 @@ def test_crossover_reasons():
 @pytest.mark.parametrize("M", [4, M_INF])
 def test_evaluator_logs_delta_on_new_tasks(M):
     """ood_delta_* = Δ(f, dMMSE_M of the run's pool) and Δ(f, ridge) on the OOD sequences; NaN dMMSE for M = ∞."""
-    spec = {"keys": {"M": M}, "data": {"D": 3, "K": 6, "noise_var": 0.125, "pool_seed": 0},
-            "eval": {"n_sequences": 40, "n_root": 4, "icl_tokens": [1, 6], "eval_seed": 7}}
+    spec = run_spec(load_params("params.yaml"), f"M{m_label(M)}-B16-none-s0")
+    spec.update(data={"D": 3, "K": 6, "noise_var": 0.125, "pool_seed": 0},
+                eval={"n_sequences": 40, "n_root": 4, "icl_tokens": [1, 6], "eval_seed": 7})
 
     class Model(torch.nn.Module):
         def forward(self, xs, ys):
             return xs[..., 0] + 0.1 * ys
 
-    m, _, _ = Evaluator(spec)(Model())
+    m, _, _ = Evaluator(RunSpec.of(spec))(Model())
     b = eval_set("ood", M, 40, 6, 3, 0.125, 0, 7)
     f = Model()(b.xs, b.ys)
     assert m["ood_delta_ridge"] == pytest.approx(delta(f, ridge(b.xs, b.ys, 0.125), 3))

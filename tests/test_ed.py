@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from iclnoise.config import read_yaml
+from iclnoise.config import load_params, read_yaml
 from iclnoise.ed import (
     bootstrap_curves,
     cusps,
@@ -42,9 +42,10 @@ from iclnoise.ed import (
     vertices,
 )
 from iclnoise.evaluate import METRICS_SCHEMA, root_preds_schema
+from iclnoise.grid import run_spec
 from iclnoise.io import read_parquet, write_json, write_parquet
 from iclnoise.schedules import checkpoint_steps
-from iclnoise.sections import ED
+from iclnoise.sections import ED, Data, Eval
 
 TOTAL = 2500
 NOISE = 0.005   # per-checkpoint noise of the observed curve, as a fraction of each PC's standard deviation
@@ -245,8 +246,9 @@ def fake_run(root, M, seed=0, steps=(0, 1, 2, 4, 8, 17, 35, 71, 145, 296, 603, 9
     rid = f"M{M}-B8-none-s{seed}"
     d = root / rid
     keys = {"run_id": rid, "M": M, "seed": seed, "batch": 8, "noise": "none"}
-    spec = {"keys": keys, "data": {"D": D, "K": K, "noise_var": 0.125, "pool_seed": 0},
-            "eval": {"n_root": n_root, "eval_seed": 1}}
+    spec = {**run_spec(load_params("params.yaml"), rid), "keys": keys,   # a full spec, its data and eval ours
+            "data": {"D": D, "K": K, "noise_var": 0.125, "pool_seed": 0},
+            "eval": {"n_sequences": n_root, "n_root": n_root, "eval_seed": 1, "icl_tokens": [1, K]}}
     write_json(spec, d / "run.json")
     rng = np.random.default_rng(M)
     target, side = rng.standard_normal(n_root * K), rng.standard_normal(n_root * K)
@@ -264,18 +266,19 @@ def fake_run(root, M, seed=0, steps=(0, 1, 2, 4, 8, 17, 35, 71, 145, 296, 603, 9
 
 
 def test_cli_end_to_end_and_predictor_projection(tmp_path):
-    from iclnoise.commands import ed as cli
-    from iclnoise.figures.ed import cli_ed_figures
+    from iclnoise.commands.probes import ed as cli
+    from iclnoise.commands.results import ed_figures as cli_ed_figures
 
     dirs = [fake_run(tmp_path / "runs", M) for M in (1, 4, 16)]
-    cfg = json.dumps({**read_yaml("params.yaml")["ed"], "n_boot": 10})
+    cfg = json.dumps({"ed": {**read_yaml("params.yaml")["ed"], "n_boot": 10}})
     cli([str(d) for d in dirs] + ["--family", "fam", "--out", str(tmp_path / "ed"), "--cfg", cfg])
     pcs = read_parquet(tmp_path / "ed/pcs.parquet")
     assert set(pcs.kind) == {"run", "dmmse", "ridge"} and set(pcs[pcs.kind == "dmmse"].M) == {1, 4, 16}
     assert len(pcs[pcs.kind == "run"]) == 3 * 17 * 3
     X = np.concatenate([np.stack(read_parquet(d / "root_preds.parquet").preds.to_numpy()) for d in dirs]).astype(float)
     _, comps, mean, _ = joint_pca(X, 3)
-    ridge_vec = predictor_vectors(json.loads((dirs[0] / "run.json").read_text()), [1])["ridge"]
+    spec = json.loads((dirs[0] / "run.json").read_text())
+    ridge_vec = predictor_vectors(Data.from_dict(spec["data"]), Eval.from_dict(spec["eval"]), [1])["ridge"]
     np.testing.assert_allclose(pcs[pcs.kind == "ridge"].sort_values("pc").value, (ridge_vec - mean) @ comps.T,
                                rtol=1e-6)
     samp = read_parquet(tmp_path / "ed/sampling.parquet")

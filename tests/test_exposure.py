@@ -8,6 +8,7 @@ from torch import nn
 
 from iclnoise.adam import adam_preconditioner
 from iclnoise.exposure import (
+    AdamState,
     b_simple,
     ggn_curvature,
     grad_noise,
@@ -152,7 +153,8 @@ def test_live_preconditioner_matches_the_checkpointed_one(tiny_model):
         opt.zero_grad()
         mse_loss(model, tiny_model[1], tiny_model[2]).backward()
         opt.step()
-    torch.testing.assert_close(preconditioner(opt), adam_preconditioner(opt.state_dict(), list(model.parameters())))
+    want = adam_preconditioner(opt.state_dict(), list(model.parameters()))
+    torch.testing.assert_close(preconditioner(AdamState.of_torch(opt)), want)
 
 
 def test_summaries_integrate_rows_over_their_intervals():
@@ -179,7 +181,7 @@ def test_preconditioner_uses_each_param_groups_own_eps_and_zeroes_dead_coordinat
     root = torch.tensor([1.0, 0.0, 2.0, 3.0, 4.0])   # sqrt(v̂_1) = |g|
     want = 1 / (root + torch.tensor([1e-8, 1e-8, 1e-8, 1e-1, 1e-1]))
     want[1] = 0                                        # never-updated coordinate: a = 0, not 1/δ
-    torch.testing.assert_close(preconditioner(opt), want)
+    torch.testing.assert_close(preconditioner(AdamState.of_torch(opt)), want)
 
 
 def test_dead_coordinates_are_the_zero_or_round_off_second_moments_whatever_eps():
@@ -224,9 +226,9 @@ def test_update_variance_matches_real_adamw_steps_and_calibrates_kappa_to_one(be
             m2.w.grad = g.clone()
             o2.step()
             real.append((m2.w - model.w).detach())
-        v = update_innovation_variance(opt, G, 64)
+        v = update_innovation_variance(AdamState.of_torch(opt), G, 64)
         assert v == pytest.approx(float(torch.stack(real).var(0).sum()), rel=1e-6)
-        a = preconditioner(opt, fallback_grads=False)
+        a = preconditioner(AdamState.of_torch(opt), fallback_grads=False)
         noise = grad_noise(G, 4)
         obs.append(v)
         pred.append(1e-6 * float((a.square() * noise.diag).sum()) / 64)

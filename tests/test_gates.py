@@ -3,9 +3,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from iclnoise.aggregate import OUTCOMES_SCHEMA, _row, _verdicts, h1_noise_beyond_eta_b, hypothesis_tests
+from iclnoise.aggregate import OUTCOMES_SCHEMA
+from iclnoise.verdicts import _row, _verdicts, h1_noise_beyond_eta_b, hypothesis_tests
 from iclnoise.sections import Stats
-from iclnoise.stats import logistic
+from iclnoise.thresholds import logistic
 
 CFG = Stats(alpha=0.05, equivalence_margin=0.05, transient_tol=0.05)
 
@@ -158,3 +159,27 @@ def test_noise_condition_aliased_with_eta_b_is_not_tested():
 def test_a_test_without_p_value_is_inconclusive():
     v = _verdicts([_row("H1", "a", "r", p=float("nan"), words=("r increases", "no evidence"))], 0.05)
     assert v.verdict.iloc[0] == "inconclusive: degenerate test (p undefined)" and not v.gates_passed.iloc[0]
+
+
+def test_h3_at_equal_steps_is_gated_on_steps_and_matched_exposure():
+    """An arm that trains batch 16's steps at batch 64 (steps_as_batch) sees 4× the sequences: its H3 row is gated
+    on equal steps and matched realised exposure, not equal data, and it stays out of H1 / H2 / H4 (which compare
+    runs at the sequence budget)."""
+    df = planted(np.random.default_rng(7))
+    df["steps"], df["steps_as_batch"] = np.where(df.batch == 16, 4000, 1000), 0
+    df["integrated_pne"] = np.where(df.batch == 16, 0.5, 0.12)          # equal data: a quarter of batch 16's
+    steps = df[df.noise == "grad_b16"].assign(noise="grad_b16_steps", steps_as_batch=16, steps=4000,
+                                              sequences=256_000, integrated_pne=0.55)
+    t = hypothesis_tests(pd.concat([df, steps], ignore_index=True), CFG)
+    h3 = t[t.hypothesis == "H3"].set_index("term")
+    at_data, at_steps = h3.loc["batch 16 − grad_b16"], h3.loc["batch 16 − grad_b16_steps"]
+    assert at_data.verdict == "inconclusive: unmatched exposure (batch 16 0.5, grad_b16 0.12 integrated P-NE*)"
+    assert at_steps.gates_passed and "equal steps" in at_steps.test and at_steps.verdict.startswith("equivalent")
+    h1 = t[(t.hypothesis == "H1") & (t.outcome == "r")].iloc[0]
+    assert h1.n == len(df.query("M != -1")) and "unequal data" not in h1.verdict
+    # exposure 0.8 against 0.5 (60 % more) fails the 25 % gate; steps that differ fail the steps gate
+    t = hypothesis_tests(pd.concat([df, steps.assign(integrated_pne=0.8)], ignore_index=True), CFG)
+    assert "unmatched exposure (batch 16 0.5, grad_b16_steps 0.8" in t.set_index("term").loc[
+        "batch 16 − grad_b16_steps"].verdict
+    t = hypothesis_tests(pd.concat([df, steps.assign(steps=3000)], ignore_index=True), CFG)
+    assert "unequal steps (3,000–4,000)" in t.set_index("term").loc["batch 16 − grad_b16_steps"].verdict

@@ -139,7 +139,7 @@ def test_verify_names_every_unreadable_table_and_fails(tmp_path, capsys):
     """`iclnoise verify` (the last step of the DVC stage) reads every Parquet and JSON file under a directory."""
     import pyarrow as pa
 
-    from iclnoise.commands import verify
+    from iclnoise.commands.runs import verify
     from iclnoise.io import write_json, write_parquet
 
     schema = pa.schema([pa.field("step", pa.int64())])

@@ -50,7 +50,7 @@ def stand_in(tmp_path: Path) -> Path:
     (pkg / "figures" / "__init__.py").write_text("")
     (pkg / "figures" / "style.py").write_text("")
     for name in names:
-        if name.startswith("iclnoise.") and name != "iclnoise.figures":
+        if name.startswith("iclnoise.") and name != "iclnoise.figures" and "*" not in name:
             (pkg / f"{name.split('.', 1)[1]}.py").write_text("")
     return tmp_path
 
@@ -65,7 +65,9 @@ def test_stand_in_keeps_every_contract(tmp_path: Path) -> None:
     [
         ({"ed.py": "from .figures import style\n"}, "formulas"),  # a formula drawing through figures/
         ({"llc.py": "def f():\n    from . import runs\n"}, "formulas"),  # even a lazy import counts
-        ({"geometry.py": "import argparse\n"}, "formulas-pure"),
+        ({"geometry.py": "import argparse\n"}, "parse-in-commands"),
+        ({"aggregate.py": "import argparse\n"}, "parse-in-commands"),   # outside the command layer, nowhere
+        ({"paper.py": "from . import cli\n"}, "commands-top"),
         ({"mech.py": "import matplotlib.pyplot\n"}, "formulas-pure"),
         ({"train.py": "from .figures import style\n"}, "run-level"),
         ({"hooks.py": "from . import aggregate\n"}, "run-level"),
@@ -78,6 +80,13 @@ def test_planted_import_breaks_its_contract(tmp_path: Path, planted: dict[str, s
         (src / "iclnoise" / name).write_text(text)
     code, out, broken = lint_imports(src)
     assert code != 0 and broken == {contract}, out
+
+
+def test_the_command_layer_parses_arguments(tmp_path: Path) -> None:
+    src = stand_in(tmp_path)
+    (src / "iclnoise" / "commands.py").write_text("import argparse\n")
+    code, out, broken = lint_imports(src)
+    assert code == 0 and not broken, out
 
 
 def test_every_module_has_a_tier() -> None:

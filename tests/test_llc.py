@@ -338,7 +338,7 @@ def test_full_batch_uses_the_whole_set_and_matches_the_loop():
 def test_llc_for_run_is_byte_identical_on_rerun(tiny, tmp_path):
     """The per-run step reads checkpoints through iclnoise.runs, writes no wall-clock column, and a rerun
     rewrites llc.parquet byte for byte (issue 20)."""
-    from iclnoise.config import run_spec
+    from iclnoise.grid import run_spec
     from iclnoise.probes import llc_for_run
     from iclnoise.train import train_run
 
@@ -371,7 +371,7 @@ def test_a_killed_llc_job_resumes_from_its_finished_passes(tiny, tmp_path, monke
     checkpoint's chains draw from their own seeded generators, whichever pass they are in). A partial file
     written under other sampler settings is not reused. Also: `at: {steps: [...]}` picks the nearest."""
     from iclnoise import probes
-    from iclnoise.config import run_spec
+    from iclnoise.grid import run_spec
     from iclnoise.train import train_run
 
     run = tmp_path / "run"

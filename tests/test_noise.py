@@ -9,12 +9,14 @@ import pytest
 import torch
 from test_exposure import half_mse, linreg_case
 
-from iclnoise.config import run_spec, validate_params
-from iclnoise.exposure import grad_noise, group_grads, preconditioner
-from iclnoise.hooks import ExposureState, NoiseInjector, NoiseMeter, StepContext
+from iclnoise.config import read_yaml, validate_params
+from iclnoise.exposure import AdamState, grad_noise, group_grads, preconditioner
+from iclnoise.grid import run_spec
+from iclnoise.hooks import ExposureState, NoiseMeter, StepContext
+from iclnoise.injection import NoiseInjector
 from iclnoise.io import read_parquet
 from iclnoise.noise import CovModel, psd_clip, shaped_covariance, target_at
-from iclnoise.sections import Exposure, NoiseCondition
+from iclnoise.sections import Exposure, RunSpec
 from iclnoise.tasks import Batch
 from iclnoise.train import train_ensemble, train_run
 
@@ -91,16 +93,17 @@ def test_psd_clip_projects_the_whole_matrix_not_its_parts():
     assert removed == pytest.approx(1.0) and float(torch.linalg.eigvalsh(cov.dense()).min()) > -1e-12
 
 def _ctx(model, opt, xs, ys, step, lr, mb):
-    return StepContext(step, 10_000, model, opt, Batch(xs, ys, xs[:, 0]), mb, lr, half_mse, None)
+    return StepContext(step, 10_000, model, AdamState.of_torch(opt), Batch(xs, ys, xs[:, 0]), mb, lr, half_mse, None)
 
 
 def _injection_spec(source, emulate, B, shape="diagonal", every=10 ** 9):  # tests set the covariance themselves
-    return {"keys": {"run_id": "t", "seed": 0, "batch": B},
-            "train": {"steps": 10 ** 6, "grad_clip": None, "optimizer": {"betas": [0.9, 0.999]}},
-            "noise": {"source": source, "shape": shape, "schedule": "constant", "emulate_batch": emulate},
-            "exposure": {"enabled": True, "every": every, "groups": B, "per_example": True, "kappa": None,
-                         "curvature": "ggn", "curvature_probes": 2, "curvature_every": 25, "heldout": 8, "floor": 1e-12,
-                         "eig_rank": 2}}
+    spec = run_spec(validate_params(read_yaml("params.yaml")), f"Minf-B{B}-none-s0")
+    spec["train"].update(steps=10 ** 6, grad_clip=None)
+    spec["noise"] = {"source": source, "shape": shape, "schedule": "constant", "emulate_batch": emulate}
+    spec["exposure"] = {"enabled": True, "every": every, "groups": B, "per_example": True, "kappa": None,
+                        "curvature": "ggn", "curvature_probes": 2, "curvature_every": 25, "heldout": 8, "floor": 1e-12,
+                        "eig_rank": 2}
+    return spec
 
 
 def _meter(spec):
@@ -110,8 +113,7 @@ def _meter(spec):
 
 
 def _injector(spec):
-    return NoiseInjector(spec, NoiseCondition.from_dict(spec["noise"]), Exposure.from_dict(spec["exposure"]),
-                         _meter(spec), ExposureState(), torch.device("cpu"))
+    return NoiseInjector(RunSpec.of(spec), _meter(spec), ExposureState(), torch.device("cpu"))
 
 
 def test_gradient_injection_emulating_a_smaller_batch_matches_its_update_noise():
@@ -128,7 +130,7 @@ def test_gradient_injection_emulating_a_smaller_batch_matches_its_update_noise()
         half_mse(model, xs, ys).backward()
         opt.step()
     state0, w0 = copy.deepcopy(opt.state_dict()), model.w.detach().clone()
-    a = preconditioner(opt)
+    a = preconditioner(AdamState.of_torch(opt))
 
     def updates(B, inject_to=None, reps=1500):
         out = []
@@ -173,11 +175,11 @@ def test_parameter_injection_has_covariance_eta2_A_R_A():
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     opt.state[model.weight] = {"step": torch.tensor(10.0), "exp_avg": torch.zeros(1, 5, dtype=torch.float64),
                                "exp_avg_sq": torch.linspace(0.5, 4.0, 5, dtype=torch.float64).view(1, 5)}
-    a = preconditioner(opt)
+    a = preconditioner(AdamState.of_torch(opt))
     lr, draws = 0.1, []
     for step in range(1, 20001):
         w = model.weight.detach().clone()
-        ctx = StepContext(step, 10 ** 6, model, opt, None, 16, lr, half_mse, None)
+        ctx = StepContext(step, 10 ** 6, model, AdamState.of_torch(opt), None, 16, lr, half_mse, None)
         inj.on_grads(ctx)
         inj.on_update(ctx)
         draws.append((model.weight.detach() - w).reshape(-1))
@@ -197,11 +199,11 @@ def test_isotropic_parameter_noise_is_isotropic_in_parameter_space():
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     opt.state[model.weight] = {"step": torch.tensor(10.0), "exp_avg": torch.zeros(1, 5, dtype=torch.float64),
                                "exp_avg_sq": torch.linspace(0.5, 4.0, 5, dtype=torch.float64).view(1, 5)}
-    a = preconditioner(opt)
+    a = preconditioner(AdamState.of_torch(opt))
     draws = []
     for step in range(1, 20001):
         w = model.weight.detach().clone()
-        ctx = StepContext(step, 10 ** 6, model, opt, None, 16, 0.1, half_mse, None)
+        ctx = StepContext(step, 10 ** 6, model, AdamState.of_torch(opt), None, 16, 0.1, half_mse, None)
         inj.on_grads(ctx)
         inj.on_update(ctx)
         draws.append((model.weight.detach() - w).reshape(-1))
@@ -275,7 +277,7 @@ class _Reference:
         J = torch.func.jacrev(lambda p: torch.func.functional_call(ctx.model, p, (held.xs, held.ys)))(params)
         J = torch.cat([J[n].reshape(held.ys.numel(), -1) for n in names], dim=1).double()
         diag_g = J.square().sum(0) * 2 / (held.ys.numel() * held.xs.shape[-1])   # mse_loss = mean (f − y)² / D
-        self._a = preconditioner(ctx.optimizer).double()
+        self._a = preconditioner(ctx.adam).double()
         self._g2 = float(sum(p.grad.double().square().sum() for p in ctx.model.parameters()))   # before injection
         self._curv = max(self.inj.floor, float((self._a.square() * diag_g).sum()))
 
@@ -304,7 +306,7 @@ def test_early_and_late_realise_their_budget_by_specs_definition_where_A_moves_f
     saturated) and late 0.87×. The injection never swamps the gradient: the clipping factor c² of every
     injecting step is ≥ 0.2 of what it would be without the injected noise (measured minimum 0.25; the loop caps
     the scale at SATURATION·max(|g|², G²/10)/Tr R', which bounds the expected ratio at 1/(1 + SATURATION) = 0.1)."""
-    import iclnoise.train as train_mod
+    import iclnoise.ensemble as train_mod  # Member.setup builds the hooks
     made, build = [], train_mod.build_hooks
 
     def with_reference(spec, device):

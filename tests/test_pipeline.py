@@ -108,6 +108,7 @@ def test_any_deleted_output_is_rebuilt_by_plain_snakemake_and_nothing_else(finis
         "results/summary.md": "training_figures",
         "results/figures/fig04_llc_over_training.pdf": "llc_figures",
         "results/aggregate/tests.md": "aggregate",
+        "results/figures/fig08_early_late.parquet": "aggregate_figures",
         "results/report.md": "report",
     }
     aside = {f: tmp_path / str(i) for i, f in enumerate(made_by)}
@@ -236,17 +237,18 @@ def test_a_killed_llc_leaves_no_partial_file_and_reruns_to_the_same_bytes(finish
     d = finished
     run_dir = d / "results/runs/M4-B16-none-s0"
     ref = (run_dir / "llc.parquet").read_bytes()
-    sampler = json.dumps(yaml.safe_load((d / "params.yaml").read_text())["llc"]["sampler"])
-    cmd = [str(Path(BIN) / "iclnoise"), "llc", "--run-dir", str(run_dir), "--sampler", sampler, "--every", "1"]
-    for delay in (0.5, 2.0):
+    llc = yaml.safe_load((d / "params.yaml").read_text())["llc"]
+    cmd = [str(Path(BIN) / "iclnoise"), "llc", "--run-dir", str(run_dir), "--cfg"]
+    for delay in (0.5, 2.0):   # at every checkpoint: longer, more moments to be killed at
         (run_dir / "llc.parquet").unlink(missing_ok=True)
-        proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd + [json.dumps({"llc": {**llc, "every": 1}})], env=ENV, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         if (run_dir / "llc.parquet").exists():   # it finished before the kill: then it must be whole
             read_parquet(run_dir / "llc.parquet")
-    run(cmd[:-2] + ["--every", "3"], d)
+    run(cmd + [json.dumps({"llc": llc})], d)
     assert (run_dir / "llc.parquet").read_bytes() == ref
 
 
@@ -260,11 +262,10 @@ def test_a_killed_aggregate_leaves_no_partial_file_and_reruns_to_the_same_tables
     import pandas as pd
 
     d = finished
-    stats = json.dumps(yaml.safe_load((d / "params.yaml").read_text())["stats"])
+    stats = json.dumps({"stats": yaml.safe_load((d / "params.yaml").read_text())["stats"]})
     runs = sorted(str(p) for p in (d / "results/runs").iterdir())
-    out, figs = tmp_path / "aggregate", tmp_path / "figures"
-    cmd = [str(Path(BIN) / "iclnoise"), "aggregate", *runs, "--out", str(out), "--figures", str(figs),
-           "--cfg", stats]
+    out = tmp_path / "aggregate"
+    cmd = [str(Path(BIN) / "iclnoise"), "aggregate", *runs, "--out", str(out), "--cfg", stats]
     for delay in (1.0, 3.0):
         proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(delay)

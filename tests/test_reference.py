@@ -13,7 +13,6 @@ from iclnoise.io import read_parquet
 from iclnoise.runs import spec_hash
 
 ROOT = Path(__file__).resolve().parents[1]
-SCIENCE = ROOT / "reference" / "science"
 # The committed run trained in a 12-run ensemble (stacked weights), this one alone, and CI's CPU may round float32
 # differently. Measured on this machine, 74 steps: largest relative difference 3.9e-6 with the native kernels and
 # with AVX2 on 2 threads, 2.6e-6 with the portable kernels on 1 thread (scripts/test-float.sh's orders), in
@@ -21,25 +20,36 @@ SCIENCE = ROOT / "reference" / "science"
 RTOL, ATOL = 1e-4, 1e-6
 
 
-def test_science_reference_has_its_provenance():
-    prov = json.loads((SCIENCE / "provenance.json").read_text())
-    runs = sorted(p.name for p in (SCIENCE / "runs").iterdir())
+SETS = sorted(p for p in (ROOT / "reference").iterdir() if (p / "provenance.json").exists())
+
+
+def test_the_reference_sets_fit_the_budget():
+    assert {p.name for p in SETS} >= {"science", "noise"}
+    assert sum(p.stat().st_size for s in SETS for p in s.rglob("*") if p.is_file()) < 50 * 2**20
+
+
+@pytest.mark.parametrize("ref", SETS, ids=lambda p: p.name)
+def test_a_reference_set_has_its_provenance(ref):
+    prov = json.loads((ref / "provenance.json").read_text())
+    runs = sorted(p.name for p in (ref / "runs").iterdir())
     assert sorted(prov["spec_hash"]) == runs and len(runs) >= 48
     for r in runs:   # each run's spec is the one the hash names, and the parameters say the same grid
-        assert spec_hash(json.loads((SCIENCE / "runs" / r / "run.json").read_text())) == prov["spec_hash"][r]
+        assert spec_hash(json.loads((ref / "runs" / r / "run.json").read_text())) == prov["spec_hash"][r]
     assert prov["params"]["data"]["D"] == 5 and prov["commit"] and prov["versions"]["torch"]
     import hashlib
+    files = {str(p.relative_to(ref)) for p in ref.rglob("*") if p.is_file() and p.name != "provenance.json"}
+    assert set(prov["sha256"]) == files
     for name, digest in prov["sha256"].items():
-        assert hashlib.sha256((SCIENCE / name).read_bytes()).hexdigest() == digest, name
-    assert sum(p.stat().st_size for p in SCIENCE.rglob("*") if p.is_file()) < 50 * 2**20
+        assert hashlib.sha256((ref / name).read_bytes()).hexdigest() == digest, name
 
 
-@pytest.mark.parametrize("run", ["M16-B64-none-s0"])
-def test_the_first_steps_of_a_science_run_retrain_to_its_committed_rows(tmp_path, run):
+@pytest.mark.parametrize("ref, run", [("science", "M16-B64-none-s0"), ("noise", "M16-B64-grad_b16_steps-s0")])
+def test_the_first_steps_of_a_reference_run_retrain_to_its_committed_rows(tmp_path, ref, run):
+    """The injected run (noise) also checks the injection: its first steps draw the low-rank noise."""
     from iclnoise.train import train_run
 
-    committed = read_parquet(SCIENCE / "runs" / run / "metrics.parquet").sort_values("step")
-    spec = copy.deepcopy(json.loads((SCIENCE / "runs" / run / "run.json").read_text()))
+    committed = read_parquet(ROOT / "reference" / ref / "runs" / run / "metrics.parquet").sort_values("step")
+    spec = copy.deepcopy(json.loads((ROOT / "reference" / ref / "runs" / run / "run.json").read_text()))
     stop = int(committed.step[committed.step <= 100].max())
     spec["train"]["budget"]["stop_at"] = stop
     spec["train"]["device"] = "cpu"

@@ -25,6 +25,7 @@ from iclnoise.sections import (
     LRSchedule,
     Mech,
     NoiseCondition,
+    RunSpec,
     Stages,
     Stats,
     all_sections,
@@ -237,17 +238,17 @@ def test_no_module_reads_a_params_key_with_an_inline_default():
 def test_build_hooks_reads_the_typed_sections_and_names_a_missing_key():
     import torch
 
-    from iclnoise.config import run_spec
-    from iclnoise.hooks import build_hooks
+    from iclnoise.ensemble import build_hooks
+    from iclnoise.grid import run_spec
 
     p = validate_params(read_yaml("params.yaml"))
     spec = run_spec(p, "M4-B64-late-s0")
-    logger, inj = build_hooks(spec, torch.device("cpu"))
+    logger, inj = build_hooks(RunSpec.of(spec), torch.device("cpu"))
     T, late = spec["train"]["steps"], p["noise"]["conditions"]["late"]
     assert (logger.name, inj.name, inj.shape, inj.budget) == ("exposure", "injection", "diagonal", late["budget"])
     assert (inj.start, inj.stop) == (T - round(late["fraction"] * T), T)
     assert logger.n_heldout == p["exposure"]["heldout"]
-    assert build_hooks(run_spec(p, "M4-B64-grad_b16-s0"), torch.device("cpu"))[1].rank == 4
+    assert build_hooks(RunSpec.of(run_spec(p, "M4-B64-grad_b16-s0")), torch.device("cpu"))[1].rank == 4
     del spec["exposure"]["heldout"]
     with pytest.raises(ValueError, match="exposure.heldout is missing"):
-        build_hooks(spec, torch.device("cpu"))
+        RunSpec.of(spec)

@@ -5,20 +5,8 @@ import pytest
 from statsmodels.stats.multitest import multipletests
 from statsmodels.stats.weightstats import ttost_ind
 
-from iclnoise.stats import (
-    correlation,
-    crossing,
-    fit_threshold,
-    holm,
-    logistic,
-    logistic4,
-    manipulation_lr_test,
-    mixed_model,
-    paired_test,
-    threshold_with_ci,
-    tost,
-    transient_ridge_window,
-)
+from iclnoise.stats import correlation, holm, manipulation_lr_test, mixed_model, paired_test, tost
+from iclnoise.thresholds import crossing, fit_threshold, logistic, logistic4, threshold_with_ci, transient_ridge_window
 
 
 def planted_threshold(x0=6.0, s=0.8, seeds=4, noise=0.03, seed=0):

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 import torch
 
-from iclnoise.config import run_spec
+from iclnoise.grid import run_spec
 from iclnoise.io import CorruptFileError, read_parquet
 from iclnoise.model import ModelConfig, build_model, mse_loss
 from iclnoise.runs import (
@@ -295,7 +295,7 @@ def test_killed_process_resumes_to_the_same_numbers(tiny, tmp_path):
     import time
     from pathlib import Path
 
-    from iclnoise.config import shared_spec
+    from iclnoise.grid import shared_spec
 
     p = copy.deepcopy(tiny)
     p["train"]["budget"]["steps"] = 240

@@ -13,7 +13,8 @@ ICL="python3 -m iclnoise.cli"
 mkdir -p "$R" "$OUT"
 python3 - "$R" "$MODE" <<'EOF'
 import json, sys
-from iclnoise.config import ensemble_groups, load_params, shared_spec
+from iclnoise.config import load_params
+from iclnoise.grid import ensemble_groups, shared_spec
 R, mode = sys.argv[1:]
 p = load_params("params.yaml", ["configs/hoogland.yaml"])
 if mode == "smoke":
@@ -23,8 +24,7 @@ if mode == "smoke":
 (group, runs), = ensemble_groups(p).items()
 json.dump(shared_spec(p, runs), open(f"{R}/spec.json", "w"))
 open(f"{R}/runs.txt", "w").write(",".join(runs))
-json.dump(p["llc"]["sampler"], open(f"{R}/sampler.json", "w"))
-json.dump(p["llc"]["at"], open(f"{R}/at.json", "w"))
+json.dump({"llc": p["llc"]}, open(f"{R}/llc.json", "w"))   # iclnoise llc --cfg: the llc section
 EOF
 t0=$(date +%s)
 $ICL train --spec "@$R/spec.json" --runs "$(cat "$R/runs.txt")" --results "$R" --threads 4 --no-progress \
@@ -32,7 +32,7 @@ $ICL train --spec "@$R/spec.json" --runs "$(cat "$R/runs.txt")" --results "$R" -
 echo "train: $(( $(date +%s) - t0 )) s"
 t0=$(date +%s)
 for run in $(tr , ' ' < "$R/runs.txt"); do   # both runs' chains share the GPU
-  $ICL llc --run-dir "$R/runs/$run" --sampler "$(cat "$R/sampler.json")" --at "$(cat "$R/at.json")" \
+  $ICL llc --run-dir "$R/runs/$run" --cfg "@$R/llc.json" \
     --device "${LLC_DEVICE:-cuda}" --threads 4 > "$OUT/llc_$run.log" 2>&1 &
 done
 wait

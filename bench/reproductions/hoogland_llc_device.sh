@@ -23,17 +23,14 @@ s = {**p["llc"]["sampler"], **json.loads(sys.argv[1])}
 key = [0, 984, 2490, 5050, 12221, 40000]
 rest = [t for t in p["llc"]["at"]["steps"] if t not in key]
 for name, sampler, steps in [("key", s, key), ("b256", {**s, "batch": 256}, key), ("rest", s, rest)]:
-    json.dump({"sampler": sampler, "at": {"steps": steps}}, open(f"/tmp/{name}.json", "w"))
+    json.dump({"llc": {**p["llc"], "sampler": sampler, "at": {"steps": steps}}}, open(f"/tmp/{name}.json", "w"))
 EOF
 for phase in key b256 rest; do
   t=$(left); [ "$t" -gt 30 ] || { echo "$phase: no time left"; continue; }
   rm -rf "/tmp/$phase"; mkdir -p "/tmp/$phase"; cp -r "$R"/Minf-B256-none-s* "/tmp/$phase/"
-  cfg=$(cat "/tmp/$phase.json")
-  s=$(python3 -c "import json,sys; print(json.dumps(json.loads(sys.argv[1])['sampler']))" "$cfg")
-  a=$(python3 -c "import json,sys; print(json.dumps(json.loads(sys.argv[1])['at']))" "$cfg")
   t1=$(date +%s)
   for run in /tmp/$phase/Minf-B256-none-s*; do
-    timeout "$t" python3 -m iclnoise.cli llc --run-dir "$run" --sampler "$s" --at "$a" --device "${LLC_DEVICE:-cuda}" \
+    timeout "$t" python3 -m iclnoise.cli llc --run-dir "$run" --cfg "@/tmp/$phase.json" --device "${LLC_DEVICE:-cuda}" \
       --threads 4 > "$run.log" 2>&1 &
   done
   wait

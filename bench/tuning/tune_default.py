@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from iclnoise.config import load_params, run_spec
+from iclnoise.config import load_params
+from iclnoise.grid import run_spec
 from iclnoise.train import train_run
 
 try:  # the ensemble engine (main from 8a99ebc): all runs of one batch size in one vmapped process

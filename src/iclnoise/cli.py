@@ -1,4 +1,8 @@
-"""`iclnoise [--log-level LEVEL] <command> ...`: the entry points the Snakemake rules call (one module per command).
+"""`iclnoise [--log-level LEVEL] <command> ...`: the entry points the Snakemake rules call.
+
+COMMANDS maps each command to `iclnoise.commands.<topic>:<function>`, the function named as the command with
+- as _; it parses the command's arguments (iclnoise.commands). `iclnoise each -- A ... -- B ...` runs several
+commands in one process, in order.
 
 Logging is configured once, here: records go to stderr as `LEVEL iclnoise <command> module: message`, at the
 level of `--log-level` (anywhere on the command line), else $ICLNOISE_LOG_LEVEL, else INFO. Modules log with
@@ -11,25 +15,32 @@ import logging
 import os
 import sys
 
-COMMANDS = {  # command -> (module whose `cli` (or `cli_<command>`, or the function named in commands) runs it, help)
-    "train": ("iclnoise.train", "train runs as one ensemble (resumes from their resume states)"),
-    "figures": ("iclnoise.figures.training", "training-curve figures (SPEC §12 fig. 1) and the summary table"),
-    "llc": ("iclnoise.commands", "local learning coefficient per checkpoint of a run"),
-    "llc-calibrate": ("iclnoise.commands", "sweep SGLD step size / localization on one checkpoint"),
-    "stages": ("iclnoise.commands", "developmental stages from a run's LLC curve"),
-    "llc-figures": ("iclnoise.figures.llc", "figures 3 (loss and LLC against M) and 4 (LLC over training)"),
-    "ed": ("iclnoise.commands", "essential dynamics of a family of runs"),
-    "ed-figures": ("iclnoise.figures.ed", "figures 2 and 5 from results/ed/<family>"),
-    "geometry": ("iclnoise.commands", "Hessian trace, top eigenvalue, SAM sharpness per checkpoint"),
-    "mech": ("iclnoise.commands", "attention, head ablation, layer-norm and linear probes per checkpoint"),
-    "aggregate": ("iclnoise.aggregate", "outcomes, thresholds and hypothesis tests over all runs"),
-    "report": ("iclnoise.report", "results/report.md from the aggregate tables and figures"),
-    "check": ("iclnoise.config", "validate a params file, print the grid and its cost estimate"),
-    "verify": ("iclnoise.commands", "read every table of a results directory; name the unreadable ones"),
-    "export": ("iclnoise.paper", "copy a finished results directory's paper tables to a reference set"),
-    "paper": ("iclnoise.paper", "every figure and the report again from reference sets (no training)"),
-    "each": ("iclnoise.cli", "several commands in one process: iclnoise each -- llc ARGS -- geometry ARGS ..."),
+COMMANDS = {  # command -> ("iclnoise.commands.<topic>:<command with - as _>", help)
+    "train": ("iclnoise.commands.runs:train", "train runs as one ensemble (resumes from their resume states)"),
+    "check": ("iclnoise.commands.runs:check", "validate a params file, print the grid and its cost estimate"),
+    "verify": ("iclnoise.commands.runs:verify", "read every table of a results directory; name the unreadable ones"),
+    "llc": ("iclnoise.commands.probes:llc", "local learning coefficient per checkpoint of a run"),
+    "llc-calibrate": ("iclnoise.commands.probes:llc_calibrate", "sweep SGLD step size / localization on one "
+                      "checkpoint"),
+    "stages": ("iclnoise.commands.probes:stages", "developmental stages from a run's LLC curve"),
+    "geometry": ("iclnoise.commands.probes:geometry", "Hessian trace, top eigenvalue, SAM sharpness per checkpoint"),
+    "mech": ("iclnoise.commands.probes:mech", "attention, head ablation, layer-norm and linear probes per "
+             "checkpoint"),
+    "ed": ("iclnoise.commands.probes:ed", "essential dynamics of a family of runs"),
+    "figures": ("iclnoise.commands.results:figures", "training-curve figures (SPEC §12 fig. 1) and the summary "
+                "table"),
+    "llc-figures": ("iclnoise.commands.results:llc_figures", "figures 3 (loss and LLC against M) and 4 (LLC over "
+                    "training)"),
+    "ed-figures": ("iclnoise.commands.results:ed_figures", "figures 2 and 5 from results/ed/<family>"),
+    "aggregate": ("iclnoise.commands.results:aggregate", "outcomes, thresholds and hypothesis tests over all runs"),
+    "aggregate-figures": ("iclnoise.commands.results:aggregate_figures", "figures 6-10 from the aggregate tables"),
+    "report": ("iclnoise.commands.results:report", "results/report.md from the aggregate tables and figures"),
+    "export": ("iclnoise.commands.results:export", "copy a finished results directory's paper tables to a "
+               "reference set"),
+    "paper": ("iclnoise.commands.results:paper", "every figure and the report again from reference sets (no "
+              "training)"),
 }
+EACH = "several commands in one process: iclnoise each -- llc ARGS -- geometry ARGS ..."
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_ENV = "ICLNOISE_LOG_LEVEL"
 
@@ -74,15 +85,16 @@ def setup_logging(level: str, command: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     level, argv = pop_log_level(argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        width = max(map(len, COMMANDS))
-        lines = "\n".join(f"  {c:<{width}}  {h}" for c, (_, h) in COMMANDS.items())
+    if not argv or argv[0] in ("-h", "--help") or (argv[0] not in COMMANDS and argv[0] != "each"):
+        helps = {**{c: h for c, (_, h) in COMMANDS.items()}, "each": EACH}
+        width = max(map(len, helps))
+        lines = "\n".join(f"  {c:<{width}}  {h}" for c, h in helps.items())
         print(f"usage: iclnoise [--log-level {{{','.join(LEVELS)}}}] <command> [options]\n\n"
               f"commands:\n{lines}\n\nlog level: --log-level, else ${LOG_ENV}, else INFO")
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
     cmds = split_each(argv[1:]) if argv[0] == "each" else [argv]
     for cmd in cmds:  # all checked before the first runs
-        if not cmd or cmd[0] not in COMMANDS or cmd[0] == "each":
+        if not cmd or cmd[0] not in COMMANDS:
             raise SystemExit(f"iclnoise each: {cmd[:1]} is not a command; allowed: {', '.join(COMMANDS)}")
     for cmd in cmds:
         run_command(level, cmd)
@@ -104,10 +116,8 @@ def split_each(argv: list[str]) -> list[list[str]]:
 
 def run_command(level: str, argv: list[str]) -> None:
     setup_logging(level, argv[0])
-    module = importlib.import_module(COMMANDS[argv[0]][0])
-    name = argv[0].replace("-", "_")
-    fn = getattr(module, name if module.__name__ == "iclnoise.commands" else "cli_" + name, None) or module.cli
-    fn(argv[1:])
+    module, name = COMMANDS[argv[0]][0].split(":")
+    getattr(importlib.import_module(module), name)(argv[1:])
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ import pyarrow as pa
 
 from .io import KEY_FIELDS
 from .predictors import dmmse, ridge
-from .sections import ED
+from .sections import ED, Data, Eval
 from .tasks import M_INF, eval_set, task_pool
 
 MAX_GAP = 1.5  # largest checkpoint gap inside the margins, in bandwidths, for a run to be analysable
@@ -315,12 +315,11 @@ def bootstrap_curves(X: np.ndarray, mean: np.ndarray, comps: np.ndarray, n_seq: 
     return np.stack(out)
 
 
-def predictor_vectors(spec: dict, Ms: list[int]) -> dict[str, np.ndarray]:
+def predictor_vectors(d: Data, e: Eval, Ms: list[int]) -> dict[str, np.ndarray]:
     """Flattened dMMSE_M (each finite M) and ridge predictions on the root-task sequences."""
-    d, e = spec["data"], spec["eval"]
-    b = eval_set("root", 1, e["n_root"], d["K"], d["D"], d["noise_var"], d["pool_seed"], e["eval_seed"])
-    out = {"ridge": ridge(b.xs, b.ys, d["noise_var"]).numpy().ravel()}
+    b = eval_set("root", 1, e.n_root, d.K, d.D, d.noise_var, d.pool_seed, e.eval_seed)
+    out = {"ridge": ridge(b.xs, b.ys, d.noise_var).numpy().ravel()}
     for M in Ms:
         if M != M_INF:
-            out[f"dmmse_{M}"] = dmmse(b.xs, b.ys, task_pool(d["pool_seed"], M, d["D"]), d["noise_var"]).numpy().ravel()
+            out[f"dmmse_{M}"] = dmmse(b.xs, b.ys, task_pool(d.pool_seed, M, d.D), d.noise_var).numpy().ravel()
     return out

@@ -1,7 +1,7 @@
 """Per-checkpoint behavioural metrics against dMMSE_M and ridge on fixed evaluation sets (SPEC §3).
 
 Δ to both predictors is logged on the in-distribution set (q_M: ridge-likeness r) and on the OOD set (new tasks,
-q_∞, with dMMSE_M of the run's pool: the anchor's crossover threshold, stats.crossover_threshold)."""
+q_∞, with dMMSE_M of the run's pool: the anchor's crossover threshold, thresholds.crossover_threshold)."""
 from __future__ import annotations
 
 import functools
@@ -14,6 +14,7 @@ import torch
 
 from .io import KEY_FIELDS
 from .predictors import delta, dmmse, icl_score, ridge, ridge_likeness, token_losses
+from .sections import RunSpec
 from .tasks import M_INF, Batch, eval_set, pool_for
 
 METRICS_SCHEMA = pa.schema(KEY_FIELDS + [
@@ -60,7 +61,7 @@ def _split(kind: str, M: int, n: int, K: int, D: int, noise_var: float, pool_see
     because the OOD and root sets (and their ridge predictions) are the same for every run of an ensemble, and
     dMMSE_M on them the same for every seed of one M."""
     b = eval_set(kind, M, n, K, D, noise_var, pool_seed, eval_seed)
-    pool = pool_for(M, {"pool_seed": pool_seed, "D": D})
+    pool = pool_for(M, pool_seed, D)
     dm = None if pool is None else dmmse(b.xs, b.ys, pool, noise_var)
     return b, dm, ridge(b.xs, b.ys, noise_var)
 
@@ -68,14 +69,14 @@ def _split(kind: str, M: int, n: int, K: int, D: int, noise_var: float, pool_see
 class Evaluator:
     """Holds the fixed evaluation sets and the predictors' outputs on them (computed once)."""
 
-    def __init__(self, spec: dict, device: torch.device | str = "cpu"):
-        d, e = spec["data"], spec["eval"]
-        self.M, self.D, self.K = spec["keys"]["M"], d["D"], d["K"]
-        self.icl_tokens = e["icl_tokens"]
+    def __init__(self, spec: RunSpec, device: torch.device | str = "cpu"):
+        d, e = spec.data, spec.eval
+        self.M, self.D, self.K = spec.keys.M, d.D, d.K
+        self.icl_tokens = e.icl_tokens
         self.device = device
         self.splits: dict[str, _Split] = {}
-        for kind, n in (("id", e["n_sequences"]), ("ood", e["n_sequences"]), ("root", e["n_root"])):
-            b, dm, rd = _split(kind, self.M, n, d["K"], d["D"], d["noise_var"], d["pool_seed"], e["eval_seed"])
+        for kind, n in (("id", e.n_sequences), ("ood", e.n_sequences), ("root", e.n_root)):
+            b, dm, rd = _split(kind, self.M, n, d.K, d.D, d.noise_var, d.pool_seed, e.eval_seed)
             self.splits[kind] = _Split(b.to(device), None if dm is None else dm.to(device), rd.to(device))
         self.reference = self._reference_losses()
 

@@ -27,7 +27,7 @@ import pyarrow as pa
 import torch
 from torch.func import functional_call, grad, vmap
 
-from .adam import adam_root, precondition
+from .adam import precondition
 from .geometry import FlatLoss
 from .io import KEY_FIELDS
 
@@ -108,31 +108,50 @@ def leading_eigs(factor: torch.Tensor, a: torch.Tensor | None, r: int) -> tuple[
     return lam, alpha, pr
 
 
-def preconditioner(opt: torch.optim.Optimizer, fallback_grads: bool = True) -> torch.Tensor | None:
-    """Flat a = 1/(sqrt(v̂) + δ) from a live Adam(W) optimizer (bias-corrected second moment, each parameter
-    group with its own β2 and δ; a = 0 on coordinates that never had a gradient, iclnoise.adam).
+@dataclass
+class AdamState:
+    """One run's AdamW as the exposure formulas read it: settings and per-parameter tensors, in parameter order.
+    `step`, `exp_avg`, `exp_avg_sq` are None before the first update; `eps` may differ per parameter (one value
+    per parameter group in torch). An ensemble run's tensors are views of its slice of the stacked state."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float | list[float]
+    grads: list[torch.Tensor]
+    step: int | None = None
+    exp_avg: list[torch.Tensor] | None = None
+    exp_avg_sq: list[torch.Tensor] | None = None
+
+    @classmethod
+    def of_torch(cls, opt: torch.optim.Optimizer) -> AdamState:
+        """The state of a live torch Adam(W) (its groups share β and the learning rate)."""
+        params = [p for g in opt.param_groups for p in g["params"]]
+        eps = [g["eps"] for g in opt.param_groups for _ in g["params"]]
+        g0, sts = opt.param_groups[0], [opt.state.get(p) or {} for p in params]
+        have = all("exp_avg_sq" in st for st in sts)
+        return cls(g0["lr"], g0["betas"][0], g0["betas"][1], eps if len(set(eps)) > 1 else eps[0],
+                   [p.grad for p in params], int(sts[0]["step"]) if have else None,
+                   [st["exp_avg"] for st in sts] if have else None, [st["exp_avg_sq"] for st in sts] if have else None)
+
+
+def preconditioner(adam: AdamState, fallback_grads: bool = True) -> torch.Tensor | None:
+    """Flat a = 1/(sqrt(v̂) + δ) from a run's live Adam(W) state (bias-corrected second moment; a = 0 on
+    coordinates whose root is below the float resolution of the largest, iclnoise.adam).
 
     Before the first update there is no v; then v̂_1 = g² is what the first update will use, so the
     current gradients stand in (or None when `fallback_grads` is False or there are none)."""
-    roots, eps, state = [], [], opt.state  # read once: an ensemble run's view builds it on access
-    for group in opt.param_groups:
-        sts = [state.get(p) for p in group["params"]]
-        if all(st and "exp_avg_sq" in st for st in sts):   # one foreach pass: this runs every injecting step
-            bc = [1 - group["betas"][1] ** float(st["step"]) for st in sts]
-            roots += torch._foreach_sqrt(torch._foreach_div([st["exp_avg_sq"] for st in sts], bc))
-        else:
-            for p, st in zip(group["params"], sts):
-                if st and "exp_avg_sq" in st:
-                    roots.append(adam_root(st["exp_avg_sq"], st["step"], group["betas"][1]))
-                elif fallback_grads and p.grad is not None:
-                    roots.append(p.grad.detach().abs())  # before its first update: sqrt(v̂_1) = |g|
-                else:
-                    return None
-        eps += [group["eps"]] * len(sts)
+    if adam.exp_avg_sq is not None:   # one foreach pass: this runs every injecting step
+        bc = [1 - adam.beta2 ** float(adam.step)] * len(adam.exp_avg_sq)
+        roots = torch._foreach_sqrt(torch._foreach_div(adam.exp_avg_sq, bc))
+    elif fallback_grads and all(g is not None for g in adam.grads):
+        roots = [g.detach().abs() for g in adam.grads]   # before its first update: sqrt(v̂_1) = |g|
+    else:
+        return None
     roots = [r.reshape(-1) for r in roots]
-    if len(set(eps)) > 1:
-        return precondition(torch.cat(roots), torch.cat([torch.full_like(r, e) for r, e in zip(roots, eps)]))
-    return precondition(torch.cat(roots), eps[0])
+    if isinstance(adam.eps, list):
+        return precondition(torch.cat(roots), torch.cat([torch.full_like(r, e) for r, e in zip(roots, adam.eps)]))
+    return precondition(torch.cat(roots), adam.eps)
 
 
 def _rademacher(shape: tuple, generator: torch.Generator, like: torch.Tensor) -> torch.Tensor:
@@ -236,7 +255,7 @@ def budget_scale(target: float, curv: float, unit: float, grad_sq: float, trace_
     return target * curv * grad_sq / den if den > 0 else math.inf
 
 
-def update_innovation_variance(opt: torch.optim.Optimizer, G: torch.Tensor, batch: int) -> float:
+def update_innovation_variance(adam: AdamState, G: torch.Tensor, batch: int) -> float:
     """Σ_i Var(Δw_i) of one AdamW update from the current state, for batch-B gradient noise.
 
     The K group gradients (rows of G, means over m = B/K sequences, noise C/m) are first shrunk towards
@@ -244,15 +263,13 @@ def update_innovation_variance(opt: torch.optim.Optimizer, G: torch.Tensor, batc
     (bias-corrected moments, the v update included) is applied to each from the same state and the
     variance across them taken. Shrinking before the update, not after, keeps Adam's nonlinearity
     (g² enters v) at the batch's noise level. NaN before step 1."""
-    g0 = opt.param_groups[0]
-    b1, b2, eps, lr = g0["betas"][0], g0["betas"][1], g0["eps"], g0["lr"]
-    params = [p for g in opt.param_groups for p in g["params"]]
-    state = opt.state
-    if any("exp_avg" not in state.get(p, {}) for p in params):
+    b1, b2, lr = adam.beta1, adam.beta2, adam.lr
+    eps = adam.eps[0] if isinstance(adam.eps, list) else adam.eps
+    if adam.exp_avg is None:
         return math.nan
-    m = torch.cat([state[p]["exp_avg"].reshape(-1) for p in params])
-    v = torch.cat([state[p]["exp_avg_sq"].reshape(-1) for p in params])
-    t = float(state[params[0]]["step"]) + 1
+    m = torch.cat([t.reshape(-1) for t in adam.exp_avg])
+    v = torch.cat([t.reshape(-1) for t in adam.exp_avg_sq])
+    t = float(adam.step) + 1
     K = G.shape[0]
     mean = G.mean(0)
     G = mean + (G - mean) * math.sqrt(1.0 / K)   # m/B = 1/K

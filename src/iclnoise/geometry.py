@@ -139,6 +139,7 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     return float(v.mean()), float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else math.nan
 
 
+GEOMETRY_COLUMNS = ["hessian_trace", "top_eigenvalue", "sam_sharpness"]   # a run's summary: its last row
 GEOMETRY_SCHEMA = pa.schema(KEY_FIELDS + [
     pa.field("step", pa.int64()), pa.field("loss", pa.float64()),
     pa.field("hessian_trace", pa.float64()), pa.field("hessian_trace_se", pa.float64()),

@@ -1,8 +1,10 @@
-"""Stateful training hooks: noise injection and exposure logging (SPEC §5, §6).
+"""Stateful training hooks (SPEC §5, §6): the step protocol, the exposure logger and the state it shares with the
+noise injector (iclnoise.injection).
 
 The trainer calls, for every step of every run, `on_grads` of each hook in list order after the
 backward pass and before clipping, then clips, steps the optimizer, and calls `on_update` of each
-hook in *reverse* order (hooks unwind like a stack). `build_hooks` orders them [logger, injector]:
+hook in *reverse* order (hooks unwind like a stack). `iclnoise.ensemble.build_hooks` orders them
+[logger, injector]:
 
 - on_grads:  the logger measures (group gradients, A, diag Ĥ on held-out data) on due steps, then the
              injector sets its scale from Curv = Σ a² diag Ĥ at this step's own A and adds ε to the gradient;
@@ -25,10 +27,10 @@ from torch import nn
 
 from .exposure import (
     EXPOSURE_SCHEMA,
+    AdamState,
     Curvature,
     GradNoise,
     b_simple,
-    budget_scale,
     calibrated_kappa,
     ggn_curvature,
     grad_noise,
@@ -36,20 +38,14 @@ from .exposure import (
     hessian_curvature,
     kappa,
     leading_eigs,
-    ne_unit,
     pne_columns,
     preconditioner,
     update_innovation_variance,
 )
-from .noise import CovModel, PIController, shaped_covariance, target_at, window
-from .sections import Exposure, NoiseCondition, enabled
+from .sections import Exposure, RunSpec
 from .tasks import Batch, _seed_mix
 
-_NOISE, _PROBE = 0x7015E, 0xC0A7
-MAX_LOG_SCALE = 30.0  # bounds the controller's log-scale
-SATURATION = 9.0      # under clipping at G, s ≤ SATURATION·max(|g|², G²/10)/Tr R' reaches 90 % of the most injected
-                      # exposure there is, ∝ G²/Tr R' (more noise only replaces the gradient: exposure.budget_scale);
-                      # with |g|² < G²/10 that is s = 0.9·G²/Tr R', where the step is not clipped yet
+_PROBE = 0xC0A7
 
 
 @dataclass
@@ -57,7 +53,7 @@ class StepContext:
     step: int                      # 0-based index of the update being made
     total_steps: int
     model: nn.Module               # the run's hooked model (its parameters alias the ensemble's)
-    optimizer: object              # the run's AdamW (or a view of its slice of the ensemble's AdamW)
+    adam: AdamState                # the run's AdamW state before this update (views of its ensemble slice)
     batch: Batch                   # the full effective batch of this step
     micro_batch: int
     lr: float                      # η_t used by this update
@@ -96,6 +92,18 @@ class ExposureState:
         return out
 
 
+@dataclass
+class Measured:
+    """What the exposure logger measured in a due step's on_grads, for its on_update to write as a row."""
+
+    noise: GradNoise
+    a: torch.Tensor          # this step's A (before the update)
+    curv: float
+    curv_se: float
+    update_var: float        # observed update innovation variance (exposure.update_innovation_variance)
+    update_var_pred: float   # its prediction η² Σ a² C / B
+
+
 class NoiseMeter:
     """When exposure is measured, and the group gradients of that step, shared by the hooks.
 
@@ -121,166 +129,6 @@ class NoiseMeter:
         return self._noise
 
 
-INJECTION_SCHEMA = pa.schema([
-    pa.field("run_id", pa.string()), pa.field("step", pa.int64()), pa.field("active", pa.bool_()),
-    pa.field("scale", pa.float64()),            # s_t multiplying R'
-    pa.field("ne_injected", pa.float64()),      # η_t κ Σ a_i² s R'_ii (a before this update), pre-clip
-    pa.field("clip_coef", pa.float64()),        # c² multiplies the injected noise (grad source); 1 for param
-    pa.field("curv", pa.float64()),             # max(floor, Σ a² diag Ĥ): this step's A, the latest Ĥ (NaN off-window)
-    pa.field("pne_injected", pa.float64()),     # realised injected P-NE* after clipping: c² · ne_injected / curv
-    pa.field("trace_injected", pa.float64()),   # Tr(s R')
-    pa.field("clipped_trace", pa.float64()),    # s · trace removed by PSD clipping (what could not be matched)
-    pa.field("clipped_frac", pa.float64()),     # clipped / (clipped + injected) trace
-])
-
-
-class NoiseInjector:
-    """Adds N(0, s_t R') to the gradient (source grad) or η A N(0, s_t R') to the weights (source param).
-
-    Levels (SPEC §5): `emulate_batch` (s = 1, R' = (1/B_t − 1/B) Ĉ); `budget` E with schedule constant,
-    early or late: s_t is set each step so that the *realised* injected P-NE* after clipping over the
-    window adds up to E (closed loop on the cumulative integral: the per-step target is what remains of
-    E over the steps that remain, solved for s through the clipping, iclnoise.exposure.budget_scale);
-    `controlled`: a PI controller on log P-NE* after clipping, started from the open-loop estimate.
-    Each step's P-NE* divides its NE by Curv_t = Σ a_t² diag Ĥ, both with this step's A (SPEC §6)."""
-
-    name, schema = "injection", INJECTION_SCHEMA
-
-    def __init__(self, spec: dict, noise: NoiseCondition, exposure: Exposure, meter: NoiseMeter,
-                 state: ExposureState, device: torch.device):
-        n, t = noise, spec["train"]
-        self.run_id, self.seed = spec["keys"]["run_id"], spec["keys"]["seed"]
-        self.batch, self.total, self.clip = spec["keys"]["batch"], t["steps"], t["grad_clip"]
-        self.source, self.shape, self.rank, self.schedule = n.source, n.shape, n.rank, n.schedule
-        self.start, self.stop = window(self.schedule, self.total, n.window_fraction)
-        self.emulate = n.emulate_batch
-        self.coef = (1.0 / self.emulate - 1.0 / self.batch) if self.emulate else 1.0
-        self.budget = n.budget
-        self.kappa, self.floor = kappa(exposure.kappa, t["optimizer"]["betas"][0]), exposure.floor
-        self.ctl = (PIController(n.target, n.controller.kp, n.controller.ki)
-                    if self.schedule == "controlled" else None)
-        self.ctl_started = False
-        self.meter, self.state, self.device = meter, state, device
-        self.cov: CovModel | None = None
-        self.clipped = 0.0
-        self._cached: tuple[CovModel | None, torch.Tensor | None] = (None, None)
-        self.realised = 0.0                     # Σ injected P-NE* after clipping so far
-        self._rows: list[dict] = []
-        self._eps: torch.Tensor | None = None
-        self._pending: dict | None = None
-        self._plist: list[torch.Tensor] | None = None
-
-    @property
-    def _diag(self) -> torch.Tensor:
-        """diag(R') of the current covariance (cached per covariance)."""
-        if self._cached[0] is not self.cov:
-            self._cached = (self.cov, self.cov.diag())
-        return self._cached[1]
-
-    @property
-    def _trace(self) -> float:
-        return float(self._diag.sum())
-
-    def _refresh(self, ctx: StepContext) -> None:
-        self.cov, self.clipped = shaped_covariance(self.meter.measure(ctx), self.coef, self.shape, self.rank)
-
-    def _kappa(self) -> float:
-        return self.kappa if self.state.kappa is None else self.state.kappa
-
-    def _curv(self, a: torch.Tensor) -> float:
-        """Curv_t = max(floor, Tr(A_t Ĥ A_t)) with this step's A_t (SPEC §6), Ĥ's diagonal from the latest row;
-        NaN before any measurement."""
-        if self.state.curv_diag is None:
-            return math.nan
-        return max(self.floor, float((a.square() * self.state.curv_diag).sum()))
-
-    def _scale(self, ctx: StepContext, a: torch.Tensor, curv: float) -> float:
-        unit = ne_unit(ctx.lr, self._kappa(), a, self._diag)
-        if self.ctl is not None:
-            pne, self.state.pne_postclip = self.state.pne_postclip, None
-            if not self.ctl_started:  # open-loop start: the scale that reaches the target by itself
-                s0 = budget_scale(target_at(self.ctl.target, ctx.step / self.total), curv, unit,
-                                  self._grad_sq(ctx), self._trace, self.clip)
-                self.ctl.u = self.ctl.log_s = min(MAX_LOG_SCALE, math.log(s0)) if 0 < s0 else -MAX_LOG_SCALE
-                self.ctl_started = True
-                return math.exp(self.ctl.log_s)
-            return self.ctl.update(pne, ctx.step / self.total) if pne is not None else math.exp(self.ctl.log_s)
-        if self.budget is None:
-            return 1.0
-        left, g2 = self.stop - ctx.step, self._grad_sq(ctx)
-        s = budget_scale(max(0.0, self.budget - self.realised) / left, curv, unit, g2, self._trace, self.clip)
-        if self.clip is not None and self._trace > 0:  # an unreachable target saturates, it does not explode
-            s = min(s, SATURATION * max(g2, self.clip ** 2 / (1 + SATURATION)) / self._trace)
-        return min(s, math.exp(MAX_LOG_SCALE))
-
-    def _params(self, ctx: StepContext) -> list[torch.Tensor]:
-        """The run's parameters, listed once (a hooked model's `parameters()` walks every hook point)."""
-        if self._plist is None:
-            self._plist = list(ctx.model.parameters())
-        return self._plist
-
-    def _grad_sq(self, ctx: StepContext) -> float:
-        return float(torch.stack(torch._foreach_norm([p.grad for p in self._params(ctx)])).square().sum())
-
-    def on_grads(self, ctx: StepContext) -> None:
-        if self.meter.due(ctx.step) or self.cov is None:
-            self._refresh(ctx)
-        active = self.start <= ctx.step < self.stop
-        a = preconditioner(ctx.optimizer) if active else None   # outside the window: nothing to scale
-        curv = self._curv(a) if active else math.nan
-        s = self._scale(ctx, a, curv) if active else 0.0
-        ne = s * ne_unit(ctx.lr, self._kappa(), a, self._diag) if s > 0 else 0.0
-        self._pending = {"run_id": self.run_id, "step": ctx.step, "active": active, "scale": s, "ne_injected": ne,
-                         "curv": curv, "trace_injected": s * self._trace, "clipped_trace": s * self.clipped}
-        self._eps = None
-        if s <= 0:
-            return
-        gen = torch.Generator(device=self.device).manual_seed(_seed_mix(_NOISE, self.seed, ctx.step))
-        eps = self.cov.sample(gen) * math.sqrt(s)
-        params = self._params(ctx)
-        if self.source == "grad":
-            for p, e in zip(params, eps.split([p.numel() for p in params])):
-                p.grad.add_(e.view_as(p))
-        elif self.shape == "isotropic":  # isotropic in parameter space: τ² I with τ² P = η² Tr(A sR' A) (SPEC §5)
-            tau2 = ctx.lr ** 2 * float((a.square() * self._diag).sum()) * s / a.numel()
-            z = torch.randn(a.numel(), generator=gen, device=a.device, dtype=a.dtype)
-            self._eps = z * math.sqrt(tau2)
-        else:
-            self._eps = ctx.lr * a * eps
-
-    def on_update(self, ctx: StepContext) -> None:
-        row, self._pending = self._pending, None
-        c2 = ctx.clip_coef ** 2 if self.source == "grad" else 1.0
-        pne = c2 * row["ne_injected"] / row["curv"] if row["ne_injected"] > 0 and row["curv"] > 0 else 0.0
-        self.realised += pne
-        tr, clip = row["trace_injected"], row["clipped_trace"]
-        self._rows.append({**row, "clip_coef": c2, "pne_injected": pne,
-                           "clipped_frac": clip / (clip + tr) if clip + tr > 0 else 0.0})
-        self.state.ne_injected += row["ne_injected"]
-        self.state.pne_injected += pne
-        if self._eps is not None:
-            params = self._params(ctx)
-            with torch.no_grad():
-                for p, z in zip(params, self._eps.split([p.numel() for p in params])):
-                    p.add_(z.view_as(p))
-            self._eps = None
-
-    def rows(self) -> list[dict]:
-        return self._rows
-
-    def state_dict(self) -> dict:
-        return {"cov": None if self.cov is None else self.cov.state_dict(), "clipped": self.clipped,
-                "rows": list(self._rows), "realised": self.realised, "ctl_started": self.ctl_started,
-                "ctl": None if self.ctl is None else (self.ctl.u, self.ctl.log_s)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.cov = None if state["cov"] is None else CovModel(**{k: v.to(self.device) for k, v in state["cov"].items()})
-        self.clipped, self._rows, self.realised = state["clipped"], list(state["rows"]), state["realised"]
-        self.ctl_started = state["ctl_started"]
-        if self.ctl is not None:
-            self.ctl.u, self.ctl.log_s = state["ctl"]
-
-
 class ExposureLogger:
     """On due steps: the exposure row of EXPOSURE_SCHEMA (iclnoise.exposure). One A per row: the
     preconditioner before this update (v̂ of the previous steps; at step 0 the v̂_1 = g² the first update
@@ -292,17 +140,18 @@ class ExposureLogger:
 
     name, schema = "exposure", EXPOSURE_SCHEMA
 
-    def __init__(self, spec: dict, cfg: Exposure, meter: NoiseMeter, state: ExposureState,
-                 window: tuple[int, int] | None, device: torch.device):
-        self.keys, self.batch, self.total = spec["keys"], spec["keys"]["batch"], spec["train"]["steps"]
-        self.beta1 = spec["train"]["optimizer"]["betas"][0]
+    def __init__(self, spec: RunSpec, meter: NoiseMeter, state: ExposureState, window: tuple[int, int] | None,
+                 device: torch.device):
+        cfg = spec.exposure
+        self.keys, self.batch, self.total = spec.key_dict, spec.keys.batch, spec.train.steps
+        self.beta1 = spec.train.optimizer.betas[0]
         self.kappa, self.calibrate = kappa(cfg.kappa, self.beta1), cfg.kappa == "calibrated"
         self.probes, self.n_heldout = cfg.curvature_probes, cfg.heldout
         self.floor, self.rank = cfg.floor, cfg.eig_rank
-        self.curvature, self.curv_every, self.D = cfg.curvature, cfg.curvature_every, spec["data"]["D"]
+        self.curvature, self.curv_every, self.D = cfg.curvature, cfg.curvature_every, spec.data.D
         self.meter, self.state, self.window, self.device = meter, state, window, device
         self._rows: list[dict] = []
-        self._m: dict | None = None
+        self._measured: Measured | None = None
         self._last, self._clipped_steps, self._steps = -1, 0, 0
 
     def _refresh_due(self, step: int) -> bool:
@@ -324,15 +173,15 @@ class ExposureLogger:
         return hess
 
     def on_grads(self, ctx: StepContext) -> None:
-        self._m = None
+        self._measured = None
         if not self.meter.due(ctx.step):
             if self._refresh_due(ctx.step):
                 self._measure_curvature(ctx)
             return
         noise = self.meter.measure(ctx)
-        a = preconditioner(ctx.optimizer)
-        upd_var = update_innovation_variance(ctx.optimizer, self.meter.G, self.batch)
-        a_state = preconditioner(ctx.optimizer, fallback_grads=False)
+        a = preconditioner(ctx.adam)
+        upd_var = update_innovation_variance(ctx.adam, self.meter.G, self.batch)
+        a_state = preconditioner(ctx.adam, fallback_grads=False)
         upd_pred = (ctx.lr ** 2 * float((a_state.square() * noise.diag).sum()) / self.batch
                     if a_state is not None else math.nan)
         if self.calibrate:
@@ -341,31 +190,30 @@ class ExposureLogger:
             if math.isfinite(k):
                 self.kappa = self.state.kappa = k
         curv, curv_se = self._measure_curvature(ctx).at(a)
-        self._m = {"noise": noise, "a": a, "curv": curv, "curv_se": curv_se, "upd_var": upd_var,
-                   "upd_pred": upd_pred}
+        self._measured = Measured(noise, a, curv, curv_se, upd_var, upd_pred)
 
     def on_update(self, ctx: StepContext) -> None:
         self._steps += 1
         self._clipped_steps += ctx.clip_coef < 1.0
-        if self._m is None:
+        if self._measured is None:
             return
-        m, B, lr = self._m, self.batch, ctx.lr
-        noise, a = m["noise"], m["a"]
+        meas, B, lr = self._measured, self.batch, ctx.lr
+        noise, a = meas.noise, meas.a
         interval = ctx.step - self._last
         ne_inj, pne_inj = self.state.take_interval()
-        cols = pne_columns(lr, self.kappa, B, a, noise.diag, m["curv"], self.floor, ctx.clip_coef,
+        cols = pne_columns(lr, self.kappa, B, a, noise.diag, meas.curv, self.floor, ctx.clip_coef,
                            ne_inj / interval, pne_inj / interval)  # exact interval means
         lam, alpha, pr = leading_eigs(noise.factor, a, self.rank)
         self._rows.append({
             **self.keys, "step": ctx.step, "interval": interval, "lr": lr,
-            "kappa": self.kappa, "update_var": m["upd_var"], "update_var_pred": m["upd_pred"],
+            "kappa": self.kappa, "update_var": meas.update_var, "update_var_pred": meas.update_var_pred,
             "groups": noise.factor.shape[0], "group_size": noise.m,
             "grad_norm": float(noise.mean.norm()), "trace_c": noise.trace,
-            "b_simple": b_simple(noise, B), "curv": m["curv"], "curv_se": m["curv_se"],
+            "b_simple": b_simple(noise, B), "curv": meas.curv, "curv_se": meas.curv_se,
             "clip_coef": ctx.clip_coef, "clip_frac": self._clipped_steps / max(1, self._steps), **cols,
             "aca_eigs": lam.tolist(), "tail_index": alpha, "participation_ratio": pr})
         self.state.pne_postclip = cols["pne_postclip"]
-        self._last, self._m = ctx.step, None
+        self._last, self._measured = ctx.step, None
         self._clipped_steps = self._steps = 0
 
     def rows(self) -> list[dict]:
@@ -386,23 +234,3 @@ class ExposureLogger:
             vars(self.state).update(kappa=old.get("kappa"), pne_postclip=old.get("pne_postclip"))
         if self.calibrate and self.state.kappa is not None:
             self.kappa = self.state.kappa
-
-
-def build_hooks(spec: dict, device: torch.device) -> list[StepHook]:
-    """The step hooks of one run, [exposure logger, injector] (either may be absent); injected noise
-    needs the exposure section, which measures the covariance it is shaped from (validated). The spec's
-    `exposure` and `noise` dicts become typed sections here, once."""
-    noise = NoiseCondition.of_spec(spec)
-    log_exposure = enabled(spec.get("exposure"))
-    if noise.source == "none" and not log_exposure:
-        return []
-    cfg, total = Exposure.from_dict(spec["exposure"]), spec["train"]["steps"]
-    bounds = window(noise.schedule, total, noise.window_fraction) if noise.source != "none" else ()
-    meter, state = NoiseMeter(cfg, total, tuple(bounds)), ExposureState()
-    injector = NoiseInjector(spec, noise, cfg, meter, state, device) if noise.source != "none" else None
-    hooks: list[StepHook] = []
-    if log_exposure or injector is not None:  # injection needs Curv and the covariance: the logger measures
-        hooks.append(ExposureLogger(spec, cfg, meter, state, tuple(bounds) or None, device))
-    if injector is not None:
-        hooks.append(injector)
-    return hooks

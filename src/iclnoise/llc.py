@@ -26,6 +26,15 @@ Langevin proposal q(w'|w) = N(w − (ε/2) G ∇U(w), ε G):
 with U and ∇U read on each step's own mini-batch (no extra pass) and G the preconditioner of
 step t at both ends. Its mean over the draws says how far the discretisation is from exact:
 near 1 the step is small for the target; falling towards 0 the chain is not sampling U.
+
+Weight restriction (SPEC §7, refined LLC; iclnoise.refined): with a 0/1 mask m per coordinate a chain moves
+only the coordinates with m = 1 and holds the others at w* exactly,
+
+    w ← w + m ⊙ step,
+
+which samples the posterior of the restricted coordinates given the others at w*; U, the noise term Σξ²/2 and
+the reverse proposal term of the MALA ratio sum over the moving coordinates only. The noise is drawn for every
+coordinate all the same, so a chain sees the same random numbers with or without a mask.
 """
 from __future__ import annotations
 
@@ -51,10 +60,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Chains:
-    """What the chains leave behind: mini-batch losses (chains, steps) and MALA acceptance
-    probabilities (chains, steps − 1) of the transitions t → t + 1."""
+    """What the chains leave behind: mini-batch losses (chains, steps), MALA acceptance
+    probabilities (chains, steps − 1) of the transitions t → t + 1, and the full-set losses of the
+    `observe` datasets at every post-burn-in w_t (datasets, chains, draws), None without them."""
     loss: np.ndarray
     accept: np.ndarray
+    obs: np.ndarray | None = None
 
 
 @dataclass
@@ -79,31 +90,56 @@ def _chain_generators(seed: int, chains: list[int], device) -> list[torch.Genera
 
 
 def mala_log_ratio(u_t: torch.Tensor, u_next: torch.Tensor, fwd_sq: torch.Tensor, step: dict, g_next: dict,
-                   precond: dict | None, epsilon: float) -> torch.Tensor:
+                   precond: dict | None, epsilon: float, keep: dict | None = None) -> torch.Tensor:
     """log of the MALA acceptance ratio of the transition w_t → w_{t+1} = w_t + step, per chain.
 
     u_t, u_next: U at both ends, (C,); fwd_sq: Σ ξ²/2 of the noise that made the step (= −log q
-    forward up to the shared constant); g_next: ∇U(w_{t+1}); precond: G of step t (None = 1).
+    forward up to the shared constant); g_next: ∇U(w_{t+1}); precond: G of step t (None = 1);
+    keep: the moving coordinates (bool, like step; None = all), the only ones the sum runs over.
     log q(w_t | w_{t+1}) = −Σ (−step + (ε/2) G ∇U(w_{t+1}))² / (2 ε G).
     """
     rev = torch.zeros_like(u_t, dtype=torch.float64)
     for k, s in step.items():
         g = 1.0 if precond is None else precond[k]
         r = -s + 0.5 * epsilon * g * g_next[k]
+        if keep is not None:
+            r = r.where(keep[k], 0.0)
         rev += (r.square() / g).reshape(r.shape[0], -1).double().sum(1) / (2 * epsilon)
     return u_t.double() - u_next.double() - rev + fwd_sq
 
 
+def restriction(model: torch.nn.Module, masks: list[dict[str, torch.Tensor | None]], rows: int) -> dict:
+    """Stacked bool masks (groups·rows, *shape) per parameter, group-major: a parameter a mask dict does not
+    name is held (0), one it maps to None moves whole, a 0/1 tensor of its shape moves where it is 1."""
+    names = dict(model.named_parameters())
+    if unknown := {k for g in masks for k in g} - set(names):
+        raise KeyError(f"masks name parameters the model does not have: {sorted(unknown)}")
+    out = {}
+    for k, p in names.items():
+        m = [torch.zeros(p.shape, dtype=torch.bool, device=p.device) if k not in g else
+             torch.ones(p.shape, dtype=torch.bool, device=p.device) if g[k] is None else
+             g[k].to(p.device).bool().expand(p.shape) for g in masks]
+        out[k] = torch.stack(m).repeat_interleave(rows, 0)
+    return out
+
+
 def sgld_chains(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: torch.Tensor,
                 cfg: LLCConfig, chains: list[int] | None = None, vectorize: bool = True,
-                progress: bool = False, centers: list[dict[str, torch.Tensor]] | None = None) -> Chains:
+                progress: bool = False, centers: list[dict[str, torch.Tensor]] | None = None,
+                masks: list[dict[str, torch.Tensor | None]] | None = None,
+                observe: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Chains:
     """Run localized SGLD (or RMSProp-SGLD) chains from the model's parameters, or from each of
     `centers` (several w*, e.g. the checkpoints of a run, sampled in one batched pass).
 
     Rows are center-major: row j·C + c is chain c around centers[j], with the generator chain c has
-    alone, so one call over many centers equals separate calls up to float summation order."""
+    alone, so one call over many centers equals separate calls up to float summation order.
+    `masks` (one per center, `restriction`) restricts group j's chains to the coordinates its mask
+    moves: a center repeated with different masks samples all components of one w* in one pass
+    (iclnoise.refined). `observe`: datasets (x, y) whose full-set loss is read at every post-burn-in w_t."""
     chains = list(range(cfg.chains)) if chains is None else chains
     centers = centers or [{k: v.detach() for k, v in model.named_parameters()}]
+    if masks is not None and len(masks) != len(centers):
+        raise ValueError(f"{len(masks)} masks for {len(centers)} centers: one mask per center")
     Cc, steps, n = len(chains), cfg.burn_in + cfg.draws, xs.shape[0]
     C = Cc * len(centers)
     nbeta, eps, gamma = cfg.resolved_nbeta(), cfg.epsilon, cfg.gamma
@@ -115,6 +151,7 @@ def sgld_chains(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: t
     w = {k: v.clone() for k, v in w0.items()}
     sq_avg = {k: torch.zeros_like(v) for k, v in w.items()} if rms else None
     gens = [g for _ in centers for g in _chain_generators(cfg.seed, chains, xs.device)]
+    keep = None if masks is None else restriction(model, masks, Cc)
 
     def loss_at(params, x, y):
         return loss_fn(lambda a, b: functional_call(model, (params, buffers), (a, b)), x, y)
@@ -145,8 +182,21 @@ def sgld_chains(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: t
         batched = stacked_grad
     else:
         batched = vmap(grad_loss, in_dims=(0, None, None)) if full_batch else vmap(grad_loss)
+    def rows_loss(x, y):  # full-set loss of every row at the current w, in chunks of the SGLD batch size
+        tot = 0.0
+        for xc, yc in zip(x.split(cfg.batch), y.split(cfg.batch)):
+            if not vectorize:
+                l_ = torch.stack([loss_at({k: v[c] for k, v in w.items()}, xc, yc) for c in range(C)])
+            elif batched is stacked_grad:
+                l_ = loss_at(w, xc.expand(C, *xc.shape), yc.expand(C, *yc.shape))
+            else:
+                l_ = vmap(loss_at, in_dims=(0, None, None))(w, xc, yc)
+            tot = tot + l_.double() * (xc.shape[0] / x.shape[0])
+        return tot.cpu()
+
     losses = torch.empty(C, steps, dtype=torch.float64)
     accept = torch.empty(C, max(steps - 1, 0), dtype=torch.float64)
+    obs = torch.empty(len(observe), C, cfg.draws, dtype=torch.float64) if observe else None
     prev = None   # (U_t, Σξ²/2, step, G) of the last transition, for the MALA ratio
     for t in tqdm(range(steps), disable=not progress, desc="SGLD", mininterval=5):
         if full_batch:    # one copy of the data shared by every chain
@@ -163,12 +213,15 @@ def sgld_chains(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: t
             loss = torch.stack([o[1] for o in outs])
         losses[:, t] = loss.detach().double().cpu()
         with torch.no_grad():
+            if obs is not None and t >= cfg.burn_in:
+                for i, (ox, oy) in enumerate(observe):
+                    obs[i, :, t - cfg.burn_in] = rows_loss(ox, oy)
             dist = {k: v - w0[k] for k, v in w.items()}
             drift = {k: grads[k] * nbeta + gamma * dist[k] for k in w}                 # ∇U(w_t)
             u = nbeta * loss.double() + 0.5 * gamma * sum(d.reshape(C, -1).double().square().sum(1)
                                                           for d in dist.values())
             if prev is not None:
-                accept[:, t - 1] = mala_log_ratio(prev[0], u, prev[1], prev[2], drift, prev[3], eps) \
+                accept[:, t - 1] = mala_log_ratio(prev[0], u, prev[1], prev[2], drift, prev[3], eps, keep) \
                     .clamp(max=0.0).exp().cpu()
             if rms:
                 for k in w:
@@ -179,14 +232,18 @@ def sgld_chains(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: t
             step, fwd_sq = {}, torch.zeros(C, dtype=torch.float64, device=u.device)
             for k, v in w.items():
                 noise = torch.stack([torch.randn(v.shape[1:], generator=g, device=v.device) for g in gens])
+                if keep is not None:
+                    noise = noise.where(keep[k], 0.0)
                 fwd_sq += 0.5 * noise.reshape(C, -1).double().square().sum(1)
                 if precond is None:
                     step[k] = drift[k] * (-0.5 * eps) + noise * math.sqrt(eps)
                 else:
                     step[k] = precond[k] * drift[k] * (-0.5 * eps) + (precond[k] * eps).sqrt() * noise
+                if keep is not None:   # held coordinates stay at w* exactly, whatever the drift (even NaN)
+                    step[k] = step[k].where(keep[k], 0.0)
                 v.add_(step[k])
             prev = (u, fwd_sq, step, precond)
-    return Chains(losses.numpy(), accept.numpy())
+    return Chains(losses.numpy(), accept.numpy(), None if obs is None else obs.numpy())
 
 
 @torch.no_grad()
@@ -220,26 +277,34 @@ def diagnose(traces: np.ndarray, init_loss: float, nbeta: float, burn_in: int) -
             "not_levelled": not_levelled}
 
 
+def llc_result(loss: np.ndarray, accept: np.ndarray, init: float, cfg: LLCConfig) -> LLCResult:
+    """λ̂ = nβ (E[L] − L(w*)) of one center's chains: their losses (chains, steps), MALA rates (chains, steps − 1)."""
+    nbeta, C = cfg.resolved_nbeta(), loss.shape[0]
+    per_chain = nbeta * (loss[:, cfg.burn_in:].mean(1) - init)
+    acc = accept[:, max(cfg.burn_in - 1, 0):]
+    return LLCResult(float(per_chain.mean()), float(per_chain.std(ddof=1)) if C > 1 else 0.0,
+                     per_chain, init, loss, nbeta, float(np.nanmean(acc)) if acc.size else float("nan"),
+                     diagnose(loss, init, nbeta, cfg.burn_in))
+
+
 def estimate_llcs(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: torch.Tensor, cfg: LLCConfig,
-                  centers: list[dict[str, torch.Tensor]], vectorize: bool = True,
-                  progress: bool = False) -> list[LLCResult]:
+                  centers: list[dict[str, torch.Tensor]], vectorize: bool = True, progress: bool = False,
+                  masks: list[dict[str, torch.Tensor | None]] | None = None) -> list[LLCResult]:
     """λ̂ at each of `centers` (parameter dicts of `model`'s shape) on the sampling dataset (xs, ys) of
-    size n: all chains of all centers in one batched SGLD pass (`sgld_chains`)."""
+    size n: all chains of all centers in one batched SGLD pass (`sgld_chains`); with `masks` (one per center)
+    the restricted λ̂_C of each (center, mask), L(w*) read once per distinct center."""
     if xs.shape[0] != cfg.n:
         raise ValueError(f"sampling dataset has {xs.shape[0]} sequences, config says n = {cfg.n}")
     buffers = dict(model.named_buffers())
-    inits = [full_loss(lambda a, b, c=c: functional_call(model, (c, buffers), (a, b)), loss_fn, xs, ys)
-             for c in centers]
-    ch = sgld_chains(model, loss_fn, xs, ys, cfg, vectorize=vectorize, progress=progress, centers=centers)
-    nbeta, C, out = cfg.resolved_nbeta(), cfg.chains, []
-    for j, init in enumerate(inits):
-        loss, accept = ch.loss[j * C:(j + 1) * C], ch.accept[j * C:(j + 1) * C]
-        per_chain = nbeta * (loss[:, cfg.burn_in:].mean(1) - init)
-        acc = accept[:, max(cfg.burn_in - 1, 0):]
-        out.append(LLCResult(float(per_chain.mean()), float(per_chain.std(ddof=1)) if C > 1 else 0.0,
-                             per_chain, init, loss, nbeta, float(np.nanmean(acc)) if acc.size else float("nan"),
-                             diagnose(loss, init, nbeta, cfg.burn_in)))
-    return out
+    inits = {}
+    for c in centers:
+        if id(c) not in inits:
+            inits[id(c)] = full_loss(lambda a, b, c=c: functional_call(model, (c, buffers), (a, b)), loss_fn, xs, ys)
+    ch = sgld_chains(model, loss_fn, xs, ys, cfg, vectorize=vectorize, progress=progress, centers=centers,
+                     masks=masks)
+    C = cfg.chains
+    return [llc_result(ch.loss[j * C:(j + 1) * C], ch.accept[j * C:(j + 1) * C], inits[id(c)], cfg)
+            for j, c in enumerate(centers)]
 
 
 def estimate_llc(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: torch.Tensor,

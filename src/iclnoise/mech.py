@@ -27,8 +27,9 @@ import pyarrow as pa
 import torch
 
 from .io import KEY_FIELDS
-from .sections import Mech
+from .sections import Data, Eval, Mech
 
+CIRCUIT_COLUMNS = ["attn_to_y_excess", "icl_drop_max", "probe_ridge_r2_max"]   # run_summary keys H4 tests
 MECH_SCHEMA = pa.schema(KEY_FIELDS + [
     pa.field("step", pa.int64()), pa.field("probe", pa.string()), pa.field("layer", pa.int64()),
     pa.field("head", pa.int64()), pa.field("position", pa.int64()), pa.field("value", pa.float64()),
@@ -203,26 +204,25 @@ def probes(model, batch, noise_var: float, seed: int = 0) -> dict[tuple[str, int
     return out
 
 
-def mech_at(model, ood, probe_batch, spec: dict, cfg: Mech) -> list[dict]:
+def mech_at(model, ood, probe_batch, d: Data, e: Eval, cfg: Mech) -> list[dict]:
     """The rows of one checkpoint (without keys and step)."""
-    d, e = spec["data"], spec["eval"]
     rows = []
 
     def row(probe, layer=-1, head=-1, position=-1, value=math.nan, se=math.nan, note=""):
         rows.append({"probe": probe, "layer": layer, "head": head, "position": position, "value": value, "se": se,
                      "note": note})
 
-    row("attn_to_y_chance", value=uniform_attention_masses(d["K"])["attn_to_y"], note="uniform attention")
+    row("attn_to_y_chance", value=uniform_attention_masses(d.K)["attn_to_y"], note="uniform attention")
     for (layer, h), vals in attention_masses(model, ood.xs, ood.ys).items():
         for p, v in vals.items():
             row(p, layer, h, value=v)
-    for (layer, h), vals in head_ablation(model, ood.xs, ood.ys, tuple(e["icl_tokens"])).items():
+    for (layer, h), vals in head_ablation(model, ood.xs, ood.ys, tuple(e.icl_tokens)).items():
         for p, (v, se) in vals.items():
             row(p, layer, h, value=v, se=se)
     for name, frac in layernorm_collapse(model, cfg.ln_threshold).items():
         layer = int(name.split(".")[1]) if name.startswith("blocks.") else model.cfg.n_layers
         row(f"ln_collapse_{name.split('.')[-1]}", layer, value=frac)
-    for (p, layer, pos), (v, note) in probes(model, probe_batch, d["noise_var"], cfg.seed).items():
+    for (p, layer, pos), (v, note) in probes(model, probe_batch, d.noise_var, cfg.seed).items():
         row(p, layer, position=pos, value=v, note=note)
     return rows
 

@@ -1,5 +1,6 @@
 """Noise as a controlled variable (SPEC §5): injected covariances, their shapes, PSD clipping, schedules and
-the controller, as pure functions and small value types (the stateful training hooks are in iclnoise.hooks).
+the controller, as pure functions and small value types (the stateful hook that injects is
+iclnoise.injection).
 
 Every injected noise is described by R', its *gradient-space equivalent* covariance, R' = U Λ Uᵀ + diag(d):
 

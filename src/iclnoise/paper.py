@@ -7,12 +7,12 @@ per-token tables: per run run.json and the per-checkpoint tables the figures and
 tables, summary.parquet, and provenance.json (the commit and package versions the tables were written with, read
 from their Parquet metadata; the resolved parameters, each run's spec hash, the jobs' measured wall time, each
 file's sha256). `iclnoise paper` copies a set to an output directory,
-reruns the aggregate from the per-run tables (its tables must equal the committed ones: the check is printed
-and a difference fails) and the figure and report commands there.
+reruns the aggregate from the per-run tables (its tables must equal the committed ones: the check is logged
+and a difference fails) and draws every figure and the report there, with the functions the workflow's
+figure and report commands call.
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import hashlib
 import json
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .io import read_json, read_metadata, read_parquet, write_json
+from .io import read_json, read_metadata, read_parquet, write_json, write_text
 
 log = logging.getLogger(__name__)
 
@@ -82,21 +82,59 @@ def export(results: Path, out: Path, params: dict, workdir: Path) -> dict:
     return prov
 
 
+def update_aggregate(reference: Path) -> list[str]:
+    """Rerun a reference set's aggregate from its per-run tables with this code and write it into the set (after a
+    change of the aggregate's columns or gates: the runs are not retrained). provenance.json records the commit
+    that aggregated them and the new sha256 of every file. Returns the tables that changed."""
+    from .aggregate import aggregate
+    from .sections import Stats
+
+    prov = read_json(reference / "provenance.json")
+    tmp = reference.with_name(reference.name + ".aggregate.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    aggregate(sorted(p for p in (reference / "runs").iterdir() if (p / "metrics.parquet").exists()), tmp,
+              Stats.from_dict(prov["params"]["stats"]))
+    changed = []
+    for f in sorted(tmp.iterdir()):
+        old = reference / "aggregate" / f.name
+        if not old.exists() or old.read_bytes() != f.read_bytes():
+            changed.append(f.name)
+            shutil.copy2(f, old)
+    shutil.rmtree(tmp)
+    prov["aggregate_commit"] = read_metadata(reference / "aggregate" / "tests.parquet").get("iclnoise.commit")
+    write_json(prov, reference / "provenance.json")
+    rehash(reference)
+    return changed
+
+
+def rehash(reference: Path) -> None:
+    """provenance.json's sha256 of every other file of the set, computed again."""
+    prov = read_json(reference / "provenance.json")
+    prov["sha256"] = {str(p.relative_to(reference)): hashlib.sha256(p.read_bytes()).hexdigest()
+                      for p in sorted(reference.rglob("*")) if p.is_file() and p.name != "provenance.json"}
+    write_json(prov, reference / "provenance.json")
+
+
 def paper(reference: Path, out: Path) -> list[Path]:
     """Every figure and the report of a reference set, drawn again in `out`; returns the PNGs. The rerun
     aggregate's tables must equal the reference's (SystemExit naming the table otherwise)."""
-    from .cli import run_command
+    from .aggregate import aggregate
+    from .ed import ed_config
+    from .figures.aggregate import aggregate_figures
+    from .figures.ed import ed_figures
+    from .figures.llc import llc_figures
+    from .figures.training import training_figures
+    from .report import build
+    from .sections import Stats
 
     prov = read_json(reference / "provenance.json")
     params = prov["params"]
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(reference, out, ignore=shutil.ignore_patterns("figures", "report.md"))
     runs = sorted(p for p in (out / "runs").iterdir() if (p / "metrics.parquet").exists())
-    level = logging.getLevelName(logging.getLogger("iclnoise").getEffectiveLevel())
-    run_command(level, ["figures", "--out-dir", str(out), *[str(r / "metrics.parquet") for r in runs]])
-    agg = out / "aggregate"
-    run_command(level, ["aggregate", *map(str, runs), "--out", str(agg), "--figures", str(out / "figures"),
-                        "--cfg", json.dumps(params["stats"])])
+    agg, figs = out / "aggregate", out / "figures"
+    training_figures([r / "metrics.parquet" for r in runs], out)
+    aggregate(runs, agg, Stats.from_dict(params["stats"]))
     for name in AGGREGATE_TABLES:
         ours, theirs = read_parquet(agg / name), read_parquet(reference / "aggregate" / name)
         try:
@@ -104,47 +142,13 @@ def paper(reference: Path, out: Path) -> list[Path]:
         except AssertionError as e:
             raise SystemExit(f"{agg / name} differs from {reference / 'aggregate' / name}: {e}") from None
         log.info("%s: equal to the reference's (%d rows)", name, len(ours))
+    aggregate_figures(agg, [r / "exposure.parquet" for r in runs if (r / "exposure.parquet").exists()], figs)
     llc = [r / "llc.parquet" for r in runs if (r / "llc.parquet").exists()]
     if llc:
-        run_command(level, ["llc-figures", "--summary", str(out / "summary.parquet"), "--llc", *map(str, llc),
-                            "--stages", *[str(p.with_name("stages.parquet")) for p in llc
-                                          if p.with_name("stages.parquet").exists()],
-                            "--out-dir", str(out / "figures")])
-    ed_cfg = {k: v for k, v in params["ed"].items() if k not in ("enabled", "families", "seeds")}
+        llc_figures(out / "summary.parquet", llc, [p.with_name("stages.parquet") for p in llc
+                                                    if p.with_name("stages.parquet").exists()], figs)
     for fam in sorted(p for p in (out / "ed").glob("*") if (p / "sampling.parquet").exists()):
         fam_runs = read_parquet(fam / "sampling.parquet").run_id.tolist()
-        run_command(level, ["ed-figures", *[str(out / "runs" / r) for r in fam_runs], "--family", fam.name,
-                            "--ed", str(fam), "--figures", str(out / "figures"), "--cfg", json.dumps(ed_cfg)])
-    run_command(level, ["report", "--results", str(out), "--params", json.dumps(params),
-                        "--out", str(out / "report.md")])
-    return sorted((out / "figures").glob("*.png"))
-
-
-def cli_export(argv: list[str]) -> None:
-    from .config import load_params
-
-    ap = argparse.ArgumentParser(prog="iclnoise export", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--results", default="results")
-    ap.add_argument("--params", default="params.yaml")
-    ap.add_argument("--configfile", nargs="*", default=[], help="the config files the workflow ran with")
-    ap.add_argument("--workdir", default=".", help="the directory the workflow ran in (its benchmarks/)")
-    ap.add_argument("--out", required=True, help="e.g. reference/science")
-    a = ap.parse_args(argv)
-    prov = export(Path(a.results), Path(a.out), load_params(a.params, a.configfile), Path(a.workdir))
-    size = sum(p.stat().st_size for p in Path(a.out).rglob("*") if p.is_file())
-    print(f"{a.out}: {len(prov['spec_hash'])} runs, {len(prov['sha256'])} files, {size / 2**20:.1f} MiB, "
-          f"commit {prov['commit']}, jobs' wall time {prov['wall_time']['total_s']:.0f} s")
-
-
-def cli_paper(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="iclnoise paper", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("references", nargs="+", help="reference sets, e.g. reference/science reference/noise")
-    ap.add_argument("--out", default="paper", help="figures and reports go to OUT/<set name>/")
-    a = ap.parse_args(argv)
-    for ref in map(Path, a.references):
-        t0 = time.perf_counter()
-        pngs = paper(ref, Path(a.out) / ref.name)
-        print(f"{ref.name}: {len(pngs)} figures and report.md in {Path(a.out) / ref.name} "
-              f"({time.perf_counter() - t0:.0f} s)")
+        ed_figures([out / "runs" / r for r in fam_runs], fam.name, fam, figs, ed_config(params["ed"]))
+    write_text(build(out, params, Path.cwd()), out / "report.md")
+    return sorted(figs.glob("*.png"))

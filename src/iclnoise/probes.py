@@ -12,6 +12,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import pandas as pd
@@ -37,7 +38,8 @@ from .geometry import GEOMETRY_SCHEMA, geometry_at
 from .io import read_json, read_parquet, write_json, write_parquet
 from .llc import LLC_SCHEMA, TRACE_SCHEMA, LLCConfig, estimate_llcs
 from .mech import MECH_SCHEMA, mech_at
-from .sections import ED, Geometry, Mech, Stages
+from .refined import RLLC_SCHEMA, SUSCEPTIBILITY_SCHEMA, position_loss, refined_llcs, tables
+from .sections import ED, Geometry, Mech, RunSpec, Stages
 from .stages import STAGES_SCHEMA, stages
 
 log = logging.getLogger(__name__)
@@ -50,7 +52,7 @@ log = logging.getLogger(__name__)
 LAUNCH_SEQUENCES = {"cpu": 8192, "cuda": 65536}
 
 
-def sampling_data(spec: dict, n: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def sampling_data(spec: RunSpec, n: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """n sequences from the run's own q_M on the named `llc` stream (training never uses it)."""
     b = runs.sampler(spec, "llc", device).batch(0, n)
     return b.xs, b.ys
@@ -89,7 +91,7 @@ def llc_for_run(run_dir: str | Path, cfg: LLCConfig, every: int = 1, progress: b
 
     run_dir = Path(run_dir)
     show = _on_terminal() if progress is None else progress
-    spec = runs.read_spec(run_dir)
+    spec = RunSpec.of(runs.read_spec(run_dir))
     xs, ys = sampling_data(spec, cfg.n, device)
     rows, traces = [], []
     avail = runs.checkpoint_steps(run_dir)
@@ -106,17 +108,17 @@ def llc_for_run(run_dir: str | Path, cfg: LLCConfig, every: int = 1, progress: b
     todo = [s for s in chosen if s not in {r["step"] for r in rows}]
     launch = LAUNCH_SEQUENCES.get(torch.device(device).type, LAUNCH_SEQUENCES["cpu"])
     per = max(1, launch // (cfg.chains * min(cfg.batch, cfg.n)))  # checkpoints per batched pass
-    for i in tqdm(range(0, len(todo), per), desc=f"LLC {spec['keys']['run_id']}", disable=not show,
+    for i in tqdm(range(0, len(todo), per), desc=f"LLC {spec.keys.run_id}", disable=not show,
                   mininterval=5):
         steps = todo[i:i + per]
         models = [runs.load_model(run_dir, step, device) for step in steps]
-        centers = [{k: v.detach() for k, v in m.named_parameters()} for m in models]
+        centers = [{k: v.detach() for k, v in model.named_parameters()} for model in models]
         t0 = time.perf_counter()
         results = estimate_llcs(models[0], mse_loss, xs, ys, cfg, centers)
         log.info("steps %s: %d chains each, one batched pass, %.1f s", steps, cfg.chains, time.perf_counter() - t0)
         for step, r in zip(steps, results):
             log.info("step %d: λ̂ = %.3f ± %.3f, MALA acceptance %.3f", step, r.llc_mean, r.llc_std, r.mala_accept)
-            rows.append({**spec["keys"], "step": step, "llc_mean": r.llc_mean, "llc_std": r.llc_std,
+            rows.append({**spec.key_dict, "step": step, "llc_mean": r.llc_mean, "llc_std": r.llc_std,
                          "llc_se": r.llc_std / math.sqrt(cfg.chains), "llc_per_chain": r.llc_per_chain.tolist(),
                          "init_loss": r.init_loss, "mean_sampling_loss": float(r.traces[:, cfg.burn_in:].mean()),
                          "mala_accept": r.mala_accept, **r.flags, "method": cfg.method,
@@ -125,7 +127,7 @@ def llc_for_run(run_dir: str | Path, cfg: LLCConfig, every: int = 1, progress: b
                          "n": cfg.n})
             keep = np.unique(np.linspace(0, r.traces.shape[1] - 1,
                                          min(cfg.trace_points, r.traces.shape[1])).astype(int))
-            traces += [{"run_id": spec["keys"]["run_id"], "step": step, "chain": c, "sgld_step": int(t),
+            traces += [{"run_id": spec.keys.run_id, "step": step, "chain": c, "sgld_step": int(t),
                         "loss": float(r.traces[c, t])} for c in range(cfg.chains) for t in keep]
         write_parquet(pd.DataFrame(traces), part["_traces"], TRACE_SCHEMA)
         write_parquet(pd.DataFrame(rows), part[""], LLC_SCHEMA)
@@ -152,14 +154,14 @@ def geometry_for_run(run_dir: str | Path, cfg: Geometry, every: int = 1) -> pd.D
     )
 
     run_dir = Path(run_dir)
-    spec = read_spec(run_dir)
+    spec = RunSpec.of(read_spec(run_dir))
     held = sampler(spec, "geometry")
     batches = [held.batch(i, cfg.n_heldout) for i in range(cfg.sam_batches)]
     rows = []
     for step in select_steps(checkpoint_steps(run_dir), every):
         state = load_checkpoint(run_dir, step)
         model = model_from_checkpoint(state)
-        rows.append({**spec["keys"], "step": step,
+        rows.append({**spec.key_dict, "step": step,
                      **geometry_at(model, checkpoint_precond(state), batches, cfg, cfg.seed + step)})
     df = pd.DataFrame(rows, columns=GEOMETRY_SCHEMA.names)
     write_parquet(df, run_dir / "geometry.parquet", GEOMETRY_SCHEMA)
@@ -172,14 +174,14 @@ def mech_for_run(run_dir: str | Path, cfg: Mech, every: int = 1) -> pd.DataFrame
     from .tasks import eval_set
 
     run_dir = Path(run_dir)
-    spec = read_spec(run_dir)
-    d, k, e = spec["data"], spec["keys"], spec["eval"]
-    ood = eval_set("ood", k["M"], e["n_sequences"], d["K"], d["D"], d["noise_var"], d["pool_seed"], e["eval_seed"])
+    spec = RunSpec.of(read_spec(run_dir))
+    d, e = spec.data, spec.eval
+    ood = eval_set("ood", spec.keys.M, e.n_sequences, d.K, d.D, d.noise_var, d.pool_seed, e.eval_seed)
     probe_batch = sampler(spec, "mech").batch(0, cfg.n_probe)
     rows = []
     for step in select_steps(checkpoint_steps(run_dir), every):
         model = load_model(run_dir, step).eval()
-        rows += [{**k, "step": step, **r} for r in mech_at(model, ood, probe_batch, spec, cfg)]
+        rows += [{**spec.key_dict, "step": step, **r} for r in mech_at(model, ood, probe_batch, d, e, cfg)]
     df = pd.DataFrame(rows, columns=MECH_SCHEMA.names)
     write_parquet(df, run_dir / "mech.parquet", MECH_SCHEMA)
     return df
@@ -199,17 +201,17 @@ def stages_for_run(run_dir: str | Path, cfg: Stages) -> pd.DataFrame:
 
 def essential_dynamics(run_dirs: list[Path], family: str, cfg: ED) -> dict[str, pd.DataFrame]:
     """Joint PCA of a family of runs, projected predictors, and per run its events and forms."""
-    specs = [read_json(d / "run.json") for d in run_dirs]
+    specs = [RunSpec.of(read_json(d / "run.json")) for d in run_dirs]
     preds = [read_parquet(d / "root_preds.parquet").sort_values("step") for d in run_dirs]
     Xs = [np.stack(p.preds.to_numpy()).astype(np.float64) for p in preds]
     scores, comps, mean, evr = joint_pca(np.concatenate(Xs), cfg.n_pcs)
     rows, o = [], 0
     for spec, p in zip(specs, preds):
         for r, step in enumerate(p.step):
-            rows += [{"family": family, "kind": "run", **spec["keys"], "step": int(step), "pc": k + 1,
+            rows += [{"family": family, "kind": "run", **spec.key_dict, "step": int(step), "pc": k + 1,
                       "value": float(scores[o + r, k])} for k in range(scores.shape[1])]
         o += len(p)
-    for name, vec in predictor_vectors(specs[0], sorted({s["keys"]["M"] for s in specs})).items():
+    for name, vec in predictor_vectors(specs[0].data, specs[0].eval, sorted({s.keys.M for s in specs})).items():
         M = -1 if name == "ridge" else int(name.split("_")[1])
         rows += [{"family": family, "kind": name.split("_")[0], "run_id": name, "M": M, "seed": -1, "batch": -1,
                   "noise": "", "step": -1, "pc": k + 1, "value": float(v)}
@@ -218,23 +220,54 @@ def essential_dynamics(run_dirs: list[Path], family: str, cfg: ED) -> dict[str, 
     var = pd.DataFrame({"family": family, "pc": np.arange(1, len(evr) + 1), "explained_variance_ratio": evr})
     ev_rows, form_rows, samp_rows = [], [], []
     for r, (spec, d, p, X) in enumerate(zip(specs, run_dirs, preds, Xs)):
-        rid, steps = spec["keys"]["run_id"], p.step.to_numpy()
+        rid, steps = spec.keys.run_id, p.step.to_numpy()
         tau = log_time(steps)
-        curves = bootstrap_curves(X, mean, comps, spec["eval"]["n_root"], cfg.n_boot, cfg.seed + r)
+        curves = bootstrap_curves(X, mean, comps, spec.eval.n_root, cfg.n_boot, cfg.seed + r)
         events = detect_events(tau, curves, cfg)
         ev_rows += [{"family": family, "run_id": rid, **e, "step": float(np.expm1(e["log_step"]))} for e in events]
         stage_steps = (read_parquet(d / "stages.parquet").query("kind != 'end'").step.to_numpy()
                        if (d / "stages.parquet").exists() else np.array([], dtype=int))
         found = forms(events, min(cfg.n_form_pcs, curves.shape[-1]), cfg.tolerance)
         gap = max_inner_gap(tau, cfg.margin)
-        samp_rows.append({"family": family, **spec["keys"], "n_checkpoints": len(steps), "max_gap_log": gap,
+        samp_rows.append({"family": family, **spec.key_dict, "n_checkpoints": len(steps), "max_gap_log": gap,
                           "bandwidth": cfg.bandwidth, "undersampled": gap > MAX_GAP * cfg.bandwidth,
                           "n_forms": len(found)})
         for f, t0 in enumerate(found):
             near = int(stage_steps[np.abs(log_time(stage_steps) - t0).argmin()]) if len(stage_steps) else -1
-            form_rows.append({"family": family, **spec["keys"], "form": f, "log_step": t0, "step": float(np.expm1(t0)),
+            form_rows.append({"family": family, **spec.key_dict, "form": f, "log_step": t0, "step": float(np.expm1(t0)),
                               "nearest_checkpoint": int(steps[np.abs(tau - t0).argmin()]), "nearest_stage_step": near,
                               "distance_to_stage_log": abs(float(log_time(near)) - t0) if near >= 0 else float("nan")})
     return {"pcs": pcs, "variance": var, "events": pd.DataFrame(ev_rows, columns=EVENTS_SCHEMA.names),
             "forms": pd.DataFrame(form_rows, columns=FORMS_SCHEMA.names),
             "sampling": pd.DataFrame(samp_rows, columns=SAMPLING_SCHEMA.names)}
+
+
+def refined_for_run(run_dir: str | Path, cfg: LLCConfig, steps: Sequence[int], positions: Sequence[int] | None = None,
+                    n_obs: int = 256, device: str = "cpu") -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Refined λ̂ and χ (perturbation "new_tasks": q = the run's q_M, q' = q_∞, fresh tasks) of every component at
+    the run's checkpoints `steps`, one batched pass per checkpoint; writes rllc.parquet and susceptibility.parquet.
+
+    Sampling set: the run's `llc` stream (iclnoise.probes.sampling_data); the n_obs-sequence observable sets are
+    the next batch of the same stream, from q_M and from q_∞. `positions`: the loss restricted to those y_k."""
+    from .model import mse_loss
+    from .tasks import BatchSampler
+
+    run_dir = Path(run_dir)
+    spec = RunSpec.of(runs.read_spec(run_dir))
+    d = spec.data
+    xs, ys = sampling_data(spec, cfg.n, device)
+    q = runs.sampler(spec, "llc", device).batch(1, n_obs)
+    fresh = BatchSampler(None, d.K, d.D, d.noise_var, spec.keys.seed, device, stream=runs.STREAMS["llc"])
+    q2 = fresh.batch(1, n_obs)      # for an M = ∞ run the same sequences as q: χ = 0
+    loss_fn = mse_loss if positions is None else position_loss(positions)
+    data = "all" if positions is None else "k" + ",".join(str(p) for p in positions)
+    rllc, sus = [], []
+    for step in steps:
+        model = runs.load_model(run_dir, step, device)
+        r = refined_llcs(model, loss_fn, xs, ys, cfg, perturbations={"new_tasks": ((q.xs, q.ys), (q2.xs, q2.ys))})
+        a, b = tables(spec.key_dict, step, data, r, cfg)
+        rllc, sus = rllc + a, sus + b
+    rllc, sus = pd.DataFrame(rllc, columns=RLLC_SCHEMA.names), pd.DataFrame(sus, columns=SUSCEPTIBILITY_SCHEMA.names)
+    write_parquet(rllc, run_dir / "rllc.parquet", RLLC_SCHEMA, spec.raw.get("spec_hash"))
+    write_parquet(sus, run_dir / "susceptibility.parquet", SUSCEPTIBILITY_SCHEMA, spec.raw.get("spec_hash"))
+    return rllc, sus

@@ -1,7 +1,6 @@
 """results/report.md: figures, tables and hypothesis verdicts on one page, with provenance."""
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import os
 import subprocess
@@ -10,8 +9,8 @@ from pathlib import Path
 import yaml
 
 from . import __version__
-from .aggregate import GATES
-from .io import read_json, read_parquet, write_text
+from .io import read_json, read_parquet
+from .verdicts import GATES
 
 FIGURES = [
     ("fig01_ood_loss", "1. OOD loss over training per M (t_crit circles; dotted: dMMSE_M, dashed: ridge)"),
@@ -38,7 +37,7 @@ def code_version(root: Path) -> str:
     return f"iclnoise {__version__} (no git checkout)"
 
 
-# What a failed gate means for the reader (keyed by the start of a gate failure in aggregate.py).
+# What a failed gate means for the reader (keyed by the start of a gate failure in verdicts.py).
 LIMITS = [
     ("unconverged", "the models are not converged ({detail}): r and M* describe undertrained models, not where "
                     "training ends, so no verdict is drawn from them"),
@@ -142,6 +141,8 @@ def exposure_section(results: Path) -> list[str]:
 
 
 def build(results: Path, params: dict, root: Path) -> str:
+    """The text of report.md from the aggregate tables and figures under `results`, ending with `params` (the
+    resolved parameters); the code version is that of the checkout at `root`."""
     agg, figs = results / "aggregate", results / "figures"
     lines = ["# Does stochastic gradient noise drive in-context learning? — report", "",
              f"Generated {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC} from {code_version(root)}.", ""]
@@ -179,13 +180,3 @@ def build(results: Path, params: dict, root: Path) -> str:
     lines += ["## Parameters", "", "```yaml", yaml.safe_dump(params, sort_keys=False).rstrip(), "```", ""]
     return "\n".join(lines)
 
-
-def cli(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="iclnoise report", description=__doc__)
-    ap.add_argument("--results", default="results")
-    ap.add_argument("--params", default="{}", help="the resolved parameters as JSON/YAML")
-    ap.add_argument("--out", default="results/report.md")
-    a = ap.parse_args(argv)
-    params = yaml.safe_load(a.params) or {}
-    write_text(build(Path(a.results), params, Path.cwd()), a.out)
-    print(f"wrote {a.out}")

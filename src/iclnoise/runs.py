@@ -2,7 +2,7 @@
 
 A run directory `results/runs/{run}/` holds:
 
-- `run.json`: the resolved spec (`iclnoise.config.run_spec`) and its hash `spec_hash`;
+- `run.json`: the resolved spec (`iclnoise.grid.run_spec`) and its hash `spec_hash`;
 - `checkpoints/step_XXXXXXX.pt`: analysis checkpoints, one per scheduled step, each holding only
   `model` (state_dict), `model_config`, `adam` ({"exp_avg_sq": flat float tensor, "step", "beta2",
   "eps"}; None before the first update) and `spec_hash`: linear storage, no metric rows;
@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from .io import read_json, write_bytes
+from .sections import RunSpec
 from .tasks import BatchSampler, pool_for
 
 CKPT_DIR = "checkpoints"
@@ -119,10 +120,10 @@ def read_spec(run_dir: str | Path) -> dict:
     return read_json(Path(run_dir) / "run.json")
 
 
-def sampler(spec: dict, stream: str, device: str | torch.device = "cpu") -> BatchSampler:
+def sampler(spec: RunSpec, stream: str, device: str | torch.device = "cpu") -> BatchSampler:
     """The run's q_M sampler on a named stream (train, heldout, llc, geometry, mech)."""
-    d, k = spec["data"], spec["keys"]
-    return BatchSampler(pool_for(k["M"], d), d["K"], d["D"], d["noise_var"], k["seed"], device,
+    d, k = spec.data, spec.keys
+    return BatchSampler(pool_for(k.M, d.pool_seed, d.D), d.K, d.D, d.noise_var, k.seed, device,
                         stream=STREAMS[stream])
 
 
@@ -140,8 +141,3 @@ def spec_hash(spec: dict) -> str:
     same = {**spec, "train": {**t, "budget": {k: v for k, v in t["budget"].items() if k != "stop_at"}}}
     return hashlib.sha256(json.dumps(same, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
-
-def last_step(spec: dict) -> int:
-    """The step a run trains to: its budget's steps, or `train.budget.stop_at` where that comes first."""
-    t = spec["train"]
-    return min(t["steps"], t["budget"].get("stop_at") or t["steps"])

@@ -1,12 +1,11 @@
-"""Typed params sections: one frozen dataclass per params.yaml section the code reads, built once where
-the dict enters the package (a command, `hooks.build_hooks`, `aggregate.cli`) and passed down.
+"""Typed params sections: one frozen dataclass per params.yaml section the code reads, built once where the
+dict enters the package (a command's --cfg, iclnoise.commands; a run spec, `RunSpec.of`) and passed down.
 
-params.yaml, validated by params.schema.yaml, is the single source of truth. A field has a Python default
-only where (a) the schema gives the key a `default:`, which is read from the schema here and never retyped,
-or (b) the schema lets the key be absent and absence has a meaning: then the default is None and the class
-docstring says what None means. `from_dict(d)` raises a ValueError naming the section and the key for a
-missing or an unknown key; keys the schema allows in a section but that are read elsewhere (the workflow's
-`enabled`, `every`, `seeds`) are accepted and ignored.
+params.yaml, validated by params.schema.yaml, is the single source of truth. A field has a Python default only
+where (a) the schema gives the key a `default:`, read from the schema here and never retyped, or (b) the schema
+lets the key be absent and absence has a meaning: the default is None, and the class docstring says what None
+means. `from_dict(d)` raises a ValueError naming the section and the key for a missing or an unknown key; keys the
+schema allows but the code reads elsewhere (the workflow's `enabled`, `every`, `seeds`) are accepted and ignored.
 """
 from __future__ import annotations
 
@@ -22,6 +21,9 @@ import yaml
 
 METHODS = ("sgld", "rmsprop_sgld")  # LLC samplers (iclnoise.llc)
 
+
+class ParamsError(ValueError):
+    """An invalid parameter; the message names the key and the allowed values."""
 
 @functools.lru_cache(maxsize=1)
 def _schema() -> dict:
@@ -119,8 +121,7 @@ class Exposure(Section):
 
 @dataclass(frozen=True)
 class Stats(Section):
-    """stats: test level, H3 equivalence margin, transient tolerance. (The validity gates are the
-    constants `iclnoise.aggregate.GATES`, not params.)"""
+    """stats: test level, H3 equivalence margin, transient tolerance (the gates: iclnoise.verdicts.GATES)."""
 
     SECTION: ClassVar[str] = "stats"
     alpha: float
@@ -148,8 +149,7 @@ class ED(Section):
 
 @dataclass(frozen=True)
 class LLCConfig(Section):
-    """llc.sampler (SPEC §7). `nbeta` None: n / log n (`resolved_nbeta`). `method`, `micro_batches`,
-    `trace_points`, `rmsprop_alpha`, `rmsprop_eps` default to the schema's `default:` values."""
+    """llc.sampler (SPEC §7). `nbeta` None: n / log n (`resolved_nbeta`); the keys after it: the schema's defaults."""
 
     SECTION: ClassVar[str] = "llc.sampler"
     epsilon: float              # SGLD step size ε
@@ -202,7 +202,7 @@ class Controller(Section):
     SCHEMA: ClassVar[str] = "noise.conditions.*.controller"
     kp: float
     ki: float
-    initial_scale: float | None = None  # None: the open-loop estimate (iclnoise.hooks); not read otherwise
+    initial_scale: float | None = None  # None: the open-loop estimate (iclnoise.injection); not read otherwise
 
 
 @dataclass(frozen=True)
@@ -214,6 +214,7 @@ class NoiseCondition(Section):
     fraction         None unless schedule is early or late: the window is then the whole run;
     emulate_batch    None: no emulated batch (the level is `budget` or `target`);
     budget           None: no integrated-exposure budget;
+    steps_as_batch   None: the run's steps are its own batch's on the budget; B_t: the steps batch B_t takes;
     target           None unless schedule is controlled: a P-NE* or [[fraction, P-NE*], ...];
     controller       None unless schedule is controlled (required there);
     batch_sizes      None: the condition runs at every grid batch size;
@@ -228,6 +229,7 @@ class NoiseCondition(Section):
     fraction: float | None = None
     emulate_batch: int | None = None
     budget: float | None = None
+    steps_as_batch: int | None = None
     target: float | list | None = None
     controller: Controller | None = None
     batch_sizes: list | None = None
@@ -250,8 +252,130 @@ class NoiseCondition(Section):
         return self.fraction if self.schedule in ("early", "late") else 1.0
 
 
+@dataclass(frozen=True)
+class Data(Section):
+    """data (SPEC §2): task dimension D, context length K, label noise variance, task-pool seed."""
+
+    SECTION: ClassVar[str] = "data"
+    D: int
+    K: int
+    noise_var: float
+    pool_seed: int
+
+
+@dataclass(frozen=True)
+class Model(Section):
+    """model (SPEC §4): the transformer's shape (iclnoise.model.ModelConfig adds D and K)."""
+
+    SECTION: ClassVar[str] = "model"
+    d_model: int
+    n_layers: int
+    n_heads: int
+    d_mlp: int
+    layer_norm: bool
+    attn_init: str
+    arch: str
+
+
+@dataclass(frozen=True)
+class Optimizer(Section):
+    """train.optimizer: AdamW's learning rate, (β1, β2), weight decay and δ."""
+
+    SECTION: ClassVar[str] = "train.optimizer"
+    lr: float
+    betas: tuple
+    weight_decay: float
+    eps: float
+
+
+@dataclass(frozen=True)
+class Budget(Section):
+    """train.budget: `mode` steps or sequences and its value; `stop_at` None: train the whole schedule."""
+
+    SECTION: ClassVar[str] = "train.budget"
+    mode: str
+    steps: int | None = None
+    sequences: int | None = None
+    stop_at: int | None = None
+
+
+@dataclass(frozen=True)
+class Train(Section):
+    """train, as a run spec holds it: `steps`, the schedule's length, resolved by iclnoise.grid.run_spec."""
+
+    SECTION: ClassVar[str] = "train"
+    budget: Budget
+    micro_batch: int
+    optimizer: Optimizer
+    lr_schedule: LRSchedule
+    grad_clip: float | None
+    checkpoints: dict
+    diverge_loss: float
+    device: str
+    steps: int
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> Train:
+        t = super().from_dict(d)
+        return dataclasses.replace(t, budget=Budget.from_dict(t.budget), optimizer=Optimizer.from_dict(t.optimizer),
+                                   lr_schedule=LRSchedule.from_dict(t.lr_schedule))
+
+    @property
+    def last_step(self) -> int:
+        """The step a run trains to: its schedule's steps, or `budget.stop_at` where that comes first."""
+        return min(self.steps, self.budget.stop_at or self.steps)
+
+
+@dataclass(frozen=True)
+class Eval(Section):
+    """eval (SPEC §3): evaluation set sizes and seed, the (early, late) tokens of the ICL score."""
+
+    SECTION: ClassVar[str] = "eval"
+    n_sequences: int
+    n_root: int
+    eval_seed: int
+    icl_tokens: tuple
+
+
+@dataclass(frozen=True)
+class Keys:
+    """A run's place in the grid (iclnoise.grid.RunKeys, as its spec writes it)."""
+    run_id: str
+    M: int
+    seed: int
+    batch: int
+    noise: str
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """A run spec (iclnoise.grid.run_spec, run.json) typed once where a run or a probe starts; `raw`: the dict it
+    came from (what run.json holds and the spec hash covers). `exposure` None: the spec has no exposure section."""
+
+    keys: Keys
+    data: Data
+    model: Model
+    train: Train
+    eval: Eval
+    noise: NoiseCondition
+    exposure: Exposure | None
+    raw: dict
+
+    @classmethod
+    def of(cls, spec: dict) -> RunSpec:
+        exp = spec.get("exposure")
+        return cls(Keys(**{k: spec["keys"][k] for k in ("run_id", "M", "seed", "batch", "noise")}),
+                   Data.from_dict(spec["data"]), Model.from_dict(spec["model"]), Train.from_dict(spec["train"]),
+                   Eval.from_dict(spec["eval"]), NoiseCondition.of_spec(spec),
+                   Exposure.from_dict(exp) if exp and "groups" in exp else None, spec)
+
+    @property
+    def key_dict(self) -> dict:   # a table row's leading columns: run_id, M, seed, batch, noise
+        return dataclasses.asdict(self.keys)
+
+
 def enabled(d: dict | None) -> bool:
-    """A switchable section is on (`enabled: true`); absent or `{enabled: false}` is off."""
+    """A switchable section is on: `enabled: true` (absent or `{enabled: false}`: off)."""
     return bool(d) and d["enabled"] is True
 
 

@@ -51,9 +51,9 @@ def task_pool(pool_seed: int, M: int, D: int) -> torch.Tensor:
     return torch.from_numpy(rng.standard_normal((M, D))).float()
 
 
-def pool_for(M: int, data: dict) -> torch.Tensor | None:
-    """The task pool of a run (None for M = ∞) from its `data` section."""
-    return None if M == M_INF else task_pool(data["pool_seed"], M, data["D"])
+def pool_for(M: int, pool_seed: int, D: int) -> torch.Tensor | None:
+    """The task pool of a run (None for M = ∞)."""
+    return None if M == M_INF else task_pool(pool_seed, M, D)
 
 
 @dataclass(frozen=True)

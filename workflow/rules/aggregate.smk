@@ -1,5 +1,5 @@
 rule aggregate:
-    """Outcomes per run, task-diversity thresholds, gated hypothesis tests (H1-H4), figures 6-10, metrics.json."""
+    """Outcomes per run, task-diversity thresholds, gated hypothesis tests (H1-H4), metrics.json."""
     input:
         metrics=run_files("metrics.parquet"),
         llc=probe_files("llc", "llc.parquet"),
@@ -12,14 +12,9 @@ rule aggregate:
         tests=f"{RES}/aggregate/tests.parquet",
         metrics=f"{RES}/aggregate/metrics.json",
         md=multiext(f"{RES}/aggregate/", "outcomes.md", "thresholds.md", "tests.md"),
-        **{f"f6_{k}": v for k, v in figure("fig06_threshold_vs_noise", "fig06", "Hypotheses").items()},
-        **{f"f7_{k}": v for k, v in figure("fig07_icl_vs_exposure", "fig07", "Hypotheses").items()},
-        **{f"f8_{k}": v for k, v in figure("fig08_early_late", "fig08", "Hypotheses").items()},
-        **{f"f9_{k}": v for k, v in figure("fig09_geometry", "fig09", "Hypotheses").items()},
-        **{f"f10_{k}": v for k, v in figure("fig10_exposure_series", "fig10", "Exposure").items()},
     params:
         res=RES,
-        cfg=json.dumps(PARAMS["stats"]),
+        cfg=cfg("stats"),
         run_dirs=lambda w, input: sorted({str(Path(p).parent) for p in input.metrics}),
     log:
         "logs/aggregate.log",
@@ -30,14 +25,39 @@ rule aggregate:
     conda:
         CONDA_ENV
     shell:
-        "iclnoise aggregate {params.run_dirs} --out {params.res}/aggregate --figures {params.res}/figures "
-        "--cfg {params.cfg:q} > {log} 2>&1"
+        "iclnoise aggregate {params.run_dirs} --out {params.res}/aggregate --cfg {params.cfg:q} > {log} 2>&1"
+
+
+rule aggregate_figures:
+    """SPEC §12 figures 6-10 from the aggregate tables and the runs' exposure logs."""
+    input:
+        outcomes=rules.aggregate.output.outcomes,
+        thresholds=rules.aggregate.output.thresholds,
+        exposure=sorted(f for r in RUNS for f in train_outputs(r) if f.endswith("exposure.parquet")),
+    output:
+        **{f"f6_{k}": v for k, v in figure("fig06_threshold_vs_noise", "fig06", "Hypotheses").items()},
+        **{f"f7_{k}": v for k, v in figure("fig07_icl_vs_exposure", "fig07", "Hypotheses").items()},
+        **{f"f8_{k}": v for k, v in figure("fig08_early_late", "fig08", "Hypotheses").items()},
+        **{f"f9_{k}": v for k, v in figure("fig09_geometry", "fig09", "Hypotheses").items()},
+        **{f"f10_{k}": v for k, v in figure("fig10_exposure_series", "fig10", "Exposure").items()},
+    params:
+        res=RES,
+    log:
+        "logs/figures/aggregate.log",
+    benchmark:
+        "benchmarks/figures/aggregate.tsv"
+    conda:
+        CONDA_ENV
+    shell:
+        "iclnoise aggregate-figures --aggregate {params.res}/aggregate --exposure {input.exposure} "
+        "--out-dir {params.res}/figures > {log} 2>&1"
 
 
 rule report:
     """results/report.md: every figure, table and verdict on one page, with params and code version."""
     input:
         rules.aggregate.output,
+        rules.aggregate_figures.output,
         rules.training_figures.output,
         rules.llc_figures.output if PARAMS["llc"]["enabled"] else [],
         expand(f"{RES}/ed/{{family}}/forms.parquet", family=list(ED_FAMILIES)),
@@ -46,7 +66,7 @@ rule report:
         f"{RES}/report.md",
     params:
         res=RES,
-        params=json.dumps(PARAMS),
+        cfg=cfg(*PARAMS),
     log:
         "logs/report.log",
     benchmark:
@@ -54,4 +74,4 @@ rule report:
     conda:
         CONDA_ENV
     shell:
-        "iclnoise report --results {params.res} --params {params.params:q} --out {output} > {log} 2>&1"
+        "iclnoise report --results {params.res} --cfg {params.cfg:q} --out {output} > {log} 2>&1"

@@ -49,5 +49,12 @@ def train_outputs(run):
     return [f"{RES}/runs/{run}/{n}" for n in names]
 
 
-def probe_cfg(name):
-    return json.dumps({k: v for k, v in PARAMS[name].items() if k not in ("enabled", "every", "seeds")})
+SELECTION_KEYS = ("seeds", "families")   # which jobs exist, not what a job computes
+
+
+def cfg(*names):
+    """A command's --cfg: the params sections it reads, as in params.yaml (iclnoise.commands) less the keys that
+    only select jobs. As a rule's param it reruns the rule when what it computes changes, and only then: probing
+    one more seed adds jobs and reruns none."""
+    return json.dumps({n: {k: v for k, v in PARAMS[n].items() if k not in SELECTION_KEYS}
+                       if isinstance(PARAMS[n], dict) else PARAMS[n] for n in names})

@@ -2,7 +2,6 @@ ED_FAMILIES = ed_families(PARAMS)
 if ed_families(PARAMS, single=True):
     logger.info(f"ed: no family for {', '.join(ed_families(PARAMS, single=True))} (one run each: a condition at "
                 f"one M, or a grid with one M): essential dynamics needs two runs")
-ED_CFG = json.dumps({k: v for k, v in PARAMS["ed"].items() if k not in ("enabled", "families", "seeds")})
 
 
 rule ed:
@@ -16,7 +15,7 @@ rule ed:
                  "sampling.parquet"),
     params:
         res=RES,
-        cfg=ED_CFG,
+        cfg=cfg("ed"),
         run_dirs=lambda w: [f"{RES}/runs/{r}" for r in ED_FAMILIES[w.family]],
     log:
         "logs/ed/{family}.log",
@@ -41,7 +40,7 @@ rule ed_figures:
         **{f"forms_{k}": v for k, v in figure("fig05_ed_forms_{family}", "fig05", "Essential dynamics").items()},
     params:
         res=RES,
-        cfg=ED_CFG,
+        cfg=cfg("ed"),
         run_dirs=lambda w: [f"{RES}/runs/{r}" for r in ED_FAMILIES[w.family]],
     log:
         "logs/ed/{family}_figures.log",

@@ -5,20 +5,17 @@
 
 
 def probe_command(run, sections):
-    """The `iclnoise each` argument list of one run's probes, shell-quoted."""
-    d, p = f"{RES}/runs/{run}", PARAMS
+    """The `iclnoise each` argument list of one run's probes, shell-quoted: each probe gets its params section
+    (llc and stages the llc section), so the rule's param changes with any of them."""
+    d = f"{RES}/runs/{run}"
     cmds = []
     if "llc" in sections:
-        st = p["llc"]["stages"]
-        cmds += [["llc", "--run-dir", d, "--sampler", json.dumps(p["llc"]["sampler"]), "--every",
-                  str(p["llc"]["every"]), "--at", json.dumps(p["llc"].get("at")), "--threads", "1"],
-                 ["stages", "--run-dir", d, "--sigma", str(st["sigma"]), "--plateau-tol", str(st["plateau_tol"])]]
+        cmds += [["llc", "--run-dir", d, "--cfg", cfg("llc"), "--threads", "1"],
+                 ["stages", "--run-dir", d, "--cfg", cfg("llc")]]
     if "geometry" in sections:
-        cmds.append(["geometry", "--run-dir", d, "--every", str(p["geometry"]["every"]), "--cfg",
-                     probe_cfg("geometry")])
+        cmds.append(["geometry", "--run-dir", d, "--cfg", cfg("geometry")])
     if "mech" in sections:
-        cmds.append(["mech", "--run-dir", d, "--every", str(p["mech"]["every"]), "--cfg", probe_cfg("mech"),
-                     "--figure", f"{RES}/figures/heads/{run}"])
+        cmds.append(["mech", "--run-dir", d, "--cfg", cfg("mech"), "--figure", f"{RES}/figures/heads/{run}"])
     return " ".join(shlex.quote(a) for c in cmds for a in ["--", *c])
 
 

@@ -1,12 +1,10 @@
 """Figure 2 (essential subspace) and figure 5 (plane curves, osculating circles, evolute, forms).
 
-`iclnoise ed-figures RUN_DIR... --family F --ed results/ed/F --figures results/figures --cfg JSON`
-draws both from the tables `iclnoise ed` wrote (figures import ed; ed never imports figures).
+`iclnoise ed-figures` draws both from the tables `iclnoise ed` wrote (figures import ed; ed never imports
+figures).
 """
 from __future__ import annotations
 
-import argparse
-import json
 from itertools import combinations
 from pathlib import Path
 
@@ -14,7 +12,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from ..ed import curvature, ed_config, log_time, smooth_curve
+from ..ed import curvature, log_time, smooth_curve
 from ..io import read_parquet
 from ..sections import ED
 from . import style
@@ -142,20 +140,12 @@ def fig_forms(pcs: pd.DataFrame, forms: pd.DataFrame, events: pd.DataFrame, cfg:
     style.save_figure(fig, path, pcs[pcs.run_id == run_id])
 
 
-def cli_ed_figures(argv: list[str]) -> None:
-    """`iclnoise ed-figures`: figures 2 and 5 of a family from the tables of `iclnoise ed`."""
-    ap = argparse.ArgumentParser(prog="iclnoise ed-figures", description=cli_ed_figures.__doc__)
-    ap.add_argument("run_dirs", nargs="+", help="the family's run directories (their metrics.parquet: t_crit)")
-    ap.add_argument("--family", required=True)
-    ap.add_argument("--ed", required=True, help="the directory `iclnoise ed --out` wrote")
-    ap.add_argument("--figures", required=True, help="figure directory")
-    ap.add_argument("--cfg", required=True, help="JSON of the params.yaml ed section (as given to iclnoise ed)")
-    a = ap.parse_args(argv)
-    ed, figs = Path(a.ed), Path(a.figures)
+def ed_figures(run_dirs: list, family: str, ed: Path, figs: Path, cfg: ED) -> None:
+    """Figures 2 and 5 of `family` into `figs` from the tables `iclnoise ed` wrote to `ed` (and the runs'
+    metrics.parquet: t_crit)."""
     pcs, var = read_parquet(ed / "pcs.parquet"), read_parquet(ed / "variance.parquet")
-    metrics = pd.concat([read_parquet(Path(d) / "metrics.parquet") for d in a.run_dirs])
-    fig_essential_subspace(pcs, var, metrics, figs / f"fig02_essential_subspace_{a.family}")
+    metrics = pd.concat([read_parquet(Path(d) / "metrics.parquet") for d in run_dirs])
+    fig_essential_subspace(pcs, var, metrics, figs / f"fig02_essential_subspace_{family}")
     sampling = read_parquet(ed / "sampling.parquet") if (ed / "sampling.parquet").exists() else None
-    cfg = ed_config(json.loads(a.cfg))
     fig_forms(pcs, read_parquet(ed / "forms.parquet"), read_parquet(ed / "events.parquet"), cfg,
-              figs / f"fig05_ed_forms_{a.family}", sampling=sampling)
+              figs / f"fig05_ed_forms_{family}", sampling=sampling)

@@ -1,7 +1,8 @@
-"""Figure 3 (end-of-training loss and LLC against M) and figure 4 (LLC over training with stages)."""
+"""Figure 3 (end-of-training loss and LLC against M), figure 4 (LLC over training with stages) and the SGLD
+calibration sweep of `iclnoise llc-calibrate`."""
 from __future__ import annotations
 
-import argparse
+from dataclasses import asdict
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -9,6 +10,7 @@ import numpy as np
 import pandas as pd
 
 from ..io import read_parquet
+from ..sections import LLCConfig, RunSpec
 from ..tasks import M_INF, m_label
 from . import style
 
@@ -126,16 +128,55 @@ def fig_llc_over_training(llc: pd.DataFrame, stages: pd.DataFrame | None, path: 
     style.save_figure(fig, path, llc.drop(columns=["llc_per_chain"], errors="ignore"))
 
 
-def cli(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="iclnoise llc-figures", description=__doc__)
-    ap.add_argument("--summary", required=True)
-    ap.add_argument("--llc", nargs="+", required=True)
-    ap.add_argument("--stages", nargs="*", default=[])
-    ap.add_argument("--out-dir", default="results/figures")
-    a = ap.parse_args(argv)
-    llc = pd.concat([read_parquet(p) for p in a.llc], ignore_index=True)
-    stages = pd.concat([read_parquet(p) for p in a.stages], ignore_index=True) if a.stages else None
-    out = Path(a.out_dir)
-    fig_llc_vs_m(read_parquet(a.summary), llc, out / "fig03_loss_llc_vs_m")
+def llc_figures(summary: str | Path, llc_files: list, stages_files: list, out: Path) -> list[Path]:
+    """Figures 3 and 4 into `out` from summary.parquet and the runs' llc.parquet (and stages.parquet)."""
+    llc = pd.concat([read_parquet(p) for p in llc_files], ignore_index=True)
+    stages = pd.concat([read_parquet(p) for p in stages_files], ignore_index=True) if stages_files else None
+    fig_llc_vs_m(read_parquet(summary), llc, out / "fig03_loss_llc_vs_m")
     fig_llc_over_training(llc, stages, out / "fig04_llc_over_training")
-    print(f"wrote {out / 'fig03_loss_llc_vs_m.png'}, {out / 'fig04_llc_over_training.png'}")
+    return [out / "fig03_loss_llc_vs_m.png", out / "fig04_llc_over_training.png"]
+
+
+def llc_calibration(run_dir: str | Path, base: LLCConfig, step: int | None, epsilons: list[float],
+                    gammas: list[float], out: Path) -> pd.DataFrame:
+    """Estimate the LLC of one checkpoint (default: the last) at every ε × γ, the other settings `base`'s;
+    draw each setting's traces at `out` (pick the largest ε whose traces level off without divergence, the
+    smallest γ that keeps the chains local) and return the table of estimates and flags."""
+    from .. import runs
+    from ..llc import estimate_llc
+    from ..model import mse_loss
+    from ..probes import sampling_data
+
+    run_dir = Path(run_dir)
+    spec = RunSpec.of(runs.read_spec(run_dir))
+    step = step if step is not None else max(runs.checkpoint_steps(run_dir))
+    xs, ys = sampling_data(spec, base.n)
+    model = runs.load_model(run_dir, step)
+    style.setup()
+    fig, axes = plt.subplots(len(gammas), len(epsilons), figsize=(3 * len(epsilons), 2.4 * len(gammas)),
+                             squeeze=False, sharex=True)
+    rows = []
+    for i, g in enumerate(gammas):
+        for j, e in enumerate(epsilons):
+            cfg = LLCConfig(**{**asdict(base), "epsilon": e, "gamma": g})
+            r = estimate_llc(model, mse_loss, xs, ys, cfg)
+            ax = axes[i, j]
+            for tr in r.traces:
+                ax.plot(r.nbeta * (tr - r.init_loss), lw=0.7)
+            ax.axvline(cfg.burn_in, color="grey", ls=":")
+            ax.axhline(0, color="black", lw=0.5)
+            bad = [k for k, v in r.flags.items() if v]
+            flags = f" [{', '.join(bad)}]" if bad else ""
+            ax.set_title(f"ε={e:g} γ={g:g}\nλ̂={r.llc_mean:.2f}±{r.llc_std:.2f}" + flags,
+                         fontsize=8, color="firebrick" if bad else "black")
+            rows.append({"epsilon": e, "gamma": g, "llc_mean": r.llc_mean, "llc_std": r.llc_std, **r.flags})
+    for ax in axes[-1]:
+        ax.set_xlabel("SGLD step")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("nβ·(L − L(w*))")
+    fig.suptitle(f"LLC calibration, {spec.keys.run_id} step {step}: pick the largest ε whose traces level "
+                 f"off without divergence, and the smallest γ that keeps chains local", fontsize=9)
+    fig.tight_layout()
+    table = pd.DataFrame(rows)
+    style.save_figure(fig, out, table)
+    return table

@@ -1,7 +1,6 @@
 """Figure 1 (OOD loss over training per M, t_crit marked, predictor levels) and the run summary."""
 from __future__ import annotations
 
-import argparse
 import math
 from pathlib import Path
 
@@ -112,15 +111,12 @@ def _markdown(df: pd.DataFrame) -> str:
     return show.to_markdown(index=False, floatfmt=".4g") + "\n"
 
 
-def cli(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="iclnoise figures", description=__doc__)
-    ap.add_argument("metrics", nargs="+", help="per-run metrics.parquet files")
-    ap.add_argument("--out-dir", default="results")
-    a = ap.parse_args(argv)
-    out = Path(a.out_dir)
-    metrics = load_metrics(a.metrics)
+def training_figures(metric_files: list, out: Path) -> pd.DataFrame:
+    """Figure 1 into <out>/figures and the end-of-training summary (<out>/summary.parquet and .md) from the
+    runs' metrics.parquet; returns the summary."""
+    metrics = load_metrics(metric_files)
     fig_ood_loss(metrics, out / "figures" / "fig01_ood_loss")
     s = summary(metrics)
     write_parquet(s, out / "summary.parquet", SUMMARY_SCHEMA)
     write_text("# End-of-training summary (losses are MSE / D)\n\n" + _markdown(s), out / "summary.md")
-    print(f"figure: {out / 'figures' / 'fig01_ood_loss.png'}; summary: {out / 'summary.md'} ({len(s)} runs)")
+    return s

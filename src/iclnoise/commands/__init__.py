@@ -1,0 +1,53 @@
+"""The command layer: every `iclnoise <command>`, by topic. `iclnoise.cli.COMMANDS` maps a command to
+`iclnoise.commands.<topic>:<function>`, the function named as the command with - as _:
+
+- runs: train, check, verify
+- probes: llc, llc-calibrate, stages, geometry, mech, ed
+- results: figures, llc-figures, ed-figures, aggregate, aggregate-figures, report, export, paper
+
+A command parses its arguments, builds the typed params sections once, calls plain functions of the other
+modules and prints. Nothing else in the package parses arguments (pyproject's import-linter contracts).
+
+Params sections come one way: `--cfg JSON` (or `--cfg @file.json`), a mapping {section name: the section
+exactly as in params.yaml}, e.g. '{"geometry": {...}}'. A command names the sections it reads (none: it reads
+the whole resolved params, as `report` does); the typed sections (iclnoise.sections) ignore the workflow's
+keys enabled and seeds, and the probes read `every` (and llc `at`) from their section. The Snakemake rules
+pass a command the sections it reads less the keys that only select jobs (seeds, families), so a changed
+section reruns the rules that read it. (`train`
+takes a run spec, `--spec`; `check` and `export` a params file and its overrides, which they validate or record.)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from pathlib import Path
+
+
+def doc(module: str) -> str:
+    """The docstring of a module of the package ("figures.llc"), as a command's description."""
+    return importlib.import_module(f"iclnoise.{module}").__doc__ or ""
+
+
+def add_cfg(ap: argparse.ArgumentParser, *names: str) -> None:
+    """`--cfg` of a command that reads the params sections `names` (none: every section)."""
+    what = ", ".join(f'"{n}": {{...}}' for n in names) if names else '"<section>": {...}, ...'
+    ap.add_argument("--cfg", required=True, help=f"JSON {{{what}}}: the params.yaml section(s) as they are there "
+                    "(or @file.json)")
+
+
+def sections(text: str, *names: str) -> dict:
+    """The mapping {section name: section} of a `--cfg` value (JSON, or @file.json). With `names`, it must hold
+    exactly those sections: a rule passes a command the sections it reads, no more (SystemExit otherwise)."""
+    if text.startswith("@"):
+        text = Path(text[1:]).read_text()
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--cfg is not JSON ({e})") from None
+    if not isinstance(cfg, dict) or not all(isinstance(v, dict) for v in cfg.values()):
+        raise SystemExit("--cfg must be a mapping {section name: the section as in params.yaml}")
+    if names and sorted(cfg) != sorted(names):
+        raise SystemExit(f"--cfg holds the section(s) {', '.join(sorted(cfg)) or 'none'}; this command reads "
+                         f"exactly {', '.join(names)}")
+    return cfg

@@ -1,0 +1,124 @@
+"""`iclnoise llc | llc-calibrate | stages | geometry | mech | ed`: the probes of a run's checkpoints and the
+essential dynamics of a family of runs (the work is in iclnoise.probes and the formula modules).
+
+Each reads its params section from `--cfg` (llc, stages and llc-calibrate the llc section; geometry, mech and
+ed their own), and the probes of checkpoints take `every` (and llc `at`) from it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from ..ed import EVENTS_SCHEMA, FORMS_SCHEMA, MAX_GAP, PCS_SCHEMA, SAMPLING_SCHEMA, VAR_SCHEMA, ed_config
+from ..io import write_parquet
+from ..mech import run_summary
+from ..probes import essential_dynamics, geometry_for_run, llc_for_run, mech_for_run, stages_for_run
+from ..sections import Geometry, LLCConfig, Mech, Stages
+from . import add_cfg, doc, sections
+
+
+def llc(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="iclnoise llc", description="LLC per checkpoint of one run: every llc.every-th "
+                                 "checkpoint and the last, or those nearest to llc.at.")
+    ap.add_argument("--run-dir", required=True)
+    add_cfg(ap, "llc")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, or auto (cuda where visible)")
+    a = ap.parse_args(argv)
+    cfg = sections(a.cfg, "llc")["llc"]
+    sampler = LLCConfig.from_dict(cfg["sampler"])
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(a.threads)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
+    df = llc_for_run(a.run_dir, sampler, cfg["every"], at=cfg.get("at"), device=device)
+    print(df[["step", "llc_mean", "llc_std", "mala_accept", "not_levelled", "negative", "diverged"]]
+          .to_string(index=False))
+
+
+def llc_calibrate(argv: list[str]) -> None:
+    """Sweep ε × γ on one checkpoint (the other settings: llc.sampler); plot the traces so a user can pick
+    settings."""
+    from ..figures.llc import llc_calibration
+
+    ap = argparse.ArgumentParser(prog="iclnoise llc-calibrate", description=llc_calibrate.__doc__)
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: the last)")
+    ap.add_argument("--epsilons", type=float, nargs="+", default=[1e-5, 3e-5, 1e-4, 3e-4, 1e-3])
+    ap.add_argument("--gammas", type=float, nargs="+", default=[10.0, 100.0, 1000.0])
+    add_cfg(ap, "llc")
+    ap.add_argument("--out", default=None, help="output stem (default: <run-dir>/llc_calibration)")
+    a = ap.parse_args(argv)
+    base = LLCConfig.from_dict(sections(a.cfg, "llc")["llc"]["sampler"])
+    out = Path(a.out) if a.out else Path(a.run_dir) / "llc_calibration"
+    table = llc_calibration(a.run_dir, base, a.step, a.epsilons, a.gammas, out)
+    print(table.to_string(index=False))
+    print(f"wrote {out}.png")
+
+
+def stages(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="iclnoise stages", description=doc("stages"))
+    ap.add_argument("--run-dir", required=True)
+    add_cfg(ap, "llc")
+    a = ap.parse_args(argv)
+    df = stages_for_run(a.run_dir, Stages.from_dict(sections(a.cfg, "llc")["llc"]["stages"]))
+    print(df[["stage", "type", "start_step", "end_step", "kind", "delta_llc", "delta_loss"]].to_string(index=False))
+
+
+def geometry(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="iclnoise geometry", description=doc("geometry"))
+    ap.add_argument("--run-dir", required=True)
+    add_cfg(ap, "geometry")
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args(argv)
+    cfg = sections(a.cfg, "geometry")["geometry"]
+    torch.set_num_threads(a.threads)
+    df = geometry_for_run(a.run_dir, Geometry.from_dict(cfg), cfg["every"])
+    print(df[["step", "hessian_trace", "hessian_trace_ci95", "top_eigenvalue", "min_eigenvalue", "sam_sharpness",
+              "sam_sharpness_se", "precond_trace", "precond_trace_ci95"]].to_string(index=False))
+
+
+def mech(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="iclnoise mech", description=doc("mech"),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run-dir", required=True)
+    add_cfg(ap, "mech")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--figure", default=None, help="write the per-run head figure here (stem)")
+    a = ap.parse_args(argv)
+    cfg = sections(a.cfg, "mech")["mech"]
+    torch.set_num_threads(a.threads)
+    t0 = time.time()
+    df = mech_for_run(a.run_dir, Mech.from_dict(cfg), cfg["every"])
+    if a.figure:
+        from ..figures.probes import fig_heads
+        fig_heads(df, a.figure)
+    print(json.dumps(run_summary(df), indent=1))
+    print(f"{df.step.nunique()} checkpoints in {time.time() - t0:.1f}s")
+
+
+def ed(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="iclnoise ed", description=doc("ed"),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dirs", nargs="+")
+    ap.add_argument("--family", required=True)
+    ap.add_argument("--out", required=True, help="output directory, e.g. results/ed/<family>")
+    add_cfg(ap, "ed")
+    a = ap.parse_args(argv)
+    res = essential_dynamics([Path(d) for d in a.run_dirs], a.family, ed_config(sections(a.cfg, "ed")["ed"]))
+    out = Path(a.out)
+    write_parquet(res["variance"], out / "variance.parquet", VAR_SCHEMA)
+    write_parquet(res["events"], out / "events.parquet", EVENTS_SCHEMA)
+    write_parquet(res["forms"], out / "forms.parquet", FORMS_SCHEMA)
+    write_parquet(res["pcs"], out / "pcs.parquet", PCS_SCHEMA)
+    write_parquet(res["sampling"], out / "sampling.parquet", SAMPLING_SCHEMA)
+    ev = res["variance"].explained_variance_ratio
+    print(f"{a.family}: {len(a.run_dirs)} runs; explained variance {', '.join(f'{v:.1%}' for v in ev)}; "
+          f"{int(res['events'].kept.sum())} of {len(res['events'])} events significant; {len(res['forms'])} forms")
+    for _, r in res["sampling"][res["sampling"].undersampled].iterrows():
+        print(f"inconclusive: {r.run_id} is undersampled (checkpoints up to {r.max_gap_log:.2f} apart in log-step, "
+              f"more than {MAX_GAP} × bandwidth {r.bandwidth}); its forms (or their absence) are not reliable")

@@ -1,0 +1,131 @@
+"""`iclnoise figures | llc-figures | ed-figures | aggregate | aggregate-figures | report | export | paper`:
+what the workflow makes from the runs' tables (the work is in iclnoise.figures, iclnoise.aggregate,
+iclnoise.report and iclnoise.paper). Only the figure commands draw."""
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from pathlib import Path
+
+from . import add_cfg, doc, sections
+
+
+def figures(argv: list[str]) -> None:
+    from ..figures.training import training_figures
+
+    ap = argparse.ArgumentParser(prog="iclnoise figures", description=doc("figures.training"))
+    ap.add_argument("metrics", nargs="+", help="per-run metrics.parquet files")
+    ap.add_argument("--out-dir", default="results")
+    a = ap.parse_args(argv)
+    out = Path(a.out_dir)
+    s = training_figures(a.metrics, out)
+    print(f"figure: {out / 'figures' / 'fig01_ood_loss.png'}; summary: {out / 'summary.md'} ({len(s)} runs)")
+
+
+def llc_figures(argv: list[str]) -> None:
+    from ..figures.llc import llc_figures as draw
+
+    ap = argparse.ArgumentParser(prog="iclnoise llc-figures",
+                                 description="Figures 3 (loss and LLC against M) and 4 (LLC over training).")
+    ap.add_argument("--summary", required=True)
+    ap.add_argument("--llc", nargs="+", required=True)
+    ap.add_argument("--stages", nargs="*", default=[])
+    ap.add_argument("--out-dir", default="results/figures")
+    a = ap.parse_args(argv)
+    print(f"wrote {', '.join(map(str, draw(a.summary, a.llc, a.stages, Path(a.out_dir))))}")
+
+
+def ed_figures(argv: list[str]) -> None:
+    from ..ed import ed_config
+    from ..figures.ed import ed_figures as draw
+
+    ap = argparse.ArgumentParser(prog="iclnoise ed-figures", description=doc("figures.ed"))
+    ap.add_argument("run_dirs", nargs="+", help="the family's run directories (their metrics.parquet: t_crit)")
+    ap.add_argument("--family", required=True)
+    ap.add_argument("--ed", required=True, help="the directory `iclnoise ed --out` wrote")
+    ap.add_argument("--figures", required=True, help="figure directory")
+    add_cfg(ap, "ed")
+    a = ap.parse_args(argv)
+    draw(a.run_dirs, a.family, Path(a.ed), Path(a.figures), ed_config(sections(a.cfg, "ed")["ed"]))
+
+
+def aggregate(argv: list[str]) -> None:
+    from ..aggregate import aggregate as run
+    from ..sections import Stats
+
+    ap = argparse.ArgumentParser(prog="iclnoise aggregate", description=doc("aggregate"),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dirs", nargs="+")
+    ap.add_argument("--out", default="results/aggregate")
+    add_cfg(ap, "stats")
+    a = ap.parse_args(argv)
+    tests = run([Path(d) for d in a.run_dirs], Path(a.out), Stats.from_dict(sections(a.cfg, "stats")["stats"]))
+    print(tests[["hypothesis", "test", "outcome", "estimate", "p_holm", "verdict"]].to_string(index=False))
+
+
+def aggregate_figures(argv: list[str]) -> None:
+    from ..figures.aggregate import aggregate_figures as draw
+
+    ap = argparse.ArgumentParser(prog="iclnoise aggregate-figures", description=doc("figures.aggregate"))
+    ap.add_argument("--aggregate", default="results/aggregate", help="the directory `iclnoise aggregate --out` wrote")
+    ap.add_argument("--exposure", nargs="*", default=[], help="the runs' exposure.parquet files")
+    ap.add_argument("--out-dir", default="results/figures")
+    a = ap.parse_args(argv)
+    print(f"wrote {', '.join(map(str, draw(Path(a.aggregate), a.exposure, Path(a.out_dir))))}")
+
+
+def report(argv: list[str]) -> None:
+    from ..io import write_text
+    from ..report import build
+
+    ap = argparse.ArgumentParser(prog="iclnoise report", description=doc("report"))
+    ap.add_argument("--results", default="results")
+    add_cfg(ap)
+    ap.add_argument("--out", default="results/report.md")
+    a = ap.parse_args(argv)
+    write_text(build(Path(a.results), sections(a.cfg), Path.cwd()), a.out)
+    print(f"wrote {a.out}")
+
+
+def export(argv: list[str]) -> None:
+    from ..config import load_params
+    from ..paper import export as run
+
+    ap = argparse.ArgumentParser(prog="iclnoise export", description=doc("paper"),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", default="results")
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--configfile", nargs="*", default=[], help="the config files the workflow ran with")
+    ap.add_argument("--workdir", default=".", help="the directory the workflow ran in (its benchmarks/)")
+    ap.add_argument("--out", required=True, help="e.g. reference/science")
+    a = ap.parse_args(argv)
+    prov = run(Path(a.results), Path(a.out), load_params(a.params, a.configfile), Path(a.workdir))
+    size = sum(p.stat().st_size for p in Path(a.out).rglob("*") if p.is_file())
+    print(f"{a.out}: {len(prov['spec_hash'])} runs, {len(prov['sha256'])} files, {size / 2**20:.1f} MiB, "
+          f"commit {prov['commit']}, jobs' wall time {prov['wall_time']['total_s']:.0f} s")
+
+
+def paper(argv: list[str]) -> None:
+    from ..paper import paper as run
+
+    ap = argparse.ArgumentParser(prog="iclnoise paper", description=doc("paper"),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("references", nargs="+", help="reference sets, e.g. reference/science reference/noise")
+    ap.add_argument("--out", default="paper", help="figures and reports go to OUT/<set name>/")
+    ap.add_argument("--update-aggregate", action="store_true",
+                    help="first rerun each set's aggregate with this code and write it into the set (after a change "
+                         "of the aggregate; the runs are not retrained)")
+    a = ap.parse_args(argv)
+    for ref in map(Path, a.references):
+        if a.update_aggregate:
+            from ..paper import update_aggregate
+            print(f"{ref.name}: aggregate rerun; changed: {', '.join(update_aggregate(ref)) or 'nothing'}")
+        t0 = time.perf_counter()
+        pngs = run(ref, Path(a.out) / ref.name)
+        if a.update_aggregate:   # the set's report follows its aggregate
+            from ..paper import rehash
+            shutil.copy2(Path(a.out) / ref.name / "report.md", ref / "report.md")
+            rehash(ref)
+        print(f"{ref.name}: {len(pngs)} figures and report.md in {Path(a.out) / ref.name} "
+              f"({time.perf_counter() - t0:.0f} s)")

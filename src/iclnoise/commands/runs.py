@@ -1,0 +1,91 @@
+"""`iclnoise train | check | verify`: train an ensemble, check a params file, read a results directory back."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def train(argv: list[str]) -> None:
+    import torch
+
+    from ..grid import member_specs
+    from ..train import train_ensemble
+
+    ap = argparse.ArgumentParser(prog="iclnoise train",
+                                 description="Train runs as one ensemble (resumes from their resume states).")
+    ap.add_argument("--spec", required=True, help="a run spec as JSON (iclnoise.grid.run_spec), or @file.json; "
+                    "with --runs, the spec shared by the ensemble (its keys are replaced per run)")
+    ap.add_argument("--runs", default=None, help="comma-separated run ids of the ensemble (default: the spec's run)")
+    ap.add_argument("--results", default="results", help="run directories are <results>/runs/<run>")
+    ap.add_argument("--run-dir", default=None, help="the run directory of a single run (no --runs)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    a = ap.parse_args(argv)
+    spec = json.loads(Path(a.spec[1:]).read_text() if a.spec.startswith("@") else a.spec)
+    torch.set_num_threads(a.threads)
+    if a.runs:
+        specs = member_specs(spec, a.runs.split(","))
+        dirs = [Path(a.results) / "runs" / s["keys"]["run_id"] for s in specs]
+    else:
+        specs, dirs = [spec], [Path(a.run_dir or Path(a.results) / "runs" / spec["keys"]["run_id"])]
+    t0 = time.time()
+    out = train_ensemble(specs, dirs, a.progress)
+    steps = sum(int(m.step.iloc[-1]) for m in out)
+    for s, m in zip(specs, out):
+        last = m.iloc[-1]
+        print(f"{s['keys']['run_id']}: {int(last.step)} steps; ood_loss {last.ood_loss:.4f} (dMMSE "
+              f"{last.ood_loss_dmmse:.4f}, ridge {last.ood_loss_ridge:.4f}); r {last.r:.3f}"
+              f"{'; DIVERGED' if last.diverged else ''}")
+    print(f"{len(specs)} runs, {steps} run-steps in {time.time() - t0:.1f}s")
+
+
+def check(argv: list[str]) -> None:
+    from ..config import ParamsError, load_params
+    from ..cost import COST_CONFIRM_CORE_HOURS, cost_estimate, format_cost
+    from ..grid import expand_grid, steps_for, trained_steps
+
+    ap = argparse.ArgumentParser(prog="iclnoise check",
+                                 description="Validate a params file, list its runs and print the cost estimate.")
+    ap.add_argument("params", nargs="?", default="params.yaml")
+    ap.add_argument("--configfile", nargs="*", default=[], help="override files merged on top, as snakemake does")
+    a = ap.parse_args(argv)
+    try:
+        params = load_params(a.params, a.configfile)
+    except ParamsError as e:
+        raise SystemExit(str(e))
+    runs = expand_grid(params)
+    print(f"{' + '.join([a.params, *a.configfile])}: valid; {len(runs)} runs")
+    for k in runs:
+        n, stop = steps_for(params, k.batch, k.noise), trained_steps(params, k.batch, k.noise)
+        print(f"  {k.run_id}  ({n} steps{f', stopping at {stop}' if stop < n else ''})")
+    est = cost_estimate(params)
+    print(f"cost estimate: {format_cost(est)}")
+    if est["core_hours"] > COST_CONFIRM_CORE_HOURS:
+        print(f"above the {COST_CONFIRM_CORE_HOURS:g} core-hour threshold: snakemake refuses it without "
+              f"--config confirm_cost=true")
+
+
+def verify(argv: list[str]) -> None:
+    """Read every Parquet and JSON file under a results directory; name each unreadable one and what to do
+    (exit 1). scripts/dvc-snakemake.sh runs it last, so `dvc repro` never records a corrupt table."""
+    from ..io import CorruptFileError, read_json, read_parquet
+
+    ap = argparse.ArgumentParser(prog="iclnoise verify", description=verify.__doc__)
+    ap.add_argument("dir", nargs="?", default="results")
+    a = ap.parse_args(argv)
+    bad, n = [], 0
+    for f in sorted(Path(a.dir).rglob("*")):
+        if f.suffix not in (".parquet", ".json") or f.name.startswith("."):
+            continue
+        n += 1
+        try:
+            read_parquet(f) if f.suffix == ".parquet" else read_json(f)
+        except CorruptFileError as e:
+            bad.append(str(e))
+    for line in bad:
+        print(line)
+    print(f"{a.dir}: {n} tables read, {len(bad)} unreadable")
+    if bad:
+        raise SystemExit(1)

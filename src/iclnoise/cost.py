@@ -1,0 +1,226 @@
+"""What a grid costs before it runs: CPU core-hours per job kind (fitted step rates) and the memory one job plans
+to allocate, with the checks that refuse a grid above a threshold (validation, `iclnoise check`, the Snakefile).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .grid import ed_families, ensemble_groups, expand_grid, parse_run_id, steps_for, trained_steps
+from .sections import Data, Eval, Model, ParamsError
+from .tasks import M_INF
+
+MAX_JOB_MEMORY = 32 * 2**30  # bytes one job may plan to allocate (memory_estimate)
+
+
+def job_memory(data: Data, model: Model, eval_: Eval, micro_batch: int, Ms: list[int]) -> dict[str, int]:
+    """Bytes a training job of len(Ms) runs (an ensemble, run i at task-pool size Ms[i]) plans to allocate (a
+    floor, not a measurement), summed over its runs:
+
+    pool   = M·(16D + 196): the training pool M·D·4 plus the evaluator's peak, max(M·D·12 (float64 draw and
+             float32 copy), M·D·4 + M·(2D+1)·4 + 3·16·M·4 (dMMSE: pool, its two copies, three buffers)); 0 at M = ∞
+    eval   = (2·n_sequences + n_root)·K·(D+1)·4·2 per run (its sets, predictions) + n_sequences·2K·(4d + d_mlp
+             + 2K·h)·4·2 once (one run is evaluated at a time)
+    train  = micro_batch·2K·L·(10d + 2·d_mlp + 3·2K·h)·4 (activations kept for backward; the runs step together)
+    params = 16·P, P = L·(4d² + 2d·d_mlp) (weights, gradients, two Adam moments)
+    """
+    D, K, T = data.D, data.K, 2 * data.K
+    dm, dmlp, L, h = model.d_model, model.d_mlp, model.n_layers, model.n_heads
+    R = len(Ms)
+    est = {
+        "pool": sum(M * (16 * D + 196) for M in Ms if M != M_INF),
+        "eval": R * (2 * eval_.n_sequences + eval_.n_root) * K * (D + 1) * 8
+        + eval_.n_sequences * T * (4 * dm + dmlp + T * h) * 8,
+        "train": R * micro_batch * T * L * (10 * dm + 2 * dmlp + 3 * T * h) * 4,
+        "params": R * 16 * L * (4 * dm * dm + 2 * dm * dmlp),
+    }
+    est["total"] = sum(est.values())
+    return est
+
+
+def memory_estimate(params: dict) -> dict[str, int]:
+    """job_memory of the grid's most demanding training job (iclnoise.grid.ensemble_groups)."""
+    jobs = []
+    for runs in ensemble_groups(params).values():
+        keys = [parse_run_id(r) for r in runs]
+        mb = min(params["train"]["micro_batch"], keys[0].batch)
+        jobs.append(job_memory(Data.from_dict(params["data"]), Model.from_dict(params["model"]),
+                               Eval.from_dict(params["eval"]), mb, [k.M for k in keys]))
+    return max(jobs, key=lambda e: e["total"])
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def probe_memory_estimate(params: dict) -> dict[str, dict[str, int]]:
+    """Bytes the other job kinds plan to allocate (floors, as memory_estimate), per job and part. With
+    a = 2K·L·(10d + 2·d_mlp + 3·2K·h)·4, one sequence's activations kept for a backward pass:
+
+    exposure (inside a training job)  curvature = 3·heldout·a (Hessian-vector products: double backward)
+    llc       set = n·K·(D+1)·4 (the sampling set), chains = min(8192, chains·min(batch, n))·a·2 (one batched
+              SGLD pass, per-chain weights and gradients included in the factor 2)
+    geometry  heldout = 3·n_heldout·a·sam_batches (held-out batches, Hessian-vector products)
+    mech      probe = n_probe·a"""
+    d, m = params["data"], params["model"]
+    D, K, T = d["D"], d["K"], 2 * d["K"]
+    a = T * m["n_layers"] * (10 * m["d_model"] + 2 * m["d_mlp"] + 3 * T * m["n_heads"]) * 4
+    out: dict[str, dict[str, int]] = {}
+    exp = params.get("exposure") or {}
+    if exp.get("enabled"):
+        out["exposure"] = {"curvature": 3 * exp["heldout"] * a}
+    llc = params.get("llc") or {}
+    if llc.get("enabled"):
+        s = llc["sampler"]
+        out["llc"] = {"set": s["n"] * K * (D + 1) * 4,
+                      "chains": min(8192, s["chains"] * min(s["batch"], s["n"])) * a * 2}
+    geo = params.get("geometry") or {}
+    if geo.get("enabled"):
+        out["geometry"] = {"heldout": 3 * geo["n_heldout"] * a * geo["sam_batches"]}
+    mech = params.get("mech") or {}
+    if mech.get("enabled"):
+        out["mech"] = {"probe": mech["n_probe"] * a}
+    return out
+
+
+PROBE_KEYS = {"exposure": "exposure.heldout", "llc": "llc.sampler.n, chains and batch",
+              "geometry": "geometry.n_heldout × sam_batches", "mech": "mech.n_probe"}
+
+
+def check_memory(p: dict) -> None:
+    """Refuse a grid whose training or probe jobs plan to allocate more than MAX_JOB_MEMORY."""
+    est = memory_estimate(p)
+    if est["total"] > MAX_JOB_MEMORY:
+        parts = ", ".join(f"{k} {_bytes(v)}" for k, v in est.items() if k != "total")
+        raise ParamsError(f"estimated memory of one job {_bytes(est['total'])} ({parts}) is not allowed; allowed: "
+                          f"<= {_bytes(MAX_JOB_MEMORY)}; the pool grows with grid.M × data.D, evaluation with "
+                          f"eval.n_sequences × data.K × model.d_mlp, training with train.micro_batch")
+    for job, parts in probe_memory_estimate(p).items():
+        total = sum(parts.values()) + (est["total"] if job == "exposure" else 0)
+        if total > MAX_JOB_MEMORY:
+            detail = ", ".join(f"{k} {_bytes(v)}" for k, v in parts.items())
+            what = "job" if job != "exposure" else "step of a training job"
+            raise ParamsError(f"estimated memory of one {job} {what} {_bytes(total)} ({detail}) is not allowed; "
+                              f"allowed: <= {_bytes(MAX_JOB_MEMORY)}; it grows with {PROBE_KEYS[job]}")
+
+
+# CPU milliseconds per ensemble step = STEP_MS_BASE + runs · (STEP_MS_PER_RUN + STEP_MS_PER_MFLOP · step MFLOPs),
+# × INJECTED_FACTOR[source]. Fitted to the CPU time of the default DAG's training jobs (fresh clone of afcdeca,
+# benchmarks/train/*.tsv cpu_time; 3 layers, d_model 32, D = 3, K = 8, stacked-parameter step; evaluation at 25-26
+# checkpoints and exposure every 400 steps amortised; 18 runs per job, the two jobs side by side on 2 cores):
+# batch 16, 10000 steps: 546.7 s (54.7 ms per ensemble step, 42.5 MFLOP per run-step); batch 64, 2500 steps:
+# 456.8 s (182.7 ms, 170 MFLOP). STEP_MS_PER_RUN kept from the earlier fit; the line is exact at both jobs and
+# within 5 % of the 9-run jobs of 9baea51 (29.6 and 88.7 ms). INJECTED_FACTOR: the cost of a step that injects
+# relative to a plain one (exposure logged in both); only the injection window's share of a run's steps pays it.
+# grad: 1.22, the closed loop of the early and late arms (diagonal, curvature re-measured every 25 steps) on
+# 12-run ensembles at batch 64 (bench/bench_noise.py --runs 12 --every 400; README); param: 1.19, measured on a
+# single run (param_b16) before issue 27. Re-measure on new hardware.
+STEP_MS_BASE = 3.03
+STEP_MS_PER_RUN = 0.5
+STEP_MS_PER_MFLOP = 0.0558
+INJECTED_FACTOR = {"none": 1.0, "grad": 1.22, "param": 1.19}
+COST_CONFIRM_CORE_HOURS = 2.0
+
+
+def step_flops(params: dict, batch: int) -> float:
+    """Training FLOPs of one update: 6 · batch · T · L · (4d² + 2d·d_mlp + 2T·d), T = 2K tokens
+    (forward 2 FLOPs per multiply-add, backward twice the forward)."""
+    m, T = params["model"], 2 * params["data"]["K"]
+    d = m["d_model"]
+    return 6.0 * batch * T * m["n_layers"] * (4 * d * d + 2 * d * m["d_mlp"] + 2 * T * d)
+
+
+def step_ms(params: dict, batch: int, source: str = "none", runs: int = 1, injecting: float = 1.0) -> float:
+    """Estimated CPU milliseconds of one step of an ensemble of `runs` runs (one core): the per-step overhead
+    STEP_MS_BASE is paid once per ensemble, STEP_MS_PER_RUN + STEP_MS_PER_MFLOP · MFLOPs per run; a share
+    `injecting` of the steps (an early or late window's fraction, else 1) costs INJECTED_FACTOR[source] times
+    as much (noise source none, grad or param)."""
+    per_run = STEP_MS_PER_RUN + STEP_MS_PER_MFLOP * step_flops(params, batch) / 1e6
+    return (STEP_MS_BASE + runs * per_run) * (1 + (INJECTED_FACTOR[source] - 1) * injecting)
+
+
+JOB_START_S = 2.5  # CPU seconds to start one `iclnoise` job (python + torch + package imports; measured 2.1–4.2 s)
+
+
+def probed_checkpoints(params: dict, batch: int, section: str, noise: str = "none") -> int:
+    """How many checkpoints of a run at `batch` a probe section (llc, geometry, mech) analyses."""
+    from .probes import steps_at
+    from .runs import select_steps
+    from .schedules import checkpoints_until
+    c = params["train"]["checkpoints"]
+    steps = checkpoints_until(steps_for(params, batch, noise), c["linear"], c["log"],
+                              trained_steps(params, batch, noise))
+    at = params[section].get("at") if section == "llc" else None
+    return len(steps_at(steps, **at) if at else select_steps(steps, params[section]["every"]))
+
+
+def probe_seconds(params: dict, batch: int, section: str, noise: str = "none") -> float:
+    """Estimated CPU seconds of one probe section in a run's probe job (without the job's start-up), counted
+    in training-step equivalents (step_ms) per checkpoint:
+    llc: chains · (burn_in + draws) SGLD steps at sampler.batch; geometry: (2·probes + lanczos_iters + 2)
+    Hessian-vector products at n_heldout, 2 steps each; mech: (n_layers · n_heads + 2) forward passes (⅓ step)
+    at n_sequences and one at n_probe. Measured on one default run (M16-B64-none-s0, snakemake benchmark
+    cpu_time): llc 25.3 s (estimate 35.7), geometry 5.0 s (5.5), mech 4.7 s (2.8)."""
+    g, m = params[section], params["model"]
+    if section == "llc":
+        sm = g["sampler"]
+        per = sm["chains"] * (sm["burn_in"] + sm["draws"]) * step_ms(params, sm["batch"])
+    elif section == "geometry":
+        per = (2 * g["probes"] + g["lanczos_iters"] + 2) * 2 * step_ms(params, g["n_heldout"])
+    else:
+        heads = m["n_layers"] * m["n_heads"]
+        per = ((heads + 2) * step_ms(params, params["eval"]["n_sequences"]) + step_ms(params, g["n_probe"])) / 3
+    return probed_checkpoints(params, batch, section, noise) * per / 1000
+
+
+def cost_estimate(params: dict) -> dict[str, Any]:
+    """Jobs of the DAG, training steps summed over runs, and estimated core-hours: training (step_ms), the
+    llc / geometry / mech probes (probe_seconds) and JOB_START_S for every other job."""
+    runs = expand_grid(params)
+    conds = params["noise"]["conditions"]
+    probes = {}
+    for name in ("llc", "geometry", "mech"):
+        sec = params.get(name) or {}
+        seeds = sec.get("seeds")
+        probes[name] = [k for k in runs if seeds is None or k.seed in seeds] if sec.get("enabled") else []
+    families = len(ed_families(params))
+    groups = ensemble_groups(params)
+    # one probe job per probed run (llc with its stages, geometry, mech in one process); llc figures, ed
+    # families (analysis + figures), training figures, aggregate, aggregate figures, report, all
+    probed = {k for ks in probes.values() for k in ks}
+    other = (1 if probes["llc"] else 0) + 2 * families + 5
+    jobs = len(groups) + len(probed) + other
+    run_steps = sum(trained_steps(params, k.batch, k.noise) for k in runs)
+    train_s = 0.0
+    for members in groups.values():
+        k = parse_run_id(members[0])
+        cond = conds[k.noise]
+        window = cond.get("fraction") if cond.get("schedule") in ("early", "late") else 1.0
+        steps = trained_steps(params, k.batch, k.noise)
+        train_s += JOB_START_S + steps * step_ms(params, k.batch, cond["source"], len(members), window) / 1000
+    probe_s = (len(probed) * JOB_START_S
+               + sum(probe_seconds(params, k.batch, name, k.noise) for name, ks in probes.items() for k in ks))
+    return {"runs": len(runs), "jobs": jobs, "run_steps": run_steps, "train_core_hours": train_s / 3600,
+            "core_hours": (train_s + probe_s + other * JOB_START_S) / 3600,
+            "peak_job_memory": memory_estimate(params)["total"], "threshold_core_hours": COST_CONFIRM_CORE_HOURS}
+
+
+def format_cost(est: dict) -> str:
+    """One line: jobs, steps, CPU core-hours (all jobs; training alone), planned memory per training job."""
+    return (f"{est['runs']} runs, {est['jobs']} jobs, {est['run_steps']:,} training steps, "
+            f"≈ {est['core_hours']:,.2f} CPU core-hours ({est['train_core_hours']:,.2f} of them training; rates "
+            f"measured on the default model, a GPU is faster), ≈ {_bytes(est['peak_job_memory'])} allocated per "
+            f"training job")
+
+
+def check_cost(params: dict, confirmed: bool = False) -> dict[str, Any]:
+    """The cost estimate; raises ParamsError above COST_CONFIRM_CORE_HOURS unless `confirmed`."""
+    est = cost_estimate(params)
+    if est["core_hours"] > COST_CONFIRM_CORE_HOURS and not confirmed:
+        raise ParamsError(f"this grid costs {format_cost(est)}: above the {COST_CONFIRM_CORE_HOURS:g} core-hour "
+                          f"threshold. To start it anyway add `--config confirm_cost=true` to the snakemake command "
+                          f"(or shrink grid.M, grid.seeds, grid.batch_sizes or train.budget)")
+    return est

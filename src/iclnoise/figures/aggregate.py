@@ -1,0 +1,29 @@
+"""Figures 6-10 from the tables `iclnoise aggregate` wrote (`iclnoise aggregate-figures`): M* against noise,
+ICL against exposure, early against late noise, geometry, and the P-NE* series of the runs' exposure logs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from ..aggregate import read_outcomes
+from ..io import read_parquet
+from .noise import fig_exposure_series, fig_schedules
+from .probes import fig_geometry
+from .stats import fig_icl_vs_exposure, fig_threshold_vs_noise
+
+STEMS = ("fig06_threshold_vs_noise", "fig07_icl_vs_exposure", "fig08_early_late", "fig09_geometry",
+         "fig10_exposure_series")
+
+
+def aggregate_figures(agg: Path, exposure_files: list, figs: Path) -> list[Path]:
+    """Figures 6-10 into `figs` from outcomes.parquet and thresholds.parquet in `agg` and the runs'
+    exposure.parquet (concatenated in the order given); returns the PNGs."""
+    out, th = read_outcomes(agg / "outcomes.parquet"), read_parquet(agg / "thresholds.parquet")
+    fig_threshold_vs_noise(th, figs / "fig06_threshold_vs_noise")
+    fig_icl_vs_exposure(out, figs / "fig07_icl_vs_exposure")
+    fig_schedules(out, figs / "fig08_early_late")
+    fig_geometry(out, figs / "fig09_geometry")
+    fig_exposure_series(pd.concat([read_parquet(f) for f in exposure_files]) if exposure_files else pd.DataFrame(),
+                        figs / "fig10_exposure_series")
+    return [figs / f"{s}.png" for s in STEMS]

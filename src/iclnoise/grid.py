@@ -1,0 +1,132 @@
+"""The grid of runs: run ids, their keys, each run's resolved spec, ensembles (runs trained in one job) and
+essential-dynamics families, from a validated params dict (iclnoise.config.load_params).
+"""
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .tasks import m_label, parse_m
+
+
+@dataclass(frozen=True, order=True)
+class RunKeys:
+    M: int
+    batch: int
+    noise: str
+    seed: int
+
+    @property
+    def run_id(self) -> str:
+        return f"M{m_label(self.M)}-B{self.batch}-{self.noise}-s{self.seed}"
+
+    def to_dict(self) -> dict:
+        return {"run_id": self.run_id, "M": self.M, "seed": self.seed, "batch": self.batch, "noise": self.noise}
+
+
+_RUN_RE = re.compile(r"^M(?P<M>inf|\d+)-B(?P<batch>\d+)-(?P<noise>[a-z0-9_]+)-s(?P<seed>\d+)$")
+
+
+def parse_run_id(run_id: str) -> RunKeys:
+    m = _RUN_RE.match(run_id)
+    if not m:
+        raise ValueError(f"not a run id: {run_id!r} (expected e.g. M64-B128-none-s0)")
+    return RunKeys(parse_m(m["M"]), int(m["batch"]), m["noise"], int(m["seed"]))
+
+
+def expand_grid(params: dict) -> list[RunKeys]:
+    """Every (M, batch, noise, seed) of the grid, in a stable order; a noise condition with its own
+    `batch_sizes` or `M` runs only at those."""
+    g, conds = params["grid"], params["noise"]["conditions"]
+    return [RunKeys(parse_m(M), B, n, s) for M in g["M"] for B in g["batch_sizes"] for n in g["noise"]
+            for s in g["seeds"] if B in conds[n].get("batch_sizes", [B])
+            and parse_m(M) in map(parse_m, conds[n].get("M", [M]))]
+
+
+def grid_ms(params: dict) -> list[int]:
+    return [parse_m(M) for M in params["grid"]["M"]]
+
+
+def ed_families(params: dict, single: bool = False) -> dict[str, list[str]]:
+    """Essential-dynamics families: name → run ids. by_m: all M at one (noise, batch, seed);
+    by_noise: all noise conditions at one (M, batch, seed) (only when there are ≥ 2 conditions). A family needs
+    two runs; `single`: the would-be families of one run instead (a condition run at one M), which have none."""
+    ed = params.get("ed") or {}
+    if not ed.get("enabled"):
+        return {}
+    runs = [k for k in expand_grid(params) if k.seed in ed["seeds"]]
+    fams: dict[str, list[str]] = {}
+    for k in runs:
+        if "by_m" in ed["families"]:
+            fams.setdefault(f"bym-{k.noise}-B{k.batch}-s{k.seed}", []).append(k.run_id)
+        if "by_noise" in ed["families"] and len(params["grid"]["noise"]) > 1:
+            fams.setdefault(f"bynoise-M{m_label(k.M)}-B{k.batch}-s{k.seed}", []).append(k.run_id)
+    return {f: r for f, r in fams.items() if (len(r) == 1) == single}
+
+
+def steps_for(params: dict, batch: int, noise: str = "none") -> int:
+    """A run's schedule length (its budget in steps). A noise condition with `steps_as_batch: B_t` takes the
+    steps batch B_t takes on the sequence budget (so at batch B it sees B/B_t times the sequences)."""
+    b = params["train"]["budget"]
+    per = params["noise"]["conditions"].get(noise, {}).get("steps_as_batch") or batch
+    return b["steps"] if b["mode"] == "steps" else max(1, b["sequences"] // per)
+
+
+def trained_steps(params: dict, batch: int, noise: str = "none") -> int:
+    """The steps a run trains: its schedule, or up to `train.budget.stop_at` where that comes first."""
+    n = steps_for(params, batch, noise)
+    return min(n, params["train"]["budget"].get("stop_at") or n)
+
+
+def run_spec(params: dict, run_id: str) -> dict[str, Any]:
+    """Everything one run needs, resolved (steps, micro-batch, noise condition); JSON-serialisable."""
+    keys = parse_run_id(run_id)
+    train = {k: v for k, v in copy.deepcopy(params["train"]).items() if k != "ensemble_runs"}  # how runs are
+    train["steps"] = steps_for(params, keys.batch, keys.noise)                                # grouped ≠ what they are
+    train["micro_batch"] = min(train["micro_batch"], keys.batch)
+    spec = {
+        "keys": keys.to_dict(),
+        "data": copy.deepcopy(params["data"]),
+        "model": copy.deepcopy(params["model"]),
+        "train": train,
+        "eval": copy.deepcopy(params["eval"]),
+        "noise": {k: v for k, v in copy.deepcopy(params["noise"]["conditions"][keys.noise]).items()
+                  if k not in ("batch_sizes", "M")},  # which runs exist is the grid's business, not the run's
+        "exposure": copy.deepcopy(params.get("exposure")),
+    }
+    return spec
+
+
+def ensemble_groups(params: dict) -> dict[str, list[str]]:
+    """Ensembles: runs trained together in one process (iclnoise.train). Runs of one (batch, noise condition)
+    share model shape, step count and training configuration; each such set is split into chunks of at
+    most `train.ensemble_runs` runs (in grid order). Group id `B{batch}-{noise}` (+ `-c{k}` when chunked)."""
+    cap = params["train"]["ensemble_runs"]
+    by_key: dict[str, list[str]] = {}
+    for k in expand_grid(params):
+        by_key.setdefault(f"B{k.batch}-{k.noise}", []).append(k.run_id)
+    groups = {}
+    for key, runs in by_key.items():
+        chunks = [runs[i:i + cap] for i in range(0, len(runs), cap)]
+        for i, c in enumerate(chunks):
+            groups[key if len(chunks) == 1 else f"{key}-c{i}"] = c
+    return groups
+
+
+def shared_spec(params: dict, runs: list[str]) -> dict:
+    """The spec an ensemble's runs share: a run spec without its keys (iclnoise.train rebuilds them per run)."""
+    spec = run_spec(params, runs[0])
+    spec.pop("keys")
+    return spec
+
+
+def member_specs(shared: dict, runs: list[str]) -> list[dict]:
+    """Each run's full spec from the shared spec; equal to `run_spec(params, run)` for every run of a group."""
+    return [{"keys": parse_run_id(r).to_dict(), **copy.deepcopy(shared)} for r in runs]
+
+
+def section(params: dict, name: str) -> dict:
+    """A top-level section (e.g. 'llc') as a plain dict, for rules that pass it to a command."""
+    return copy.deepcopy(params.get(name) or {})

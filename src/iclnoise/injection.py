@@ -1,0 +1,182 @@
+"""Noise injection (SPEC §5): the step hook that adds N(0, s_t R') to a run's gradient or weights, with its level
+set open loop (emulate_batch), by a closed loop on the realised exposure (budget) or by a PI controller (target).
+The maths lives in iclnoise.noise and iclnoise.exposure; iclnoise.hooks has the step protocol and the exposure
+state this hook shares with the exposure logger.
+"""
+from __future__ import annotations
+
+import math
+
+import pyarrow as pa
+import torch
+
+from .exposure import budget_scale, kappa, ne_unit, preconditioner
+from .hooks import ExposureState, NoiseMeter, StepContext
+from .noise import CovModel, PIController, shaped_covariance, target_at, window
+from .sections import RunSpec
+from .tasks import _seed_mix
+
+_NOISE = 0x7015E
+MAX_LOG_SCALE = 30.0  # bounds the controller's log-scale
+SATURATION = 9.0      # under clipping at G, s ≤ SATURATION·max(|g|², G²/10)/Tr R' reaches 90 % of the most injected
+                      # exposure there is, ∝ G²/Tr R' (more noise only replaces the gradient: exposure.budget_scale);
+                      # with |g|² < G²/10 that is s = 0.9·G²/Tr R', where the step is not clipped yet
+
+
+INJECTION_SCHEMA = pa.schema([
+    pa.field("run_id", pa.string()), pa.field("step", pa.int64()), pa.field("active", pa.bool_()),
+    pa.field("scale", pa.float64()),            # s_t multiplying R'
+    pa.field("ne_injected", pa.float64()),      # η_t κ Σ a_i² s R'_ii (a before this update), pre-clip
+    pa.field("clip_coef", pa.float64()),        # c² multiplies the injected noise (grad source); 1 for param
+    pa.field("curv", pa.float64()),             # max(floor, Σ a² diag Ĥ): this step's A, the latest Ĥ (NaN off-window)
+    pa.field("pne_injected", pa.float64()),     # realised injected P-NE* after clipping: c² · ne_injected / curv
+    pa.field("trace_injected", pa.float64()),   # Tr(s R')
+    pa.field("clipped_trace", pa.float64()),    # s · trace removed by PSD clipping (what could not be matched)
+    pa.field("clipped_frac", pa.float64()),     # clipped / (clipped + injected) trace
+])
+
+
+class NoiseInjector:
+    """Adds N(0, s_t R') to the gradient (source grad) or η A N(0, s_t R') to the weights (source param).
+
+    Levels (SPEC §5): `emulate_batch` (s = 1, R' = (1/B_t − 1/B) Ĉ); `budget` E with schedule constant,
+    early or late: s_t is set each step so that the *realised* injected P-NE* after clipping over the
+    window adds up to E (closed loop on the cumulative integral: the per-step target is what remains of
+    E over the steps that remain, solved for s through the clipping, iclnoise.exposure.budget_scale);
+    `controlled`: a PI controller on log P-NE* after clipping, started from the open-loop estimate.
+    Each step's P-NE* divides its NE by Curv_t = Σ a_t² diag Ĥ, both with this step's A (SPEC §6)."""
+
+    name, schema = "injection", INJECTION_SCHEMA
+
+    def __init__(self, spec: RunSpec, meter: NoiseMeter, state: ExposureState, device: torch.device):
+        n, t, exposure = spec.noise, spec.train, spec.exposure
+        self.run_id, self.seed = spec.keys.run_id, spec.keys.seed
+        self.batch, self.total, self.clip = spec.keys.batch, t.steps, t.grad_clip
+        self.source, self.shape, self.rank, self.schedule = n.source, n.shape, n.rank, n.schedule
+        self.start, self.stop = window(self.schedule, self.total, n.window_fraction)
+        self.emulate = n.emulate_batch
+        self.coef = (1.0 / self.emulate - 1.0 / self.batch) if self.emulate else 1.0
+        self.budget = n.budget
+        self.kappa, self.floor = kappa(exposure.kappa, t.optimizer.betas[0]), exposure.floor
+        self.ctl = (PIController(n.target, n.controller.kp, n.controller.ki)
+                    if self.schedule == "controlled" else None)
+        self.ctl_started = False
+        self.meter, self.state, self.device = meter, state, device
+        self.cov: CovModel | None = None
+        self.clipped = 0.0
+        self._cached: tuple[CovModel | None, torch.Tensor | None] = (None, None)
+        self.realised = 0.0                     # Σ injected P-NE* after clipping so far
+        self._rows: list[dict] = []
+        self._eps: torch.Tensor | None = None
+        self._pending: dict | None = None
+        self._plist: list[torch.Tensor] | None = None
+
+    @property
+    def _diag(self) -> torch.Tensor:
+        """diag(R') of the current covariance (cached per covariance)."""
+        if self._cached[0] is not self.cov:
+            self._cached = (self.cov, self.cov.diag())
+        return self._cached[1]
+
+    @property
+    def _trace(self) -> float:
+        return float(self._diag.sum())
+
+    def _refresh(self, ctx: StepContext) -> None:
+        self.cov, self.clipped = shaped_covariance(self.meter.measure(ctx), self.coef, self.shape, self.rank)
+
+    def _kappa(self) -> float:
+        return self.kappa if self.state.kappa is None else self.state.kappa
+
+    def _curv(self, a: torch.Tensor) -> float:
+        """Curv_t = max(floor, Tr(A_t Ĥ A_t)) with this step's A_t (SPEC §6), Ĥ's diagonal from the latest row;
+        NaN before any measurement."""
+        if self.state.curv_diag is None:
+            return math.nan
+        return max(self.floor, float((a.square() * self.state.curv_diag).sum()))
+
+    def _scale(self, ctx: StepContext, a: torch.Tensor, curv: float) -> float:
+        unit = ne_unit(ctx.lr, self._kappa(), a, self._diag)
+        if self.ctl is not None:
+            pne, self.state.pne_postclip = self.state.pne_postclip, None
+            if not self.ctl_started:  # open-loop start: the scale that reaches the target by itself
+                s0 = budget_scale(target_at(self.ctl.target, ctx.step / self.total), curv, unit,
+                                  self._grad_sq(ctx), self._trace, self.clip)
+                self.ctl.u = self.ctl.log_s = min(MAX_LOG_SCALE, math.log(s0)) if 0 < s0 else -MAX_LOG_SCALE
+                self.ctl_started = True
+                return math.exp(self.ctl.log_s)
+            return self.ctl.update(pne, ctx.step / self.total) if pne is not None else math.exp(self.ctl.log_s)
+        if self.budget is None:
+            return 1.0
+        left, g2 = self.stop - ctx.step, self._grad_sq(ctx)
+        s = budget_scale(max(0.0, self.budget - self.realised) / left, curv, unit, g2, self._trace, self.clip)
+        if self.clip is not None and self._trace > 0:  # an unreachable target saturates, it does not explode
+            s = min(s, SATURATION * max(g2, self.clip ** 2 / (1 + SATURATION)) / self._trace)
+        return min(s, math.exp(MAX_LOG_SCALE))
+
+    def _params(self, ctx: StepContext) -> list[torch.Tensor]:
+        """The run's parameters, listed once (a hooked model's `parameters()` walks every hook point)."""
+        if self._plist is None:
+            self._plist = list(ctx.model.parameters())
+        return self._plist
+
+    def _grad_sq(self, ctx: StepContext) -> float:
+        return float(torch.stack(torch._foreach_norm([p.grad for p in self._params(ctx)])).square().sum())
+
+    def on_grads(self, ctx: StepContext) -> None:
+        if self.meter.due(ctx.step) or self.cov is None:
+            self._refresh(ctx)
+        active = self.start <= ctx.step < self.stop
+        a = preconditioner(ctx.adam) if active else None   # outside the window: nothing to scale
+        curv = self._curv(a) if active else math.nan
+        s = self._scale(ctx, a, curv) if active else 0.0
+        ne = s * ne_unit(ctx.lr, self._kappa(), a, self._diag) if s > 0 else 0.0
+        self._pending = {"run_id": self.run_id, "step": ctx.step, "active": active, "scale": s, "ne_injected": ne,
+                         "curv": curv, "trace_injected": s * self._trace, "clipped_trace": s * self.clipped}
+        self._eps = None
+        if s <= 0:
+            return
+        gen = torch.Generator(device=self.device).manual_seed(_seed_mix(_NOISE, self.seed, ctx.step))
+        eps = self.cov.sample(gen) * math.sqrt(s)
+        params = self._params(ctx)
+        if self.source == "grad":
+            for p, e in zip(params, eps.split([p.numel() for p in params])):
+                p.grad.add_(e.view_as(p))
+        elif self.shape == "isotropic":  # isotropic in parameter space: τ² I with τ² P = η² Tr(A sR' A) (SPEC §5)
+            tau2 = ctx.lr ** 2 * float((a.square() * self._diag).sum()) * s / a.numel()
+            z = torch.randn(a.numel(), generator=gen, device=a.device, dtype=a.dtype)
+            self._eps = z * math.sqrt(tau2)
+        else:
+            self._eps = ctx.lr * a * eps
+
+    def on_update(self, ctx: StepContext) -> None:
+        row, self._pending = self._pending, None
+        c2 = ctx.clip_coef ** 2 if self.source == "grad" else 1.0
+        pne = c2 * row["ne_injected"] / row["curv"] if row["ne_injected"] > 0 and row["curv"] > 0 else 0.0
+        self.realised += pne
+        tr, clip = row["trace_injected"], row["clipped_trace"]
+        self._rows.append({**row, "clip_coef": c2, "pne_injected": pne,
+                           "clipped_frac": clip / (clip + tr) if clip + tr > 0 else 0.0})
+        self.state.ne_injected += row["ne_injected"]
+        self.state.pne_injected += pne
+        if self._eps is not None:
+            params = self._params(ctx)
+            with torch.no_grad():
+                for p, z in zip(params, self._eps.split([p.numel() for p in params])):
+                    p.add_(z.view_as(p))
+            self._eps = None
+
+    def rows(self) -> list[dict]:
+        return self._rows
+
+    def state_dict(self) -> dict:
+        return {"cov": None if self.cov is None else self.cov.state_dict(), "clipped": self.clipped,
+                "rows": list(self._rows), "realised": self.realised, "ctl_started": self.ctl_started,
+                "ctl": None if self.ctl is None else (self.ctl.u, self.ctl.log_s)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cov = None if state["cov"] is None else CovModel(**{k: v.to(self.device) for k, v in state["cov"].items()})
+        self.clipped, self._rows, self.realised = state["clipped"], list(state["rows"]), state["realised"]
+        self.ctl_started = state["ctl_started"]
+        if self.ctl is not None:
+            self.ctl.u, self.ctl.log_s = state["ctl"]

@@ -1,0 +1,283 @@
+"""Task-diversity thresholds M* (SPEC §11) and the transient-ridge window: the r = 0.5 crossing of a logistic in
+log2 M (`threshold_with_ci`) and the anchor's crossover, where the late pull on new tasks turns from dMMSE_M to
+ridge (`crossover_threshold` on `pull_slopes`); both with an interval across seeds.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+from scipy import optimize, stats
+
+from .tasks import M_INF
+
+
+def logistic(x: np.ndarray, x0: float, s: float) -> np.ndarray:
+    """r(x) = 1 / (1 + exp(−(x − x0) / s)), x = log2 M: bounded in [0, 1], monotone, r(x0) = 1/2."""
+    return 1.0 / (1.0 + np.exp(-(x - x0) / s))
+
+
+def logistic4(x: np.ndarray, floor: float, ceiling: float, x0: float, s: float) -> np.ndarray:
+    """r(x) = floor + (ceiling − floor) · logistic(x; x0, s): a sigmoid in x = log2 M whose plateaus are free,
+    because real ridge-likeness curves level off below 1 (and above 0)."""
+    return floor + (ceiling - floor) * logistic(x, x0, s)
+
+
+def crossing(floor: float, ceiling: float, x0: float, s: float, level: float = 0.5) -> float:
+    """x at which logistic4 equals `level`: x0 + s · log((level − floor) / (ceiling − level)); NaN unless the
+    curve passes through `level` (floor < level < ceiling)."""
+    if not floor < level < ceiling:
+        return math.nan
+    return float(x0 + s * math.log((level - floor) / (ceiling - level)))
+
+
+def _logistic4_jac(p: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """∂ logistic4 / ∂(floor, ceiling, x0, s), one row per x."""
+    f, c, x0, s = p
+    g = logistic(x, x0, s)
+    dg = (c - f) * g * (1 - g)
+    return np.column_stack([1 - g, g, -dg / s, -dg * (x - x0) / s ** 2])
+
+
+def _profile_start(x: np.ndarray, y: np.ndarray, x0s: np.ndarray, ss: np.ndarray) -> np.ndarray:
+    """Best (floor, ceiling, x0, s) on a grid of (x0, s): for fixed x0, s the plateaus are a linear least-squares
+    problem (y ≈ a + b·g), solved in closed form for every grid point at once."""
+    X0, S = np.meshgrid(x0s, ss, indexing="ij")
+    g = logistic(x[None, None, :], X0[..., None], S[..., None])
+    gc, yc = g - g.mean(-1, keepdims=True), y - y.mean()
+    var = (gc ** 2).sum(-1)
+    cov = (gc * yc).sum(-1)
+    rss = (yc ** 2).sum() - np.where(var > 1e-12, cov ** 2 / np.maximum(var, 1e-12), 0.0)
+    i, j = np.unravel_index(np.argmin(rss), rss.shape)
+    b = cov[i, j] / var[i, j] if var[i, j] > 1e-12 else 0.0
+    a = y.mean() - b * g[i, j].mean()
+    return np.array([a, a + b, X0[i, j], S[i, j]])
+
+
+NO_THRESHOLD = {"M_star": math.nan, "log2_M_star": math.nan, "floor": math.nan, "ceiling": math.nan,
+                "x0": math.nan, "scale": math.nan, "in_range": False, "p_rise": math.nan}
+
+
+def fit_threshold(M: np.ndarray, r: np.ndarray, alpha: float | None = 0.05) -> dict:
+    """Task-diversity threshold: least-squares fit of r = logistic4(log2 M) (finite M only), M* = 2^x where the
+    fitted curve crosses r = 0.5 (SPEC §11).
+
+    Floor and ceiling are free, so a curve that plateaus at 0.6 has its crossing where the data cross, not where
+    a 0-to-1 sigmoid would put its midpoint. Fitting: closed-form plateaus on a grid of (location, scale), then
+    bounded least squares from the best grid point. Bounds: plateaus in [−0.5, 1.5], location within 2 octaves of
+    the grid, scale from a tenth of the finest grid spacing to the whole span of the grid.
+
+    `reason` is '' when M* exists, else why there is none (checked in this order):
+    'too few M' (< 5 distinct finite M), 'fit failed', 'flat' (the fit does not beat a constant: F-test of the
+    3 extra parameters, p ≥ alpha; `alpha` None: not tested, p_rise is still reported), 'no rise' (the fitted
+    curve falls), 'fit at bound (<parameter>)', 'r does not cross 0.5' (both plateaus on one side), 'crossing
+    outside the grid'.
+    """
+    M, r = np.asarray(M, float), np.asarray(r, float)
+    keep = (M != M_INF) & (M > 0) & np.isfinite(r)
+    x, y = np.log2(M[keep]), r[keep]
+    n, ux = len(x), np.unique(x)
+    out = {**NO_THRESHOLD, "n": n}
+    if len(ux) < 5:
+        return {**out, "reason": f"too few M ({len(ux)} distinct finite M < 5)"}
+    span, step = ux[-1] - ux[0], np.diff(ux).min()
+    lo = np.array([-0.5, -0.5, ux[0] - 2, 0.1 * step])
+    hi = np.array([1.5, 1.5, ux[-1] + 2, span])
+    p0 = _profile_start(x, y, np.linspace(lo[2], hi[2], 41), np.geomspace(lo[3], hi[3], 16))
+    p0 = np.clip(p0, lo + 1e-6 * (hi - lo), hi - 1e-6 * (hi - lo))
+    try:
+        res = optimize.least_squares(lambda p: logistic4(x, *p) - y, p0, jac=lambda p: _logistic4_jac(p, x),
+                                     bounds=(lo, hi), method="trf", x_scale=hi - lo)
+    except (ValueError, np.linalg.LinAlgError):
+        return {**out, "reason": "fit failed"}
+    f, c, x0, s = (float(v) for v in res.x)
+    rss, tss = float((res.fun ** 2).sum()), float(((y - y.mean()) ** 2).sum())
+    if tss <= 0:
+        p_rise = 1.0
+    elif rss <= 1e-15 * tss:
+        p_rise = 0.0
+    else:
+        p_rise = float(stats.f.sf((tss - rss) / 3 / (rss / (n - 4)), 3, n - 4)) if n > 4 else math.nan
+    xs = crossing(f, c, x0, s)
+    out.update(floor=f, ceiling=c, x0=x0, scale=s, p_rise=p_rise, log2_M_star=xs, M_star=2.0 ** xs,
+               in_range=bool(ux[0] <= xs <= ux[-1]) if np.isfinite(xs) else False)
+    near = np.abs(res.x - lo) < 1e-4 * (hi - lo), np.abs(res.x - hi) < 1e-4 * (hi - lo)
+    at_bound = [name for name, a, b in zip(("floor", "ceiling", "location", "scale"), *near) if a or b]
+    if not res.success:
+        reason = "fit failed"
+    elif alpha is not None and not p_rise < alpha:
+        reason = f"flat (no significant rise: F-test p = {p_rise:.2g})"
+    elif c <= f:
+        reason = "no rise (r falls with M)"
+    elif at_bound:
+        reason = f"fit at bound ({', '.join(at_bound)})"
+    elif not np.isfinite(xs):
+        reason = f"r does not cross 0.5 (fitted floor {f:.2f}, ceiling {c:.2f})"
+    elif not out["in_range"]:
+        reason = f"crossing outside the grid (extrapolated M* = {2.0 ** xs:.3g})"
+    else:
+        reason = ""
+    if reason:
+        out.update(M_star=math.nan, log2_M_star=math.nan, in_range=False)
+    return {**out, "reason": reason}
+
+
+def threshold_with_ci(df: pd.DataFrame, level: float = 0.95, min_seeds: int = 3, alpha: float = 0.05) -> dict:
+    """M* of one condition with a t-interval over seeds: log2 M* is fitted per seed and the interval is
+    mean ± t_{n−1} · sd / √n of those n per-seed values (M* reported as 2^mean, the geometric mean).
+
+    Seeds differ in their own thresholds, so the seed is the unit of replication; a percentile bootstrap over
+    2-10 seeds under-covers (50-84 % at nominal 95 %, issue 17). Measured coverage on planted grids with
+    seed-to-seed sd 0.3 in log2 M* (tests/test_stats.py): floor 0.05, ceiling 0.6, r noise 0.03, 13 M:
+    0.965 at 3 and at 5 seeds (200 grids, every grid with an interval); floor 0, ceiling 0.9, noise 0.05, 11 M:
+    0.957 at 3 seeds, 0.946 at 5 (300 grids). On noisy plateaus (ceiling 0.6, noise 0.06) 14-18 % of grids get
+    no interval (a per-seed fit on a bound) and the rest cover 0.95-0.965.
+    No interval with fewer than `min_seeds` seeds or when a per-seed fit has no threshold; then M* is the fit to
+    all runs pooled. No M* at all when the pooled fit has none (`reason` says why).
+
+    Whether r rises at all is decided once, by the F-test of the pooled fit (seeds × M points). The per-seed fits
+    only locate each seed's crossing and keep every other check: on a 5-M grid a per-seed F-test has 3 and 1
+    degrees of freedom (critical F 216 at 0.05), so it withheld intervals from curves that plainly rise
+    (the default's batch 64 seeds: r 0.00 → 0.54 monotone, p 0.05-0.14)."""
+    pooled = fit_threshold(df.M.to_numpy(), df.r.to_numpy(), alpha)
+    seeds = sorted(df.seed.unique())
+    per = {s: fit_threshold(g.M.to_numpy(), g.r.to_numpy(), None) for s, g in df.groupby("seed")}
+    failed = {s: f["reason"] for s, f in per.items() if f["reason"]}
+    out = {**pooled, "M_star_lo": math.nan, "M_star_hi": math.nan, "log2_se": math.nan, "n_seeds": len(seeds),
+           "n_seeds_fit": len(per) - len(failed), "interval": "pooled fit",
+           "seeds_failed": " | ".join(f"seed {s}: {v}" for s, v in failed.items())}
+    if pooled["reason"]:
+        out["reason"] = f"no threshold: {pooled['reason']}"
+        return out
+    if len(seeds) < min_seeds:
+        out["reason"] = f"no interval: insufficient seeds ({len(seeds)} < {min_seeds})"
+        return out
+    if failed:
+        out["reason"] = f"no interval: per-seed fit without threshold ({out['seeds_failed']})"
+        return out
+    v = np.array([per[s]["log2_M_star"] for s in seeds])
+    k = len(v)
+    mean, se = float(v.mean()), float(v.std(ddof=1) / math.sqrt(k))
+    tq = float(stats.t.ppf(0.5 + level / 2, k - 1))
+    return {**out, "M_star": 2.0 ** mean, "log2_M_star": mean, "M_star_lo": 2.0 ** (mean - tq * se),
+            "M_star_hi": 2.0 ** (mean + tq * se), "log2_se": se, "interval": f"t-interval over {k} per-seed fits",
+            "reason": ""}
+
+
+def pull_slopes(traj: pd.DataFrame, late: float = 0.5, min_points: int = 3) -> pd.DataFrame:
+    """Late-training pull of each run (M, seed) toward dMMSE_M or ridge on new tasks (SPEC §3, §11: the anchor's
+    threshold). Per checkpoint, from Δ on the OOD set (q_∞):
+
+        d = ln Δ_ood(f, ridge) − ln Δ_ood(f, dMMSE_M) = −logit r_ood,
+        r_ood = Δ(f, dMMSE_M) / (Δ(f, dMMSE_M) + Δ(f, ridge))   (ridge-likeness on new tasks),
+
+    and the pull β is the least-squares slope of d against ln S (S = sequences seen) over the late checkpoints,
+    S ≥ late · S_end. β > 0: more data moves the model toward dMMSE_M; β < 0: toward ridge. The log ratio is
+    unchanged when both distances shrink by a common factor (the model's own error falling), so β reads the
+    direction between the two predictors, not overall progress; on new tasks they stay far apart at every finite
+    M, so neither distance sits at the model's error floor.
+
+    `traj`: one row per checkpoint with M, seed, sequences, ood_delta_dmmse, ood_delta_ridge (M = ∞ rows and
+    non-positive or missing Δ are dropped). Returns M, seed, slope, n (late checkpoints used); slope NaN with
+    fewer than `min_points` late checkpoints."""
+    t = traj[(traj.M != M_INF) & (traj.ood_delta_dmmse > 0) & (traj.ood_delta_ridge > 0)]
+    rows = []
+    for (M, seed), g in t.groupby(["M", "seed"]):
+        g = g[g.sequences >= late * g.sequences.max()]
+        x = np.log(g.sequences.to_numpy(float))
+        d = np.log(g.ood_delta_ridge.to_numpy(float)) - np.log(g.ood_delta_dmmse.to_numpy(float))
+        xc = x - x.mean()
+        ok = len(x) >= min_points and (xc ** 2).sum() > 0
+        rows.append({"M": M, "seed": seed, "slope": float(xc @ (d - d.mean()) / (xc @ xc)) if ok else math.nan,
+                     "n": len(x)})
+    return pd.DataFrame(rows, columns=["M", "seed", "slope", "n"])
+
+
+def sign_change(x: np.ndarray, b: np.ndarray) -> tuple[float, str]:
+    """Where a pull that should fall with x = log2 M changes sign from + to −: the decreasing isotonic
+    (least-squares) fit of b on x, then linear interpolation between the last x where the fit is > 0 and the next
+    one. Noise that breaks monotonicity is pooled by the fit, so there is one crossing at most. Returns (x*, '')
+    or (NaN, reason): every fitted pull of one sign, i.e. the crossing is outside the grid."""
+    o = np.argsort(x)
+    x, b = np.asarray(x, float)[o], np.asarray(b, float)[o]
+    fit = optimize.isotonic_regression(b, increasing=False).x
+    pos = np.flatnonzero(fit > 0)
+    if not len(pos):
+        return math.nan, "pull toward ridge at every M (M* below the grid)"
+    i = pos[-1]
+    if i == len(x) - 1:
+        return math.nan, "pull toward dMMSE_M at every M (M* above the grid)"
+    return float(x[i] + (x[i + 1] - x[i]) * fit[i] / (fit[i] - fit[i + 1])), ""
+
+
+def crossover_threshold(slopes: pd.DataFrame, level: float = 0.95, min_seeds: int = 3, alpha: float = 0.05,
+                        min_m: int = 5) -> dict:
+    """The anchor's task-diversity threshold (Raventós et al.; SPEC §11): M* where more data stops pulling the
+    model toward dMMSE_M and starts pulling it toward ridge, from the late pulls β(M, seed) of `pull_slopes`.
+
+    Per seed, x*_s = sign_change(log2 M, β_s); the interval is mean ± t_{n−1} · sd / √n over seeds in log2 M and
+    M* = 2^mean, as in threshold_with_ci. Whether the sign changes at all is decided once, on the seed-mean pulls:
+    their crossing x̄ splits the grid, and per seed u_s = mean β below x̄, v_s = mean β above it; the change is
+    significant when both one-sided t-tests over seeds reject (u > 0 and v < 0; p_sign = the larger p). Without
+    it there is no M*, and `reason` says why: 'too few M' (< min_m distinct finite M with a pull), 'too few seeds'
+    (< 2: no test), the crossing outside the grid (all seed-mean pulls of one sign), 'no significant sign change'.
+    No interval (M* from the seed means) with < min_seeds seeds or when a seed's own pulls do not change sign.
+    slope_first, slope_last: the seed-mean pull at the smallest and the largest M."""
+    b = slopes[np.isfinite(slopes.slope) & (slopes.M != M_INF)].assign(x=lambda d: np.log2(d.M.astype(float)))
+    seeds = sorted(b.seed.unique())
+    mean = b.groupby("x").slope.mean()
+    out = {"M_star": math.nan, "log2_M_star": math.nan, "M_star_lo": math.nan, "M_star_hi": math.nan,
+           "log2_se": math.nan, "in_range": False, "n_seeds": len(seeds), "n_seeds_fit": 0, "p_sign": math.nan,
+           "slope_first": float(mean.iloc[0]) if len(mean) else math.nan,
+           "slope_last": float(mean.iloc[-1]) if len(mean) else math.nan, "interval": "seed means",
+           "seeds_failed": ""}
+    if len(mean) < min_m:
+        return {**out, "reason": f"no threshold: too few M ({len(mean)} distinct finite M with a pull < {min_m})"}
+    if len(seeds) < 2:
+        return {**out, "reason": f"no threshold: too few seeds ({len(seeds)} < 2) to test the sign change"}
+    xbar, why = sign_change(mean.index.to_numpy(), mean.to_numpy())
+    if why:
+        return {**out, "reason": f"no threshold: {why}"}
+    per_seed = b.groupby("seed")
+    u = per_seed.apply(lambda g: g.slope[g.x < xbar].mean()).dropna()
+    v = per_seed.apply(lambda g: g.slope[g.x > xbar].mean()).dropna()
+    p_u = stats.ttest_1samp(u, 0.0, alternative="greater").pvalue if len(u) > 1 else math.nan
+    p_v = stats.ttest_1samp(v, 0.0, alternative="less").pvalue if len(v) > 1 else math.nan
+    p = float(max(p_u, p_v)) if np.isfinite([p_u, p_v]).all() else math.nan
+    out.update(p_sign=p, M_star=2.0 ** xbar, log2_M_star=xbar, in_range=True)
+    if not p < alpha:
+        return {**out, "M_star": math.nan, "log2_M_star": math.nan, "in_range": False,
+                "reason": f"no threshold: no significant sign change of the pull (p = {p:.2g})"}
+    per = {s: sign_change(g.x.to_numpy(), g.slope.to_numpy()) for s, g in per_seed}
+    failed = {s: why for s, (_, why) in per.items() if why}
+    out.update(n_seeds_fit=len(per) - len(failed), seeds_failed=" | ".join(f"seed {s}: {w}" for s, w in failed.items()))
+    if len(seeds) < min_seeds:
+        return {**out, "reason": f"no interval: insufficient seeds ({len(seeds)} < {min_seeds})"}
+    if failed:
+        return {**out, "reason": f"no interval: a seed's pull does not change sign ({out['seeds_failed']})"}
+    xs = np.array([per[s][0] for s in seeds])
+    k = len(xs)
+    m, se = float(xs.mean()), float(xs.std(ddof=1) / math.sqrt(k))
+    tq = float(stats.t.ppf(0.5 + level / 2, k - 1))
+    return {**out, "M_star": 2.0 ** m, "log2_M_star": m, "M_star_lo": 2.0 ** (m - tq * se),
+            "M_star_hi": 2.0 ** (m + tq * se), "log2_se": se, "interval": f"t-interval over {k} per-seed crossings",
+            "reason": ""}
+
+
+def transient_ridge_window(metrics: pd.DataFrame, rel_tol: float = 0.05) -> dict:
+    """t_crit = step of minimal OOD loss (step > 0); departure = first later checkpoint whose OOD
+    loss exceeds the minimum by more than `rel_tol` × (initial − minimal OOD loss); the window is
+    departure − t_crit (NaN when the loss never departs: no transient). A run with no checkpoint after
+    step 0 (diverged at its first update) has no dip: t_crit = departure = −1, window NaN."""
+    m = metrics.sort_values("step")
+    m = m[m.step > 0]
+    if m.empty:
+        return {"t_crit": -1, "departure": -1, "window": math.nan}
+    i = int(m.ood_loss.to_numpy().argmin())
+    steps, loss = m.step.to_numpy(), m.ood_loss.to_numpy()
+    depth = metrics.sort_values("step").ood_loss.iloc[0] - loss[i]
+    later = np.nonzero(loss[i:] > loss[i] + rel_tol * max(depth, 1e-12))[0]
+    dep = int(steps[i + later[0]]) if len(later) else None
+    return {"t_crit": int(steps[i]), "departure": dep if dep is not None else -1,
+            "window": float(dep - steps[i]) if dep is not None else math.nan}

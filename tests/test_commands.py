@@ -1,0 +1,64 @@
+"""The command layer (iclnoise.cli, iclnoise.commands): one entry-point convention, one way to take params."""
+import importlib
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from iclnoise.cli import COMMANDS, split_each
+from iclnoise.commands import sections
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_command_is_a_function_of_the_commands_package():
+    """COMMANDS: `iclnoise.commands.<topic>:<the command with - as _>`, every one importable."""
+    for command, (target, _) in COMMANDS.items():
+        module, name = target.split(":")
+        assert module.startswith("iclnoise.commands.") and name == command.replace("-", "_"), target
+        assert callable(getattr(importlib.import_module(module), name)), target
+
+
+def test_cfg_holds_exactly_the_sections_a_command_reads(tmp_path):
+    geometry = {"enabled": True, "every": 6, "probes": 8}
+    assert sections(json.dumps({"geometry": geometry}), "geometry") == {"geometry": geometry}
+    (tmp_path / "cfg.json").write_text(json.dumps({"geometry": geometry}))
+    assert sections(f"@{tmp_path / 'cfg.json'}", "geometry") == {"geometry": geometry}
+    assert sections('{"grid": {}, "stats": {}}') == {"grid": {}, "stats": {}}   # no names: every section
+    with pytest.raises(SystemExit, match="holds the section"):
+        sections(json.dumps({"geometry": geometry, "mech": {}}), "geometry")
+    with pytest.raises(SystemExit, match="must be a mapping"):
+        sections(json.dumps(geometry), "geometry")   # the section itself, not {name: section}
+    with pytest.raises(SystemExit, match="not JSON"):
+        sections("{grid: {M: [1]}}")
+    with pytest.raises(SystemExit, match="must be a mapping"):
+        sections("[1]")
+
+
+def test_rules_pass_each_command_its_sections_as_in_params(tmp_path):
+    """Every `--cfg` of the planned DAG (a dry run) holds exactly the sections its command reads, each equal to
+    params.yaml's less the keys that only select jobs (seeds, families), so Snakemake's params trigger reruns a rule
+    when, and only when, what it computes changes."""
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    r = subprocess.run([sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"), "--directory",
+                        str(tmp_path), "-n", "-p", "--cores", "1"], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    reads = {"llc": ["llc"], "stages": ["llc"], "geometry": ["geometry"], "mech": ["mech"], "ed": ["ed"],
+             "ed-figures": ["ed"], "aggregate": ["stats"], "report": sorted(params)}
+    seen = set()
+    for line in re.findall(r"^Shell command: (iclnoise .*)$", r.stdout, re.M):
+        args = shlex.split(line.rsplit(" > ", 1)[0])[1:]
+        for cmd in split_each(args[1:]) if args[0] == "each" else [args]:
+            if "--cfg" not in cmd:
+                continue
+            cfg = json.loads(cmd[cmd.index("--cfg") + 1])
+            want = {s: {k: v for k, v in params[s].items() if k not in ("seeds", "families")} for s in cfg}
+            assert sorted(cfg) == reads[cmd[0]] and cfg == want, cmd[0]
+            seen.add(cmd[0])
+    assert seen == set(reads), seen
