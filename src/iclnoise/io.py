@@ -60,13 +60,14 @@ def content_hash(obj: Any) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _git_commit() -> str | None:
-    """HEAD of the git checkout holding this package's source ('+dirty' with uncommitted changes), or None
-    (installed from a wheel, no git). Run once per process."""
+    """HEAD of the git checkout holding this package's source ('+dirty' with uncommitted changes to that source:
+    results written into the same checkout do not count), or None (installed from a wheel, no git). Run once per
+    process."""
     src = Path(__file__).resolve().parent
     try:
         head = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no", "--", "."],
                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError) as e:
         log.debug("no git commit for the Parquet provenance: %s", e)
