@@ -349,8 +349,7 @@ def test_refined_for_run_writes_one_row_per_component(tiny, tmp_path):
     and chain generators; float32 rows batched differently)."""
     from iclnoise.grid import run_spec
     from iclnoise.io import read_parquet
-    from iclnoise.probes import llc_for_run
-    from iclnoise.probes import refined_for_run
+    from iclnoise.probes import llc_for_run, refined_for_run
     from iclnoise.runs import checkpoint_steps, load_model
     from iclnoise.train import train_run
 
