@@ -4,9 +4,9 @@ import pandas as pd
 import pytest
 
 from iclnoise.aggregate import OUTCOMES_SCHEMA
-from iclnoise.verdicts import _row, _verdicts, h1_noise_beyond_eta_b, hypothesis_tests
 from iclnoise.sections import Stats
 from iclnoise.thresholds import logistic
+from iclnoise.verdicts import _row, _verdicts, h1_noise_beyond_eta_b, hypothesis_tests
 
 CFG = Stats(alpha=0.05, equivalence_margin=0.05, transient_tol=0.05)
 
