@@ -64,4 +64,4 @@ paper: setup
 
 # Rerun only aggregation, figures and the report from existing per-run artifacts.
 figures: setup
-	snakemake --cores $(CORES) --forcerun training_figures llc_figures aggregate aggregate_figures report
+	snakemake --cores $(CORES) --forcerun training_figures llc_figures refined_figures aggregate aggregate_figures report

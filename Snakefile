@@ -60,6 +60,7 @@ rule all:
         expand(rules.ed_figures.output, family=list(ED_FAMILIES)),
         rules.training_figures.output,
         rules.llc_figures.output if PARAMS["llc"]["enabled"] else [],
+        rules.refined_figures.output if REFINED else [],
         rules.aggregate.output,
         rules.aggregate_figures.output,
         rules.report.output,

@@ -49,8 +49,8 @@ def test_rules_pass_each_command_its_sections_as_in_params(tmp_path):
     r = subprocess.run([sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"), "--directory",
                         str(tmp_path), "-n", "-p", "--cores", "1"], cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
-    reads = {"llc": ["llc"], "stages": ["llc"], "geometry": ["geometry"], "mech": ["mech"], "ed": ["ed"],
-             "ed-figures": ["ed"], "aggregate": ["stats"], "report": sorted(params)}
+    reads = {"llc": ["llc"], "refined": ["llc"], "stages": ["llc"], "geometry": ["geometry"], "mech": ["mech"],
+             "ed": ["ed"], "ed-figures": ["ed"], "aggregate": ["stats"], "report": sorted(params)}
     seen = set()
     for line in re.findall(r"^Shell command: (iclnoise .*)$", r.stdout, re.M):
         args = shlex.split(line.rsplit(" > ", 1)[0])[1:]

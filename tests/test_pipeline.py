@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from iclnoise.io import read_parquet
+from iclnoise.probes import refined_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = str(Path(sys.executable).parent)
@@ -31,6 +32,7 @@ def tiny_params(Ms=(1, "inf")) -> dict:
     p["llc"]["sampler"].update(chains=2, burn_in=5, draws=10, batch=16, n=64)
     p["geometry"].update(every=3, probes=2, lanczos_iters=3, n_heldout=16)
     p["mech"].update(every=3, n_probe=32)
+    p["llc"]["refined"].update(n_obs=16, burn_in=None, draws=None)   # the sampler's 5 and 10
     return p
 
 
@@ -57,6 +59,7 @@ def finished(tmp_path_factory) -> Path:
 
 def test_snakemake_minimal_grid_produces_parquet_and_figure(finished):
     d = finished
+    p = yaml.safe_load((d / "params.yaml").read_text())
     m = read_parquet(d / "results/runs/M1-B16-none-s0/metrics.parquet")
     assert m.step.iloc[-1] == 30 and {"ood_loss", "r", "delta_ridge"} <= set(m.columns)
     assert (d / "results/figures/fig01_ood_loss.png").stat().st_size > 10_000
@@ -81,6 +84,22 @@ def test_snakemake_minimal_grid_produces_parquet_and_figure(finished):
     assert (d / "results/aggregate/metrics.json").exists()
     assert (d / "results/figures/fig10_exposure_series.png").exists()
     assert (d / "results/figures/fig09_geometry.png").exists()
+    # the refined LLC of every component and the susceptibilities, in every probed run's probe job (llc.seeds)
+    heads = {f"l{i}h{h}" for i in range(p["model"]["n_layers"]) for h in range(p["model"]["n_heads"])}
+    probed = sorted((d / "results/runs").glob("*-s0"))
+    assert len(probed) == 9
+    for run in probed:
+        rllc = read_parquet(run / "rllc.parquet")
+        assert heads <= set(rllc.component) and {"all", "embed", "unembed", "l0mlp"} <= set(rllc.component)
+        llc_steps = read_parquet(run / "llc.parquet").step.tolist()
+        assert sorted(rllc.step.unique()) == refined_steps(llc_steps, p["llc"]["refined"]["checkpoints"])
+        assert np.isfinite(rllc.llc_mean).mean() >= 0.9, run.name
+        sus = read_parquet(run / "susceptibility.parquet")
+        assert set(sus.component) == set(rllc.component) and (sus.perturbation == "new_tasks").all()
+    assert (read_parquet(d / "results/runs/Minf-B16-none-s0/susceptibility.parquet").chi == 0).all()  # q_∞ = q_M
+    for stem in ("fig11_rllc_over_training", "fig12_susceptibility"):
+        assert (d / f"results/figures/{stem}.png").stat().st_size > 10_000
+    assert "fig11_rllc_over_training.png" in (d / "results/report.md").read_text()
     assert "What this run shows" in (d / "results/report.md").read_text()
     assert (d / "logs/train/B16-none.log").exists()
 
@@ -107,6 +126,7 @@ def test_any_deleted_output_is_rebuilt_by_plain_snakemake_and_nothing_else(finis
         "results/figures/fig02_essential_subspace_bym-inj-B16-s0.png": "ed_figures",
         "results/summary.md": "training_figures",
         "results/figures/fig04_llc_over_training.pdf": "llc_figures",
+        "results/figures/fig12_susceptibility.parquet": "refined_figures",
         "results/aggregate/tests.md": "aggregate",
         "results/figures/fig08_early_late.parquet": "aggregate_figures",
         "results/report.md": "report",

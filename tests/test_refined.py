@@ -365,3 +365,23 @@ def test_refined_for_run_writes_one_row_per_component(tiny, tmp_path):
     assert np.isfinite(sus.chi).all() and (sus.chi != 0).any() and (rllc.step == last).all()
     whole = llc_for_run(run, cfg, at={"steps": [last]}, progress=False)
     assert rllc.set_index("component").llc_mean["all"] == pytest.approx(whole.llc_mean.iloc[0], rel=1e-3)
+
+
+def test_refined_checkpoints_are_early_middle_and_last_of_the_llcs():
+    from iclnoise.probes import refined_steps
+
+    llc = [0, 1, 7, 43, 250, 800, 1500, 2500]
+    assert refined_steps(llc, 3) == [1, 250, 2500]
+    assert refined_steps(llc, 1) == [1] and refined_steps(llc, 2) == [1, 2500]
+    assert refined_steps(llc, 20) == llc[1:] and refined_steps([0], 3) == [0]
+
+
+def test_refined_section_overrides_only_the_sampler_keys_it_sets():
+    from iclnoise.sections import Refined
+
+    base = LLCConfig(seed=0, epsilon=1e-4, gamma=100.0, chains=4, burn_in=50, draws=100, batch=32, n=1024)
+    r = Refined.from_dict({"enabled": True, "checkpoints": 3, "chains": 2, "burn_in": None, "draws": None,
+                           "n_obs": 64, "positions": None})
+    assert r.sampler(base) == LLCConfig(**{**base.__dict__, "chains": 2})
+    with pytest.raises(ValueError, match="llc.refined.n_obs is missing"):
+        Refined.from_dict({"checkpoints": 3, "chains": None, "burn_in": None, "draws": None, "positions": None})

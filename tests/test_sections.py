@@ -25,6 +25,7 @@ from iclnoise.sections import (
     LRSchedule,
     Mech,
     NoiseCondition,
+    Refined,
     RunSpec,
     Stages,
     Stats,
@@ -42,7 +43,7 @@ SECTIONS = {
     Geometry: PARAMS["geometry"], Mech: PARAMS["mech"], Exposure: PARAMS["exposure"], Stats: PARAMS["stats"],
     ED: PARAMS["ed"], LLCConfig: PARAMS["llc"]["sampler"], Stages: PARAMS["llc"]["stages"],
     LRSchedule: PARAMS["train"]["lr_schedule"], NoiseCondition: PARAMS["noise"]["conditions"]["pid"],
-    Controller: PARAMS["noise"]["conditions"]["pid"]["controller"],
+    Controller: PARAMS["noise"]["conditions"]["pid"]["controller"], Refined: PARAMS["llc"]["refined"],
 }
 
 
@@ -137,6 +138,8 @@ def test_every_section_of_params_and_every_config_builds(extra):
         f"noise.conditions.{n}" for n in params["noise"]["conditions"]}
     for name in ("geometry", "mech", "ed", "llc"):
         assert (name in built or f"{name}.sampler" in built) == params[name]["enabled"], name
+    refined = params["llc"]["enabled"] and params["llc"]["refined"]["enabled"]
+    assert ("llc.refined" in built) == refined
     for name, sec in built.items():
         d = params
         for part in name.split("."):

@@ -22,6 +22,8 @@ COMMANDS = {  # command -> ("iclnoise.commands.<topic>:<command with - as _>", h
     "llc": ("iclnoise.commands.probes:llc", "local learning coefficient per checkpoint of a run"),
     "llc-calibrate": ("iclnoise.commands.probes:llc_calibrate", "sweep SGLD step size / localization on one "
                       "checkpoint"),
+    "refined": ("iclnoise.commands.probes:refined", "refined LLC per component and susceptibilities at a few "
+                "checkpoints of a run"),
     "stages": ("iclnoise.commands.probes:stages", "developmental stages from a run's LLC curve"),
     "geometry": ("iclnoise.commands.probes:geometry", "Hessian trace, top eigenvalue, SAM sharpness per checkpoint"),
     "mech": ("iclnoise.commands.probes:mech", "attention, head ablation, layer-norm and linear probes per "
@@ -31,6 +33,8 @@ COMMANDS = {  # command -> ("iclnoise.commands.<topic>:<command with - as _>", h
                 "table"),
     "llc-figures": ("iclnoise.commands.results:llc_figures", "figures 3 (loss and LLC against M) and 4 (LLC over "
                     "training)"),
+    "refined-figures": ("iclnoise.commands.results:refined_figures", "figures 11 (refined LLC per head over "
+                        "training) and 12 (susceptibilities)"),
     "ed-figures": ("iclnoise.commands.results:ed_figures", "figures 2 and 5 from results/ed/<family>"),
     "aggregate": ("iclnoise.commands.results:aggregate", "outcomes, thresholds and hypothesis tests over all runs"),
     "aggregate-figures": ("iclnoise.commands.results:aggregate_figures", "figures 6-10 from the aggregate tables"),

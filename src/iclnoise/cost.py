@@ -63,6 +63,8 @@ def probe_memory_estimate(params: dict) -> dict[str, dict[str, int]]:
     exposure (inside a training job)  curvature = 3·heldout·a (Hessian-vector products: double backward)
     llc       set = n·K·(D+1)·4 (the sampling set), chains = min(8192, chains·min(batch, n))·a·2 (one batched
               SGLD pass, per-chain weights and gradients included in the factor 2)
+    refined   set = (n + 2·n_obs)·K·(D+1)·4, chains = components·chains·min(batch, n)·a·2 (every component's
+              chains in one pass; components = n_layers·(n_heads + 1) + 3)
     geometry  heldout = 3·n_heldout·a·sam_batches (held-out batches, Hessian-vector products)
     mech      probe = n_probe·a"""
     d, m = params["data"], params["model"]
@@ -77,6 +79,11 @@ def probe_memory_estimate(params: dict) -> dict[str, dict[str, int]]:
         s = llc["sampler"]
         out["llc"] = {"set": s["n"] * K * (D + 1) * 4,
                       "chains": min(8192, s["chains"] * min(s["batch"], s["n"])) * a * 2}
+    if refined_on(params):
+        r, s = llc["refined"], llc["sampler"]
+        rows = (m["n_layers"] * (m["n_heads"] + 1) + 3) * (s["chains"] if r["chains"] is None else r["chains"])
+        out["refined"] = {"set": (s["n"] + 2 * r["n_obs"]) * K * (D + 1) * 4,
+                          "chains": rows * min(s["batch"], s["n"]) * a * 2}
     geo = params.get("geometry") or {}
     if geo.get("enabled"):
         out["geometry"] = {"heldout": 3 * geo["n_heldout"] * a * geo["sam_batches"]}
@@ -87,6 +94,7 @@ def probe_memory_estimate(params: dict) -> dict[str, dict[str, int]]:
 
 
 PROBE_KEYS = {"exposure": "exposure.heldout", "llc": "llc.sampler.n, chains and batch",
+              "refined": "model.n_layers × n_heads, llc.refined.chains and llc.sampler.batch",
               "geometry": "geometry.n_heldout × sam_batches", "mech": "mech.n_probe"}
 
 
@@ -176,6 +184,41 @@ def probe_seconds(params: dict, batch: int, section: str, noise: str = "none") -
     return probed_checkpoints(params, batch, section, noise) * per / 1000
 
 
+def refined_on(params: dict) -> bool:
+    """llc.refined runs (in the probe jobs of the llc's runs): llc and llc.refined are both enabled."""
+    llc = params.get("llc") or {}
+    return bool(llc.get("enabled") and (llc.get("refined") or {}).get("enabled"))
+
+
+# measured / modelled CPU seconds of the refined probe (refined_seconds) on the default run M16-B64-none-s0 (`iclnoise
+# refined`, process time, 1 thread, under load): 24.7 s for the default llc.refined (model 41.7 s; the batched rows
+# share the per-step overhead) and 102.2 s with burn_in 50, draws 100, n_obs 64 (model 151.8 s)
+REFINED_FACTOR = 0.6
+
+
+def refined_seconds(params: dict, batch: int, noise: str = "none") -> float:
+    """Estimated CPU seconds of llc.refined in a run's probe job: at each of its checkpoints (refined_steps of the
+    LLC's) one SGLD pass of components · chains rows (components = n_layers · (n_heads + 1) + 3), each row
+    (burn_in + draws) steps at sampler.batch (step_ms) and at every draw two forward passes (⅓ step) over n_obs
+    sequences; × REFINED_FACTOR (measured on one default run, see params.yaml)."""
+    from .probes import refined_steps, steps_at
+    from .runs import select_steps
+    from .schedules import checkpoints_until
+
+    llc, m = params["llc"], params["model"]
+    r, sm = llc["refined"], llc["sampler"]
+    c = params["train"]["checkpoints"]
+    steps = checkpoints_until(steps_for(params, batch, noise), c["linear"], c["log"],
+                              trained_steps(params, batch, noise))
+    chosen = steps_at(steps, **llc["at"]) if llc.get("at") else select_steps(steps, llc["every"])
+    n_ckpt = len(refined_steps(chosen, r["checkpoints"]))
+    rows = (m["n_layers"] * (m["n_heads"] + 1) + 3) * (sm["chains"] if r["chains"] is None else r["chains"])
+    burn_in = sm["burn_in"] if r["burn_in"] is None else r["burn_in"]
+    draws = sm["draws"] if r["draws"] is None else r["draws"]
+    per = rows * ((burn_in + draws) * step_ms(params, sm["batch"]) + draws * 2 * step_ms(params, r["n_obs"]) / 3)
+    return REFINED_FACTOR * n_ckpt * per / 1000
+
+
 def cost_estimate(params: dict) -> dict[str, Any]:
     """Jobs of the DAG, training steps summed over runs, and estimated core-hours: training (step_ms), the
     llc / geometry / mech probes (probe_seconds) and JOB_START_S for every other job."""
@@ -188,10 +231,12 @@ def cost_estimate(params: dict) -> dict[str, Any]:
         probes[name] = [k for k in runs if seeds is None or k.seed in seeds] if sec.get("enabled") else []
     families = len(ed_families(params))
     groups = ensemble_groups(params)
-    # one probe job per probed run (llc with its stages, geometry, mech in one process); llc figures, ed
-    # families (analysis + figures), training figures, aggregate, aggregate figures, report, all
+    # one probe job per probed run (llc with its stages and refined LLC, geometry, mech in one process); llc
+    # figures, refined figures, ed families (analysis + figures), training figures, aggregate, aggregate figures,
+    # report, all
     probed = {k for ks in probes.values() for k in ks}
-    other = (1 if probes["llc"] else 0) + 2 * families + 5
+    refined = refined_on(params) and bool(probes["llc"])
+    other = (1 if probes["llc"] else 0) + (1 if refined else 0) + 2 * families + 5
     jobs = len(groups) + len(probed) + other
     run_steps = sum(trained_steps(params, k.batch, k.noise) for k in runs)
     train_s = 0.0
@@ -202,7 +247,8 @@ def cost_estimate(params: dict) -> dict[str, Any]:
         steps = trained_steps(params, k.batch, k.noise)
         train_s += JOB_START_S + steps * step_ms(params, k.batch, cond["source"], len(members), window) / 1000
     probe_s = (len(probed) * JOB_START_S
-               + sum(probe_seconds(params, k.batch, name, k.noise) for name, ks in probes.items() for k in ks))
+               + sum(probe_seconds(params, k.batch, name, k.noise) for name, ks in probes.items() for k in ks)
+               + (sum(refined_seconds(params, k.batch, k.noise) for k in probes["llc"]) if refined else 0.0))
     return {"runs": len(runs), "jobs": jobs, "run_steps": run_steps, "train_core_hours": train_s / 3600,
             "core_hours": (train_s + probe_s + other * JOB_START_S) / 3600,
             "peak_job_memory": memory_estimate(params)["total"], "threshold_core_hours": COST_CONFIRM_CORE_HOURS}

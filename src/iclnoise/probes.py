@@ -94,8 +94,7 @@ def llc_for_run(run_dir: str | Path, cfg: LLCConfig, every: int = 1, progress: b
     spec = RunSpec.of(runs.read_spec(run_dir))
     xs, ys = sampling_data(spec, cfg.n, device)
     rows, traces = [], []
-    avail = runs.checkpoint_steps(run_dir)
-    chosen = steps_at(avail, **at) if at else runs.select_steps(avail, every)
+    chosen = llc_steps(run_dir, every, at)
     part = {k: run_dir / f"llc{k}.partial.parquet" for k in ("", "_traces")}
     key = {"sampler": dataclasses.asdict(cfg),
            "sha256": {str(s): h for s, h in runs.manifest(run_dir).items() if s in chosen}}
@@ -240,6 +239,21 @@ def essential_dynamics(run_dirs: list[Path], family: str, cfg: ED) -> dict[str, 
     return {"pcs": pcs, "variance": var, "events": pd.DataFrame(ev_rows, columns=EVENTS_SCHEMA.names),
             "forms": pd.DataFrame(form_rows, columns=FORMS_SCHEMA.names),
             "sampling": pd.DataFrame(samp_rows, columns=SAMPLING_SCHEMA.names)}
+
+
+def refined_steps(llc_steps: Sequence[int], n: int) -> list[int]:
+    """`n` of the LLC's checkpoints past step 0 (all of them when there are fewer): the first, the last and evenly
+    spaced ones between, by index (early, middle, last for n = 3)."""
+    steps = sorted(s for s in llc_steps if s > 0) or sorted(llc_steps)
+    if n >= len(steps):
+        return steps
+    return sorted({steps[int(i)] for i in np.round(np.linspace(0, len(steps) - 1, n))})
+
+
+def llc_steps(run_dir: str | Path, every: int, at: dict | None = None) -> list[int]:
+    """The checkpoints llc_for_run estimates: every `every`-th and the last, or those nearest to `at`."""
+    avail = runs.checkpoint_steps(run_dir)
+    return steps_at(avail, **at) if at else runs.select_steps(avail, every)
 
 
 def refined_for_run(run_dir: str | Path, cfg: LLCConfig, steps: Sequence[int], positions: Sequence[int] | None = None,

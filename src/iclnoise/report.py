@@ -23,6 +23,8 @@ FIGURES = [
     ("fig08_early_late", "8. Early vs late noise at equal exposure (H2)"),
     ("fig09_geometry", "9. Geometry probes against exposure and ICL (H4)"),
     ("fig10_exposure_series", "10. P-NE time series per condition"),
+    ("fig11_rllc_over_training", "11. Refined LLC per attention head over training, per M and batch size"),
+    ("fig12_susceptibility", "12. Susceptibility of each component to new tasks (component × perturbation, per M)"),
 ]
 
 

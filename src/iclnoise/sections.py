@@ -51,7 +51,6 @@ def schema_default(path: str, key: str) -> Any:
 @dataclass(frozen=True)
 class Section:
     """Base of the typed sections: `from_dict` checks the keys against the fields and the schema."""
-
     SECTION: ClassVar[str] = ""   # dotted path of the section in params.yaml
     SCHEMA: ClassVar[str] = ""    # its path in the schema, when it differs (noise conditions)
 
@@ -79,7 +78,6 @@ class Section:
 @dataclass(frozen=True)
 class Geometry(Section):
     """geometry (SPEC §9): Hutchinson probes, Lanczos, SAM sharpness on held-out batches."""
-
     SECTION: ClassVar[str] = "geometry"
     probes: int
     lanczos_iters: int
@@ -93,7 +91,6 @@ class Geometry(Section):
 @dataclass(frozen=True)
 class Mech(Section):
     """mech (SPEC §10): linear probes, LayerNorm collapse."""
-
     SECTION: ClassVar[str] = "mech"
     n_probe: int
     ln_threshold: float
@@ -104,7 +101,6 @@ class Mech(Section):
 class Exposure(Section):
     """exposure (SPEC §6). `kappa`: a number, None (κ = 1 for AdamW, iclnoise.exposure.kappa) or "calibrated".
     A section written `{enabled: false}` alone has no typed form: check `enabled(d)` first."""
-
     SECTION: ClassVar[str] = "exposure"
     enabled: bool
     every: int
@@ -122,7 +118,6 @@ class Exposure(Section):
 @dataclass(frozen=True)
 class Stats(Section):
     """stats: test level, H3 equivalence margin, transient tolerance (the gates: iclnoise.verdicts.GATES)."""
-
     SECTION: ClassVar[str] = "stats"
     alpha: float
     equivalence_margin: float
@@ -132,7 +127,6 @@ class Stats(Section):
 @dataclass(frozen=True)
 class ED(Section):
     """ed (SPEC §8): widths in units of log(step + 1); see iclnoise.ed."""
-
     SECTION: ClassVar[str] = "ed"
     n_pcs: int
     n_form_pcs: int
@@ -150,7 +144,6 @@ class ED(Section):
 @dataclass(frozen=True)
 class LLCConfig(Section):
     """llc.sampler (SPEC §7). `nbeta` None: n / log n (`resolved_nbeta`); the keys after it: the schema's defaults."""
-
     SECTION: ClassVar[str] = "llc.sampler"
     epsilon: float              # SGLD step size ε
     gamma: float                # localization γ
@@ -178,16 +171,31 @@ class LLCConfig(Section):
 @dataclass(frozen=True)
 class Stages(Section):
     """llc.stages: log-time smoothing width (decades of steps) and plateau tolerance (iclnoise.stages)."""
-
     SECTION: ClassVar[str] = "llc.stages"
     sigma: float
     plateau_tol: float
 
 
 @dataclass(frozen=True)
+class Refined(Section):
+    """llc.refined (iclnoise.refined): `chains`, `burn_in`, `draws` None: llc.sampler's; `positions` None: every y_k."""
+    SECTION: ClassVar[str] = "llc.refined"
+    checkpoints: int            # of the LLC's checkpoints past step 0 (iclnoise.probes.refined_steps)
+    n_obs: int                  # sequences per susceptibility observable set
+    chains: int | None = None
+    burn_in: int | None = None
+    draws: int | None = None
+    positions: list | None = None
+
+    def sampler(self, base: LLCConfig) -> LLCConfig:
+        """llc.sampler with this section's chains, burn_in and draws where they are set."""
+        keep = {k: v for k in ("chains", "burn_in", "draws") if (v := getattr(self, k)) is not None}
+        return dataclasses.replace(base, **keep)
+
+
+@dataclass(frozen=True)
 class LRSchedule(Section):
     """train.lr_schedule; `warmup_frac` and `min_lr_frac` default to the schema's `default:` values."""
-
     SECTION: ClassVar[str] = "train.lr_schedule"
     kind: str
     warmup_frac: float = schema_default("train.lr_schedule", "warmup_frac")
@@ -197,7 +205,6 @@ class LRSchedule(Section):
 @dataclass(frozen=True)
 class Controller(Section):
     """noise.conditions.<name>.controller: PI gains on log P-NE* (iclnoise.noise.PIController)."""
-
     SECTION: ClassVar[str] = "noise.conditions.<name>.controller"
     SCHEMA: ClassVar[str] = "noise.conditions.*.controller"
     kp: float
@@ -219,7 +226,6 @@ class NoiseCondition(Section):
     controller       None unless schedule is controlled (required there);
     batch_sizes      None: the condition runs at every grid batch size;
     M                None: the condition runs at every grid M."""
-
     SECTION: ClassVar[str] = "noise.conditions.<name>"
     SCHEMA: ClassVar[str] = "noise.conditions.*"
     source: str
@@ -255,7 +261,6 @@ class NoiseCondition(Section):
 @dataclass(frozen=True)
 class Data(Section):
     """data (SPEC §2): task dimension D, context length K, label noise variance, task-pool seed."""
-
     SECTION: ClassVar[str] = "data"
     D: int
     K: int
@@ -266,7 +271,6 @@ class Data(Section):
 @dataclass(frozen=True)
 class Model(Section):
     """model (SPEC §4): the transformer's shape (iclnoise.model.ModelConfig adds D and K)."""
-
     SECTION: ClassVar[str] = "model"
     d_model: int
     n_layers: int
@@ -280,7 +284,6 @@ class Model(Section):
 @dataclass(frozen=True)
 class Optimizer(Section):
     """train.optimizer: AdamW's learning rate, (β1, β2), weight decay and δ."""
-
     SECTION: ClassVar[str] = "train.optimizer"
     lr: float
     betas: tuple
@@ -291,7 +294,6 @@ class Optimizer(Section):
 @dataclass(frozen=True)
 class Budget(Section):
     """train.budget: `mode` steps or sequences and its value; `stop_at` None: train the whole schedule."""
-
     SECTION: ClassVar[str] = "train.budget"
     mode: str
     steps: int | None = None
@@ -302,7 +304,6 @@ class Budget(Section):
 @dataclass(frozen=True)
 class Train(Section):
     """train, as a run spec holds it: `steps`, the schedule's length, resolved by iclnoise.grid.run_spec."""
-
     SECTION: ClassVar[str] = "train"
     budget: Budget
     micro_batch: int
@@ -329,7 +330,6 @@ class Train(Section):
 @dataclass(frozen=True)
 class Eval(Section):
     """eval (SPEC §3): evaluation set sizes and seed, the (early, late) tokens of the ICL score."""
-
     SECTION: ClassVar[str] = "eval"
     n_sequences: int
     n_root: int
@@ -391,6 +391,8 @@ def all_sections(params: dict) -> dict[str, Section]:
     if enabled(params["llc"]):
         out["llc.sampler"] = LLCConfig.from_dict(params["llc"]["sampler"])
         out["llc.stages"] = Stages.from_dict(params["llc"]["stages"])
+        if enabled(params["llc"].get("refined")):
+            out["llc.refined"] = Refined.from_dict(params["llc"]["refined"])
     for name, cls in (("geometry", Geometry), ("mech", Mech), ("ed", ED)):
         if enabled(params[name]):
             out[name] = cls.from_dict(params[name])

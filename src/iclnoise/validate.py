@@ -137,6 +137,10 @@ def _cross_checks(p: dict) -> None:
     if not (1 <= k1 < k2 <= d["K"]):
         raise ParamsError(f"eval.icl_tokens = {[k1, k2]} is not allowed; "
                           f"need 1 <= k_early < k_late <= data.K = {d['K']}")
+    pos = ((p.get("llc") or {}).get("refined") or {}).get("positions") or []
+    if any(k >= d["K"] for k in pos):
+        raise ParamsError(f"llc.refined.positions = {pos} is not allowed; allowed: 0-based positions < data.K = "
+                          f"{d['K']}")
     conditions = p["noise"]["conditions"]
     unknown = [n for n in p["grid"]["noise"] if n not in conditions]
     if unknown:

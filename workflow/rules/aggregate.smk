@@ -60,6 +60,7 @@ rule report:
         rules.aggregate_figures.output,
         rules.training_figures.output,
         rules.llc_figures.output if PARAMS["llc"]["enabled"] else [],
+        rules.refined_figures.output if REFINED else [],
         expand(f"{RES}/ed/{{family}}/forms.parquet", family=list(ED_FAMILIES)),
         expand(f"{RES}/figures/fig05_ed_forms_{{family}}.png", family=list(ED_FAMILIES)),
     output:

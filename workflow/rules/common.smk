@@ -24,7 +24,12 @@ PROBED = {s: set(probe_runs(s)) for s in ("llc", "geometry", "mech")}
 
 
 def probe_sections(run):
-    return [s for s, runs in PROBED.items() if run in runs]
+    """The probe sections a run gets: llc, geometry, mech, and refined (llc.refined, where the run has llc)."""
+    secs = [s for s, runs in PROBED.items() if run in runs]
+    return secs + ["refined"] if "llc" in secs and REFINED else secs
+
+
+REFINED = bool(PARAMS["llc"]["enabled"] and (PARAMS["llc"].get("refined") or {}).get("enabled"))
 
 
 CONDA_ENV = "../envs/iclnoise.yaml"

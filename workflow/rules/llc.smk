@@ -18,3 +18,24 @@ rule llc_figures:
     shell:
         "iclnoise llc-figures --summary {input.summary} --llc {input.llc} --stages {input.stages} "
         "--out-dir {params.res}/figures > {log} 2>&1"
+
+
+rule refined_figures:
+    """Figures 11 (refined LLC per head over training) and 12 (susceptibilities to new tasks) of the probed runs."""
+    input:
+        rllc=probe_files("llc", "rllc.parquet"),
+        susceptibility=probe_files("llc", "susceptibility.parquet"),
+    output:
+        **{f"r_{k}": v for k, v in figure("fig11_rllc_over_training", "fig11", "LLC").items()},
+        **{f"s_{k}": v for k, v in figure("fig12_susceptibility", "fig12", "LLC").items()},
+    params:
+        res=RES,
+    log:
+        "logs/figures/refined.log",
+    benchmark:
+        "benchmarks/figures/refined.tsv"
+    conda:
+        CONDA_ENV
+    shell:
+        "iclnoise refined-figures --rllc {input.rllc} --susceptibility {input.susceptibility} "
+        "--out-dir {params.res}/figures > {log} 2>&1"

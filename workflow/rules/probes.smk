@@ -1,4 +1,5 @@
-# One job per probed run: its LLC (and the stages read from it), geometry and mechanistic probes run in one
+# One job per probed run: its LLC (the stages read from it, the refined LLC and susceptibilities at a few of its
+# checkpoints: llc.refined), geometry and mechanistic probes run in one
 # process (`iclnoise each`), so a run pays the interpreter, torch and transformer_lens start-up (~4 s) once,
 # not once per probe: 18 jobs instead of 72 on the default grid. Which probes a run gets: each section's
 # `enabled` and `seeds` (common.smk, probe_sections). Rules are generated per run, named probe_<run>.
@@ -6,7 +7,7 @@
 
 def probe_command(run, sections):
     """The `iclnoise each` argument list of one run's probes, shell-quoted: each probe gets its params section
-    (llc and stages the llc section), so the rule's param changes with any of them."""
+    (llc, stages and refined the llc section), so the rule's param changes with any of them."""
     d = f"{RES}/runs/{run}"
     cmds = []
     if "llc" in sections:
@@ -16,12 +17,15 @@ def probe_command(run, sections):
         cmds.append(["geometry", "--run-dir", d, "--cfg", cfg("geometry")])
     if "mech" in sections:
         cmds.append(["mech", "--run-dir", d, "--cfg", cfg("mech"), "--figure", f"{RES}/figures/heads/{run}"])
+    if "refined" in sections:   # last: the other probes' numbers are those of a job without it
+        cmds.append(["refined", "--run-dir", d, "--cfg", cfg("llc"), "--threads", "1"])
     return " ".join(shlex.quote(a) for c in cmds for a in ["--", *c])
 
 
 def probe_outputs(run, sections):
     d = f"{RES}/runs/{run}"
     out = {"llc": [f"{d}/llc.parquet", f"{d}/llc_traces.parquet", f"{d}/stages.parquet"],
+           "refined": [f"{d}/rllc.parquet", f"{d}/susceptibility.parquet"],
            "geometry": [f"{d}/geometry.parquet"],
            "mech": [f"{d}/mech.parquet", *(f"{RES}/figures/heads/{run}{e}" for e in (".pdf", ".png", ".parquet"))]}
     return [f for s in sections for f in out[s]]

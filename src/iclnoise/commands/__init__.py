@@ -2,8 +2,8 @@
 `iclnoise.commands.<topic>:<function>`, the function named as the command with - as _:
 
 - runs: train, check, verify
-- probes: llc, llc-calibrate, stages, geometry, mech, ed
-- results: figures, llc-figures, ed-figures, aggregate, aggregate-figures, report, export, paper
+- probes: llc, llc-calibrate, refined, stages, geometry, mech, ed
+- results: figures, llc-figures, refined-figures, ed-figures, aggregate, aggregate-figures, report, export, paper
 
 A command parses its arguments, builds the typed params sections once, calls plain functions of the other
 modules and prints. Nothing else in the package parses arguments (pyproject's import-linter contracts).

@@ -1,8 +1,8 @@
-"""`iclnoise llc | llc-calibrate | stages | geometry | mech | ed`: the probes of a run's checkpoints and the
-essential dynamics of a family of runs (the work is in iclnoise.probes and the formula modules).
+"""`iclnoise llc | llc-calibrate | refined | stages | geometry | mech | ed`: the probes of a run's checkpoints and
+the essential dynamics of a family of runs (the work is in iclnoise.probes and the formula modules).
 
-Each reads its params section from `--cfg` (llc, stages and llc-calibrate the llc section; geometry, mech and
-ed their own), and the probes of checkpoints take `every` (and llc `at`) from it.
+Each reads its params section from `--cfg` (llc, refined, stages and llc-calibrate the llc section; geometry, mech
+and ed their own), and the probes of checkpoints take `every` (and llc `at`) from it.
 """
 from __future__ import annotations
 
@@ -17,8 +17,17 @@ import torch
 from ..ed import EVENTS_SCHEMA, FORMS_SCHEMA, MAX_GAP, PCS_SCHEMA, SAMPLING_SCHEMA, VAR_SCHEMA, ed_config
 from ..io import write_parquet
 from ..mech import run_summary
-from ..probes import essential_dynamics, geometry_for_run, llc_for_run, mech_for_run, stages_for_run
-from ..sections import Geometry, LLCConfig, Mech, Stages
+from ..probes import (
+    essential_dynamics,
+    geometry_for_run,
+    llc_for_run,
+    llc_steps,
+    mech_for_run,
+    refined_for_run,
+    refined_steps,
+    stages_for_run,
+)
+from ..sections import Geometry, LLCConfig, Mech, Refined, Stages
 from . import add_cfg, doc, sections
 
 
@@ -38,6 +47,31 @@ def llc(argv: list[str]) -> None:
     df = llc_for_run(a.run_dir, sampler, cfg["every"], at=cfg.get("at"), device=device)
     print(df[["step", "llc_mean", "llc_std", "mala_accept", "not_levelled", "negative", "diverged"]]
           .to_string(index=False))
+
+
+def refined(argv: list[str]) -> None:
+    """Refined LLC of every component (each head, MLP, embed, unembed, all) and its susceptibility to new tasks at
+    llc.refined.checkpoints of the LLC's checkpoints; writes rllc.parquet and susceptibility.parquet. The sampler:
+    llc.sampler with llc.refined's chains, burn_in and draws."""
+    ap = argparse.ArgumentParser(prog="iclnoise refined", description=refined.__doc__)
+    ap.add_argument("--run-dir", required=True)
+    add_cfg(ap, "llc")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, or auto (cuda where visible)")
+    a = ap.parse_args(argv)
+    cfg = sections(a.cfg, "llc")["llc"]
+    ref = Refined.from_dict(cfg["refined"])
+    sampler = ref.sampler(LLCConfig.from_dict(cfg["sampler"]))
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(a.threads)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
+    steps = refined_steps(llc_steps(a.run_dir, cfg["every"], cfg.get("at")), ref.checkpoints)
+    t0 = time.process_time()
+    rllc, sus = refined_for_run(a.run_dir, sampler, steps, ref.positions, ref.n_obs, device)
+    heads = rllc[rllc["head"] >= 0].pivot(index="step", columns="component", values="llc_mean")
+    print(heads.to_string(float_format=lambda v: f"{v:.2f}"))
+    print(f"{len(steps)} checkpoints, {rllc.component.nunique()} components, {len(sus)} susceptibilities in "
+          f"{time.process_time() - t0:.1f} CPU s")
 
 
 def llc_calibrate(argv: list[str]) -> None:

@@ -1,5 +1,5 @@
-"""`iclnoise figures | llc-figures | ed-figures | aggregate | aggregate-figures | report | export | paper`:
-what the workflow makes from the runs' tables (the work is in iclnoise.figures, iclnoise.aggregate,
+"""`iclnoise figures | llc-figures | refined-figures | ed-figures | aggregate | aggregate-figures | report | export |
+paper`: what the workflow makes from the runs' tables (the work is in iclnoise.figures, iclnoise.aggregate,
 iclnoise.report and iclnoise.paper). Only the figure commands draw."""
 from __future__ import annotations
 
@@ -34,6 +34,17 @@ def llc_figures(argv: list[str]) -> None:
     ap.add_argument("--out-dir", default="results/figures")
     a = ap.parse_args(argv)
     print(f"wrote {', '.join(map(str, draw(a.summary, a.llc, a.stages, Path(a.out_dir))))}")
+
+
+def refined_figures(argv: list[str]) -> None:
+    from ..figures.refined import refined_figures as draw
+
+    ap = argparse.ArgumentParser(prog="iclnoise refined-figures", description=doc("figures.refined"))
+    ap.add_argument("--rllc", nargs="+", required=True, help="the probed runs' rllc.parquet files")
+    ap.add_argument("--susceptibility", nargs="+", required=True, help="their susceptibility.parquet files")
+    ap.add_argument("--out-dir", default="results/figures")
+    a = ap.parse_args(argv)
+    print(f"wrote {', '.join(map(str, draw(a.rllc, a.susceptibility, Path(a.out_dir))))}")
 
 
 def ed_figures(argv: list[str]) -> None:
