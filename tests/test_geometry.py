@@ -6,6 +6,7 @@ import pytest
 import torch
 from scipy import stats
 
+from iclnoise.config import load_params
 from iclnoise.geometry import (
     GEOMETRY_SCHEMA,
     FlatLoss,
@@ -19,11 +20,12 @@ from iclnoise.geometry import (
     sam_sharpness,
     t_halfwidth,
 )
+from iclnoise.grid import run_spec
 from iclnoise.io import read_parquet, write_json
 from iclnoise.model import ModelConfig, build_model, mse_loss
 from iclnoise.probes import geometry_for_run
 from iclnoise.runs import checkpoint_path, checkpoint_precond, sampler, save_torch
-from iclnoise.sections import Geometry
+from iclnoise.sections import Geometry, RunSpec
 from iclnoise.tasks import BatchSampler, task_pool
 
 CFG = ModelConfig(D=2, K=3, d_model=4, n_layers=1, n_heads=2, d_mlp=4)
@@ -190,7 +192,9 @@ def test_geometry_for_run_on_a_checkpoint_fixture(tmp_path):
     m, opt, _ = train_tiny(20)
     run = tmp_path / "run"
     keys = {"run_id": "r", "M": 4, "seed": 0, "batch": 32, "noise": "none"}
-    write_json({"keys": keys, "data": {"D": 2, "K": 3, "noise_var": 0.125, "pool_seed": 0}}, run / "run.json")
+    spec = {**run_spec(load_params("params.yaml"), "M4-B32-none-s0"), "keys": keys,   # a full spec, our data
+            "data": {"D": 2, "K": 3, "noise_var": 0.125, "pool_seed": 0}}
+    write_json(spec, run / "run.json")
     fresh = build_model(CFG, 0)
     man = {0: save_torch({"model": fresh.state_dict(), "model_config": CFG.to_dict(), "adam": None,
                           "spec_hash": "x"}, checkpoint_path(run, 0)),
@@ -202,8 +206,7 @@ def test_geometry_for_run_on_a_checkpoint_fixture(tmp_path):
     assert np.isnan(df.precond_trace[0]) and np.isfinite(df.precond_trace[1]) and df.n_dead[1] > 0
     # A·H·A is computed in float64: the same probes on a float64 copy give the same number
     state = checkpoint_state(m, opt)
-    spec = {"keys": keys, "data": {"D": 2, "K": 3, "noise_var": 0.125, "pool_seed": 0}}
-    held = sampler(spec, "geometry").batch(0, 16)
+    held = sampler(RunSpec.of(spec), "geometry").batch(0, 16)
     gen = torch.Generator().manual_seed(cfg.seed + 20)
     hutchinson_trace(lambda v: v, sum(p.numel() for p in m.parameters()), 4, gen)      # the draws before it
     lanczos(lambda v: v, sum(p.numel() for p in m.parameters()), 10, gen)

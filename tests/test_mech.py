@@ -9,6 +9,8 @@ import pytest
 import torch
 from scipy.optimize import brentq
 
+from iclnoise.config import load_params
+from iclnoise.grid import run_spec
 from iclnoise.io import write_json
 from iclnoise.mech import (
     LAMBDAS,
@@ -168,7 +170,8 @@ def test_mech_for_run_uses_the_metrics_ood_set_and_is_finite_at_m1(tmp_path):
     m, _ = model_and_batch(1)
     run = tmp_path / "run"
     keys = {"run_id": "r", "M": 1, "seed": 0, "batch": 8, "noise": "none"}
-    spec = {"keys": keys, "data": {"D": 3, "K": 5, "noise_var": 0.125, "pool_seed": 0},
+    spec = {**run_spec(load_params("params.yaml"), "M1-B8-none-s0"), "keys": keys,   # a full spec, our data
+            "data": {"D": 3, "K": 5, "noise_var": 0.125, "pool_seed": 0},
             "eval": {"n_sequences": 48, "n_root": 8, "eval_seed": 7, "icl_tokens": [1, 5]}}
     write_json(spec, run / "run.json")
     state = {"model": m.state_dict(), "model_config": CFG.to_dict(), "adam": None, "spec_hash": "x"}

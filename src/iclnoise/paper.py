@@ -3,7 +3,7 @@ directory, `iclnoise paper` draws every figure and the report again from a refer
 
 A reference set (reference/<name>/) is a results directory without checkpoints, resume states and the large
 per-token tables: per run run.json and the per-checkpoint tables the figures and the aggregate read
-(metrics, exposure, llc, stages, geometry, mech), the aggregate tables, the essential-dynamics
+(metrics, exposure, llc, stages, geometry, mech, rllc, susceptibility), the aggregate tables, the essential-dynamics
 tables, summary.parquet, and provenance.json (the commit and package versions the tables were written with, read
 from their Parquet metadata; the resolved parameters, each run's spec hash, the jobs' measured wall time, each
 file's sha256). `iclnoise paper` copies a set to an output directory,
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 # injection.parquet (a row per injecting step: 26 MB for reference/noise's 40 000-step arms) stays out: nothing the
 # paper draws reads it, and exposure.parquet carries its exact interval sums
 RUN_TABLES = ("run.json", "metrics.parquet", "exposure.parquet", "llc.parquet", "stages.parquet", "geometry.parquet",
-              "mech.parquet")
+              "mech.parquet", "rllc.parquet", "susceptibility.parquet")
 AGGREGATE_TABLES = ("outcomes.parquet", "thresholds.parquet", "tests.parquet")
 
 
@@ -125,6 +125,7 @@ def paper(reference: Path, out: Path) -> list[Path]:
     from .figures.aggregate import aggregate_figures
     from .figures.ed import ed_figures
     from .figures.llc import llc_figures
+    from .figures.refined import refined_figures
     from .figures.training import training_figures
     from .report import build
     from .sections import Stats
@@ -149,6 +150,9 @@ def paper(reference: Path, out: Path) -> list[Path]:
     if llc:
         llc_figures(out / "summary.parquet", llc, [p.with_name("stages.parquet") for p in llc
                                                     if p.with_name("stages.parquet").exists()], figs)
+    rllc = [r / "rllc.parquet" for r in runs if (r / "rllc.parquet").exists()]
+    if rllc:
+        refined_figures(rllc, [p.with_name("susceptibility.parquet") for p in rllc], figs)
     for fam in sorted(p for p in (out / "ed").glob("*") if (p / "sampling.parquet").exists()):
         fam_runs = read_parquet(fam / "sampling.parquet").run_id.tolist()
         ed_figures([out / "runs" / r for r in fam_runs], fam.name, fam, figs, ed_config(params["ed"]))
