@@ -45,6 +45,7 @@ def test_rules_pass_each_command_its_sections_as_in_params(tmp_path):
     params.yaml's less the keys that only select jobs (seeds, families), so Snakemake's params trigger reruns a rule
     when, and only when, what it computes changes."""
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["llc"]["refined"]["enabled"] = True   # off in the default; every command is planned here
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     r = subprocess.run([sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"), "--directory",
                         str(tmp_path), "-n", "-p", "--cores", "1"], cwd=tmp_path, capture_output=True, text=True)
