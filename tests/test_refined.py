@@ -82,7 +82,7 @@ def tiny_transformer(dead_head: int | None = None, steps: int = 300):
 
 def test_without_masks_the_chains_are_those_of_before():
     """masks=None draws the same random numbers as the sampler before weight restriction (values recorded from
-    the previous code, float64 linear model: 3 chains, mini-batch and full batch), and an all-ones mask is the
+    the previous code on this machine's kernels: 2 chains, mini-batch and full batch), and an all-ones mask is the
     unmasked path bit for bit."""
     m, X, Y = linear()
     before = {20: [[0.24865282800607824, 0.2525166518901057, 0.20653934545490657],
@@ -92,8 +92,9 @@ def test_without_masks_the_chains_are_those_of_before():
     for b, want in before.items():
         cfg = LLCConfig(seed=0, epsilon=1e-3, gamma=1.0, chains=2, burn_in=0, draws=4, batch=b, n=200)
         ch = sgld_chains(m, mse, X, Y, cfg)
-        # float64, ~10 operations per loss over 200 rows: 1e-13 relative; a re-seeded or re-ordered draw is 1e-2 off
-        np.testing.assert_allclose(ch.loss[:, 1:], want, rtol=1e-12)
+        # float32 chains, a loss summed over ≤ 200 rows: other kernels (make test-float) round to ~3e-7 relative
+        # (measured), bounded by 200 · 6e-8 ≈ 1e-5; a re-seeded or re-ordered draw is 1e-2 off
+        np.testing.assert_allclose(ch.loss[:, 1:], want, rtol=2e-5)
     tm, xs, ys = tiny_transformer(steps=0)
     for method in ("sgld", "rmsprop_sgld"):
         cfg = LLCConfig(seed=0, epsilon=1e-4, gamma=100.0, chains=2, burn_in=2, draws=8, batch=16, n=256, method=method)
