@@ -31,19 +31,25 @@ from ..sections import Geometry, LLCConfig, Mech, Refined, Stages
 from . import add_cfg, doc, sections
 
 
-def llc(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="iclnoise llc", description="LLC per checkpoint of one run: every llc.every-th "
-                                 "checkpoint and the last, or those nearest to llc.at.")
+def _sampling_args(ap: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, dict, str]:
+    """The arguments llc and refined share (--run-dir, --cfg with the llc section, --threads, --device): the parsed
+    arguments, the llc section and the device, with the threads and the log set."""
     ap.add_argument("--run-dir", required=True)
     add_cfg(ap, "llc")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="cpu, cuda, or auto (cuda where visible)")
     a = ap.parse_args(argv)
-    cfg = sections(a.cfg, "llc")["llc"]
-    sampler = LLCConfig.from_dict(cfg["sampler"])
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(a.threads)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
+    return a, sections(a.cfg, "llc")["llc"], device
+
+
+def llc(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="iclnoise llc", description="LLC per checkpoint of one run: every llc.every-th "
+                                 "checkpoint and the last, or those nearest to llc.at.")
+    a, cfg, device = _sampling_args(ap, argv)
+    sampler = LLCConfig.from_dict(cfg["sampler"])
     df = llc_for_run(a.run_dir, sampler, cfg["every"], at=cfg.get("at"), device=device)
     print(df[["step", "llc_mean", "llc_std", "mala_accept", "not_levelled", "negative", "diverged"]]
           .to_string(index=False))
@@ -54,17 +60,9 @@ def refined(argv: list[str]) -> None:
     llc.refined.checkpoints of the LLC's checkpoints; writes rllc.parquet and susceptibility.parquet. The sampler:
     llc.sampler with llc.refined's chains, burn_in and draws."""
     ap = argparse.ArgumentParser(prog="iclnoise refined", description=refined.__doc__)
-    ap.add_argument("--run-dir", required=True)
-    add_cfg(ap, "llc")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--device", default="cpu", help="cpu, cuda, or auto (cuda where visible)")
-    a = ap.parse_args(argv)
-    cfg = sections(a.cfg, "llc")["llc"]
+    a, cfg, device = _sampling_args(ap, argv)
     ref = Refined.from_dict(cfg["refined"])
     sampler = ref.sampler(LLCConfig.from_dict(cfg["sampler"]))
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    torch.set_num_threads(a.threads)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
     steps = refined_steps(llc_steps(a.run_dir, cfg["every"], cfg.get("at")), ref.checkpoints)
     t0 = time.process_time()
     rllc, sus = refined_for_run(a.run_dir, sampler, steps, ref.positions, ref.n_obs, device)
