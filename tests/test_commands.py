@@ -1,4 +1,5 @@
 """The command layer (iclnoise.cli, iclnoise.commands): one entry-point convention, one way to take params."""
+import ast
 import importlib
 import json
 import re
@@ -12,6 +13,8 @@ import yaml
 
 from iclnoise.cli import COMMANDS, split_each
 from iclnoise.commands import sections
+from iclnoise.config import ParamsError, every_at, typed
+from iclnoise.sections import LLCConfig, Refined, schema
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,6 +41,33 @@ def test_cfg_holds_exactly_the_sections_a_command_reads(tmp_path):
         sections("{grid: {M: [1]}}")
     with pytest.raises(SystemExit, match="must be a mapping"):
         sections("[1]")
+
+
+def test_a_command_gets_typed_sections_and_a_misspelled_key_is_an_error():
+    llc = yaml.safe_load((ROOT / "params.yaml").read_text())["llc"]
+    cfg = sections(json.dumps({"llc": llc}), "llc")
+    assert typed(cfg, "llc.sampler") == LLCConfig.from_dict(llc["sampler"])
+    assert typed(cfg, "llc.refined") == Refined.from_dict(llc["refined"])
+    assert every_at(cfg, "llc") == (llc["every"], llc.get("at"))
+    with pytest.raises(ParamsError, match="llc.sampler: unknown key.*epsilonn"):
+        typed({"llc": {**llc, "sampler": {**llc["sampler"], "epsilonn": 1e-4}}}, "llc.sampler")
+    with pytest.raises(ParamsError, match="llc.stages is missing"):
+        typed({"llc": {k: v for k, v in llc.items() if k != "stages"}}, "llc.stages")
+    with pytest.raises(ParamsError, match="no typed section 'llc.sampelr'"):
+        typed(cfg, "llc.sampelr")
+    with pytest.raises(ParamsError, match="geometry.every is missing"):
+        every_at({"geometry": {"probes": 8}}, "geometry")
+
+
+def test_commands_and_paper_read_no_params_section_raw():
+    """`cfg["llc"]["sampler"]` outside the config layer would bypass the typed sections' key checks: the commands
+    and iclnoise.paper read params through iclnoise.config.typed and every_at only."""
+    names = set(schema()["properties"]) | {"sampler", "stages", "refined", "budget", "conditions"}
+    pkg = ROOT / "src" / "iclnoise"
+    raw = [(p.name, n.lineno) for p in [*sorted((pkg / "commands").glob("*.py")), pkg / "paper.py"]
+           for n in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+           if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant) and n.slice.value in names]
+    assert raw == []
 
 
 def test_rules_pass_each_command_its_sections_as_in_params(tmp_path):

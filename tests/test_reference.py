@@ -9,8 +9,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from iclnoise.grid import spec_hash
 from iclnoise.io import read_parquet
-from iclnoise.runs import spec_hash
 
 ROOT = Path(__file__).resolve().parents[1]
 # The committed run trained in a 12-run ensemble (stacked weights), this one alone, and CI's CPU may round float32

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from iclnoise import sections
-from iclnoise.config import ParamsError, load_params, read_yaml, validate_params
-from iclnoise.ed import ed_config
+from iclnoise.config import ParamsError, load_params, read_yaml, typed, validate_params
 from iclnoise.llc import LLCConfig as LLCConfigFromLLC
 from iclnoise.sections import (
     ED,
@@ -29,10 +28,10 @@ from iclnoise.sections import (
     RunSpec,
     Stages,
     Stats,
-    all_sections,
     schema,
     schema_default,
 )
+from iclnoise.validate import all_sections
 
 PARAMS = read_yaml("params.yaml")
 CONFIGS = sorted(Path("configs").glob("*.yaml"))
@@ -175,10 +174,10 @@ def test_noise_condition_absent_keys_are_none_and_the_window_fraction_is_derived
         "controller"]["kp"]
 
 
-def test_ed_config_names_the_retired_sigma_key():
-    with pytest.raises(ValueError, match="ed.sigma .* replaced by ed.bandwidth"):
-        ed_config({**PARAMS["ed"], "sigma": 1.0})
-    assert ed_config(PARAMS["ed"]) == ED.from_dict(PARAMS["ed"])
+def test_ed_names_the_retired_sigma_key():
+    with pytest.raises(ParamsError, match="ed.sigma .* replaced by ed.bandwidth"):
+        ED.from_dict({**PARAMS["ed"], "sigma": 1.0})
+    assert typed(PARAMS, "ed") == ED.from_dict(PARAMS["ed"])
 
 
 def _schema_keys(node) -> set[str]:

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 import torch
 
-from iclnoise.grid import run_spec
+from iclnoise.grid import run_spec, spec_hash
 from iclnoise.io import CorruptFileError, read_parquet
 from iclnoise.model import ModelConfig, build_model, mse_loss
 from iclnoise.runs import (
@@ -18,7 +18,6 @@ from iclnoise.runs import (
     load_torch,
     manifest,
     sha256,
-    spec_hash,
 )
 from iclnoise.schedules import checkpoint_steps, lr_lambda
 from iclnoise.tasks import BatchSampler, task_pool

@@ -1,5 +1,7 @@
 """params.yaml: read strictly (bounded YAML, unique string keys), merge the overrides as Snakemake's --configfile
-does, validate (iclnoise.validate) and read the workflow's --config switches.
+does, validate (iclnoise.validate), read the workflow's --config switches, and hand out typed sections: `typed`
+and `every_at` are the one way a command or iclnoise.paper reads a params mapping (the resolved params, or a
+command's --cfg {section name: section}).
 
 Grid, run ids and run specs live in iclnoise.grid; the cost and memory model in iclnoise.cost.
 """
@@ -13,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from .sections import ParamsError
+from .sections import ED, Geometry, LLCConfig, Mech, ParamsError, Refined, Section, Stages, Stats
 from .validate import dotted_key, validate_params
 
 MAX_YAML_BYTES = 1 << 20      # a params file is a few KB; bounds parsing time and memory
@@ -175,3 +177,33 @@ def run_options(config: dict) -> tuple[int, dict]:
         out[k] = int(num) if num is not None else str(v)
     return int(t), out
 
+
+TYPED = {c.SECTION: c for c in (Stats, ED, Geometry, Mech, LLCConfig, Stages, Refined)}
+PROBED = ("llc", "geometry", "mech")   # the sections that say which checkpoints their probe reads
+
+
+def _get(params: dict, path: str) -> Any:
+    """The value at dotted `path` of a params mapping; a ParamsError naming the path where it is absent."""
+    d, parts = params, path.split(".")
+    for i, part in enumerate(parts):
+        if not isinstance(d, dict) or part not in d:
+            keys = ", ".join(map(str, d)) if isinstance(d, dict) else "none"
+            raise ParamsError(f"{path} is missing (keys of {'.'.join(parts[:i]) or 'the params'}: {keys})")
+        d = d[part]
+    return d
+
+
+def typed(params: dict, path: str) -> Section:
+    """The typed section `path` of a params mapping: one of TYPED's keys ("stats", "ed", "llc.sampler", ...). A
+    ParamsError names another path, an absent section, and (from_dict) a missing or an unknown key."""
+    if path not in TYPED:
+        raise ParamsError(f"no typed section {path!r}; allowed: {', '.join(TYPED)}")
+    return TYPED[path].from_dict(_get(params, path))
+
+
+def every_at(params: dict, name: str) -> tuple[int, dict | None]:
+    """Which checkpoints the probe of section `name` (PROBED) reads: (`every`, llc's `at` or None); the
+    probes take every `every`-th checkpoint and the last, or those nearest to `at` (iclnoise.probes.llc_steps)."""
+    if name not in PROBED:
+        raise ParamsError(f"{name} names no checkpoints; allowed: {', '.join(PROBED)}")
+    return _get(params, f"{name}.every"), _get(params, name).get("at")

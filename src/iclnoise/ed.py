@@ -83,14 +83,6 @@ SAMPLING_SCHEMA = pa.schema([pa.field("family", pa.string())] + KEY_FIELDS + [
     pa.field("undersampled", pa.bool_()), pa.field("n_forms", pa.int64())])
 
 
-def ed_config(cfg: dict) -> ED:
-    """The typed ed section (every key required: params.yaml ed); rejects the retired checkpoint-index
-    key `sigma` by name."""
-    if "sigma" in cfg:
-        raise ValueError("ed.sigma (checkpoint units) was replaced by ed.bandwidth (units of log(step + 1))")
-    return ED.from_dict(cfg)
-
-
 def log_time(steps) -> np.ndarray:
     """τ = log(step + 1): the curve's parameter (step 0 → 0)."""
     return np.log1p(np.asarray(steps, dtype=np.float64))

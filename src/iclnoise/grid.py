@@ -1,9 +1,11 @@
-"""The grid of runs: run ids, their keys, each run's resolved spec, ensembles (runs trained in one job) and
-essential-dynamics families, from a validated params dict (iclnoise.config.load_params).
+"""The grid of runs: run ids, their keys, each run's resolved spec and its hash, ensembles (runs trained in one
+job) and essential-dynamics families, from a validated params dict (iclnoise.config.load_params).
 """
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -97,6 +99,14 @@ def run_spec(params: dict, run_id: str) -> dict[str, Any]:
         "exposure": copy.deepcopy(params.get("exposure")),
     }
     return spec
+
+
+def spec_hash(spec: dict) -> str:
+    """A run's identity: sha256 of its canonical JSON spec (16 hex digits), without `train.budget.stop_at`:
+    where a run stops changes none of its steps, so a run stopped early resumes under a later stop."""
+    t = spec["train"]
+    same = {**spec, "train": {**t, "budget": {k: v for k, v in t["budget"].items() if k != "stop_at"}}}
+    return hashlib.sha256(json.dumps(same, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 def ensemble_groups(params: dict) -> dict[str, list[str]]:

@@ -47,7 +47,7 @@ def _job_seconds(benchmarks: Path) -> dict:
 
 def export(results: Path, out: Path, params: dict, workdir: Path) -> dict:
     """Copy the paper's tables of `results` into `out` (replaced) and write provenance.json."""
-    from .runs import spec_hash
+    from .grid import spec_hash
 
     if not (results / "aggregate" / "tests.parquet").exists():
         raise SystemExit(f"{results}/aggregate/tests.parquet is missing: run the workflow to the end first "
@@ -89,13 +89,13 @@ def update_aggregate(reference: Path) -> list[str]:
     change of the aggregate's columns or gates: the runs are not retrained). provenance.json records the commit
     that aggregated them and the new sha256 of every file. Returns the tables that changed."""
     from .aggregate import aggregate
-    from .sections import Stats
+    from .config import typed
 
     prov = read_json(reference / "provenance.json")
     tmp = reference.with_name(reference.name + ".aggregate.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     aggregate(sorted(p for p in (reference / "runs").iterdir() if (p / "metrics.parquet").exists()), tmp,
-              Stats.from_dict(prov["params"]["stats"]))
+              typed(prov["params"], "stats"))
     changed = []
     for f in sorted(tmp.iterdir()):
         old = reference / "aggregate" / f.name
@@ -121,14 +121,13 @@ def paper(reference: Path, out: Path) -> list[Path]:
     """Every figure and the report of a reference set, drawn again in `out`; returns the PNGs. The rerun
     aggregate's tables must equal the reference's (SystemExit naming the table otherwise)."""
     from .aggregate import aggregate
-    from .ed import ed_config
+    from .config import typed
     from .figures.aggregate import aggregate_figures
     from .figures.ed import ed_figures
     from .figures.llc import llc_figures
     from .figures.refined import refined_figures
     from .figures.training import training_figures
     from .report import build
-    from .sections import Stats
 
     prov = read_json(reference / "provenance.json")
     params = prov["params"]
@@ -137,7 +136,7 @@ def paper(reference: Path, out: Path) -> list[Path]:
     runs = sorted(p for p in (out / "runs").iterdir() if (p / "metrics.parquet").exists())
     agg, figs = out / "aggregate", out / "figures"
     training_figures([r / "metrics.parquet" for r in runs], out)
-    aggregate(runs, agg, Stats.from_dict(params["stats"]))
+    aggregate(runs, agg, typed(params, "stats"))
     for name in AGGREGATE_TABLES:
         ours, theirs = read_parquet(agg / name), read_parquet(reference / "aggregate" / name)
         try:
@@ -155,6 +154,6 @@ def paper(reference: Path, out: Path) -> list[Path]:
         refined_figures(rllc, [p.with_name("susceptibility.parquet") for p in rllc], figs)
     for fam in sorted(p for p in (out / "ed").glob("*") if (p / "sampling.parquet").exists()):
         fam_runs = read_parquet(fam / "sampling.parquet").run_id.tolist()
-        ed_figures([out / "runs" / r for r in fam_runs], fam.name, fam, figs, ed_config(params["ed"]))
+        ed_figures([out / "runs" / r for r in fam_runs], fam.name, fam, figs, typed(params, "ed"))
     write_text(build(out, params, Path.cwd()), out / "report.md")
     return sorted(figs.glob("*.png"))

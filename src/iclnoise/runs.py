@@ -2,7 +2,7 @@
 
 A run directory `results/runs/{run}/` holds:
 
-- `run.json`: the resolved spec (`iclnoise.grid.run_spec`) and its hash `spec_hash`;
+- `run.json`: the resolved spec (`iclnoise.grid.run_spec`) and its hash (`iclnoise.grid.spec_hash`);
 - `checkpoints/step_XXXXXXX.pt`: analysis checkpoints, one per scheduled step, each holding only
   `model` (state_dict), `model_config`, `adam` ({"exp_avg_sq": flat float tensor, "step", "beta2",
   "eps"}; None before the first update) and `spec_hash`: linear storage, no metric rows;
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 from pathlib import Path
 
 import torch
@@ -132,12 +131,3 @@ def select_steps(steps: list[int], every: int) -> list[int]:
     steps = sorted(steps)
     chosen = steps[::max(1, every)]
     return chosen if chosen[-1] == steps[-1] else chosen + [steps[-1]]
-
-
-def spec_hash(spec: dict) -> str:
-    """A run's identity: sha256 of its canonical JSON spec (16 hex digits), without `train.budget.stop_at`:
-    where a run stops changes none of its steps, so a run stopped early resumes under a later stop."""
-    t = spec["train"]
-    same = {**spec, "train": {**t, "budget": {k: v for k, v in t["budget"].items() if k != "stop_at"}}}
-    return hashlib.sha256(json.dumps(same, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
-

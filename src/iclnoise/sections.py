@@ -1,10 +1,11 @@
 """Typed params sections: one frozen dataclass per params.yaml section the code reads, built once where the
-dict enters the package (a command's --cfg, iclnoise.commands; a run spec, `RunSpec.of`) and passed down.
+dict enters the package (a command's --cfg or the resolved params, `iclnoise.config.typed`; a run spec,
+`RunSpec.of`) and passed down.
 
 params.yaml, validated by params.schema.yaml, is the single source of truth. A field has a Python default only
 where (a) the schema gives the key a `default:`, read from the schema here and never retyped, or (b) the schema
 lets the key be absent and absence has a meaning: the default is None, and the class docstring says what None
-means. `from_dict(d)` raises a ValueError naming the section and the key for a missing or an unknown key; keys the
+means. `from_dict(d)` raises a ParamsError naming the section and the key for a missing or an unknown key; keys the
 schema allows but the code reads elsewhere (the workflow's `enabled`, `every`, `seeds`) are accepted and ignored.
 """
 from __future__ import annotations
@@ -58,19 +59,19 @@ class Section:
     def from_dict(cls, d: dict | None):
         name = cls.SECTION
         if not isinstance(d, dict):
-            raise ValueError(f"{name}: expected a mapping of keys, got {d!r}")
+            raise ParamsError(f"{name}: expected a mapping of keys, got {d!r}")
         node = _node(cls.SCHEMA or name)
         fields = {f.name: f for f in dataclasses.fields(cls)}
         allowed = set(fields) | set(node.get("properties", {}))
         unknown = sorted(set(d) - allowed)
         if unknown:
-            raise ValueError(f"{name}: unknown key(s) {', '.join(map(str, unknown))}; allowed: "
+            raise ParamsError(f"{name}: unknown key(s) {', '.join(map(str, unknown))}; allowed: "
                              f"{', '.join(sorted(allowed))}")
         required = [k for k, f in fields.items()
                     if f.default is dataclasses.MISSING or (f.default is None and k in node.get("required", ()))]
         missing = [k for k in required if k not in d]
         if missing:
-            raise ValueError(f"{name}.{missing[0]} is missing; {name} needs the keys {', '.join(required)} "
+            raise ParamsError(f"{name}.{missing[0]} is missing; {name} needs the keys {', '.join(required)} "
                              f"(params.yaml is the single source of truth: no value is filled in)")
         return cls(**{k: v for k, v in d.items() if k in fields})
 
@@ -140,6 +141,12 @@ class ED(Section):
     z_min: float
     seed: int
 
+    @classmethod
+    def from_dict(cls, d: dict | None) -> ED:
+        if isinstance(d, dict) and "sigma" in d:   # the retired key, named
+            raise ParamsError("ed.sigma (checkpoint units) was replaced by ed.bandwidth (units of log(step + 1))")
+        return super().from_dict(d)
+
 
 @dataclass(frozen=True)
 class LLCConfig(Section):
@@ -162,7 +169,7 @@ class LLCConfig(Section):
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(f"llc.sampler.method = {self.method!r}; allowed: {', '.join(METHODS)}")
+            raise ParamsError(f"llc.sampler.method = {self.method!r}; allowed: {', '.join(METHODS)}")
 
     def resolved_nbeta(self) -> float:
         return self.nbeta if self.nbeta is not None else self.n / math.log(self.n)
@@ -378,22 +385,3 @@ def enabled(d: dict | None) -> bool:
     """A switchable section is on: `enabled: true` (absent or `{enabled: false}`: off)."""
     return bool(d) and d["enabled"] is True
 
-
-def all_sections(params: dict) -> dict[str, Section]:
-    """Every typed section of a validated params dict (switched-off sections left out): proves that the
-    dataclasses and the schema agree, e.g. for `iclnoise check`."""
-    out: dict[str, Section] = {"train.lr_schedule": LRSchedule.from_dict(params["train"]["lr_schedule"]),
-                               "stats": Stats.from_dict(params["stats"])}
-    for name, cond in params["noise"]["conditions"].items():
-        out[f"noise.conditions.{name}"] = NoiseCondition.from_dict(cond)
-    if "groups" in params["exposure"]:  # the full section (enabled or not: injection measures with it)
-        out["exposure"] = Exposure.from_dict(params["exposure"])
-    if enabled(params["llc"]):
-        out["llc.sampler"] = LLCConfig.from_dict(params["llc"]["sampler"])
-        out["llc.stages"] = Stages.from_dict(params["llc"]["stages"])
-        if enabled(params["llc"].get("refined")):
-            out["llc.refined"] = Refined.from_dict(params["llc"]["refined"])
-    for name, cls in (("geometry", Geometry), ("mech", Mech), ("ed", ED)):
-        if enabled(params[name]):
-            out[name] = cls.from_dict(params[name])
-    return out

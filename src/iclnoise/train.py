@@ -28,8 +28,9 @@ import torch
 
 from .ensemble import RESUME, RESUME_PREV, Ensemble, Member
 from .evaluate import METRICS_SCHEMA, TOKEN_SCHEMA, root_preds_schema
+from .grid import spec_hash
 from .io import CorruptFileError, repair_advice, write_json, write_parquet
-from .runs import CKPT_DIR, MANIFEST, CorruptFile, load_torch, read_spec, spec_hash
+from .runs import CKPT_DIR, MANIFEST, CorruptFile, load_torch, read_spec
 from .sections import RunSpec
 
 log = logging.getLogger(__name__)

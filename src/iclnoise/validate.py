@@ -13,7 +13,22 @@ import jsonschema
 
 from .cost import check_memory
 from .grid import expand_grid, grid_ms, steps_for, trained_steps
-from .sections import ParamsError, all_sections, schema
+from .sections import (
+    ED,
+    Exposure,
+    Geometry,
+    LLCConfig,
+    LRSchedule,
+    Mech,
+    NoiseCondition,
+    ParamsError,
+    Refined,
+    Section,
+    Stages,
+    Stats,
+    enabled,
+    schema,
+)
 from .tasks import parse_m
 
 
@@ -157,6 +172,26 @@ def _cross_checks(p: dict) -> None:
         all_sections(p)
     except ValueError as e:
         raise ParamsError(str(e)) from None
+
+
+def all_sections(params: dict) -> dict[str, Section]:
+    """Every typed section of a validated params dict (switched-off sections left out): proves that the
+    dataclasses and the schema agree, e.g. for `iclnoise check`."""
+    out: dict[str, Section] = {"train.lr_schedule": LRSchedule.from_dict(params["train"]["lr_schedule"]),
+                               "stats": Stats.from_dict(params["stats"])}
+    for name, cond in params["noise"]["conditions"].items():
+        out[f"noise.conditions.{name}"] = NoiseCondition.from_dict(cond)
+    if "groups" in params["exposure"]:  # the full section (enabled or not: injection measures with it)
+        out["exposure"] = Exposure.from_dict(params["exposure"])
+    if enabled(params["llc"]):
+        out["llc.sampler"] = LLCConfig.from_dict(params["llc"]["sampler"])
+        out["llc.stages"] = Stages.from_dict(params["llc"]["stages"])
+        if enabled(params["llc"].get("refined")):
+            out["llc.refined"] = Refined.from_dict(params["llc"]["refined"])
+    for name, cls in (("geometry", Geometry), ("mech", Mech), ("ed", ED)):
+        if enabled(params[name]):
+            out[name] = cls.from_dict(params[name])
+    return out
 
 
 PROBE_SECTIONS = ("llc", "geometry", "mech", "ed")

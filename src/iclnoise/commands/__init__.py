@@ -10,8 +10,9 @@ modules and prints. Nothing else in the package parses arguments (pyproject's im
 
 Params sections come one way: `--cfg JSON` (or `--cfg @file.json`), a mapping {section name: the section
 exactly as in params.yaml}, e.g. '{"geometry": {...}}'. A command names the sections it reads (none: it reads
-the whole resolved params, as `report` does); the typed sections (iclnoise.sections) ignore the workflow's
-keys enabled and seeds, and the probes read `every` (and llc `at`) from their section. The Snakemake rules
+the whole resolved params, as `report` does) and types them with iclnoise.config.typed (`typed(cfg, "llc.sampler")`,
+never indexing the dict); the typed sections ignore the workflow's keys enabled and seeds, and the probes
+read `every` (and llc `at`) from their section with iclnoise.config.every_at. The Snakemake rules
 pass a command the sections it reads less the keys that only select jobs (seeds, families), so a changed
 section reruns the rules that read it. (`train`
 takes a run spec, `--spec`; `check` and `export` a params file and its overrides, which they validate or record.)

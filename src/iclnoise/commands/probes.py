@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ..ed import EVENTS_SCHEMA, FORMS_SCHEMA, MAX_GAP, PCS_SCHEMA, SAMPLING_SCHEMA, VAR_SCHEMA, ed_config
+from ..config import every_at, typed
+from ..ed import EVENTS_SCHEMA, FORMS_SCHEMA, MAX_GAP, PCS_SCHEMA, SAMPLING_SCHEMA, VAR_SCHEMA
 from ..io import write_parquet
 from ..mech import run_summary
 from ..probes import (
@@ -27,13 +28,12 @@ from ..probes import (
     refined_steps,
     stages_for_run,
 )
-from ..sections import Geometry, LLCConfig, Mech, Refined, Stages
 from . import add_cfg, doc, sections
 
 
 def _sampling_args(ap: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, dict, str]:
     """The arguments llc and refined share (--run-dir, --cfg with the llc section, --threads, --device): the parsed
-    arguments, the llc section and the device, with the threads and the log set."""
+    arguments, the --cfg mapping and the device, with the threads and the log set."""
     ap.add_argument("--run-dir", required=True)
     add_cfg(ap, "llc")
     ap.add_argument("--threads", type=int, default=1)
@@ -42,15 +42,15 @@ def _sampling_args(ap: argparse.ArgumentParser, argv: list[str]) -> tuple[argpar
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(a.threads)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
-    return a, sections(a.cfg, "llc")["llc"], device
+    return a, sections(a.cfg, "llc"), device
 
 
 def llc(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="iclnoise llc", description="LLC per checkpoint of one run: every llc.every-th "
                                  "checkpoint and the last, or those nearest to llc.at.")
     a, cfg, device = _sampling_args(ap, argv)
-    sampler = LLCConfig.from_dict(cfg["sampler"])
-    df = llc_for_run(a.run_dir, sampler, cfg["every"], at=cfg.get("at"), device=device)
+    every, at = every_at(cfg, "llc")
+    df = llc_for_run(a.run_dir, typed(cfg, "llc.sampler"), every, at=at, device=device)
     print(df[["step", "llc_mean", "llc_std", "mala_accept", "not_levelled", "negative", "diverged"]]
           .to_string(index=False))
 
@@ -61,9 +61,9 @@ def refined(argv: list[str]) -> None:
     llc.sampler with llc.refined's chains, burn_in and draws."""
     ap = argparse.ArgumentParser(prog="iclnoise refined", description=refined.__doc__)
     a, cfg, device = _sampling_args(ap, argv)
-    ref = Refined.from_dict(cfg["refined"])
-    sampler = ref.sampler(LLCConfig.from_dict(cfg["sampler"]))
-    steps = refined_steps(llc_steps(a.run_dir, cfg["every"], cfg.get("at")), ref.checkpoints)
+    ref = typed(cfg, "llc.refined")
+    sampler = ref.sampler(typed(cfg, "llc.sampler"))
+    steps = refined_steps(llc_steps(a.run_dir, *every_at(cfg, "llc")), ref.checkpoints)
     t0 = time.process_time()
     rllc, sus = refined_for_run(a.run_dir, sampler, steps, ref.positions, ref.n_obs, device)
     heads = rllc[rllc["head"] >= 0].pivot(index="step", columns="component", values="llc_mean")
@@ -85,7 +85,7 @@ def llc_calibrate(argv: list[str]) -> None:
     add_cfg(ap, "llc")
     ap.add_argument("--out", default=None, help="output stem (default: <run-dir>/llc_calibration)")
     a = ap.parse_args(argv)
-    base = LLCConfig.from_dict(sections(a.cfg, "llc")["llc"]["sampler"])
+    base = typed(sections(a.cfg, "llc"), "llc.sampler")
     out = Path(a.out) if a.out else Path(a.run_dir) / "llc_calibration"
     table = llc_calibration(a.run_dir, base, a.step, a.epsilons, a.gammas, out)
     print(table.to_string(index=False))
@@ -97,7 +97,7 @@ def stages(argv: list[str]) -> None:
     ap.add_argument("--run-dir", required=True)
     add_cfg(ap, "llc")
     a = ap.parse_args(argv)
-    df = stages_for_run(a.run_dir, Stages.from_dict(sections(a.cfg, "llc")["llc"]["stages"]))
+    df = stages_for_run(a.run_dir, typed(sections(a.cfg, "llc"), "llc.stages"))
     print(df[["stage", "type", "start_step", "end_step", "kind", "delta_llc", "delta_loss"]].to_string(index=False))
 
 
@@ -107,9 +107,9 @@ def geometry(argv: list[str]) -> None:
     add_cfg(ap, "geometry")
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
-    cfg = sections(a.cfg, "geometry")["geometry"]
+    cfg = sections(a.cfg, "geometry")
     torch.set_num_threads(a.threads)
-    df = geometry_for_run(a.run_dir, Geometry.from_dict(cfg), cfg["every"])
+    df = geometry_for_run(a.run_dir, typed(cfg, "geometry"), every_at(cfg, "geometry")[0])
     print(df[["step", "hessian_trace", "hessian_trace_ci95", "top_eigenvalue", "min_eigenvalue", "sam_sharpness",
               "sam_sharpness_se", "precond_trace", "precond_trace_ci95"]].to_string(index=False))
 
@@ -122,10 +122,10 @@ def mech(argv: list[str]) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--figure", default=None, help="write the per-run head figure here (stem)")
     a = ap.parse_args(argv)
-    cfg = sections(a.cfg, "mech")["mech"]
+    cfg = sections(a.cfg, "mech")
     torch.set_num_threads(a.threads)
     t0 = time.time()
-    df = mech_for_run(a.run_dir, Mech.from_dict(cfg), cfg["every"])
+    df = mech_for_run(a.run_dir, typed(cfg, "mech"), every_at(cfg, "mech")[0])
     if a.figure:
         from ..figures.probes import fig_heads
         fig_heads(df, a.figure)
@@ -141,7 +141,7 @@ def ed(argv: list[str]) -> None:
     ap.add_argument("--out", required=True, help="output directory, e.g. results/ed/<family>")
     add_cfg(ap, "ed")
     a = ap.parse_args(argv)
-    res = essential_dynamics([Path(d) for d in a.run_dirs], a.family, ed_config(sections(a.cfg, "ed")["ed"]))
+    res = essential_dynamics([Path(d) for d in a.run_dirs], a.family, typed(sections(a.cfg, "ed"), "ed"))
     out = Path(a.out)
     write_parquet(res["variance"], out / "variance.parquet", VAR_SCHEMA)
     write_parquet(res["events"], out / "events.parquet", EVENTS_SCHEMA)

@@ -48,7 +48,7 @@ def refined_figures(argv: list[str]) -> None:
 
 
 def ed_figures(argv: list[str]) -> None:
-    from ..ed import ed_config
+    from ..config import typed
     from ..figures.ed import ed_figures as draw
 
     ap = argparse.ArgumentParser(prog="iclnoise ed-figures", description=doc("figures.ed"))
@@ -58,12 +58,12 @@ def ed_figures(argv: list[str]) -> None:
     ap.add_argument("--figures", required=True, help="figure directory")
     add_cfg(ap, "ed")
     a = ap.parse_args(argv)
-    draw(a.run_dirs, a.family, Path(a.ed), Path(a.figures), ed_config(sections(a.cfg, "ed")["ed"]))
+    draw(a.run_dirs, a.family, Path(a.ed), Path(a.figures), typed(sections(a.cfg, "ed"), "ed"))
 
 
 def aggregate(argv: list[str]) -> None:
     from ..aggregate import aggregate as run
-    from ..sections import Stats
+    from ..config import typed
 
     ap = argparse.ArgumentParser(prog="iclnoise aggregate", description=doc("aggregate"),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -71,7 +71,7 @@ def aggregate(argv: list[str]) -> None:
     ap.add_argument("--out", default="results/aggregate")
     add_cfg(ap, "stats")
     a = ap.parse_args(argv)
-    tests = run([Path(d) for d in a.run_dirs], Path(a.out), Stats.from_dict(sections(a.cfg, "stats")["stats"]))
+    tests = run([Path(d) for d in a.run_dirs], Path(a.out), typed(sections(a.cfg, "stats"), "stats"))
     print(tests[["hypothesis", "test", "outcome", "estimate", "p_holm", "verdict"]].to_string(index=False))
 
 
