@@ -58,6 +58,8 @@ def test_dtransformer_has_their_parameter_count():
     # per layer QKV 64·192 + output 64·64 + MLP 2·(64·64 + 64) + 2 LayerNorms 2·128, final LN 128 + readout 64·5 + 5
     m = build_model(ModelConfig(**HOOGLAND), 0)
     assert sum(p.numel() for p in m.parameters()) == 52_741
+    # their released runs (configs/hoogland.yaml) have K = 8: the positional map is 16·64, 1024 fewer
+    assert sum(p.numel() for p in build_model(ModelConfig(**{**HOOGLAND, "K": 8}), 0).parameters()) == 51_717
     assert sum(p.numel() for p in build_model(ModelConfig(**{**HOOGLAND, "arch": "default"}), 0).parameters()) != 52_741
 
 
