@@ -9,7 +9,7 @@ from snakemake.utils import min_version
 
 from iclnoise.config import ParamsError, check_yaml_files, run_options, switch, validate_params
 from iclnoise.cost import check_cost, format_cost
-from iclnoise.grid import ed_families, ensemble_groups, expand_grid, parse_run_id, shared_spec
+from iclnoise.grid import ed_families, ensemble_groups, expand_grid, parse_run_id, refined_covers, shared_spec
 
 min_version("9.0")
 

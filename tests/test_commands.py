@@ -75,7 +75,7 @@ def test_rules_pass_each_command_its_sections_as_in_params(tmp_path):
     params.yaml's less the keys that only select jobs (seeds, families), so Snakemake's params trigger reruns a rule
     when, and only when, what it computes changes."""
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["llc"]["refined"]["enabled"] = True   # off in the default; every command is planned here
+    params["llc"]["refined"].update(enabled=True, M=None)   # every probed run, so every command is planned here
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     r = subprocess.run([sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"), "--directory",
                         str(tmp_path), "-n", "-p", "--cores", "1"], cwd=tmp_path, capture_output=True, text=True)
@@ -90,6 +90,32 @@ def test_rules_pass_each_command_its_sections_as_in_params(tmp_path):
                 continue
             cfg = json.loads(cmd[cmd.index("--cfg") + 1])
             want = {s: {k: v for k, v in params[s].items() if k not in ("seeds", "families")} for s in cfg}
+            if "llc" in want:   # llc.refined.M selects jobs too
+                want["llc"]["refined"] = {k: v for k, v in want["llc"]["refined"].items() if k != "M"}
             assert sorted(cfg) == reads[cmd[0]] and cfg == want, cmd[0]
             seen.add(cmd[0])
     assert seen == set(reads), seen
+
+
+def test_refined_covers_the_probed_runs_of_its_m_only(tmp_path):
+    """llc.refined.M selects jobs: with the default ([16]) a dry run plans `iclnoise refined` in the probe jobs of
+    the M = 16 runs llc probes and in no other; a value grid.M lacks warns and covers nothing."""
+    from iclnoise.config import validate_params
+    from iclnoise.grid import parse_run_id, refined_covers
+
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    assert params["llc"]["refined"]["enabled"] and params["llc"]["refined"]["M"] == [16]
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    r = subprocess.run([sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"), "--directory",
+                        str(tmp_path), "-n", "-p", "--cores", "1"], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    refined = sorted(re.findall(r"refined --run-dir results/runs/(\S+) ", r.stdout))
+    seeds = params["llc"]["seeds"]
+    assert refined and all(parse_run_id(run).M == 16 and parse_run_id(run).seed in seeds for run in refined)
+    assert len(refined) == len(params["grid"]["batch_sizes"]) * len(seeds)
+    params["llc"]["refined"]["M"] = [16, 3]
+    with pytest.warns(UserWarning, match="llc.refined.M"):
+        p = validate_params(params)
+    assert refined_covers(p, parse_run_id("M16-B64-none-s0")) and not refined_covers(p, parse_run_id("M8-B64-none-s0"))
+    p["llc"]["refined"]["M"] = None
+    assert refined_covers(p, parse_run_id("M8-B64-none-s0"))

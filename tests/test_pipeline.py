@@ -32,7 +32,7 @@ def tiny_params(Ms=(1, "inf")) -> dict:
     p["llc"]["sampler"].update(chains=2, burn_in=5, draws=10, batch=16, n=64)
     p["geometry"].update(every=3, probes=2, lanczos_iters=3, n_heldout=16)
     p["mech"].update(every=3, n_probe=32)
-    p["llc"]["refined"].update(enabled=True, n_obs=16, burn_in=None, draws=None)   # the sampler's 5 and 10
+    p["llc"]["refined"].update(enabled=True, M=None, n_obs=16, burn_in=None, draws=None)   # the sampler's 5 and 10
     return p
 
 

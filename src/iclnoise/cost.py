@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .grid import ed_families, ensemble_groups, expand_grid, parse_run_id, steps_for, trained_steps
+from .grid import ed_families, ensemble_groups, expand_grid, parse_run_id, refined_covers, steps_for, trained_steps
 from .sections import Data, Eval, Model, ParamsError
 from .tasks import M_INF
 
@@ -79,7 +79,7 @@ def probe_memory_estimate(params: dict) -> dict[str, dict[str, int]]:
         s = llc["sampler"]
         out["llc"] = {"set": s["n"] * K * (D + 1) * 4,
                       "chains": min(8192, s["chains"] * min(s["batch"], s["n"])) * a * 2}
-    if refined_on(params):
+    if any(refined_covers(params, k) for k in expand_grid(params)):
         r, s = llc["refined"], llc["sampler"]
         rows = (m["n_layers"] * (m["n_heads"] + 1) + 3) * (s["chains"] if r["chains"] is None else r["chains"])
         out["refined"] = {"set": (s["n"] + 2 * r["n_obs"]) * K * (D + 1) * 4,
@@ -184,12 +184,6 @@ def probe_seconds(params: dict, batch: int, section: str, noise: str = "none") -
     return probed_checkpoints(params, batch, section, noise) * per / 1000
 
 
-def refined_on(params: dict) -> bool:
-    """llc.refined runs (in the probe jobs of the llc's runs): llc and llc.refined are both enabled."""
-    llc = params.get("llc") or {}
-    return bool(llc.get("enabled") and (llc.get("refined") or {}).get("enabled"))
-
-
 # measured / modelled CPU seconds of the refined probe (refined_seconds) on the default run M16-B64-none-s0 (`iclnoise
 # refined`, process time, 1 thread, under load): 24.7 s for the default llc.refined (model 41.7 s; the batched rows
 # share the per-step overhead) and 102.2 s with burn_in 50, draws 100, n_obs 64 (model 151.8 s)
@@ -235,7 +229,8 @@ def cost_estimate(params: dict) -> dict[str, Any]:
     # figures, refined figures, ed families (analysis + figures), training figures, aggregate, aggregate figures,
     # report, all
     probed = {k for ks in probes.values() for k in ks}
-    refined = refined_on(params) and bool(probes["llc"])
+    covered = [k for k in probes["llc"] if refined_covers(params, k)]
+    refined = bool(covered)
     other = (1 if probes["llc"] else 0) + (1 if refined else 0) + 2 * families + 5
     jobs = len(groups) + len(probed) + other
     run_steps = sum(trained_steps(params, k.batch, k.noise) for k in runs)
@@ -248,7 +243,7 @@ def cost_estimate(params: dict) -> dict[str, Any]:
         train_s += JOB_START_S + steps * step_ms(params, k.batch, cond["source"], len(members), window) / 1000
     probe_s = (len(probed) * JOB_START_S
                + sum(probe_seconds(params, k.batch, name, k.noise) for name, ks in probes.items() for k in ks)
-               + (sum(refined_seconds(params, k.batch, k.noise) for k in probes["llc"]) if refined else 0.0))
+               + sum(refined_seconds(params, k.batch, k.noise) for k in covered))
     return {"runs": len(runs), "jobs": jobs, "run_steps": run_steps, "train_core_hours": train_s / 3600,
             "core_hours": (train_s + probe_s + other * JOB_START_S) / 3600,
             "peak_job_memory": memory_estimate(params)["total"], "threshold_core_hours": COST_CONFIRM_CORE_HOURS}

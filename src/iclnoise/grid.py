@@ -38,6 +38,16 @@ def parse_run_id(run_id: str) -> RunKeys:
     return RunKeys(parse_m(m["M"]), int(m["batch"]), m["noise"], int(m["seed"]))
 
 
+def refined_covers(params: dict, keys: RunKeys) -> bool:
+    """Whether llc.refined runs in a probed run's job: llc and llc.refined enabled, and the run's M among
+    llc.refined.M (null: every run llc probes; the seed rule is llc.seeds')."""
+    llc = params.get("llc") or {}
+    ref = llc.get("refined") or {}
+    if not (llc.get("enabled") and ref.get("enabled")):
+        return False
+    return ref.get("M") is None or keys.M in {parse_m(M) for M in ref["M"]}
+
+
 def expand_grid(params: dict) -> list[RunKeys]:
     """Every (M, batch, noise, seed) of the grid, in a stable order; a noise condition with its own
     `batch_sizes` or `M` runs only at those."""

@@ -185,7 +185,8 @@ class Stages(Section):
 
 @dataclass(frozen=True)
 class Refined(Section):
-    """llc.refined (iclnoise.refined): `chains`, `burn_in`, `draws` None: llc.sampler's; `positions` None: every y_k."""
+    """llc.refined (iclnoise.refined): `chains`, `burn_in`, `draws` None: llc.sampler's; `positions` None: every y_k;
+    `M` None: every probed run."""
     SECTION: ClassVar[str] = "llc.refined"
     checkpoints: int            # of the LLC's checkpoints past step 0 (iclnoise.probes.refined_steps)
     n_obs: int                  # sequences per susceptibility observable set
@@ -193,6 +194,7 @@ class Refined(Section):
     burn_in: int | None = None
     draws: int | None = None
     positions: list | None = None
+    M: list | None = None       # grid.M values whose probed runs get it; None: every probed run
 
     def sampler(self, base: LLCConfig) -> LLCConfig:
         """llc.sampler with this section's chains, burn_in and draws where they are set."""

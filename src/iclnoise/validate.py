@@ -156,6 +156,10 @@ def _cross_checks(p: dict) -> None:
     if any(k >= d["K"] for k in pos):
         raise ParamsError(f"llc.refined.positions = {pos} is not allowed; allowed: 0-based positions < data.K = "
                           f"{d['K']}")
+    ref = (p.get("llc") or {}).get("refined") or {}
+    if ref.get("enabled") and {parse_m(M) for M in ref.get("M") or []} - {parse_m(M) for M in p["grid"]["M"]}:
+        warnings.warn(f"llc.refined.M = {ref['M']} names task-pool sizes grid.M = {p['grid']['M']} does not train: "
+                      f"the refined LLC covers only the probed runs of the others", stacklevel=2)
     conditions = p["noise"]["conditions"]
     unknown = [n for n in p["grid"]["noise"] if n not in conditions]
     if unknown:

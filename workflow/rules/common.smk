@@ -23,13 +23,15 @@ def probe_files(section, name):
 PROBED = {s: set(probe_runs(s)) for s in ("llc", "geometry", "mech")}
 
 
+# the runs llc.refined covers: probed by llc, and their M among llc.refined.M (null: every one)
+REFINED_RUNS = [r for r in probe_runs("llc") if refined_covers(PARAMS, parse_run_id(r))]
+REFINED = bool(REFINED_RUNS)
+
+
 def probe_sections(run):
-    """The probe sections a run gets: llc, geometry, mech, and refined (llc.refined, where the run has llc)."""
+    """The probe sections a run gets: llc, geometry, mech, and refined (llc.refined, where it covers the run)."""
     secs = [s for s, runs in PROBED.items() if run in runs]
-    return secs + ["refined"] if "llc" in secs and REFINED else secs
-
-
-REFINED = bool(PARAMS["llc"]["enabled"] and (PARAMS["llc"].get("refined") or {}).get("enabled"))
+    return secs + ["refined"] if run in REFINED_RUNS else secs
 
 
 CONDA_ENV = "../envs/iclnoise.yaml"
@@ -54,12 +56,18 @@ def train_outputs(run):
     return [f"{RES}/runs/{run}/{n}" for n in names]
 
 
-SELECTION_KEYS = ("seeds", "families")   # which jobs exist, not what a job computes
+SELECTION_KEYS = ("seeds", "families")   # which jobs exist, not what a job computes (and llc.refined.M)
 
 
 def cfg(*names):
     """A command's --cfg: the params sections it reads, as in params.yaml (iclnoise.commands) less the keys that
     only select jobs. As a rule's param it reruns the rule when what it computes changes, and only then: probing
-    one more seed adds jobs and reruns none."""
-    return json.dumps({n: {k: v for k, v in PARAMS[n].items() if k not in SELECTION_KEYS}
-                       if isinstance(PARAMS[n], dict) else PARAMS[n] for n in names})
+    one more seed, or refining one more M, adds jobs and reruns none."""
+    def kept(n, sec):
+        if not isinstance(sec, dict):
+            return sec
+        out = {k: v for k, v in sec.items() if k not in SELECTION_KEYS}
+        if n == "llc" and isinstance(out.get("refined"), dict):
+            out["refined"] = {k: v for k, v in out["refined"].items() if k != "M"}
+        return out
+    return json.dumps({n: kept(n, PARAMS[n]) for n in names})

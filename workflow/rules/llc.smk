@@ -21,10 +21,11 @@ rule llc_figures:
 
 
 rule refined_figures:
-    """Figures 11 (refined LLC per head over training) and 12 (susceptibilities to new tasks) of the probed runs."""
+    """Figures 11 (refined LLC per head over training) and 12 (susceptibilities to new tasks) of the runs llc.refined
+    covers."""
     input:
-        rllc=probe_files("llc", "rllc.parquet"),
-        susceptibility=probe_files("llc", "susceptibility.parquet"),
+        rllc=expand(f"{RES}/runs/{{run}}/rllc.parquet", run=REFINED_RUNS),
+        susceptibility=expand(f"{RES}/runs/{{run}}/susceptibility.parquet", run=REFINED_RUNS),
     output:
         **{f"r_{k}": v for k, v in figure("fig11_rllc_over_training", "fig11", "LLC").items()},
         **{f"s_{k}": v for k, v in figure("fig12_susceptibility", "fig12", "LLC").items()},
