@@ -4,7 +4,7 @@
 
 Shapes: the default's two training jobs (18 runs at batch 16 and at batch 64, params.yaml's model) and the
 Hoogland reproduction's (2 runs at batch 256, configs/hoogland.yaml's model); LLC with the default's
-sampler and with Hoogland's (8 chains, batch 1024). Each CPU row runs with the threads given (the pipeline
+sampler and with Hoogland's (10 chains, batch 1024). Each CPU row runs with the threads given (the pipeline
 runs its jobs on 1 thread each). Exposure logging is off and checkpoints are few, so the numbers are the
 update (or SGLD step) rate; a run-step is one update of one run.
 
@@ -23,7 +23,7 @@ from iclnoise.config import load_params
 from iclnoise.grid import run_spec
 from iclnoise.model import ModelConfig, build_model, mse_loss
 from iclnoise.probes import sampling_data
-from iclnoise.sections import LLCConfig
+from iclnoise.sections import LLCConfig, RunSpec
 from iclnoise.train import train_ensemble
 
 
@@ -52,7 +52,7 @@ def llc_rate(params: dict, run: str, sgld_steps: int, device: str) -> float:
     d = spec["data"]
     model = build_model(ModelConfig(D=d["D"], K=d["K"], **spec["model"]), 0, device)
     from iclnoise.llc import estimate_llcs
-    xs, ys = sampling_data(spec, cfg.n, device)
+    xs, ys = sampling_data(RunSpec.of(spec), cfg.n, device)
     center = [{k: v.detach() for k, v in model.named_parameters()}]
     short = LLCConfig.from_dict({**params["llc"]["sampler"], "burn_in": 0, "draws": 2})
     estimate_llcs(model, mse_loss, xs, ys, short, center)  # warm-up

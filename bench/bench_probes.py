@@ -23,6 +23,7 @@ from iclnoise.geometry import FlatLoss
 from iclnoise.llc import LLCConfig, estimate_llc, estimate_llcs
 from iclnoise.model import mse_loss
 from iclnoise.probes import sampling_data
+from iclnoise.sections import RunSpec
 
 
 def main() -> None:
@@ -37,7 +38,7 @@ def main() -> None:
     llc = p["llc"]
     cfg = LLCConfig(**llc["sampler"])
     spec = runs.read_spec(a.run_dir)
-    xs, ys = sampling_data(spec, cfg.n)
+    xs, ys = sampling_data(RunSpec.of(spec), cfg.n)
     steps = runs.select_steps(runs.checkpoint_steps(a.run_dir), llc["every"])
     models = [runs.load_model(a.run_dir, s) for s in steps]
     centers = [{k: v.detach() for k, v in m.named_parameters()} for m in models]

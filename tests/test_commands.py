@@ -98,13 +98,13 @@ def test_rules_pass_each_command_its_sections_as_in_params(tmp_path):
 
 
 def test_refined_covers_the_probed_runs_of_its_m_only(tmp_path):
-    """llc.refined.M selects jobs: with the default ([16]) a dry run plans `iclnoise refined` in the probe jobs of
-    the M = 16 runs llc probes and in no other; a value grid.M lacks warns and covers nothing."""
+    """llc.refined.M selects jobs: with M = [16] a dry run plans `iclnoise refined` in the probe jobs of the M = 16
+    runs llc probes and in no other; a value grid.M lacks warns and covers nothing."""
     from iclnoise.config import validate_params
     from iclnoise.grid import parse_run_id, refined_covers
 
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    assert params["llc"]["refined"]["enabled"] and params["llc"]["refined"]["M"] == [16]
+    params["llc"]["refined"].update(enabled=True, M=[16])
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     r = subprocess.run([sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"), "--directory",
                         str(tmp_path), "-n", "-p", "--cores", "1"], cwd=tmp_path, capture_output=True, text=True)

@@ -128,7 +128,7 @@ def main() -> None:
                     label="± sd over their seeds")
     for seed, r in ours.groupby("seed"):
         r = r.sort_values("step")
-        ax.errorbar(r.step + 1, r.llc_mean, yerr=r.llc_se, marker="o", ms=3, lw=1, capsize=1.5,
+        ax.errorbar(r.step + 1, r.llc_mean, yerr=r.llc_se, marker="o", ms=4, ls="none", capsize=2,
                     label=f"ours, seed {seed} (± s.e.)")
     for s in CHECK_STEPS:
         ax.axvline(s, color="grey", ls=":", lw=0.8)

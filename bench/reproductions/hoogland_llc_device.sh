@@ -10,6 +10,7 @@
 #   mid   step ≈ 5k
 #   late  steps 0, ≈ 2.5k and ≈ 12k
 #   rest  the other steps of llc.at
+# PHASES (default "key mid late rest") runs only some.
 # Each phase writes OUT_DIR/<phase>.tar (llc.parquet and llc_traces.parquet, or the partial tables of a phase cut
 # short by SECONDS, default 500) and OUT_DIR/<phase>.log. Environment: LLC_DEVICE (default cuda), SMOKE (a JSON
 # merged into every sampler, e.g. '{"chains": 2, "draws": 8, "n": 256}', to try the driver).
@@ -29,7 +30,7 @@ for name, steps in phases.items():
     sampler = {**s, "trace_points": 1000} if name == "key" else s
     json.dump({"llc": {**p["llc"], "sampler": sampler, "at": {"steps": steps}}}, open(f"/tmp/{name}.json", "w"))
 PY
-for phase in key mid late rest; do
+for phase in ${PHASES:-key mid late rest}; do
   t=$(left); [ "$t" -gt 30 ] || { echo "$phase: no time left"; continue; }
   rm -rf "/tmp/$phase"; mkdir -p "/tmp/$phase"
   t1=$(date +%s)

@@ -22,6 +22,7 @@ from iclnoise.config import load_params
 from iclnoise.geometry import FlatLoss, lanczos_top
 from iclnoise.model import mse_loss
 from iclnoise.probes import sampling_data
+from iclnoise.sections import RunSpec
 
 
 def main() -> None:
@@ -38,7 +39,7 @@ def main() -> None:
     rows = []
     for d in map(Path, a.run_dirs):
         spec = runs.read_spec(d)
-        xs, ys = sampling_data(spec, a.n)
+        xs, ys = sampling_data(RunSpec.of(spec), a.n)
         for step in a.steps:
             f = FlatLoss(runs.load_model(d, step), mse_loss, xs, ys)
             top = lanczos_top(f.hvp_at_w0(), f.w0.numel(), a.iters, torch.Generator().manual_seed(0))
