@@ -126,10 +126,12 @@ def main() -> None:
             label=f"Hoogland et al. (mean of {theirs.seed.nunique()} seeds)")
     ax.fill_between(g.step + 1, g["mean"] - g["std"], g["mean"] + g["std"], color="black", alpha=0.15, lw=0,
                     label="± sd over their seeds")
-    for seed, r in ours.groupby("seed"):
+    for (seed, chains, draws), r in ours.groupby(["seed", "chains", "draws"]):
         r = r.sort_values("step")
-        ax.errorbar(r.step + 1, r.llc_mean, yerr=r.llc_se, marker="o", ms=4, ls="none", capsize=2,
-                    label=f"ours, seed {seed} (± s.e.)")
+        full = (chains, draws) == (ours.chains.max(), ours.draws.max())
+        ax.errorbar(r.step + 1, r.llc_mean, yerr=r.llc_se, marker="o" if full else "s", ms=4, ls="none", capsize=2,
+                    mfc=None if full else "none", color=f"C{seed}",
+                    label=f"ours, seed {seed} (± s.e.)" + ("" if full else f", {chains} chains × {draws} steps"))
     for s in CHECK_STEPS:
         ax.axvline(s, color="grey", ls=":", lw=0.8)
     ax.set_xscale("log")
