@@ -229,7 +229,7 @@ def cost_estimate(params: dict) -> dict[str, Any]:
     # figures, refined figures, ed families (analysis + figures), training figures, aggregate, aggregate figures,
     # report, all
     probed = {k for ks in probes.values() for k in ks}
-    covered = [k for k in probes["llc"] if refined_covers(params, k)]
+    covered = [k for k in runs if refined_covers(params, k)]
     refined = bool(covered)
     other = (1 if probes["llc"] else 0) + (1 if refined else 0) + 2 * families + 5
     jobs = len(groups) + len(probed) + other

@@ -39,13 +39,14 @@ def parse_run_id(run_id: str) -> RunKeys:
 
 
 def refined_covers(params: dict, keys: RunKeys) -> bool:
-    """Whether llc.refined runs in a probed run's job: llc and llc.refined enabled, and the run's M among
-    llc.refined.M (null: every run llc probes; the seed rule is llc.seeds')."""
+    """Whether llc.refined runs in a run's probe job: llc and llc.refined enabled, the run's seed among llc.seeds
+    (absent: every seed) and its M among llc.refined.M (null: every M)."""
     llc = params.get("llc") or {}
     ref = llc.get("refined") or {}
     if not (llc.get("enabled") and ref.get("enabled")):
         return False
-    return ref.get("M") is None or keys.M in {parse_m(M) for M in ref["M"]}
+    seeds, ms = llc.get("seeds"), ref.get("M")
+    return (seeds is None or keys.seed in seeds) and (ms is None or keys.M in {parse_m(M) for M in ms})
 
 
 def expand_grid(params: dict) -> list[RunKeys]:

@@ -23,8 +23,7 @@ def probe_files(section, name):
 PROBED = {s: set(probe_runs(s)) for s in ("llc", "geometry", "mech")}
 
 
-# the runs llc.refined covers: probed by llc, and their M among llc.refined.M (null: every one)
-REFINED_RUNS = [r for r in probe_runs("llc") if refined_covers(PARAMS, parse_run_id(r))]
+REFINED_RUNS = [r for r in RUNS if refined_covers(PARAMS, parse_run_id(r))]   # llc.seeds and llc.refined.M
 REFINED = bool(REFINED_RUNS)
 
 
@@ -56,18 +55,19 @@ def train_outputs(run):
     return [f"{RES}/runs/{run}/{n}" for n in names]
 
 
-SELECTION_KEYS = ("seeds", "families")   # which jobs exist, not what a job computes (and llc.refined.M)
+SELECTION_KEYS = ("seeds", "families", "refined.M")   # which jobs exist, not what a job computes (in a section)
+
+
+def without(sec, keys):
+    """`sec` less `keys`, dotted keys reaching into its subsections."""
+    if not isinstance(sec, dict):
+        return sec
+    return {k: without(v, [x.split(".", 1)[1] for x in keys if x.startswith(k + ".")])
+            for k, v in sec.items() if k not in keys}
 
 
 def cfg(*names):
     """A command's --cfg: the params sections it reads, as in params.yaml (iclnoise.commands) less the keys that
     only select jobs. As a rule's param it reruns the rule when what it computes changes, and only then: probing
     one more seed, or refining one more M, adds jobs and reruns none."""
-    def kept(n, sec):
-        if not isinstance(sec, dict):
-            return sec
-        out = {k: v for k, v in sec.items() if k not in SELECTION_KEYS}
-        if n == "llc" and isinstance(out.get("refined"), dict):
-            out["refined"] = {k: v for k, v in out["refined"].items() if k != "M"}
-        return out
-    return json.dumps({n: kept(n, PARAMS[n]) for n in names})
+    return json.dumps({n: without(PARAMS[n], SELECTION_KEYS) for n in names})
