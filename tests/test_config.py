@@ -328,12 +328,15 @@ def test_the_shipped_configs_are_valid_with_their_overrides():
     for override in ("configs/noise.yaml", "configs/paper.yaml"):
         p = load_params("params.yaml", [override])
         assert p["data"] == yaml.safe_load(Path(override).read_text()).get("data", p["data"])
-    # configs/noise.yaml goes on top of configs/science.yaml: science's runs plus H3 at batch 16's steps
+    # configs/noise.yaml goes on top of configs/science.yaml: the first science setting (640 000 sequences) plus
+    # H3 at equal data and at batch 16's steps (reference/noise)
     p = load_params("params.yaml", ["configs/science.yaml", "configs/noise.yaml"])
     science = load_params("params.yaml", ["configs/science.yaml"])
     extra = set(expand_grid(p)) - set(expand_grid(science))
-    assert {k.noise for k in extra} == {"grad_b16_steps"} and set(expand_grid(science)) <= set(expand_grid(p))
-    assert {run_spec(p, k.run_id)["train"]["steps"] for k in extra} == {640_000 // 16}
+    assert {k.noise for k in extra} == {"grad_b16", "grad_b16_steps"}
+    assert set(expand_grid(science)) <= set(expand_grid(p))
+    assert {run_spec(p, k.run_id)["train"]["steps"] for k in extra if k.noise == "grad_b16_steps"} == {640_000 // 16}
+    assert run_spec(science, "M16-B16-none-s0")["train"]["steps"] == 1_280_000 // 16
 
 
 def test_schema_is_draft_2020_12_and_validated_once():
