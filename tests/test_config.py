@@ -391,7 +391,7 @@ def test_cost_prices_only_the_injection_windows_steps_at_the_injected_rate():
     from iclnoise.cost import INJECTED_FACTOR, step_ms
 
     def train_hours(noise, **cond):
-        p = load_params("params.yaml", ["configs/noise.yaml"])
+        p = load_params("params.yaml")
         p["grid"].update(noise=[noise], batch_sizes=[64], M=[16], seeds=[0])
         p["noise"]["conditions"][noise].update(cond)
         return cost_estimate(p)["train_core_hours"]
