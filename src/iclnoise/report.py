@@ -81,7 +81,7 @@ def _convergence(conv) -> tuple[list[str], list[str]]:
     batch size (verdicts._gate_convergence); M = ∞ runs that diverged are said to have diverged."""
     c = conv.set_index(["batch", "noise"])
     parts, bad = [], []
-    for r in conv.itertuples():
+    for r in sorted(conv.itertuples(), key=lambda r: _cond(r.batch, r.noise)):   # metrics.json's order
         name = _cond(r.batch, r.noise)
         ref = (r.batch, "none")
         if r.n_inf_runs:
