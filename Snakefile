@@ -7,7 +7,16 @@ from pathlib import Path
 
 from snakemake.utils import min_version
 
-from iclnoise.config import ParamsError, check_yaml_files, run_options, switch, validate_params
+from iclnoise.config import (
+    ParamsError,
+    check_yaml_files,
+    merge_params,
+    parse_overrides,
+    run_options,
+    source_names,
+    switch,
+    validate_params,
+)
 from iclnoise.cost import check_cost, format_cost
 from iclnoise.grid import ed_families, ensemble_groups, expand_grid, parse_run_id, refined_covers, shared_spec
 
@@ -19,14 +28,19 @@ configfile: "params.yaml"
 
 # Keys that configure how the workflow runs, not what it computes (not part of params.yaml's schema).
 RUN_KEYS = ("train_resources", "train_threads", "confirm_cost")
+# --config key=value. Snakemake reads a mapping's values as strings: the params keys' are read as YAML scalars, as
+# in a file (the run keys keep their words: `confirm_cost=yes` must not read as true).
+CONFIG_ARGS = dict(workflow.config_settings.config)
+OVERRIDES = parse_overrides({k: v for k, v in CONFIG_ARGS.items() if k not in RUN_KEYS})
 try:
     check_yaml_files(["params.yaml", *workflow.configfiles])  # duplicate keys, syntax errors with line numbers
-    PARAMS = validate_params({k: v for k, v in config.items() if k not in RUN_KEYS})
-    confirmed = switch(config.get("confirm_cost", False), "confirm_cost")
-    TRAIN_THREADS, TRAIN_RESOURCES = run_options(config)
+    VALUES = merge_params(config, OVERRIDES)
+    PARAMS = validate_params({k: v for k, v in VALUES.items() if k not in RUN_KEYS})
+    confirmed = switch(VALUES.get("confirm_cost", False), "confirm_cost")
+    TRAIN_THREADS, TRAIN_RESOURCES = run_options(VALUES)
     COST = check_cost(PARAMS, confirmed=confirmed) if workflow.is_main_process else None
 except ParamsError as err:
-    raise WorkflowError(f"{' + '.join(['params.yaml', *map(str, workflow.configfiles)])}: {err}") from None
+    raise WorkflowError(f"{source_names(['params.yaml', *workflow.configfiles], CONFIG_ARGS)}: {err}") from None
 if COST:
     logger.info(f"grid: {format_cost(COST)}")
 

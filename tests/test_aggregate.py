@@ -216,6 +216,39 @@ def test_runs_that_diverged_at_their_first_update_are_reported_not_crashed_on(ti
     assert "every run diverged" in (tmp_path / "report.md").read_text()
 
 
+def opening(tmp_path, dirs) -> str:
+    """The report's "What this run shows" section for the runs `dirs`, through aggregate and report."""
+    aggregate_cli([str(d) for d in dirs] + ["--out", str(tmp_path / "aggregate"), "--cfg", STATS])
+    report_cli(["--results", str(tmp_path), "--cfg", '{"grid": {"M": [1]}}', "--out", str(tmp_path / "report.md")])
+    text = (tmp_path / "report.md").read_text()
+    start = text.index("## What this run shows")
+    return text[start:text.index("\n## ", start)]
+
+
+def test_the_opening_says_m_inf_runs_diverged_not_that_every_condition_converged(tmp_path):
+    """Issue 48, case 5 (lr 50): every run diverged, M = ∞ included. The opening said "no M = ∞ run ... every
+    condition converged"; it says the M = ∞ runs diverged, not every condition converged, and names it below."""
+    dirs = [fake_run(tmp_path / "runs", M, 16, 0, 0.5, diverged=True) for M in (1, 4, -1)]
+    text = opening(tmp_path, dirs)
+    assert "none/B16 M = ∞ runs diverged; not every condition converged" in text, text
+    assert "no M = ∞ run" not in text and "; every condition converged" not in text, text
+    assert "The models are not converged (none/B16: M = ∞ runs diverged)" in text, text
+    assert "no M* (every run diverged)" in text and "passed its validity gates" not in text, text
+
+
+def test_the_opening_claims_no_passed_gate_where_no_threshold_or_test_ran(tmp_path):
+    """Issue 48, case 6: a grid of M = ∞ only (2 seeds, 2× ridge's loss) has no threshold and runs no test. The
+    opening ended "Every threshold and verdict above passed its validity gates"; it says that no threshold was
+    estimated and no test ran, and that the models are not converged."""
+    dirs = [fake_run(tmp_path / "runs", -1, 16, seed, 0.5) for seed in (0, 1)]
+    text = opening(tmp_path, dirs)
+    assert "passed its validity gates" not in text, text
+    assert "none/B16 2.00×; not every condition converged" in text, text
+    assert "No task-diversity threshold M*: the grid has no run at a finite M." in text, text
+    assert "No threshold was estimated and no hypothesis test ran" in text, text
+    assert "The models are not converged (none/B16: M = ∞ OOD loss 2.00× ridge's)" in text, text
+
+
 def test_an_arm_run_at_one_m_is_judged_converged_by_the_batch_noise_runs_at_its_batch():
     """configs/science.yaml's early/late pair runs at M = 16 only: no M = ∞ run of its own. The batch-noise
     M = ∞ runs at the same batch size (same model, data and budget) stand for it, and their failure is named."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -9,8 +10,8 @@ from pathlib import Path
 import yaml
 
 from . import __version__
-from .io import read_json, read_parquet
-from .verdicts import GATES
+from .io import read_parquet
+from .verdicts import GATES, _cond, convergence
 
 FIGURES = [
     ("fig01_ood_loss", "1. OOD loss over training per M (t_crit circles; dotted: dMMSE_M, dashed: ridge)"),
@@ -74,23 +75,49 @@ def _threshold_sentence(t) -> str:
     return f"{cond}: M* = {_fmt_m(t.M_star)} {ci}, {t.n_seeds} seeds{gate}"
 
 
-def what_this_run_shows(th, tests, convergence: dict | None = None) -> list[str]:
-    """The opening paragraph, written from the gated tables only: convergence per condition, M* per condition with
-    its interval or the reason there is none, each hypothesis verdict, and what the run cannot show and why (the
-    gates that failed)."""
+def _convergence(conv) -> tuple[list[str], list[str]]:
+    """(each condition's part of the convergence sentence, the unconverged ones as the convergence gate names
+    them) from a verdicts.convergence table. A condition without M = ∞ runs is judged by batch noise's at its
+    batch size (verdicts._gate_convergence); M = ∞ runs that diverged are said to have diverged."""
+    c = conv.set_index(["batch", "noise"])
+    parts, bad = [], []
+    for r in sorted(conv.itertuples(), key=lambda r: _cond(r.batch, r.noise)):   # metrics.json's order
+        name = _cond(r.batch, r.noise)
+        ref = (r.batch, "none")
+        if r.n_inf_runs:
+            parts.append(f"{name} M = ∞ runs diverged" if r.ood_loss_over_ridge == math.inf
+                         else f"{name} {r.ood_loss_over_ridge:.2f}×")
+            if not r.converged:
+                bad.append(f"{name}: M = ∞ runs diverged" if r.ood_loss_over_ridge == math.inf
+                           else f"{name}: M = ∞ OOD loss {r.ood_loss_over_ridge:.2f}× ridge's")
+        elif ref in c.index and c.loc[ref].n_inf_runs:
+            parts.append(f"{name} no M = ∞ run (batch noise's at its batch size stands for it)")
+        else:
+            parts.append(f"{name} no M = ∞ run, nor batch noise's at its batch size")
+            bad.append(f"{name}: no M = ∞ run, nor batch-noise M = ∞ runs at batch {int(r.batch)}")
+    return parts, bad
+
+
+def what_this_run_shows(th, tests, conv=None) -> list[str]:
+    """The opening paragraph, written from the gated tables only: convergence per condition (`conv`, a
+    verdicts.convergence table), M* per condition with its interval or the reason there is none, each hypothesis
+    verdict, and what the run cannot show and why (the gates that failed, and unconverged conditions whether or
+    not a gated row names them). It says that every gate passed only where a threshold or a test ran."""
     lines = ["## What this run shows", ""]
-    if convergence:
-        parts = [f"{k} {v['ood_loss_over_ridge']:.2f}×" if v["ood_loss_over_ridge"] is not None
-                 else f"{k} no M = ∞ run (batch noise's at its batch size stands for it)"
-                 for k, v in convergence.items()]
-        ok = all(v["converged"] for v in convergence.values() if v["ood_loss_over_ridge"] is not None)
+    failures = []
+    if conv is not None and len(conv):
+        parts, bad = _convergence(conv)
         lines += [f"Convergence (final OOD loss of the M = ∞ runs over ridge's, worst seed): {', '.join(parts)}; "
-                  + ("every condition converged." if ok else "not every condition converged (see below)."), ""]
+                  + ("not every condition converged (see below)." if bad else "every condition converged."), ""]
+        failures += [f"unconverged ({', '.join(bad)})"] if bad else []
     if th is not None and len(th):
         lines += ["Task-diversity threshold M* by two methods (95 % t-intervals over seeds): r50, where ridge-likeness "
                   "r crosses 0.5; crossover (Raventós et al.), where more data (late training) stops pulling the "
                   "model toward dMMSE_M and pulls it toward ridge on new tasks:", ""]
         lines += [f"- {_threshold_sentence(t)}." for t in th.itertuples()] + [""]
+    elif th is not None:
+        lines += ["No task-diversity threshold M*: the grid has no run at a finite M.", ""]
+    ran = tests[tests.status == "run"] if tests is not None and len(tests) else None
     if tests is not None and len(tests):
         lines += ["Hypotheses (each verdict follows its Holm-adjusted test and passes its validity gates, "
                   "else it reads 'inconclusive'):", ""]
@@ -98,7 +125,6 @@ def what_this_run_shows(th, tests, convergence: dict | None = None) -> list[str]
             what = t.verdict if t.status == "run" else t.status
             lines.append(f"- {t.hypothesis}, {t.test} [{t.outcome}]: {what}.")
         lines.append("")
-    failures = []
     for df in (th, tests):
         if df is not None and len(df):
             failures += [f for text in df.gate_failures.fillna("") for f in text.split("; ") if f]
@@ -114,10 +140,13 @@ def what_this_run_shows(th, tests, convergence: dict | None = None) -> list[str]
         if details or any(f.startswith(key) for f in failures):
             more = f" and {len(details) - 4} more" if len(details) > 4 else ""
             limits.append(sentence.format(detail=", ".join(details[:4]) + more or key, **GATES))
+    gated = [what for what, df in (("threshold", th), ("verdict", ran)) if df is not None and len(df)]
+    if not gated:
+        lines += ["No threshold was estimated and no hypothesis test ran: this run shows no M* and no verdict.", ""]
     if limits:
         lines += ["What it cannot show:", ""] + [f"- {x[0].upper()}{x[1:]}." for x in limits] + [""]
-    elif failures == [] and (th is not None or tests is not None):
-        lines += ["Every threshold and verdict above passed its validity gates (convergence, threshold fit, "
+    elif gated and not failures:
+        lines += [f"Every {' and '.join(gated)} above passed its validity gates (convergence, threshold fit, "
                   "seeds, equal data and exposure, LLC diagnostics).", ""]
     return lines
 
@@ -150,7 +179,7 @@ def build(results: Path, params: dict, root: Path) -> str:
              f"Generated {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC} from {code_version(root)}.", ""]
     th = read_parquet(agg / "thresholds.parquet") if (agg / "thresholds.parquet").exists() else None
     tests = read_parquet(agg / "tests.parquet") if (agg / "tests.parquet").exists() else None
-    conv = read_json(agg / "metrics.json").get("convergence") if (agg / "metrics.json").exists() else None
+    conv = convergence(read_parquet(agg / "outcomes.parquet")) if (agg / "outcomes.parquet").exists() else None
     if th is not None or tests is not None:
         lines += what_this_run_shows(th, tests, conv)
     if tests is not None:

@@ -12,6 +12,7 @@ def train(argv: list[str]) -> None:
 
     from ..grid import member_specs
     from ..train import train_ensemble
+    from . import at_file
 
     ap = argparse.ArgumentParser(prog="iclnoise train",
                                  description="Train runs as one ensemble (resumes from their resume states).")
@@ -23,7 +24,7 @@ def train(argv: list[str]) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
     a = ap.parse_args(argv)
-    spec = json.loads(Path(a.spec[1:]).read_text() if a.spec.startswith("@") else a.spec)
+    spec = json.loads(at_file(a.spec))
     torch.set_num_threads(a.threads)
     if a.runs:
         specs = member_specs(spec, a.runs.split(","))
@@ -42,7 +43,7 @@ def train(argv: list[str]) -> None:
 
 
 def check(argv: list[str]) -> None:
-    from ..config import ParamsError, load_params
+    from ..config import ParamsError, load_params, source_names
     from ..cost import COST_CONFIRM_CORE_HOURS, cost_estimate, format_cost
     from ..grid import expand_grid, steps_for, trained_steps
 
@@ -56,7 +57,7 @@ def check(argv: list[str]) -> None:
     except ParamsError as e:
         raise SystemExit(str(e))
     runs = expand_grid(params)
-    print(f"{' + '.join([a.params, *a.configfile])}: valid; {len(runs)} runs")
+    print(f"{source_names([a.params, *a.configfile])}: valid; {len(runs)} runs")
     for k in runs:
         n, stop = steps_for(params, k.batch, k.noise), trained_steps(params, k.batch, k.noise)
         print(f"  {k.run_id}  ({n} steps{f', stopping at {stop}' if stop < n else ''})")
