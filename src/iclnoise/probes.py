@@ -175,7 +175,8 @@ def mech_for_run(run_dir: str | Path, cfg: Mech, every: int = 1) -> pd.DataFrame
     run_dir = Path(run_dir)
     spec = RunSpec.of(read_spec(run_dir))
     d, e = spec.data, spec.eval
-    ood = eval_set("ood", spec.keys.M, e.n_sequences, d.K, d.D, d.noise_var, d.pool_seed, e.eval_seed)
+    ood = eval_set("ood", spec.keys.M, e.n_sequences, d.K, d.D, d.noise_var, d.pool_seed, e.eval_seed,
+                   d.task_prior)
     probe_batch = sampler(spec, "mech").batch(0, cfg.n_probe)
     rows = []
     for step in select_steps(checkpoint_steps(run_dir), every):
@@ -271,7 +272,8 @@ def refined_for_run(run_dir: str | Path, cfg: LLCConfig, steps: Sequence[int], p
     d = spec.data
     xs, ys = sampling_data(spec, cfg.n, device)
     q = runs.sampler(spec, "llc", device).batch(1, n_obs)
-    fresh = BatchSampler(None, d.K, d.D, d.noise_var, spec.keys.seed, device, stream=runs.STREAMS["llc"])
+    fresh = BatchSampler(None, d.K, d.D, d.noise_var, spec.keys.seed, device, stream=runs.STREAMS["llc"],
+                         prior=d.task_prior)
     q2 = fresh.batch(1, n_obs)      # for an M = ∞ run the same sequences as q: χ = 0
     loss_fn = mse_loss if positions is None else position_loss(positions)
     data = "all" if positions is None else "k" + ",".join(str(p) for p in positions)

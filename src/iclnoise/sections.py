@@ -268,13 +268,44 @@ class NoiseCondition(Section):
 
 
 @dataclass(frozen=True)
+class TaskPrior(Section):
+    """data.task_prior (SPEC §13): the spectrum of Σβ and the seed of its basis (iclnoise.tasks.prior_factor).
+    `exponent` is read for spectrum power_law, `eigenvalues` (a tuple, so the section hashes) for eigenvalues."""
+    SECTION: ClassVar[str] = "data.task_prior"
+    spectrum: str
+    basis_seed: int
+    exponent: float | None = None
+    eigenvalues: tuple | None = None
+
+    def __post_init__(self) -> None:
+        need = {"power_law": "exponent", "eigenvalues": "eigenvalues"}
+        if self.spectrum not in need:
+            raise ParamsError(f"data.task_prior.spectrum = {self.spectrum!r}; allowed: {', '.join(need)}")
+        if getattr(self, need[self.spectrum]) is None:
+            raise ParamsError(f"data.task_prior.{need[self.spectrum]} is missing; spectrum {self.spectrum} needs it")
+        if self.eigenvalues is not None:
+            ev = tuple(float(v) for v in self.eigenvalues)
+            if min(ev) <= 0:
+                raise ParamsError(f"data.task_prior.eigenvalues must all be > 0 (Σβ positive definite), got {ev}")
+            object.__setattr__(self, "eigenvalues", ev)
+
+
+@dataclass(frozen=True)
 class Data(Section):
-    """data (SPEC §2): task dimension D, context length K, label noise variance, task-pool seed."""
+    """data (SPEC §2): task dimension D, context length K, label noise variance, task-pool seed; `task_prior` None
+    (absent): t ~ N(0, I_D), else the TaskPrior (SPEC §13)."""
     SECTION: ClassVar[str] = "data"
     D: int
     K: int
     noise_var: float
     pool_seed: int
+    task_prior: TaskPrior | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> Data:
+        c = super().from_dict(d)
+        p = c.task_prior
+        return c if p is None else dataclasses.replace(c, task_prior=TaskPrior.from_dict(p))
 
 
 @dataclass(frozen=True)

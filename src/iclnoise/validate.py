@@ -26,10 +26,11 @@ from .sections import (
     Section,
     Stages,
     Stats,
+    TaskPrior,
     enabled,
     schema,
 )
-from .tasks import parse_m
+from .tasks import parse_m, prior_spectrum
 
 
 def dotted_key(path) -> str:
@@ -133,6 +134,16 @@ def validate_params(params: dict) -> dict:
     return params
 
 
+def _prior_checks(d: dict) -> None:
+    """data.task_prior: its spectrum fits data.D; refused until the training sampler draws from it."""
+    if d.get("task_prior") is None:
+        return
+    prior_spectrum(TaskPrior.from_dict(d["task_prior"]), d["D"])
+    raise ParamsError("data.task_prior is set, but training does not draw from it yet: iclnoise.runs.sampler must "
+                      "pass prior=spec.data.task_prior to BatchSampler and pool_for (issue 45); remove the key to "
+                      "train on the isotropic prior")
+
+
 def _cross_checks(p: dict) -> None:
     t, m, d = p["train"], p["model"], p["data"]
     budget = t["budget"]
@@ -169,6 +180,7 @@ def _cross_checks(p: dict) -> None:
     Ms = [parse_m(x) for x in p["grid"]["M"]]
     if len(set(Ms)) != len(Ms):
         raise ParamsError(f"grid.M has duplicates: {p['grid']['M']}")
+    _prior_checks(d)
     _seed_checks(p)
     _ed_checks(p)
     _noise_checks(p)
