@@ -4,7 +4,6 @@ import math
 
 import numpy as np
 import pandas as pd
-import pyarrow as pa
 import pytest
 import torch
 from test_exposure import half_mse, linreg_case
@@ -13,7 +12,7 @@ from iclnoise.config import read_yaml, validate_params
 from iclnoise.exposure import AdamState, grad_noise, group_grads, preconditioner
 from iclnoise.grid import run_spec
 from iclnoise.hooks import ExposureState, NoiseMeter, StepContext
-from iclnoise.injection import NoiseInjector
+from iclnoise.injection import DoseReference, NoiseInjector
 from iclnoise.io import read_parquet
 from iclnoise.noise import CovModel, psd_clip, shaped_covariance, target_at
 from iclnoise.sections import Exposure, RunSpec
@@ -255,47 +254,6 @@ def test_early_and_late_reach_equal_realised_exposure_after_clipping(tiny, tmp_p
         assert s["integrated_ne_injected"] == pytest.approx(inj.ne_injected.sum(), rel=1e-9)
 
 
-class _Reference:
-    """SPEC §6's injected P-NE*, recomputed per step beside a run: at each injecting step, before the injector
-    acts, this step's A (from the live AdamW) and the exact Gauss–Newton diagonal (full Jacobian on this step's
-    held-out batch at the current weights); after the update, c² · η κ Σ a² s R'_ii / max(floor, Σ a² diag G)
-    with the s, R' and c the step really used. Shares no code with the closed loop but `preconditioner`."""
-
-    name, schema = "reference", pa.schema([pa.field("step", pa.int64())])   # written empty by the trainer
-
-    def __init__(self, injector, n_heldout):
-        self.inj, self.n, self.pne, self.c2, self._a, self._curv = injector, n_heldout, [], [], None, None
-        self.clip = injector.clip
-
-    def on_grads(self, ctx):
-        self._a = None
-        if not self.inj.start <= ctx.step < self.inj.stop:
-            return
-        held = ctx.heldout(ctx.step, self.n)
-        names = [n for n, _ in ctx.model.named_parameters()]
-        params = {n: p.detach() for n, p in ctx.model.named_parameters()}
-        J = torch.func.jacrev(lambda p: torch.func.functional_call(ctx.model, p, (held.xs, held.ys)))(params)
-        J = torch.cat([J[n].reshape(held.ys.numel(), -1) for n in names], dim=1).double()
-        diag_g = J.square().sum(0) * 2 / (held.ys.numel() * held.xs.shape[-1])   # mse_loss = mean (f − y)² / D
-        self._a = preconditioner(ctx.adam).double()
-        self._g2 = float(sum(p.grad.double().square().sum() for p in ctx.model.parameters()))   # before injection
-        self._curv = max(self.inj.floor, float((self._a.square() * diag_g).sum()))
-
-    def on_update(self, ctx):
-        if self._a is None:
-            return
-        row = self.inj.rows()[-1]
-        ne = ctx.lr * self.inj.kappa * row["scale"] * float((self._a.square() * self.inj._diag.double()).sum())
-        self.c2.append(ctx.clip_coef ** 2 / min(1.0, self.clip ** 2 / self._g2))   # c² relative to no injection
-        self.pne.append(ctx.clip_coef ** 2 * ne / self._curv)
-
-    def rows(self):
-        return []
-
-    def state_dict(self):
-        return {}
-
-
 def test_early_and_late_realise_their_budget_by_specs_definition_where_A_moves_fast(tiny, tmp_path, monkeypatch):
     """Rows logged every 40 steps, 32-step windows at the start (A moves fast: v̂ fills from g², and the injected
     noise enters it) and at the end, clipping at 0.3. Each run's realised injected P-NE*, recomputed per step by
@@ -313,7 +271,7 @@ def test_early_and_late_realise_their_budget_by_specs_definition_where_A_moves_f
         hooks = build(spec, device)
         inj = [h for h in hooks if h.name == "injection"]
         if inj:
-            made.append(_Reference(inj[0], 32))
+            made.append(DoseReference(inj[0], 32))
             hooks.insert(0, made[-1])   # on_grads first: A and Ĥ before the injector adds its noise
         return hooks
 
