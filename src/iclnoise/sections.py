@@ -101,6 +101,7 @@ class Mech(Section):
 @dataclass(frozen=True)
 class Exposure(Section):
     """exposure (SPEC §6). `kappa`: a number, None (κ = 1 for AdamW, iclnoise.exposure.kappa) or "calibrated".
+    `curvature_tol` None: diag Ĥ is refreshed every `curvature_every` steps in an injection window (else adaptive).
     A section written `{enabled: false}` alone has no typed form: check `enabled(d)` first."""
     SECTION: ClassVar[str] = "exposure"
     enabled: bool
@@ -114,6 +115,7 @@ class Exposure(Section):
     heldout: int
     floor: float
     eig_rank: int
+    curvature_tol: float | None = None
 
 
 @dataclass(frozen=True)
