@@ -16,7 +16,8 @@ from iclnoise.io import read_parquet, write_json, write_parquet
 from iclnoise.llc import LLC_SCHEMA
 from iclnoise.thresholds import logistic
 
-STATS = json.dumps({"stats": {"alpha": 0.05, "equivalence_margin": 0.05, "transient_tol": 0.05}})  # params.yaml
+STATS = json.dumps({"stats": {"alpha": 0.05, "equivalence_fraction": 0.5, "equivalence_margin": None,
+                              "transient_tol": 0.05}})  # params.yaml
 
 PARAMS = load_params("params.yaml")
 
@@ -230,8 +231,8 @@ def test_an_arm_run_at_one_m_is_judged_converged_by_the_batch_noise_runs_at_its_
 
     arms = out(1.05)[lambda d: d.noise != "none"]
     assert _gate_convergence(arms, convergence(out(1.05))) == []
-    assert _gate_convergence(arms, convergence(out(1.3))) == [
-        "unconverged (early/B64: no M = ∞ run; batch noise's at batch 64 1.30× ridge's, "
-        "late/B64: no M = ∞ run; batch noise's at batch 64 1.30× ridge's)"]
+    assert _gate_convergence(arms, convergence(out(1.3))) == [   # a record: (code, detail)
+        ("unconverged", "early/B64: no M = ∞ run; batch noise's at batch 64 1.30× ridge's, "
+                        "late/B64: no M = ∞ run; batch noise's at batch 64 1.30× ridge's")]
     alone = out(1.05)[lambda d: d.noise != "none"]
-    assert "nor batch-noise M = ∞ runs at batch 64" in _gate_convergence(alone, convergence(alone))[0]
+    assert "nor batch-noise M = ∞ runs at batch 64" in _gate_convergence(alone, convergence(alone))[0][1]

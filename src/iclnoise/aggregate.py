@@ -34,6 +34,7 @@ from .verdicts import (
     _gate_equal_data,
     _gate_seeds,
     convergence,
+    gate_columns,
     hypothesis_tests,
 )
 
@@ -203,20 +204,19 @@ def threshold_table(out: pd.DataFrame, cfg: Stats, conv: pd.DataFrame | None = N
             gate = "threshold fit" if method == "r50" else "crossover fit"
             fails = []
             if est["reason"].startswith("no threshold"):
-                fails.append(f"{gate} ({name}: {est['reason'].removeprefix('no threshold: ')})")
+                fails.append((gate, f"{name}: {est['reason'].removeprefix('no threshold: ')}"))
             elif est["seeds_failed"]:
-                fails.append(f"{gate} ({name}: per-seed estimates without threshold: {est['seeds_failed']})")
+                fails.append((gate, f"{name}: per-seed estimates without threshold: {est['seeds_failed']}"))
             if method == "r50" and not (mean_r.min() <= gates["r_low"] and mean_r.max() >= gates["r_high"]):
-                fails.append(f"r does not span low to high ({name}: seed-mean r {mean_r.min():.2f}–"
-                             f"{mean_r.max():.2f}, needs ≤ {gates['r_low']} and ≥ {gates['r_high']})")
-            fails = unconverged + fails + design
-            rows.append({**base, **est, "method": method, "gates_passed": not fails, "gate_failures": "; ".join(fails)})
+                fails.append(("r does not span low to high", f"{name}: seed-mean r {mean_r.min():.2f}–"
+                              f"{mean_r.max():.2f}, needs ≤ {gates['r_low']} and ≥ {gates['r_high']}"))
+            rows.append({**base, **est, "method": method, **gate_columns(unconverged + fails + design)})
     finite = out[out.M != M_INF]
     for (B, noise), g in finite.groupby(["batch", "noise"]):
         if g.diverged.all():   # the condition stays in the table, saying why it has no threshold
             name = _cond(B, noise)
             rows += [{**_condition_fields(B, noise, g), "method": method, "reason": "no threshold: every run diverged",
-                      "gates_passed": False, "gate_failures": f"{gate} ({name}: every run with finite M diverged)"}
+                      **gate_columns([(gate, f"{name}: every run with finite M diverged")])}
                      for method, gate in (("r50", "threshold fit"), ("crossover", "crossover fit"))]
     return pd.DataFrame(rows).reindex(columns=THRESHOLD_SCHEMA.names)
 
@@ -253,7 +253,7 @@ def metrics_summary(th: pd.DataFrame, tests: pd.DataFrame, conv: pd.DataFrame, o
 
 
 def markdown(df: pd.DataFrame) -> str:
-    show = df.copy()
+    show = df.drop(columns=["gate_records"], errors="ignore")   # gate_failures says the same in words
     if "M" in show:
         show["M"] = show.M.map(m_label)
     return show.to_markdown(index=False, floatfmt=".4g") + "\n"
