@@ -139,6 +139,27 @@ def test_crossover_reasons():
                           "(M* above the grid))"
 
 
+def test_no_delta_logged_is_a_reason_not_a_crash():
+    """Issue 42: runs without Δ on new tasks (None in the trajectory table, or no trajectory at all) raised a
+    TypeError in crossover_threshold; now they give the documented 'no threshold' reason, in threshold_table too."""
+    from iclnoise.aggregate import TRAJECTORY_COLUMNS, threshold_table
+    from iclnoise.sections import Stats
+
+    empty = pd.DataFrame(columns=TRAJECTORY_COLUMNS)
+    unlogged = pd.DataFrame({"run_id": "a", "M": 4, "seed": 0, "batch": 16, "noise": "none", "sequences": [1, 2, 3],
+                             "ood_delta_dmmse": None, "ood_delta_ridge": None})
+    for traj in (empty, unlogged):
+        assert crossover_threshold(pull_slopes(traj))["reason"] == "no threshold: no pull (Δ on new tasks not logged)"
+    out = pd.DataFrame([{"run_id": f"{M}-{s}", "M": M, "seed": s, "batch": 16, "noise": "none", "diverged": False,
+                         "r": 0.1 + 0.8 * (M > 8), "ood_loss": 0.42, "ood_loss_ridge": 0.4, "sequences": 1000,
+                         "noise_source": "batch", "noise_schedule": "none", "emulate_batch": 0, "noise_level": 1 / 16}
+                        for M in (1, 2, 4, 8, 16, 32, -1) for s in range(3)])
+    th = threshold_table(out, Stats(alpha=0.05, equivalence_fraction=0.5, equivalence_margin=None, transient_tol=0.05),
+                         traj=None).set_index("method")
+    assert th.loc["crossover", "reason"] == "no threshold: Δ on new tasks not logged (runs predate ood_delta_*)"
+    assert not th.loc["crossover", "gates_passed"] and "crossover fit" in th.loc["crossover", "gate_failures"]
+
+
 @pytest.mark.parametrize("M", [4, M_INF])
 def test_evaluator_logs_delta_on_new_tasks(M):
     """ood_delta_* = Δ(f, dMMSE_M of the run's pool) and Δ(f, ridge) on the OOD sequences; NaN dMMSE for M = ∞."""

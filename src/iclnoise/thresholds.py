@@ -181,7 +181,8 @@ def pull_slopes(traj: pd.DataFrame, late: float = 0.5, min_points: int = 3) -> p
     `traj`: one row per checkpoint with M, seed, sequences, ood_delta_dmmse, ood_delta_ridge (M = ∞ rows and
     non-positive or missing Δ are dropped). Returns M, seed, slope, n (late checkpoints used); slope NaN with
     fewer than `min_points` late checkpoints."""
-    t = traj[(traj.M != M_INF) & (traj.ood_delta_dmmse > 0) & (traj.ood_delta_ridge > 0)]
+    dm, dr = (pd.to_numeric(traj[c], errors="coerce") for c in ("ood_delta_dmmse", "ood_delta_ridge"))
+    t = traj[(traj.M != M_INF) & (dm > 0) & (dr > 0)]   # Δ not logged (None / NaN): no row, no pull
     rows = []
     for (M, seed), g in t.groupby(["M", "seed"]):
         g = g[g.sequences >= late * g.sequences.max()]
@@ -191,7 +192,7 @@ def pull_slopes(traj: pd.DataFrame, late: float = 0.5, min_points: int = 3) -> p
         ok = len(x) >= min_points and (xc ** 2).sum() > 0
         rows.append({"M": M, "seed": seed, "slope": float(xc @ (d - d.mean()) / (xc @ xc)) if ok else math.nan,
                      "n": len(x)})
-    return pd.DataFrame(rows, columns=["M", "seed", "slope", "n"])
+    return pd.DataFrame(rows, columns=["M", "seed", "slope", "n"]).astype({"slope": float, "n": int})
 
 
 def sign_change(x: np.ndarray, b: np.ndarray) -> tuple[float, str]:
@@ -211,6 +212,11 @@ def sign_change(x: np.ndarray, b: np.ndarray) -> tuple[float, str]:
     return float(x[i] + (x[i + 1] - x[i]) * fit[i] / (fit[i] - fit[i + 1])), ""
 
 
+CROSSOVER_NONE = {"M_star": math.nan, "log2_M_star": math.nan, "M_star_lo": math.nan, "M_star_hi": math.nan,
+                  "log2_se": math.nan, "in_range": False, "n_seeds": 0, "n_seeds_fit": 0, "p_sign": math.nan,
+                  "slope_first": math.nan, "slope_last": math.nan, "interval": "seed means", "seeds_failed": ""}
+
+
 def crossover_threshold(slopes: pd.DataFrame, level: float = 0.95, min_seeds: int = 3, alpha: float = 0.05,
                         min_m: int = 5) -> dict:
     """The anchor's task-diversity threshold (Raventós et al.; SPEC §11): M* where more data stops pulling the
@@ -223,15 +229,17 @@ def crossover_threshold(slopes: pd.DataFrame, level: float = 0.95, min_seeds: in
     it there is no M*, and `reason` says why: 'too few M' (< min_m distinct finite M with a pull), 'too few seeds'
     (< 2: no test), the crossing outside the grid (all seed-mean pulls of one sign), 'no significant sign change'.
     No interval (M* from the seed means) with < min_seeds seeds or when a seed's own pulls do not change sign.
+    No pull at all (`slopes` empty: Δ on new tasks not logged) is a reason too, not an error.
     slope_first, slope_last: the seed-mean pull at the smallest and the largest M."""
-    b = slopes[np.isfinite(slopes.slope) & (slopes.M != M_INF)].assign(x=lambda d: np.log2(d.M.astype(float)))
+    if not len(slopes):
+        return {**CROSSOVER_NONE, "reason": "no threshold: no pull (Δ on new tasks not logged)"}
+    b = slopes[np.isfinite(slopes.slope.astype(float)) & (slopes.M != M_INF)].assign(
+        x=lambda d: np.log2(d.M.astype(float)))
     seeds = sorted(b.seed.unique())
     mean = b.groupby("x").slope.mean()
-    out = {"M_star": math.nan, "log2_M_star": math.nan, "M_star_lo": math.nan, "M_star_hi": math.nan,
-           "log2_se": math.nan, "in_range": False, "n_seeds": len(seeds), "n_seeds_fit": 0, "p_sign": math.nan,
+    out = {**CROSSOVER_NONE, "n_seeds": len(seeds),
            "slope_first": float(mean.iloc[0]) if len(mean) else math.nan,
-           "slope_last": float(mean.iloc[-1]) if len(mean) else math.nan, "interval": "seed means",
-           "seeds_failed": ""}
+           "slope_last": float(mean.iloc[-1]) if len(mean) else math.nan}
     if len(mean) < min_m:
         return {**out, "reason": f"no threshold: too few M ({len(mean)} distinct finite M with a pull < {min_m})"}
     if len(seeds) < 2:
