@@ -85,8 +85,8 @@ def test_aggregate_outcomes_thresholds_tests_and_report(runs):
     assert o.integrated_pne.isna().all() and o.hessian_trace.isna().all()       # absent probes: null columns
     assert set(o.sequences) == {16000, 64000} and (o.ood_loss_ridge == 0.4).all()
     th = read_parquet(out / "thresholds.parquet").set_index(["batch", "method"])
-    assert len(th) == 4 and set(th.index.get_level_values("method")) == {"r50", "crossover"}
-    for method in ("r50", "crossover"):
+    assert len(th) == 6 and set(th.index.get_level_values("method")) == {"r50", "midpoint", "crossover"}
+    for method in ("r50", "midpoint", "crossover"):   # floor 0, ceiling 1: the midpoint is the r = 0.5 crossing
         t16, t64 = th.loc[(16, method)], th.loc[(64, method)]
         assert t16.M_star == pytest.approx(16, rel=0.25) and t64.M_star == pytest.approx(64, rel=0.25), method
         assert t16.M_star_lo <= 16 <= t16.M_star_hi, method
@@ -209,7 +209,8 @@ def test_runs_that_diverged_at_their_first_update_are_reported_not_crashed_on(ti
     o = read_parquet(out / "outcomes.parquet")
     assert o.diverged.all() and (o.t_crit == -1).all() and (o.steps == 0).all()
     th = read_parquet(out / "thresholds.parquet")
-    assert sorted(th.method) == ["crossover", "r50"] and (th.reason == "no threshold: every run diverged").all()
+    assert sorted(th.method) == ["crossover", "midpoint", "r50"]
+    assert (th.reason == "no threshold: every run diverged").all()
     assert not th.gates_passed.any() and th.gate_failures.str.contains("every run with finite M diverged").all()
     figures_cli(["--out-dir", str(tmp_path), *[str(d / "metrics.parquet") for d in dirs]])
     assert (tmp_path / "figures" / "fig01_ood_loss.png").exists()

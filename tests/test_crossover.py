@@ -20,7 +20,7 @@ from iclnoise.predictors import delta, dmmse, ridge
 from iclnoise.schedules import checkpoint_steps
 from iclnoise.sections import RunSpec
 from iclnoise.tasks import M_INF, eval_set, m_label, task_pool
-from iclnoise.thresholds import crossover_threshold, pull_slopes, sign_change
+from iclnoise.thresholds import crossover_threshold, crossover_windows, pull_slopes, sign_change
 
 DEFAULT_CK = np.array(checkpoint_steps(10_000, 12, 16)[1:]) * 16   # the default's batch-16 checkpoints
 SPARSE_CK = np.array(checkpoint_steps(10_000, 4, 4)[1:]) * 16      # 7 checkpoints, 3 in the late half
@@ -137,6 +137,26 @@ def test_crossover_reasons():
     assert np.isfinite(e["M_star"]) and e["n_seeds_fit"] == 4
     assert e["reason"] == "no interval: a seed's pull does not change sign (seed 4: pull toward dMMSE_M at every M " \
                           "(M* above the grid))"
+
+
+def test_a_crossover_that_depends_on_the_window_is_flagged():
+    """Issue 42: the estimate at the last ½, ⅔ and ⅓ of training; where the pull stops changing with data in the
+    last 40 % (d frozen there), the last third and the last half find no threshold while the last two thirds do
+    (measured, seed 5: last half p = 0.057, last two thirds M* 11.9, last third none): not window-consistent."""
+    rng = np.random.default_rng(5)
+    t = planted(rng, 3.5, G8)
+    e = crossover_windows(t)
+    assert e["window_consistent"] and e["reason"] == "" and np.isfinite(e["M_star_last_third"])
+    assert e["M_star"] == crossover_threshold(pull_slopes(t))["M_star"]
+    frozen = t.copy()
+    end = frozen.groupby(["M", "seed"]).sequences.transform("max")
+    late = frozen.sequences >= 0.6 * end
+    for c in ("ood_delta_ridge", "ood_delta_dmmse"):   # the last checkpoints repeat the one before them
+        first = frozen[late].groupby(["M", "seed"])[c].transform("first")
+        frozen.loc[late, c] = first * np.exp(0.05 * rng.standard_normal(late.sum()))
+    e = crossover_windows(frozen)
+    assert not e["window_consistent"] and e["window_detail"].startswith("last half: no significant sign change"), e
+    assert np.isfinite(e["M_star_last_two_thirds"]) and not np.isfinite(e["M_star_last_third"])
 
 
 def test_no_delta_logged_is_a_reason_not_a_crash():

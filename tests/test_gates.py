@@ -156,7 +156,7 @@ def test_h3_margin_is_half_the_manipulations_effect():
     assert h3.manipulation_ci_lo < 0.03 < h3.manipulation_ci_hi and h3.manipulation_ci_lo > 0.02
     assert h3.margin == pytest.approx(0.5 * h3.manipulation_effect) and 0.013 < h3.margin < 0.017
     assert h3.verdict.startswith(f"equivalent within ±{h3.margin:.2g} (Holm p") and h3.in_family
-    assert "0.5 × batch 16 − batch 64" in h3.test and h3.mde < h3.margin
+    assert "0.5 × |batch 16 − batch 64|" in h3.test and h3.mde < h3.margin
     t = hypothesis_tests(planted(np.random.default_rng(9), inj_shift=0.002, manipulation=0.0), DERIVED)
     h3 = t.set_index("hypothesis").loc["H3"]
     assert h3.verdict.startswith(f"inconclusive: {NO_MANIPULATION} (batch 16 − batch 64 = ")

@@ -338,3 +338,23 @@ def test_mixed_model_mde_matches_brute_force_power():
         return hits / n_sim
     lo, hi = power(0.8 * m, 1), power(1.2 * m, 2)
     assert lo < 0.8 < hi, (m, lo, hi)
+
+
+def test_midpoint_is_half_way_between_floor_and_ceiling_not_r_one_half():
+    """Issue 42: with a ceiling of 0.73 (the science reference's), r = 0.5 is at 69 % of the rise and sits above the
+    logistic's midpoint by s · log((0.5 − floor) / (ceiling − 0.5)); both are reported with intervals. Planted r50
+    at log2 M = 5 (floor 0, ceiling 0.73, s 0.8): midpoint at 5 − 0.8 · log(0.5 / 0.23) = 4.38."""
+    rng = np.random.default_rng(7)
+    df = planted_plateau_grid(rng, 4, 5.0, floor=0.0, ceiling=0.73, s=0.8, seed_sd=0.1, noise=0.01)
+    r50, mid = threshold_with_ci(df), threshold_with_ci(df, point="midpoint")
+    x_mid = 5.0 - 0.8 * np.log(0.5 / 0.23)
+    assert r50["reason"] == mid["reason"] == ""
+    assert np.log2(r50["M_star"]) == pytest.approx(5.0, abs=0.15) and np.log2(mid["M_star"]) == pytest.approx(
+        x_mid, abs=0.15)
+    assert mid["M_star_lo"] <= 2 ** x_mid <= mid["M_star_hi"] and r50["M_star_lo"] <= 32 <= r50["M_star_hi"]
+    assert (0.5 - mid["floor"]) / (mid["ceiling"] - mid["floor"]) == pytest.approx(0.69, abs=0.03)
+    # a curve that never reaches 0.5 has no r50 but does have a midpoint
+    low = pd.DataFrame([{"M": 2 ** x, "seed": k, "r": logistic4(x, 0.0, 0.45, 5.0, 0.8) + 0.01 * rng.standard_normal()}
+                        for x in range(13) for k in range(4)])
+    assert threshold_with_ci(low)["reason"].startswith("no threshold: r does not cross 0.5")
+    assert threshold_with_ci(low, point="midpoint")["reason"] == ""

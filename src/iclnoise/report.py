@@ -56,6 +56,8 @@ LIMITS = [
     ("threshold fit", "an r = 0.5 threshold could not be fitted everywhere ({detail})"),
     ("crossover fit", "the crossover threshold (where more data stops pulling toward dMMSE_M) could not be "
                       "estimated everywhere ({detail})"),
+    ("crossover window", "whether the crossover exists depends on which late part of training the pull is read over "
+                         "({detail}): the crossover threshold is not robust there"),
     ("LLC diagnostics", "too many LLC estimates are unreliable ({detail})"),
     (NO_MANIPULATION, "H3 needs a noise manipulation that moves r ({detail}): equivalence of two noise sources "
                       "carries no information where the noise they emulate has no measurable effect"),
@@ -89,9 +91,10 @@ def what_this_run_shows(th, tests, convergence: dict | None = None) -> list[str]
         lines += [f"Convergence (final OOD loss of the M = ∞ runs over ridge's, worst seed): {', '.join(parts)}; "
                   + ("every condition converged." if ok else "not every condition converged (see below)."), ""]
     if th is not None and len(th):
-        lines += ["Task-diversity threshold M* by two methods (95 % t-intervals over seeds): r50, where ridge-likeness "
-                  "r crosses 0.5; crossover (Raventós et al.), where more data (late training) stops pulling the "
-                  "model toward dMMSE_M and pulls it toward ridge on new tasks:", ""]
+        lines += ["Task-diversity threshold M* by three methods (95 % t-intervals over seeds): r50, where "
+                  "ridge-likeness r crosses 0.5; midpoint, half-way between the fitted logistic's floor and ceiling "
+                  "(the same point only when floor + ceiling = 1); crossover (Raventós et al.), where more data (late "
+                  "training) stops pulling the model toward dMMSE_M and pulls it toward ridge on new tasks:", ""]
         lines += [f"- {_threshold_sentence(t)}." for t in th.itertuples()] + [""]
     if tests is not None and len(tests):
         lines += ["Hypotheses (each verdict follows its Holm-adjusted test and passes its validity gates, "

@@ -123,9 +123,26 @@ def fit_threshold(M: np.ndarray, r: np.ndarray, alpha: float | None = 0.05) -> d
     return {**out, "reason": reason}
 
 
-def threshold_with_ci(df: pd.DataFrame, level: float = 0.95, min_seeds: int = 3, alpha: float = 0.05) -> dict:
+def midpoint(fit: dict, grid: np.ndarray) -> dict:
+    """The logistic midpoint of a fit_threshold result: M at half-way between the fitted floor and ceiling
+    (log2 M = x0), which is where r = 0.5 only when floor + ceiling = 1; with the default's ceiling ≈ 0.73, r = 0.5
+    lies at 69 % of the rise. Same reasons as the fit, except those about crossing r = 0.5; 'midpoint outside the
+    grid' when x0 is (`grid`: the log2 M of the fit's points)."""
+    reason = "" if fit["reason"].startswith(("r does not cross 0.5", "crossing outside the grid")) else fit["reason"]
+    x0 = fit["x0"]
+    if not reason and not (np.isfinite(x0) and grid.min() <= x0 <= grid.max()):
+        reason = f"midpoint outside the grid (extrapolated M = {2.0 ** x0:.3g})"
+    ok = not reason
+    return {**fit, "log2_M_star": x0 if ok else math.nan, "M_star": 2.0 ** x0 if ok else math.nan, "in_range": ok,
+            "reason": reason}
+
+
+def threshold_with_ci(df: pd.DataFrame, level: float = 0.95, min_seeds: int = 3, alpha: float = 0.05,
+                      point: str = "r50") -> dict:
     """M* of one condition with a t-interval over seeds: log2 M* is fitted per seed and the interval is
-    mean ± t_{n−1} · sd / √n of those n per-seed values (M* reported as 2^mean, the geometric mean).
+    mean ± t_{n−1} · sd / √n of those n per-seed values (M* reported as 2^mean, the geometric mean). `point`:
+    'r50', where the fitted r crosses 0.5, or 'midpoint', half-way between the fitted floor and ceiling
+    (`midpoint`); both from the same fits.
 
     Seeds differ in their own thresholds, so the seed is the unit of replication; a percentile bootstrap over
     2-10 seeds under-covers (50-84 % at nominal 95 %, issue 17). Measured coverage on planted grids with
@@ -140,9 +157,16 @@ def threshold_with_ci(df: pd.DataFrame, level: float = 0.95, min_seeds: int = 3,
     only locate each seed's crossing and keep every other check: on a 5-M grid a per-seed F-test has 3 and 1
     degrees of freedom (critical F 216 at 0.05), so it withheld intervals from curves that plainly rise
     (the default's batch 64 seeds: r 0.00 → 0.54 monotone, p 0.05-0.14)."""
-    pooled = fit_threshold(df.M.to_numpy(), df.r.to_numpy(), alpha)
+    if point not in ("r50", "midpoint"):
+        raise ValueError(f"threshold point {point!r}: allowed r50, midpoint")
+    grid = np.log2(df.M[(df.M != M_INF) & (df.M > 0)].to_numpy(float))
+
+    def fit(g, a):
+        f = fit_threshold(g.M.to_numpy(), g.r.to_numpy(), a)
+        return midpoint(f, grid) if point == "midpoint" else f
+    pooled = fit(df, alpha)
     seeds = sorted(df.seed.unique())
-    per = {s: fit_threshold(g.M.to_numpy(), g.r.to_numpy(), None) for s, g in df.groupby("seed")}
+    per = {s: fit(g, None) for s, g in df.groupby("seed")}
     failed = {s: f["reason"] for s, f in per.items() if f["reason"]}
     out = {**pooled, "M_star_lo": math.nan, "M_star_hi": math.nan, "log2_se": math.nan, "n_seeds": len(seeds),
            "n_seeds_fit": len(per) - len(failed), "interval": "pooled fit",
@@ -271,6 +295,30 @@ def crossover_threshold(slopes: pd.DataFrame, level: float = 0.95, min_seeds: in
     return {**out, "M_star": 2.0 ** m, "log2_M_star": m, "M_star_lo": 2.0 ** (m - tq * se),
             "M_star_hi": 2.0 ** (m + tq * se), "log2_se": se, "interval": f"t-interval over {k} per-seed crossings",
             "reason": ""}
+
+
+WINDOWS = {"last_half": 0.5, "last_two_thirds": 1 / 3, "last_third": 2 / 3}   # pull window: S ≥ late · S_end
+
+
+def crossover_windows(traj: pd.DataFrame, **at) -> dict:
+    """crossover_threshold with the pull read over the last ½ (the estimate), ⅔ and ⅓ of training (WINDOWS), and
+    whether the conclusion (a threshold inside the grid, or none) is the same in every window with enough late
+    checkpoints for a pull: `window_detail` says where it is not. Keys: crossover_threshold's of the last half,
+    M_star[_lo, _hi]_<window> for the other two, `window_consistent` and `window_detail`."""
+    est = {w: crossover_threshold(pull_slopes(traj, late), **at) for w, late in WINDOWS.items()}
+    out = dict(est["last_half"])
+    for w in ("last_two_thirds", "last_third"):
+        out.update({f"M_star_{w}": est[w]["M_star"], f"M_star_lo_{w}": est[w]["M_star_lo"],
+                    f"M_star_hi_{w}": est[w]["M_star_hi"]})
+    found = {w: not e["reason"].startswith("no threshold") for w, e in est.items()}
+    readable = [found[w] for w, e in est.items()   # a window too short for a pull (< 3 checkpoints) says nothing
+                if not e["reason"].startswith(("no threshold: too few M", "no threshold: no pull"))]
+    out["window_consistent"] = len(set(readable)) <= 1
+    said = {w: f"M* {e['M_star']:.3g}" if found[w] else e["reason"].removeprefix("no threshold: ")
+            for w, e in est.items()}
+    out["window_detail"] = "" if out["window_consistent"] else ", ".join(
+        f"{w.replace('_', ' ')}: {v}" for w, v in said.items())
+    return out
 
 
 def transient_ridge_window(metrics: pd.DataFrame, rel_tol: float = 0.05) -> dict:

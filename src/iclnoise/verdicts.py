@@ -349,7 +349,7 @@ def h3_rows(every: pd.DataFrame, fin: pd.DataFrame, cfg: Stats, conv: pd.DataFra
         margin = (cfg.equivalence_margin if fixed
                   else cfg.equivalence_fraction * abs(man["estimate"]) if man is not None else math.nan)
         res = stats.paired_tost(pairs.r_a.to_numpy(), pairs.r_b.to_numpy(), margin if margin > 0 else 0.0, alpha)
-        stated = "stated" if fixed else f"{cfg.equivalence_fraction:g} × batch {b} − batch {B}"
+        stated = "stated" if fixed else f"{cfg.equivalence_fraction:g} × |batch {b} − batch {B}|"
         rows.append(_row("H3", f"paired TOST (margin ±{margin:.2g}: {stated}), equal {'steps' if at_steps else 'data'}",
                          "r", f"batch {b} − {cond}", **{**res, "margin": margin}, **effect, fails=fails,
                          power="could show ±{mde:.2g} at 80 % power",
