@@ -135,8 +135,8 @@ def paper(argv: list[str]) -> None:
         if a.update_aggregate:
             from ..config import load_params
             from ..paper import update_aggregate
-            stats = load_params(a.stats_from)["stats"] if a.stats_from else None
-            print(f"{ref.name}: aggregate rerun; changed: {', '.join(update_aggregate(ref, stats)) or 'nothing'}")
+            params = load_params(a.stats_from) if a.stats_from else None
+            print(f"{ref.name}: aggregate rerun; changed: {', '.join(update_aggregate(ref, params)) or 'nothing'}")
         t0 = time.perf_counter()
         pngs = run(ref, Path(a.out) / ref.name)
         if a.update_aggregate:   # the set's report follows its aggregate
