@@ -16,7 +16,8 @@ from iclnoise.io import read_parquet, write_json, write_parquet
 from iclnoise.llc import LLC_SCHEMA
 from iclnoise.thresholds import logistic
 
-STATS = json.dumps({"stats": {"alpha": 0.05, "equivalence_margin": 0.05, "transient_tol": 0.05}})  # params.yaml
+STATS = json.dumps({"stats": {"alpha": 0.05, "equivalence_fraction": 0.5, "equivalence_margin": None,
+                              "transient_tol": 0.05}})  # params.yaml
 
 PARAMS = load_params("params.yaml")
 
@@ -84,8 +85,8 @@ def test_aggregate_outcomes_thresholds_tests_and_report(runs):
     assert o.integrated_pne.isna().all() and o.hessian_trace.isna().all()       # absent probes: null columns
     assert set(o.sequences) == {16000, 64000} and (o.ood_loss_ridge == 0.4).all()
     th = read_parquet(out / "thresholds.parquet").set_index(["batch", "method"])
-    assert len(th) == 4 and set(th.index.get_level_values("method")) == {"r50", "crossover"}
-    for method in ("r50", "crossover"):
+    assert len(th) == 6 and set(th.index.get_level_values("method")) == {"r50", "midpoint", "crossover"}
+    for method in ("r50", "midpoint", "crossover"):   # floor 0, ceiling 1: the midpoint is the r = 0.5 crossing
         t16, t64 = th.loc[(16, method)], th.loc[(64, method)]
         assert t16.M_star == pytest.approx(16, rel=0.25) and t64.M_star == pytest.approx(64, rel=0.25), method
         assert t16.M_star_lo <= 16 <= t16.M_star_hi, method
@@ -208,7 +209,8 @@ def test_runs_that_diverged_at_their_first_update_are_reported_not_crashed_on(ti
     o = read_parquet(out / "outcomes.parquet")
     assert o.diverged.all() and (o.t_crit == -1).all() and (o.steps == 0).all()
     th = read_parquet(out / "thresholds.parquet")
-    assert sorted(th.method) == ["crossover", "r50"] and (th.reason == "no threshold: every run diverged").all()
+    assert sorted(th.method) == ["crossover", "midpoint", "r50"]
+    assert (th.reason == "no threshold: every run diverged").all()
     assert not th.gates_passed.any() and th.gate_failures.str.contains("every run with finite M diverged").all()
     figures_cli(["--out-dir", str(tmp_path), *[str(d / "metrics.parquet") for d in dirs]])
     assert (tmp_path / "figures" / "fig01_ood_loss.png").exists()
@@ -263,8 +265,8 @@ def test_an_arm_run_at_one_m_is_judged_converged_by_the_batch_noise_runs_at_its_
 
     arms = out(1.05)[lambda d: d.noise != "none"]
     assert _gate_convergence(arms, convergence(out(1.05))) == []
-    assert _gate_convergence(arms, convergence(out(1.3))) == [
-        "unconverged (early/B64: no M = ∞ run; batch noise's at batch 64 1.30× ridge's, "
-        "late/B64: no M = ∞ run; batch noise's at batch 64 1.30× ridge's)"]
+    assert _gate_convergence(arms, convergence(out(1.3))) == [   # a record: (code, detail)
+        ("unconverged", "early/B64: no M = ∞ run; batch noise's at batch 64 1.30× ridge's, "
+                        "late/B64: no M = ∞ run; batch noise's at batch 64 1.30× ridge's")]
     alone = out(1.05)[lambda d: d.noise != "none"]
-    assert "nor batch-noise M = ∞ runs at batch 64" in _gate_convergence(alone, convergence(alone))[0]
+    assert "nor batch-noise M = ∞ runs at batch 64" in _gate_convergence(alone, convergence(alone))[0][1]

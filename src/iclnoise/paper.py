@@ -84,14 +84,20 @@ def export(results: Path, out: Path, params: dict, workdir: Path) -> dict:
     return prov
 
 
-def update_aggregate(reference: Path) -> list[str]:
+def update_aggregate(reference: Path, stats_from: dict | None = None) -> list[str]:
     """Rerun a reference set's aggregate from its per-run tables with this code and write it into the set (after a
-    change of the aggregate's columns or gates: the runs are not retrained). provenance.json records the commit
-    that aggregated them and the new sha256 of every file. Returns the tables that changed."""
+    change of the aggregate's columns or gates: the runs are not retrained). `stats_from`: params whose stats section
+    to aggregate with (e.g. params.yaml after a new stats key; it trains nothing), recorded in provenance.json's
+    params; None: the set's own. provenance.json records the commit that aggregated them and the new sha256 of every
+    file. Returns the tables that changed."""
+    import dataclasses
+
     from .aggregate import aggregate
     from .config import typed
 
     prov = read_json(reference / "provenance.json")
+    if stats_from is not None:
+        prov["params"] = {**prov["params"], "stats": dataclasses.asdict(typed(stats_from, "stats"))}
     tmp = reference.with_name(reference.name + ".aggregate.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     aggregate(sorted(p for p in (reference / "runs").iterdir() if (p / "metrics.parquet").exists()), tmp,

@@ -11,7 +11,7 @@ import yaml
 
 from . import __version__
 from .io import read_parquet
-from .verdicts import GATES, _cond, convergence
+from .verdicts import GATES, NO_MANIPULATION, _cond, convergence
 
 FIGURES = [
     ("fig01_ood_loss", "1. OOD loss over training per M (t_crit circles; dotted: dMMSE_M, dashed: ridge)"),
@@ -57,7 +57,11 @@ LIMITS = [
     ("threshold fit", "an r = 0.5 threshold could not be fitted everywhere ({detail})"),
     ("crossover fit", "the crossover threshold (where more data stops pulling toward dMMSE_M) could not be "
                       "estimated everywhere ({detail})"),
+    ("crossover window", "whether the crossover exists depends on which late part of training the pull is read over "
+                         "({detail}): the crossover threshold is not robust there"),
     ("LLC diagnostics", "too many LLC estimates are unreliable ({detail})"),
+    (NO_MANIPULATION, "H3 needs a noise manipulation that moves r ({detail}): equivalence of two noise sources "
+                      "carries no information where the noise they emulate has no measurable effect"),
 ]
 
 
@@ -111,9 +115,10 @@ def what_this_run_shows(th, tests, conv=None) -> list[str]:
                   + ("not every condition converged (see below)." if bad else "every condition converged."), ""]
         failures += [f"unconverged ({', '.join(bad)})"] if bad else []
     if th is not None and len(th):
-        lines += ["Task-diversity threshold M* by two methods (95 % t-intervals over seeds): r50, where ridge-likeness "
-                  "r crosses 0.5; crossover (Raventós et al.), where more data (late training) stops pulling the "
-                  "model toward dMMSE_M and pulls it toward ridge on new tasks:", ""]
+        lines += ["Task-diversity threshold M* by three methods (95 % t-intervals over seeds): r50, where "
+                  "ridge-likeness r crosses 0.5; midpoint, half-way between the fitted logistic's floor and ceiling "
+                  "(the same point only when floor + ceiling = 1); crossover (Raventós et al.), where more data (late "
+                  "training) stops pulling the model toward dMMSE_M and pulls it toward ridge on new tasks:", ""]
         lines += [f"- {_threshold_sentence(t)}." for t in th.itertuples()] + [""]
     elif th is not None:
         lines += ["No task-diversity threshold M*: the grid has no run at a finite M.", ""]
@@ -171,6 +176,40 @@ def exposure_section(results: Path) -> list[str]:
             *rows, ""]
 
 
+def _verdict_line(t) -> str:
+    """One test row in words: estimate, CI, effect size, the mde of its design, H3's margin beside the
+    manipulation's effect, and the verdict."""
+    if t.status != "run":
+        return f"- **{t.hypothesis}** — {t.test}, {t.outcome}: {t.status}."
+    nan = float("nan")
+    mde, margin, man = (getattr(t, k, nan) for k in ("mde", "margin", "manipulation_effect"))
+    power = f", mde (80 % power) {mde:.2g}" if mde == mde else ""
+    beside = ""
+    if margin == margin or man == man:
+        beside = (f"; margin ±{margin:.2g} beside the noise manipulation's effect "
+                  + (f"{man:+.3g} [{t.manipulation_ci_lo:+.3g}, {t.manipulation_ci_hi:+.3g}]" if man == man
+                     else "(not measured)"))
+    gates = " (all validity gates passed)" if t.gates_passed else ""
+    return (f"- **{t.hypothesis}** — {t.test}, {t.outcome}: estimate {t.estimate:.3g} [{t.ci_lo:.3g}, {t.ci_hi:.3g}], "
+            f"effect size {t.effect_size:.3g}{power}, n = {t.n}{beside}. {t.verdict}{gates}.")
+
+
+def verdict_section(tests) -> list[str]:
+    """'Hypothesis verdicts': every test row in words (_verdict_line) and the Holm family (tests.in_family)."""
+    lines = ["## Hypothesis verdicts", "",
+             "Effect sizes with 95 % CIs (H3: the TOST's 90 % CI); p-values Holm-adjusted across the family of tests "
+             "that ran and passed their validity gates, and every verdict follows the Holm-adjusted decision; a "
+             "null states the minimum detectable effect (mde) of its design at 80 % power. A verdict whose validity "
+             "gates fail reads 'inconclusive'; a test that could not run says why.", ""]
+    lines += [_verdict_line(t) for t in tests.itertuples()] + [""]
+    if "in_family" in tests:
+        fam = tests[tests.in_family.fillna(False).astype(bool)]
+        lines += [f"Holm family ({len(fam)} tests): "
+                  + ("; ".join(f"{t.hypothesis} {t.test} [{t.outcome}{', ' + t.term if t.term else ''}]"
+                               for t in fam.itertuples()) or "none") + ".", ""]
+    return lines
+
+
 def build(results: Path, params: dict, root: Path) -> str:
     """The text of report.md from the aggregate tables and figures under `results`, ending with `params` (the
     resolved parameters); the code version is that of the checkout at `root`."""
@@ -183,19 +222,7 @@ def build(results: Path, params: dict, root: Path) -> str:
     if th is not None or tests is not None:
         lines += what_this_run_shows(th, tests, conv)
     if tests is not None:
-        lines += ["## Hypothesis verdicts", "",
-                  "Effect sizes with 95 % CIs; p-values Holm-adjusted across the family, and every verdict "
-                  "follows the Holm-adjusted decision. A verdict whose validity gates fail reads 'inconclusive'; "
-                  "a test that could not run says why.", ""]
-        for _, t in tests.iterrows():
-            if t.status == "run":
-                gates = " (all validity gates passed)" if t.gates_passed else ""
-                lines.append(f"- **{t.hypothesis}** — {t.test}, {t.outcome}: estimate {t.estimate:.3g} "
-                             f"[{t.ci_lo:.3g}, {t.ci_hi:.3g}], effect size {t.effect_size:.3g}, n = {t.n}. "
-                             f"{t.verdict}{gates}.")
-            else:
-                lines.append(f"- **{t.hypothesis}** — {t.test}, {t.outcome}: {t.status}.")
-        lines.append("")
+        lines += verdict_section(tests)
     lines += exposure_section(results)
     lines += ["## Figures", ""]
     for stem, caption in FIGURES:

@@ -120,10 +120,13 @@ class Exposure(Section):
 
 @dataclass(frozen=True)
 class Stats(Section):
-    """stats: test level, H3 equivalence margin, transient tolerance (the gates: iclnoise.verdicts.GATES)."""
+    """stats: test level, H3's equivalence margin (equivalence_margin None: equivalence_fraction × the noise
+    manipulation's measured effect, iclnoise.verdicts.h3_rows), transient tolerance (the gates:
+    iclnoise.verdicts.GATES)."""
     SECTION: ClassVar[str] = "stats"
     alpha: float
-    equivalence_margin: float
+    equivalence_fraction: float
+    equivalence_margin: float | None
     transient_tol: float
 
 

@@ -127,11 +127,16 @@ def paper(argv: list[str]) -> None:
     ap.add_argument("--update-aggregate", action="store_true",
                     help="first rerun each set's aggregate with this code and write it into the set (after a change "
                          "of the aggregate; the runs are not retrained)")
+    ap.add_argument("--stats-from", metavar="PARAMS",
+                    help="with --update-aggregate: aggregate with this params file's stats section (e.g. params.yaml "
+                         "after a new stats key), recorded in the set's provenance.json; default: the set's own")
     a = ap.parse_args(argv)
     for ref in map(Path, a.references):
         if a.update_aggregate:
+            from ..config import load_params
             from ..paper import update_aggregate
-            print(f"{ref.name}: aggregate rerun; changed: {', '.join(update_aggregate(ref)) or 'nothing'}")
+            params = load_params(a.stats_from) if a.stats_from else None
+            print(f"{ref.name}: aggregate rerun; changed: {', '.join(update_aggregate(ref, params)) or 'nothing'}")
         t0 = time.perf_counter()
         pngs = run(ref, Path(a.out) / ref.name)
         if a.update_aggregate:   # the set's report follows its aggregate
