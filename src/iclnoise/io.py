@@ -103,7 +103,8 @@ def write_parquet(df: pd.DataFrame, path: str | os.PathLike, schema: pa.Schema, 
     missing = set(schema.names) - set(df.columns)
     if extra or missing:
         raise ValueError(f"{path}: columns do not match schema (extra={sorted(extra)}, missing={sorted(missing)})")
-    table = pa.Table.from_pandas(df[schema.names], schema=schema, preserve_index=False)
+    table = (pa.Table.from_pandas(df[schema.names], schema=schema, preserve_index=False) if len(df)
+             else schema.empty_table())   # an empty frame's columns carry no type (a list column reads as float64)
     meta = {**(table.schema.metadata or {}), **{k.encode(): v.encode() for k, v in provenance(spec_hash).items()}}
     table = table.replace_schema_metadata(meta)
     final, tmp = atomic_path(path)
