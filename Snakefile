@@ -1,6 +1,7 @@
 # Snakemake entry point. params.yaml is the single source of truth; it is validated here, at
 # parse time, so a bad value stops the workflow before any job starts. Rules stay thin: each
 # calls one `iclnoise <command>`; the package never imports Snakemake.
+import hashlib
 import json
 import shlex
 from pathlib import Path
@@ -10,6 +11,7 @@ from snakemake.utils import min_version
 from iclnoise.config import ParamsError, check_yaml_files, run_options, switch, validate_params
 from iclnoise.cost import check_cost, format_cost
 from iclnoise.grid import ed_families, ensemble_groups, expand_grid, parse_run_id, refined_covers, shared_spec
+from iclnoise.runs import missing_checkpoints
 
 min_version("9.0")
 
@@ -38,6 +40,7 @@ RES = "results"
 wildcard_constraints:
     run=r"M(inf|\d+)-B\d+-[a-z0-9_]+-s\d+",
     family=r"(bym|bynoise)-[A-Za-z0-9_-]+",
+    tag=r"[0-9a-f]{12}",
 
 
 include: "workflow/rules/common.smk"
@@ -55,6 +58,7 @@ rule all:
     """Every artifact: each run's training and probe outputs, essential dynamics, figures, aggregate, report."""
     input:
         [f for r in RUNS for f in train_outputs(r)],
+        list(CKPT_MISSING.values()),
         [f for r in RUNS for f in probe_outputs(r, probe_sections(r))],
         expand(rules.ed.output, family=list(ED_FAMILIES)),
         expand(rules.ed_figures.output, family=list(ED_FAMILIES)),

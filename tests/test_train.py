@@ -476,3 +476,53 @@ def test_a_rolled_back_member_resumes_with_its_ensemble_or_is_refused(tiny, tmp_
                                           f"\\({RUNS[0]}, {RUNS[2]} keep no state .*rolled back or replaced"):
         train_ensemble(specs, dirs, progress=False)
     assert files(tmp_path / "again") == before
+
+
+def test_a_second_trainer_is_refused_naming_the_first_and_a_killed_one_frees_the_run(tiny, tmp_path):
+    """Issue 48 (13): while an `iclnoise train` process trains a run (e.g. left running by a killed snakemake), a
+    second trainer of it is refused, naming the first's pid, and writes nothing; once the first is killed the run
+    trains (the kernel drops a dead process's lock)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    p = copy.deepcopy(tiny)
+    p["train"]["budget"]["steps"] = 2000
+    p["train"]["checkpoints"] = {"linear": 400, "log": 0}
+    spec = run_spec(p, RUNS[0])
+    rd = tmp_path / "run"
+    first = subprocess.Popen([str(Path(sys.executable).parent / "iclnoise"), "train", "--spec", json.dumps(spec),
+                              "--run-dir", str(rd), "--no-progress"], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while not (rd / "resume.pt").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        assert first.poll() is None, "the first trainer ended before the test"
+        with pytest.raises(RunDirError, match=f"{rd} is being trained by another process \\(pid {first.pid},"):
+            train_ensemble([spec], [rd], progress=False, stop_after=5)
+    finally:
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+    assert train_ensemble([spec], [rd], progress=False, stop_after=5) == [None]
+
+
+def test_a_deleted_checkpoint_is_named_and_its_run_trained_again_to_the_same_bytes(tiny, tmp_path, capsys, caplog):
+    """Issue 48 (15): `iclnoise verify` names a checkpoint that checkpoints.json lists and the disk lacks (exit 1);
+    training the run again (what its job does once the DAG plans it) writes it back, byte for byte."""
+    from iclnoise.commands.runs import verify
+
+    rd = tmp_path / "results/runs" / RUNS[0]
+    train_run(run_spec(tiny, RUNS[0]), rd, progress=False)
+    man = manifest(rd)
+    gone = checkpoint_path(rd, sorted(man)[2])
+    gone.unlink()
+    with pytest.raises(SystemExit) as e:
+        verify([str(tmp_path / "results")])
+    assert e.value.code == 1 and f"{gone}: listed in {rd / 'checkpoints.json'}, missing" in capsys.readouterr().out
+    with caplog.at_level("WARNING", logger="iclnoise.train"):
+        train_run(run_spec(tiny, RUNS[0]), rd, progress=False)
+    assert f"checkpoints {gone} are missing" in caplog.text
+    assert manifest(rd) == man and sha256(gone) == man[sorted(man)[2]]

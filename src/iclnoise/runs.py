@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .io import file_mode, read_json, write_bytes
+from .io import CorruptFileError, file_mode, read_json, write_bytes
 from .sections import RunSpec
 from .tasks import BatchSampler, pool_for
 
@@ -111,7 +111,7 @@ def clear_run_dir(run_dir: str | Path) -> None:
                 name = name[1:].rsplit(".", 2)[0]
             if named(name) and (p.is_file() or p.is_symlink()):  # a link is removed, never what it points to
                 p.unlink()
-            elif p.name != LOCK and p != rd / CKPT_DIR:
+            elif p.name != LOCK and p != rd / CKPT_DIR and not p.name.startswith("checkpoints.missing."):  # Snakemake's
                 log.warning("%s: not written by the pipeline, kept", p)
     if (rd / CKPT_DIR).is_dir() and not any((rd / CKPT_DIR).iterdir()):
         (rd / CKPT_DIR).rmdir()
@@ -169,6 +169,16 @@ def manifest(run_dir: str | Path) -> dict[int, str]:
     naming the file and what to do, when it is truncated or corrupt)."""
     p = Path(run_dir) / MANIFEST
     return {int(k): v for k, v in read_json(p).items()} if p.exists() else {}
+
+
+def missing_checkpoints(run_dir: str | Path, steps: set[int] = frozenset()) -> list[Path]:
+    """The analysis checkpoints that the run's manifest (a corrupt one counts as none), or `steps`, list and that
+    are not on disk: no probe can use the run until its training job trains it again."""
+    try:
+        listed = set(manifest(run_dir)) | set(steps)
+    except CorruptFileError:
+        listed = set(steps)
+    return [checkpoint_path(run_dir, s) for s in sorted(listed) if not checkpoint_path(run_dir, s).exists()]
 
 
 def checkpoint_steps(run_dir: str | Path) -> list[int]:

@@ -36,7 +36,17 @@ from .ensemble import RESUME, RESUME_PREV, Ensemble, Member
 from .evaluate import METRICS_SCHEMA, TOKEN_SCHEMA, root_preds_schema
 from .grid import spec_hash
 from .io import CorruptFileError, repair_advice, write_json, write_parquet
-from .runs import CKPT_DIR, MANIFEST, CorruptFile, ForeignFile, clear_run_dir, load_torch, lock_run_dir, read_spec
+from .runs import (
+    CKPT_DIR,
+    MANIFEST,
+    CorruptFile,
+    ForeignFile,
+    clear_run_dir,
+    load_torch,
+    lock_run_dir,
+    missing_checkpoints,
+    read_spec,
+)
 from .sections import RunSpec
 
 log = logging.getLogger(__name__)
@@ -84,9 +94,10 @@ def _memory_check(specs: list[RunSpec], device: torch.device) -> None:
 
 
 def _resume_states(m: Member) -> list[tuple[Path, dict]]:
-    """The run's readable resume states whose spec hash matches, newest first; a changed spec clears the run
-    directory (clear_run_dir). A corrupt run.json stops here (CorruptFileError, naming it and what to do) and deletes
-    nothing: it is not a changed spec. A state holding foreign objects stops here too (ForeignFile)."""
+    """The run's readable resume states whose spec hash matches, newest first. A changed spec, or an analysis
+    checkpoint gone from disk (only training writes it again), clears the run directory (clear_run_dir). A corrupt
+    run.json stops here (CorruptFileError, naming it and what to do) and deletes nothing: it is not a changed spec.
+    A state holding foreign objects stops here too (ForeignFile)."""
     rd = m.run_dir
     old = rd / "run.json"
     if old.exists():
@@ -114,6 +125,12 @@ def _resume_states(m: Member) -> list[tuple[Path, dict]]:
             log.warning("%s: %s is not a resume state of this run's spec; not resuming from it", m.run_id, path)
             continue
         out.append((path, {"commit": state["step"], "cohort": None, **state}))  # states before commits: their step
+    gone = missing_checkpoints(rd, {s for _, st in out for s in st["manifest"]})
+    if gone:
+        log.warning("%s: checkpoints %s are missing: removing the run's files and training it again from step 0",
+                    m.run_id, ", ".join(map(str, gone)))
+        clear_run_dir(rd)
+        return []
     return out
 
 

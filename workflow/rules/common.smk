@@ -46,6 +46,24 @@ def figure(stem, caption, category, subcategory=None):
 
 
 
+def missing_marker(run):
+    """The marker of a run whose checkpoints.json lists a checkpoint gone from disk (train.smk), None for the others;
+    its name changes whenever checkpoints.json is written again, so a marker left behind never hides a later loss."""
+    d = Path(RES) / "runs" / run
+    gone = missing_checkpoints(d)
+    if not gone:
+        return None
+    key = f"{(d / 'checkpoints.json').stat().st_mtime_ns} {' '.join(map(str, gone))}"
+    return f"{d}/checkpoints.missing.{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+CKPT_MISSING = {r: m for r in RUNS if (m := missing_marker(r))}  # rule `all` asks for these markers
+if workflow.is_main_process:
+    for _r in CKPT_MISSING:
+        _gone = ", ".join(map(str, missing_checkpoints(f"{RES}/runs/{_r}")))
+        logger.warning(f"{_r}: checkpoints {_gone} are missing: its training job trains the run again")
+
+
 def train_outputs(run):
     keys = parse_run_id(run)
     cond = PARAMS["noise"]["conditions"][keys.noise]

@@ -68,9 +68,11 @@ def check(argv: list[str]) -> None:
 
 
 def verify(argv: list[str]) -> None:
-    """Read every Parquet and JSON file under a results directory; name each unreadable one and what to do
-    (exit 1). scripts/dvc-snakemake.sh runs it last, so `dvc repro` never records a corrupt table."""
+    """Read every Parquet and JSON file under a results directory, and check that every checkpoint a run's
+    checkpoints.json lists is on disk; name each unreadable or missing file and what to do (exit 1).
+    scripts/dvc-snakemake.sh runs it last, so `dvc repro` never records a corrupt table."""
     from ..io import CorruptFileError, read_json, read_parquet
+    from ..runs import MANIFEST, missing_checkpoints
 
     ap = argparse.ArgumentParser(prog="iclnoise verify", description=verify.__doc__)
     ap.add_argument("dir", nargs="?", default="results")
@@ -84,8 +86,12 @@ def verify(argv: list[str]) -> None:
             read_parquet(f) if f.suffix == ".parquet" else read_json(f)
         except CorruptFileError as e:
             bad.append(str(e))
+            continue
+        if f.name == MANIFEST:
+            bad += [f"{c}: listed in {f}, missing; rerun snakemake: the run's training job trains it again (and its "
+                    f"probes after it)" for c in missing_checkpoints(f.parent)]
     for line in bad:
         print(line)
-    print(f"{a.dir}: {n} tables read, {len(bad)} unreadable")
+    print(f"{a.dir}: {n} tables read, {len(bad)} unreadable or missing")
     if bad:
         raise SystemExit(1)
