@@ -9,8 +9,10 @@ from pathlib import Path
 from snakemake.utils import min_version
 
 from iclnoise.config import ParamsError, check_yaml_files, run_options, switch, validate_params
-from iclnoise.cost import check_cost, format_cost
-from iclnoise.grid import ed_families, ensemble_groups, expand_grid, parse_run_id, refined_covers, shared_spec
+from iclnoise.cost import PARAMS_RECORD, check_cost, format_cost, rerun_note
+from iclnoise.io import write_json
+from iclnoise.grid import ed_families, ensemble_groups, expand_grid, job_cfg, parse_run_id, refined_covers, shared_spec
+from iclnoise.grid import probe_sections as probe_sections_of
 from iclnoise.runs import missing_checkpoints
 
 min_version("9.0")
@@ -31,6 +33,8 @@ except ParamsError as err:
     raise WorkflowError(f"{' + '.join(['params.yaml', *map(str, workflow.configfiles)])}: {err}") from None
 if COST:
     logger.info(f"grid: {format_cost(COST)}")
+    if rerun_note(PARAMS, "results"):
+        logger.info(rerun_note(PARAMS, "results"))
 
 RUNS = [k.run_id for k in expand_grid(PARAMS)]
 GROUPS = ensemble_groups(PARAMS)
@@ -69,3 +73,7 @@ rule all:
         rules.aggregate_figures.output,
         rules.report.output,
     default_target: True
+
+
+onsuccess:
+    write_json(PARAMS, f"{RES}/{PARAMS_RECORD}")  # what the next run's rerun note compares against

@@ -6,18 +6,8 @@ EXPOSURE = PARAMS["exposure"]["enabled"]
 
 
 def probe_runs(section):
-    """The runs a probe section (llc, geometry, mech) covers: none when it is disabled, and only the runs
-    whose seed is in `<section>.seeds` when that is set."""
-    cfg = PARAMS[section]
-    if not cfg["enabled"]:
-        return []
-    seeds = cfg.get("seeds")  # optional: absent = every seed
-    return [r for r in RUNS if seeds is None or parse_run_id(r).seed in seeds]
-
-
-def probe_files(section, name):
-    """Per-run files of a probe section, for the runs it covers."""
-    return expand(f"{RES}/runs/{{run}}/{name}", run=probe_runs(section))
+    """The runs a probe section (llc, geometry, mech) covers (iclnoise.grid.probe_sections)."""
+    return [r for r in RUNS if section in probe_sections_of(PARAMS, parse_run_id(r))]
 
 
 PROBED = {s: set(probe_runs(s)) for s in ("llc", "geometry", "mech")}
@@ -29,8 +19,7 @@ REFINED = bool(REFINED_RUNS)
 
 def probe_sections(run):
     """The probe sections a run gets: llc, geometry, mech, and refined (llc.refined, where it covers the run)."""
-    secs = [s for s, runs in PROBED.items() if run in runs]
-    return secs + ["refined"] if run in REFINED_RUNS else secs
+    return probe_sections_of(PARAMS, parse_run_id(run))
 
 
 CONDA_ENV = "../envs/iclnoise.yaml"
@@ -73,19 +62,8 @@ def train_outputs(run):
     return [f"{RES}/runs/{run}/{n}" for n in names]
 
 
-SELECTION_KEYS = ("seeds", "families", "refined.M")   # which jobs exist, not what a job computes (in a section)
-
-
-def without(sec, keys):
-    """`sec` less `keys`, dotted keys reaching into its subsections."""
-    if not isinstance(sec, dict):
-        return sec
-    return {k: without(v, [x.split(".", 1)[1] for x in keys if x.startswith(k + ".")])
-            for k, v in sec.items() if k not in keys}
-
-
 def cfg(*names):
-    """A command's --cfg: the params sections it reads, as in params.yaml (iclnoise.commands) less the keys that
-    only select jobs. As a rule's param it reruns the rule when what it computes changes, and only then: probing
-    one more seed, or refining one more M, adds jobs and reruns none."""
-    return json.dumps({n: without(PARAMS[n], SELECTION_KEYS) for n in names})
+    """A command's --cfg (iclnoise.grid.job_cfg): the params sections it reads, as in params.yaml (iclnoise.commands),
+    less the keys that only select jobs. As a rule's param it reruns the rule when what it computes changes, and
+    only then: probing one more seed, or refining one more M, adds jobs and reruns none."""
+    return json.dumps(job_cfg(PARAMS, *names))

@@ -43,13 +43,15 @@ def train(argv: list[str]) -> None:
 
 def check(argv: list[str]) -> None:
     from ..config import ParamsError, load_params
-    from ..cost import COST_CONFIRM_CORE_HOURS, cost_estimate, format_cost
+    from ..cost import COST_CONFIRM_CORE_HOURS, PARAMS_RECORD, cost_estimate, format_cost, rerun_note
     from ..grid import expand_grid, steps_for, trained_steps
 
     ap = argparse.ArgumentParser(prog="iclnoise check",
                                  description="Validate a params file, list its runs and print the cost estimate.")
     ap.add_argument("params", nargs="?", default="params.yaml")
     ap.add_argument("--configfile", nargs="*", default=[], help="override files merged on top, as snakemake does")
+    ap.add_argument("--results", default="results", help=f"compare with the params of <results>/{PARAMS_RECORD} "
+                    "and print which jobs the change reruns")
     a = ap.parse_args(argv)
     try:
         params = load_params(a.params, a.configfile)
@@ -62,6 +64,9 @@ def check(argv: list[str]) -> None:
         print(f"  {k.run_id}  ({n} steps{f', stopping at {stop}' if stop < n else ''})")
     est = cost_estimate(params)
     print(f"cost estimate: {format_cost(est)}")
+    note = rerun_note(params, a.results)
+    if note:
+        print(note)
     if est["core_hours"] > COST_CONFIRM_CORE_HOURS:
         print(f"above the {COST_CONFIRM_CORE_HOURS:g} core-hour threshold: snakemake refuses it without "
               f"--config confirm_cost=true")
