@@ -526,3 +526,38 @@ def test_a_deleted_checkpoint_is_named_and_its_run_trained_again_to_the_same_byt
         train_run(run_spec(tiny, RUNS[0]), rd, progress=False)
     assert f"checkpoints {gone} are missing" in caplog.text
     assert manifest(rd) == man and sha256(gone) == man[sorted(man)[2]]
+
+
+def test_a_resume_after_a_divergence_keeps_the_frozen_run_in_the_ensemble(tiny, tmp_path, monkeypatch):
+    """A run that diverged stays in the stack (frozen), as in the ensemble that froze it: stopped after step 45 (run 1
+    diverged at 30) and resumed, every run ends torch.equal to the uninterrupted diverging ensemble, and the resume
+    trains all three runs as one ensemble."""
+    import iclnoise.ensemble as ens
+    import iclnoise.train as tr
+
+    orig = tr.Member.setup
+
+    def setup(self):
+        orig(self)
+        if self.run_id == RUNS[1]:
+            draw = self.sampler.batch
+            self.sampler.batch = lambda step, size: (lambda b: type(b)(b.xs, b.ys * (1e4 if step >= 30 else 1.0),
+                                                                       b.tasks))(draw(step, size))
+    monkeypatch.setattr(tr.Member, "setup", setup)
+    specs = [run_spec(tiny, r) for r in RUNS]
+    full_dirs, dirs = [tmp_path / "full" / r for r in RUNS], [tmp_path / "part" / r for r in RUNS]
+    full = train_ensemble(specs, full_dirs, progress=False)
+    train_ensemble(specs, dirs, progress=False, stop_after=45)
+    sizes, init = [], ens.Ensemble.__init__
+
+    def spy(self, members, *a):
+        sizes.append(len(members))
+        init(self, members, *a)
+
+    monkeypatch.setattr(ens.Ensemble, "__init__", spy)
+    out = train_ensemble(specs, dirs, progress=False)
+    assert sizes == [3] and out[1].diverged.iloc[-1] and out[1].step.iloc[-1] == 30
+    for a, b in zip(full, out):
+        pd.testing.assert_frame_equal(a, b)
+    for x, y in zip(final_states(full_dirs), final_states(dirs)):
+        assert all(torch.equal(x["params"][n], y["params"][n]) for n in x["params"])

@@ -10,6 +10,11 @@ def probe_runs(section):
     return [r for r in RUNS if section in probe_sections_of(PARAMS, parse_run_id(r))]
 
 
+def probe_files(section, name):
+    """Per-run files of a probe section, for the runs it covers."""
+    return expand(f"{RES}/runs/{{run}}/{name}", run=probe_runs(section))
+
+
 PROBED = {s: set(probe_runs(s)) for s in ("llc", "geometry", "mech")}
 
 
