@@ -415,8 +415,8 @@ def assert_same_states(a: list[dict], b: list[dict]) -> None:
 
 
 def test_any_sequence_of_kills_resumes_the_ensemble_as_one_bitwise(tiny, tmp_path, monkeypatch):
-    """Issue 48 (8): the trainer is killed while it writes the members' resume states (after 2, 4, 5 and 7 more
-    states: inside commits, between them, twice in a row at one commit), then runs to the end: every run's weights
+    """Issue 48 (8): the trainer is killed four times in a row while it writes the members' resume states (after 2,
+    4, 5 and 7 more states: inside commit 0, then 1, then 1 again, then 8), then runs to the end: every run's weights
     and Adam moments are torch.equal to an uninterrupted ensemble's, its tables equal, and every resume trained the
     three runs as one ensemble (a split one rounds differently)."""
     import iclnoise.ensemble as ens

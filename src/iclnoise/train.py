@@ -190,8 +190,10 @@ def train_ensemble(specs: list[dict], run_dirs: list[str | Path], progress: bool
     _check_shared(typed)
     device = device or resolve_device(typed[0].train.device)
     _memory_check(typed, device)
-    locks = [lock_run_dir(rd) for rd in run_dirs]
+    locks = []
     try:
+        for rd in run_dirs:
+            locks.append(lock_run_dir(rd))
         return _train_locked(typed, [Path(rd) for rd in run_dirs], device, progress, stop_after)
     finally:
         for fd in locks:
