@@ -44,13 +44,15 @@ def train(argv: list[str]) -> None:
 
 def check(argv: list[str]) -> None:
     from ..config import ParamsError, load_params, source_names
-    from ..cost import COST_CONFIRM_CORE_HOURS, cost_estimate, format_cost
+    from ..cost import COST_CONFIRM_CORE_HOURS, PARAMS_RECORD, cost_estimate, format_cost, rerun_note
     from ..grid import expand_grid, steps_for, trained_steps
 
     ap = argparse.ArgumentParser(prog="iclnoise check",
                                  description="Validate a params file, list its runs and print the cost estimate.")
     ap.add_argument("params", nargs="?", default="params.yaml")
     ap.add_argument("--configfile", nargs="*", default=[], help="override files merged on top, as snakemake does")
+    ap.add_argument("--results", default="results", help=f"compare with the params of <results>/{PARAMS_RECORD} "
+                    "and print which jobs the change reruns")
     a = ap.parse_args(argv)
     try:
         params = load_params(a.params, a.configfile)
@@ -63,15 +65,20 @@ def check(argv: list[str]) -> None:
         print(f"  {k.run_id}  ({n} steps{f', stopping at {stop}' if stop < n else ''})")
     est = cost_estimate(params)
     print(f"cost estimate: {format_cost(est)}")
+    note = rerun_note(params, a.results)
+    if note:
+        print(note)
     if est["core_hours"] > COST_CONFIRM_CORE_HOURS:
         print(f"above the {COST_CONFIRM_CORE_HOURS:g} core-hour threshold: snakemake refuses it without "
               f"--config confirm_cost=true")
 
 
 def verify(argv: list[str]) -> None:
-    """Read every Parquet and JSON file under a results directory; name each unreadable one and what to do
-    (exit 1). scripts/dvc-snakemake.sh runs it last, so `dvc repro` never records a corrupt table."""
+    """Read every Parquet and JSON file under a results directory, and check that every checkpoint a run's
+    checkpoints.json lists is on disk; name each unreadable or missing file and what to do (exit 1).
+    scripts/dvc-snakemake.sh runs it last, so `dvc repro` never records a corrupt table."""
     from ..io import CorruptFileError, read_json, read_parquet
+    from ..runs import MANIFEST, missing_checkpoints
 
     ap = argparse.ArgumentParser(prog="iclnoise verify", description=verify.__doc__)
     ap.add_argument("dir", nargs="?", default="results")
@@ -85,8 +92,12 @@ def verify(argv: list[str]) -> None:
             read_parquet(f) if f.suffix == ".parquet" else read_json(f)
         except CorruptFileError as e:
             bad.append(str(e))
+            continue
+        if f.name == MANIFEST:
+            bad += [f"{c}: listed in {f}, missing; rerun snakemake: the run's training job trains it again (and its "
+                    f"probes after it)" for c in missing_checkpoints(f.parent)]
     for line in bad:
         print(line)
-    print(f"{a.dir}: {n} tables read, {len(bad)} unreadable")
+    print(f"{a.dir}: {n} tables read, {len(bad)} unreadable or missing")
     if bad:
         raise SystemExit(1)
