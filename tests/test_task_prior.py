@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from iclnoise.predictors import ridge
-from iclnoise.sections import Data, ParamsError, TaskPrior
+from iclnoise.sections import Data, ParamsError, RunSpec, TaskPrior
 from iclnoise.tasks import BatchSampler, eval_set, prior_cov, prior_factor, prior_spectrum, task_pool
 
 POWER = TaskPrior(spectrum="power_law", exponent=1.5, basis_seed=11)
@@ -91,12 +91,14 @@ def test_generalised_ridge_is_the_monte_carlo_posterior_mean():
     assert max(gap) > 10   # the isotropic ridge is not this posterior: the test tells the two apart
 
 
-def test_params_validation_checks_the_prior_and_refuses_it_until_training_draws_from_it():
+def test_params_validation_checks_the_prior_and_training_draws_from_it():
     import copy
 
     import yaml
 
     from iclnoise.config import validate_params
+    from iclnoise.grid import run_spec
+    from iclnoise.runs import sampler
     with open("params.yaml") as f:
         p = yaml.safe_load(f)
     assert "task_prior" not in p["data"]   # the default run set is the isotropic one, its spec hashes unchanged
@@ -104,12 +106,18 @@ def test_params_validation_checks_the_prior_and_refuses_it_until_training_draws_
     bad["data"]["task_prior"] = {"spectrum": "eigenvalues", "eigenvalues": [1.0, 2.0], "basis_seed": 0}
     with pytest.raises(ParamsError, match="eigenvalues has 2 values"):
         validate_params(bad)
-    bad["data"]["task_prior"] = {"spectrum": "power_law", "exponent": 1.0, "basis_seed": 0}
-    with pytest.raises(ParamsError, match="runs.sampler must pass prior"):
-        validate_params(bad)
-    bad["data"]["task_prior"]["shape"] = "x"
+    bad["data"]["task_prior"] = {"spectrum": "power_law", "exponent": 1.0, "basis_seed": 0, "shape": "x"}
     with pytest.raises(ParamsError, match="shape"):
         validate_params(bad)
+    good = copy.deepcopy(p)
+    good["data"]["task_prior"] = {"spectrum": "power_law", "exponent": 1.0, "basis_seed": 0}
+    good = validate_params(good)
+    prior = TaskPrior.from_dict(good["data"]["task_prior"])
+    # the training sampler draws its pool (finite M) and its fresh tasks (M = ∞) from the prior in force
+    pool = sampler(RunSpec.of(run_spec(good, "M4-B16-none-s0")), "train").pool
+    assert torch.equal(pool, task_pool(0, 4, 3, prior)) and not torch.equal(pool, task_pool(0, 4, 3))
+    fresh = sampler(RunSpec.of(run_spec(good, "Minf-B16-none-s0")), "train")
+    assert fresh.factor is not None
     p["data"]["task_prior"] = None   # null: the isotropic prior
     validate_params(p)
 

@@ -225,8 +225,8 @@ def read_spec(run_dir: str | Path) -> dict:
 def sampler(spec: RunSpec, stream: str, device: str | torch.device = "cpu") -> BatchSampler:
     """The run's q_M sampler on a named stream (train, heldout, llc, geometry, mech)."""
     d, k = spec.data, spec.keys
-    return BatchSampler(pool_for(k.M, d.pool_seed, d.D), d.K, d.D, d.noise_var, k.seed, device,
-                        stream=STREAMS[stream])
+    return BatchSampler(pool_for(k.M, d.pool_seed, d.D, d.task_prior), d.K, d.D, d.noise_var, k.seed, device,
+                        stream=STREAMS[stream], prior=d.task_prior)
 
 
 def select_steps(steps: list[int], every: int) -> list[int]:

@@ -135,13 +135,9 @@ def validate_params(params: dict) -> dict:
 
 
 def _prior_checks(d: dict) -> None:
-    """data.task_prior: its spectrum fits data.D; refused until the training sampler draws from it."""
-    if d.get("task_prior") is None:
-        return
-    prior_spectrum(TaskPrior.from_dict(d["task_prior"]), d["D"])
-    raise ParamsError("data.task_prior is set, but training does not draw from it yet: iclnoise.runs.sampler must "
-                      "pass prior=spec.data.task_prior to BatchSampler and pool_for (issue 45); remove the key to "
-                      "train on the isotropic prior")
+    """data.task_prior: its spectrum fits data.D."""
+    if d.get("task_prior") is not None:
+        prior_spectrum(TaskPrior.from_dict(d["task_prior"]), d["D"])
 
 
 def _cross_checks(p: dict) -> None:
