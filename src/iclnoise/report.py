@@ -142,12 +142,14 @@ def exposure_section(results: Path) -> list[str]:
             *rows, ""]
 
 
-def build(results: Path, params: dict, root: Path) -> str:
+def build(results: Path, params: dict, root: Path, origin: str | None = None) -> str:
     """The text of report.md from the aggregate tables and figures under `results`, ending with `params` (the
-    resolved parameters); the code version is that of the checkout at `root`."""
+    resolved parameters); the code version is that of the checkout at `root`, and `origin` (a reference set's:
+    the commits its runs trained at) follows it."""
     agg, figs = results / "aggregate", results / "figures"
     lines = ["# Does stochastic gradient noise drive in-context learning? — report", "",
              f"Generated {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC} from {code_version(root)}.", ""]
+    lines += [origin, ""] if origin else []
     th = read_parquet(agg / "thresholds.parquet") if (agg / "thresholds.parquet").exists() else None
     tests = read_parquet(agg / "tests.parquet") if (agg / "tests.parquet").exists() else None
     conv = read_json(agg / "metrics.json").get("convergence") if (agg / "metrics.json").exists() else None
