@@ -133,6 +133,9 @@ def verify(reference: Path) -> dict:
         prov = read_json(pj)
     except CorruptFileError:
         raise SystemExit(f"{pj}: unreadable JSON, truncated or corrupt; {restore(pj)}") from None
+    if isinstance(prov, dict) and SEAL not in prov:
+        raise SystemExit(f"{pj}: has no {SEAL} (written by an iclnoise export before issue 48), so its own edits "
+                         f"cannot be told; export the set again: iclnoise export --out {reference}")
     if not isinstance(prov, dict) or prov.get(SEAL) != content_hash({k: v for k, v in prov.items() if k != SEAL}):
         raise SystemExit(f"{pj}: changed after the set was written (its content does not match its {SEAL}); "
                          f"{restore(pj)}")
