@@ -71,8 +71,8 @@ def atomic_dir(path: str | os.PathLike) -> tuple[Path, Path]:
 
 def replace_dir(tmp: Path, final: Path) -> None:
     """Put the finished directory `tmp` (from atomic_dir) at `final` by renames: an old `final` is first renamed
-    aside, then deleted. A reader sees the old directory or the new one, never a mix; when two processes replace
-    `final` at once, the last rename wins and neither fails."""
+    aside, then deleted. A reader sees the old directory or the new one (or, between the two renames, none), never
+    a mix; when two processes replace `final` at once, the last rename wins and neither fails."""
     for _ in range(100):
         old = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".old", dir=final.parent))
         try:

@@ -85,8 +85,8 @@ def _writable(out: Path, marker: str) -> tuple[Path, Path]:
         raise SystemExit(f"{out} exists and holds no {marker}, so no earlier output of this command: replacing it "
                          f"would delete it; choose another output directory")
     stale = [out.with_name(out.name + ".tmp"), out.with_name(out.name + ".aggregate.tmp")]
-    for p in [*sorted(out.parent.glob(f".{out.name}.*.tmp")), *stale]:
-        if p.exists():
+    for p in [*sorted(out.parent.glob(f".{out.name}.*")), *stale]:
+        if p.suffix in (".tmp", ".old") and p.exists():
             log.warning("%s: ignored, a temporary directory left by a killed export or paper (or one still running); "
                         "delete it when none runs: rm -r %s", p, p)
     try:

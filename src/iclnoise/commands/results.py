@@ -128,7 +128,8 @@ def paper(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="iclnoise paper", description=doc("paper"),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("references", nargs="+", help="reference sets, e.g. reference/science reference/noise")
-    ap.add_argument("--out", default="paper", help="figures and reports go to OUT/<set name>/")
+    ap.add_argument("--out", default="paper", help="figures and reports go to OUT/<set name>/ (make paper: "
+                    "PAPER_OUT=DIR); it must be apart from the sets")
     ap.add_argument("--update-aggregate", action="store_true",
                     help="first rerun each set's aggregate with this code and write it into the set (after a change "
                          "of the aggregate; the runs are not retrained)")
