@@ -218,7 +218,11 @@ def test_export_then_paper_redraws_every_figure_from_the_reference_tables_alone(
     th.loc[0, "batch"] += 1
     th.to_parquet(ref / "aggregate/thresholds.parquet")
     r = run([sys.executable, "-m", "iclnoise.cli", "paper", str(ref), "--out", str(out)], cwd=tmp_path, check=False)
-    assert r.returncode != 0 and "thresholds.parquet differs from" in r.stderr + r.stdout
+    assert r.returncode != 0 and "thresholds.parquet differs from its sha256 in provenance.json" in r.stderr
+    from iclnoise.paper import rehash
+    rehash(ref)   # the edit sealed into provenance.json: the rerun aggregate still refuses it
+    r = run([sys.executable, "-m", "iclnoise.cli", "paper", str(ref), "--out", str(out)], cwd=tmp_path, check=False)
+    assert r.returncode != 0 and "thresholds.parquet: the aggregate rerun from the set's per-run tables" in r.stderr
 
 
 def test_a_deleted_run_is_rebuilt(finished):

@@ -210,12 +210,14 @@ def verdict_section(tests) -> list[str]:
     return lines
 
 
-def build(results: Path, params: dict, root: Path) -> str:
+def build(results: Path, params: dict, root: Path, origin: str | None = None) -> str:
     """The text of report.md from the aggregate tables and figures under `results`, ending with `params` (the
-    resolved parameters); the code version is that of the checkout at `root`."""
+    resolved parameters); the code version is that of the checkout at `root`, and `origin` (a reference set's:
+    the commits its runs trained at) follows it."""
     agg, figs = results / "aggregate", results / "figures"
     lines = ["# Does stochastic gradient noise drive in-context learning? — report", "",
              f"Generated {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC} from {code_version(root)}.", ""]
+    lines += [origin, ""] if origin else []
     th = read_parquet(agg / "thresholds.parquet") if (agg / "thresholds.parquet").exists() else None
     tests = read_parquet(agg / "tests.parquet") if (agg / "tests.parquet").exists() else None
     conv = convergence(read_parquet(agg / "outcomes.parquet")) if (agg / "outcomes.parquet").exists() else None
