@@ -34,7 +34,18 @@ import torch
 from torch.func import functional_call
 
 from .io import KEY_FIELDS
-from .llc import LLCConfig, LLCResult, LossFn, full_loss, llc_result, sgld_chains
+from .llc import (
+    SAMPLER_FIELDS,
+    LLCConfig,
+    LLCResult,
+    LossFn,
+    full_loss,
+    llc_result,
+    sampler_columns,
+    sgld_chains,
+    top_eigenvalue,
+    trivial_loss,
+)
 
 HEAD_PARAMS = ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V")   # sliced at the head on dim 0, as devinterp's
 
@@ -115,13 +126,15 @@ def refined_llcs(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: 
             raise ValueError(f"perturbation {name}: q has {q[0].shape[0]} sequences, q' {q2[0].shape[0]}")
     buffers = dict(model.named_buffers())
     init = full_loss(lambda a, b: functional_call(model, (center, buffers), (a, b)), loss_fn, xs, ys)
+    trivial = trivial_loss(loss_fn, xs, ys)
+    lam = {name: top_eigenvalue(model, loss_fn, xs, ys, center, m, cfg.seed) for name, m in comps.items()}
     observe = [d for q, q2 in perturbations.values() for d in (q, q2)]
     ch = sgld_chains(model, loss_fn, xs, ys, cfg, vectorize=vectorize, progress=progress,
                      centers=[center] * len(comps), masks=list(comps.values()), observe=observe or None)
     C, llcs, chi = cfg.chains, {}, {}
     for j, name in enumerate(comps):
         rows = slice(j * C, (j + 1) * C)
-        llcs[name] = llc_result(ch.loss[rows], ch.accept[rows], init, cfg)
+        llcs[name] = llc_result(ch.loss[rows], ch.accept[rows], init, cfg, lam[name], trivial)
         for i, pert in enumerate(perturbations):
             lq, lq2 = ch.obs[2 * i, rows], ch.obs[2 * i + 1, rows]
             chi[name, pert] = susceptibility(lq, lq2 - lq, cfg.n)
@@ -135,7 +148,9 @@ RLLC_SCHEMA = pa.schema(KEY_FIELDS + [
     pa.field("head", pa.int64()), pa.field("data", pa.string()), pa.field("n_params", pa.int64()),
     pa.field("llc_mean", pa.float64()), pa.field("llc_std", pa.float64()), pa.field("llc_se", pa.float64()),
     pa.field("init_loss", pa.float64()), pa.field("mala_accept", pa.float64()),
+    pa.field("mean_sampling_loss", pa.float64()), *SAMPLER_FIELDS,
     pa.field("diverged", pa.bool_()), pa.field("negative", pa.bool_()), pa.field("not_levelled", pa.bool_()),
+    pa.field("unstable", pa.bool_()), pa.field("escaped", pa.bool_()),
     pa.field("chains", pa.int64()), pa.field("draws", pa.int64()),
 ])
 SUSCEPTIBILITY_SCHEMA = pa.schema(KEY_FIELDS + [
@@ -152,7 +167,7 @@ def tables(keys: dict, step: int, data: str, r: Refined, cfg: LLCConfig) -> tupl
     rllc = [{**keys, "step": step, "component": c, "layer": layer_head(c)[0], "head": layer_head(c)[1],
              "data": data, "n_params": r.n_params[c], "llc_mean": x.llc_mean, "llc_std": x.llc_std,
              "llc_se": x.llc_std / math.sqrt(cfg.chains), "init_loss": x.init_loss, "mala_accept": x.mala_accept,
-             **x.flags, **base} for c, x in r.llc.items()]
+             **sampler_columns(x), **x.flags, **base} for c, x in r.llc.items()]
     sus = [{**keys, "step": step, "component": c, "layer": layer_head(c)[0], "head": layer_head(c)[1],
             "data": data, "perturbation": p, "chi": float(v.mean()),
             "chi_se": float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else float("nan"), **base}

@@ -127,6 +127,19 @@ def _gate_llc(runs: pd.DataFrame, max_share: float) -> list[str]:
         if k / n > max_share else []
 
 
+# ---- issue 44 (SPEC §7): final LLC estimates that measure the sampler, not the geometry, counted apart
+def _gate_llc_sampler(runs: pd.DataFrame, max_share: float) -> list[str]:
+    """At most `max_share` of the final LLC estimates unstable (stability ratio > 1) or escaped (the chains left
+    w*'s neighbourhood); runs whose llc.parquet predates the flags (null) do not enter."""
+    if "llc_final_sampler" not in runs:
+        return []
+    flags = runs.llc_final_sampler.dropna().astype(bool)
+    n, k = len(flags), int(flags.sum())
+    return [f"LLC measures the sampler ({k} of {n} final estimates unstable / escaped)"] if n and k / n > max_share \
+        else []
+# ---- end issue 44
+
+
 def _row(h, test, outcome, term="", status="run", n=0, words=("", ""), fails=(), **vals) -> dict:
     """One test row. `words` = (verdict if the Holm-adjusted test is significant, verdict if not); `fails` = the
     validity gates it failed. The verdict is written after Holm (`_verdicts`)."""
@@ -235,7 +248,9 @@ def hypothesis_tests(out: pd.DataFrame, cfg: Stats, conv: pd.DataFrame | None = 
                              status=f"not run: exposure constant where {col} exists"))
         elif len(used) >= 4:
             res = stats.correlation(used.log_exposure, used[col], alpha)
-            fails = common(used) + (_gate_llc(used, gates["llc_flagged_max"]) if col == "llc_final" else [])
+            share = gates["llc_flagged_max"]
+            llc_gates = _gate_llc(used, share) + _gate_llc_sampler(used, share) if col == "llc_final" else []
+            fails = common(used) + llc_gates
             rows.append(_row("H4", "Spearman correlation", col, f"log {exposure}", n=res["n"], estimate=res["estimate"],
                              ci_lo=res["ci_lo"], ci_hi=res["ci_hi"], p=res["p"], effect_size=res["estimate"],
                              fails=fails, words=(_direction(res["estimate"], "positively associated",
