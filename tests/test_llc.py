@@ -546,3 +546,36 @@ def test_llc_tables_record_the_stability_ratio_and_flag_a_checkpoint_past_the_li
     saved = json.loads((run / "llc_calibration.json").read_text())
     assert saved["choice"] == choice and saved["steps"] == [20, 60]
     assert read_parquet(run / "llc_calibration.parquet").chosen.sum() == 2 * (choice is not None)   # a row per step
+
+
+def test_figure_4_marks_estimates_that_measure_the_sampler(tmp_path, monkeypatch):
+    """Figure 4: an unstable or escaped estimate is never joined to the trusted line; it is a cross with its own
+    legend entry, apart from the hollow markers of diverged / negative / not levelled estimates."""
+    import pandas as pd
+    from matplotlib.collections import PathCollection
+
+    from iclnoise.figures import llc as figs
+    from iclnoise.figures import style
+
+    steps = [0, 10, 100, 1000]
+    df = pd.DataFrame([{"run_id": "a", "M": 4, "seed": 0, "batch": 16, "noise": "none", "step": s,
+                        "llc_mean": 1.0 + i, "llc_se": 0.1, "diverged": False, "negative": i == 0,
+                        "not_levelled": False, "unstable": i == 2, "escaped": i == 3} for i, s in enumerate(steps)])
+    shown = {}
+    real_save = style.save_figure
+
+    def grab(fig, path, data=None):
+        ax = fig.axes[0]
+        dots = [c for c in ax.collections if isinstance(c, PathCollection)]   # scatter markers (not the band)
+        shown.update(line=[list(map(float, ln.get_xdata())) for ln in ax.get_lines()],
+                     filled=[c.get_offsets().tolist() for c in dots if c.get_facecolors().size],   # the crosses
+                     hollow=[c.get_offsets().tolist() for c in dots if not c.get_facecolors().size],
+                     labels=[t.get_text() for t in ax.get_legend().get_texts()])
+        real_save(fig, path, data)
+
+    monkeypatch.setattr(style, "save_figure", grab)
+    figs.fig_llc_over_training(df, None, tmp_path / "fig04")
+    assert shown["line"] == [[11.0]]                           # only step 10 is trusted: joined (alone)
+    assert shown["filled"] == [[[101.0, 3.0], [1001.0, 4.0]]] and shown["hollow"] == [[[1.0, 1.0]]]
+    assert "flagged: unstable / escaped (measures the sampler)" in shown["labels"]
+    assert "flagged: diverged / negative / not levelled" in shown["labels"]

@@ -366,6 +366,12 @@ def test_refined_for_run_writes_one_row_per_component(tiny, tmp_path):
     assert np.isfinite(sus.chi).all() and (sus.chi != 0).any() and (rllc.step == last).all()
     whole = llc_for_run(run, cfg, at={"steps": [last]}, progress=False)
     assert rllc.set_index("component").llc_mean["all"] == pytest.approx(whole.llc_mean.iloc[0], rel=1e-3)
+    # issue 44: each component's stability ratio uses the top eigenvalue of its own Hessian block, at most the whole
+    # Hessian's (Cauchy interlacing; Lanczos to 1 %); "all" is the whole network's, as llc_for_run's
+    lam = rllc.set_index("component").lambda_max
+    assert lam["all"] == pytest.approx(whole.lambda_max.iloc[0], rel=1e-6)
+    assert (lam <= lam["all"] * 1.01).all() and (lam > 0).all() and (lam < lam["all"] * 0.99).any()
+    assert (rllc.unstable == (rllc.stability_ratio > 1)).all() and (rllc.trivial_loss == whole.trivial_loss[0]).all()
 
 
 def test_refined_checkpoints_are_early_middle_and_last_of_the_llcs():
