@@ -48,7 +48,8 @@ def fake_run(root, M, B, seed, r_end, diverged=False, llc=None, ood_end=0.8, ste
                                      "diverged": False, "negative": False, "not_levelled": llc_flags and st < steps,
                                      "epsilon": 1e-4, "gamma": 100.0, "nbeta": 100.0, "chains": 1, "burn_in": 1,
                                      "draws": 8, "batch_size": 8, "n": 64, "mala_accept": 0.9,
-                                     "method": "sgld"}
+                                     "method": "sgld", "mean_sampling_loss_se": 0.01, "trivial_loss": 1.03,
+                                     "lambda_max": 10.0, "stability_ratio": 0.1, "unstable": False, "escaped": False}
                                     for st in (steps // 10, steps)]), d / "llc.parquet", LLC_SCHEMA)
     return d
 
@@ -139,6 +140,8 @@ def test_planted_clean_transition_passes_every_gate_and_recovers_m_star(tmp_path
     assert m["convergence"]["none/B16"]["converged"] and m["thresholds"]["none/B16"]["gates_passed"]
     assert m["thresholds_crossover"]["none/B16"]["gates_passed"]
     assert m["llc_flagged_share"] == 0.5 and m["llc_final_flagged_share"] == 0.0   # the LLC gate reads the latter
+    out_t = read_parquet(out / "outcomes.parquet").query("M != -1")
+    assert (out_t.llc_final_sampler == False).all() and (out_t.llc_n_sampler == 0).all()   # noqa: E712
 
 
 def test_figure_1_has_one_panel_per_trained_condition(tmp_path, monkeypatch):

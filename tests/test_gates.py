@@ -259,3 +259,19 @@ def test_h3_at_equal_steps_is_gated_on_steps_and_matched_exposure():
         "batch 16 − grad_b16_steps"].verdict
     t = hypothesis_tests(pd.concat([df, steps.assign(steps=3000)], ignore_index=True), CFG)
     assert "unequal steps (3,000–4,000)" in t.set_index("term").loc["batch 16 − grad_b16_steps"].verdict
+
+
+def test_llc_verdicts_count_estimates_that_measure_the_sampler_apart():
+    """Issue 44: final LLC estimates flagged unstable / escaped (SPEC §7) gate H4's LLC test on their own count,
+    beside the not-levelled / negative / diverged one; tables from before the flags (null) pass as before."""
+    df = planted(np.random.default_rng(5))
+    fin = df.M != -1
+    df["llc_final_sampler"] = df["llc_final_sampler"].astype(object)
+    df.loc[fin, "llc_final_sampler"] = np.arange(fin.sum()) % 10 < 4            # 40 % of the final estimates
+    llc = hypothesis_tests(df, CFG).query("outcome == 'llc_final'").iloc[0]
+    k = int(df.loc[fin, "llc_final_sampler"].sum())
+    assert llc.verdict == f"inconclusive: LLC measures the sampler ({k} of {int(fin.sum())} final estimates " \
+                         "unstable / escaped)"
+    df.loc[fin, "llc_final_sampler"] = np.arange(fin.sum()) % 10 < 2            # 20 %: within the 25 % share
+    assert hypothesis_tests(df, CFG).query("outcome == 'llc_final'").iloc[0].gates_passed
+    assert hypothesis_tests(planted(np.random.default_rng(5)), CFG).query("outcome == 'llc_final'").iloc[0].gates_passed

@@ -55,8 +55,10 @@ OUTCOME_FIELDS = KEY_FIELDS + [
 # Columns from optional per-run files: always in the table (null where the file or the key is absent), so the
 # schema of outcomes.parquet does not depend on which probes ran.
 LLC_COLUMNS = ["llc_final", "llc_final_std"]
-LLC_COUNTS = ["llc_n_estimates", "llc_n_flagged"]   # estimates in llc.parquet; flagged not-levelled/negative/diverged
-LLC_FLAGS = ["llc_final_flagged"]   # the final estimate (the one H4 tests) is not levelled / negative / diverged
+LLC_COUNTS = ["llc_n_estimates", "llc_n_flagged",   # estimates in llc.parquet; flagged not-levelled/negative/diverged
+              "llc_n_sampler"]                     # flagged unstable / escaped (SPEC §7: λ̂ measures the sampler)
+LLC_FLAGS = ["llc_final_flagged",   # the final estimate (the one H4 tests) is not levelled / negative / diverged
+             "llc_final_sampler"]   # ... is unstable or escaped (null: llc.parquet without those columns)
 EXPOSURE_COLUMNS = ["integrated_pne", "integrated_pne_preclip", "integrated_ne", "integrated_ne_injected",
                     "integrated_ne_simple", "integrated_pne_injected"]   # exposure.summarize keys (realised, per run)
 INJECTION_COLUMNS = ["integrated_pne_injected_se"]   # its SE from diag Ĥ's Hutchinson error (injection.parquet)
@@ -136,6 +138,9 @@ def run_outcomes(run_dir: Path, transient_tol: float) -> dict:
             row.update(llc_final=float(llc.llc_mean.iloc[-1]), llc_final_std=float(llc.llc_std.iloc[-1]),
                        llc_n_estimates=len(llc), llc_n_flagged=int(flagged.sum()),
                        llc_final_flagged=bool(flagged.iloc[-1]))
+            if {"unstable", "escaped"} <= set(llc):
+                sampler = llc.unstable.astype(bool) | llc.escaped.astype(bool)
+                row.update(llc_n_sampler=int(sampler.sum()), llc_final_sampler=bool(sampler.iloc[-1]))
     if (run_dir / "exposure.parquet").exists():
         from .exposure import summarize  # the noise module owns exposure summaries
         s = summarize(read_parquet(run_dir / "exposure.parquet"))

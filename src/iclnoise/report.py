@@ -60,6 +60,9 @@ LIMITS = [
     ("crossover window", "whether the crossover exists depends on which late part of training the pull is read over "
                          "({detail}): the crossover threshold is not robust there"),
     ("LLC diagnostics", "too many LLC estimates are unreliable ({detail})"),
+    ("LLC measures the sampler", "too many final LLC estimates measure the sampler rather than the geometry "
+                                 "({detail}: SGLD past its stability limit, or chains that left w*'s neighbourhood; "
+                                 "SPEC §7, iclnoise llc-calibrate)"),
     (NO_MANIPULATION, "H3 needs a noise manipulation that moves r ({detail}): equivalence of two noise sources "
                       "carries no information where the noise they emulate has no measurable effect"),
 ]

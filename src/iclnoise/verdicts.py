@@ -153,6 +153,18 @@ def _gate_llc(runs: pd.DataFrame, max_share: float) -> list[Fail]:
         if k / n > max_share else []
 
 
+def _gate_llc_sampler(runs: pd.DataFrame, max_share: float) -> list[Fail]:
+    """SPEC §7 (issue 44): at most `max_share` of the final LLC estimates unstable (stability ratio > 1) or escaped
+    (the chains left w*'s neighbourhood), counted apart from _gate_llc's flags; runs whose llc.parquet predates
+    the flags (null) do not enter."""
+    if "llc_final_sampler" not in runs:
+        return []
+    flags = runs.llc_final_sampler.dropna().astype(bool)
+    n, k = len(flags), int(flags.sum())
+    return [("LLC measures the sampler", f"{k} of {n} final estimates unstable / escaped")] \
+        if n and k / n > max_share else []
+
+
 DETECT = "could detect |effect| ≥ {mde:.2g}"   # what a null states about its power (mde at 80 %)
 
 
@@ -237,7 +249,9 @@ def hypothesis_tests(out: pd.DataFrame, cfg: Stats, conv: pd.DataFrame | None = 
                              status=f"not run: exposure constant where {col} exists"))
         elif len(used) >= 4:
             res = stats.correlation(used.log_exposure, used[col], alpha)
-            fails = common(used) + (_gate_llc(used, gates["llc_flagged_max"]) if col == "llc_final" else [])
+            share = gates["llc_flagged_max"]
+            llc_gates = _gate_llc(used, share) + _gate_llc_sampler(used, share) if col == "llc_final" else []
+            fails = common(used) + llc_gates
             rows.append(_row("H4", "Spearman correlation", col, f"log {exposure}", n=res["n"], estimate=res["estimate"],
                              ci_lo=res["ci_lo"], ci_hi=res["ci_hi"], p=res["p"], effect_size=res["estimate"],
                              mde=res["mde"], fails=fails, power="could detect |ρ| ≥ {mde:.2g}",
