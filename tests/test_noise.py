@@ -9,7 +9,7 @@ import torch
 from test_exposure import half_mse, linreg_case
 
 from iclnoise.config import read_yaml, validate_params
-from iclnoise.exposure import AdamState, grad_noise, group_grads, injected_dose_se, preconditioner
+from iclnoise.exposure import AdamState, grad_noise, group_grads, injected_dose_se, preconditioner, summarize
 from iclnoise.grid import run_spec
 from iclnoise.hooks import ExposureState, NoiseMeter, StepContext
 from iclnoise.injection import DoseReference, NoiseInjector
@@ -237,7 +237,6 @@ def test_early_and_late_reach_equal_realised_exposure_after_clipping(tiny, tmp_p
     clipping at 0.3 (active on most steps, and differently early and late): both schedules realise E within
     2 %, hence each other; the exposure rows never straddle a window boundary, tile the run, and integrate
     to the exact per-step sum."""
-    from iclnoise.exposure import summarize
     out = _early_late(tiny, tmp_path, 0.3)
     E = out.pop("budget")
     for name, (inj, exp) in out.items():
@@ -286,8 +285,11 @@ def test_early_and_late_realise_their_budget_by_specs_definition_where_A_moves_f
     p["exposure"].update(every=40, curvature_probes=probes, curvature_every=every, heldout=32, curvature_tol=tol)
     out = _early_late(p, tmp_path, 0.3)
     E = out.pop("budget")
-    for ref, (name, (inj, _)) in zip(made, out.items()):
+    for ref, (name, (inj, exp)) in zip(made, out.items()):
         se = injected_dose_se(inj.curv_step.to_numpy(), inj.pne_injected_se.to_numpy())
+        # the exposure rows carry it to outcomes.parquet (a measurement split at a row's last step: a cross term
+        # lost, so never more than the per-step form)
+        assert summarize(exp)["integrated_pne_injected_se"] == pytest.approx(se, rel=0.1)
         assert len(ref.pne) == 32
         assert inj.pne_injected.sum() == pytest.approx(E, rel=0.02)               # the run's own books
         bound = 0.05 if probes >= 32 else 3 * se / E                                # SPEC's definition

@@ -1,6 +1,7 @@
 """Training: runs inside an ensemble equal runs alone, resume exactly, diverge alone, restart on a changed spec."""
 import copy
 import json
+import shutil
 
 import numpy as np
 import pandas as pd
@@ -20,6 +21,7 @@ from iclnoise.runs import (
     load_model,
     load_torch,
     manifest,
+    missing_checkpoints,
     sha256,
 )
 from iclnoise.schedules import checkpoint_steps, lr_lambda
@@ -526,6 +528,10 @@ def test_a_deleted_checkpoint_is_named_and_its_run_trained_again_to_the_same_byt
         train_run(run_spec(tiny, RUNS[0]), rd, progress=False)
     assert f"checkpoints {gone} are missing" in caplog.text
     assert manifest(rd) == man and sha256(gone) == man[sorted(man)[2]]
+    # no checkpoints directory at all is a clone that pulled its results (DVC keeps no checkpoints), not a loss
+    shutil.rmtree(rd / "checkpoints")
+    verify([str(tmp_path / "results")])
+    assert missing_checkpoints(rd) == []
 
 
 def test_a_resume_after_a_divergence_keeps_the_frozen_run_in_the_ensemble(tiny, tmp_path, monkeypatch):

@@ -60,12 +60,11 @@ LLC_COUNTS = ["llc_n_estimates", "llc_n_flagged",   # estimates in llc.parquet; 
 LLC_FLAGS = ["llc_final_flagged",   # the final estimate (the one H4 tests) is not levelled / negative / diverged
              "llc_final_sampler"]   # ... is unstable or escaped (null: llc.parquet without those columns)
 EXPOSURE_COLUMNS = ["integrated_pne", "integrated_pne_preclip", "integrated_ne", "integrated_ne_injected",
-                    "integrated_ne_simple", "integrated_pne_injected"]   # exposure.summarize keys (realised, per run)
-INJECTION_COLUMNS = ["integrated_pne_injected_se"]   # its SE from diag Ĥ's Hutchinson error (injection.parquet)
+                    "integrated_ne_simple", "integrated_pne_injected",   # exposure.summarize keys (realised, per run)
+                    "integrated_pne_injected_se"]   # the last one's SE from diag Ĥ's Hutchinson error
 OPTIONAL_FIELDS = ([pa.field(c, pa.float64()) for c in LLC_COLUMNS] + [pa.field(c, pa.int64()) for c in LLC_COUNTS]
                    + [pa.field(c, pa.bool_()) for c in LLC_FLAGS]
-                   + [pa.field(c, pa.float64()) for c in EXPOSURE_COLUMNS + INJECTION_COLUMNS + GEOMETRY_COLUMNS
-                                                          + CIRCUIT_COLUMNS])
+                   + [pa.field(c, pa.float64()) for c in EXPOSURE_COLUMNS + GEOMETRY_COLUMNS + CIRCUIT_COLUMNS])
 OUTCOMES_SCHEMA = pa.schema(OUTCOME_FIELDS + OPTIONAL_FIELDS)
 THRESHOLD_SCHEMA = pa.schema([   # one row per (batch, noise, method)
     pa.field("batch", pa.int64()), pa.field("noise", pa.string()), pa.field("noise_source", pa.string()),
@@ -145,11 +144,6 @@ def run_outcomes(run_dir: Path, transient_tol: float) -> dict:
         from .exposure import summarize  # the noise module owns exposure summaries
         s = summarize(read_parquet(run_dir / "exposure.parquet"))
         row.update({k: float(s[k]) for k in EXPOSURE_COLUMNS if k in s})
-    if (run_dir / "injection.parquet").exists():
-        from .exposure import injected_dose_se
-        d = read_parquet(run_dir / "injection.parquet")
-        if "pne_injected_se" in d:   # runs trained before issue 43 did not record it
-            row["integrated_pne_injected_se"] = injected_dose_se(d.curv_step.to_numpy(), d.pne_injected_se.to_numpy())
     if (run_dir / "geometry.parquet").exists():
         g = read_parquet(run_dir / "geometry.parquet").sort_values("step").iloc[-1]
         row.update({k: float(g[k]) for k in GEOMETRY_COLUMNS if k in g})

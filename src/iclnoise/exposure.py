@@ -338,13 +338,14 @@ EXPOSURE_SCHEMA = pa.schema(KEY_FIELDS + [
     pa.field("clip_frac", pa.float64()),     # fraction of the steps since the last row that were clipped
     pa.field("ne_postclip", pa.float64()), pa.field("pne_postclip", pa.float64()),
     pa.field("pne_injected_postclip", pa.float64()),  # realised injected P-NE* after clipping, exact interval mean
+    pa.field("pne_injected_var", pa.float64()),  # variance of the interval's injected P-NE* sum from diag Ĥ's error
     pa.field("ne_simple_postclip", pa.float64()),
     EIG_FIELD, pa.field("tail_index", pa.float64()), pa.field("participation_ratio", pa.float64()),
 ])
 
 
 SUMMARY_COLUMNS = ["integrated_pne", "integrated_pne_preclip", "integrated_ne", "integrated_ne_injected",
-                   "integrated_pne_injected", "integrated_ne_simple"]
+                   "integrated_pne_injected", "integrated_ne_simple", "integrated_pne_injected_se"]
 
 
 def summarize(df: pd.DataFrame) -> dict:
@@ -357,4 +358,6 @@ def summarize(df: pd.DataFrame) -> dict:
     s = lambda c: float((df[c].to_numpy(float) * w).sum())  # noqa: E731
     return {"integrated_pne": s("pne_postclip"), "integrated_pne_preclip": s("pne"),
             "integrated_ne": s("ne_postclip"), "integrated_ne_injected": s("ne_injected"),
-            "integrated_pne_injected": s("pne_injected_postclip"), "integrated_ne_simple": s("ne_simple_postclip")}
+            "integrated_pne_injected": s("pne_injected_postclip"), "integrated_ne_simple": s("ne_simple_postclip"),
+            "integrated_pne_injected_se": float(np.sqrt(df.pne_injected_var.sum())) if "pne_injected_var" in df
+            else math.nan}   # rows written before issue 43 carry no variance

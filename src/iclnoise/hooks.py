@@ -87,10 +87,20 @@ class ExposureState:
     pne_postclip: float | None = None      # the latest row's P-NE* after clipping, until the controller reads it
     ne_injected: float = 0.0               # Σ over the steps since the last row: injected NE (pre-clip)
     pne_injected: float = 0.0              # ... and realised injected P-NE* after clipping
+    dose_var: float = 0.0                  # ... its variance from diag Ĥ's error, Σ_m (Σ_{t uses m} δ_t)² (closed m)
+    dose_open: float = 0.0                 # Σ δ_t of the steps using the latest diag Ĥ (open measurement)
 
-    def take_interval(self) -> tuple[float, float]:
-        out = self.ne_injected, self.pne_injected
-        self.ne_injected = self.pne_injected = 0.0
+    def close_measurement(self) -> None:
+        """A new diag Ĥ: the steps that used the previous one share its error (injection.injected_dose_se)."""
+        self.dose_var += self.dose_open ** 2
+        self.dose_open = 0.0
+
+    def take_interval(self) -> tuple[float, float, float]:
+        """(Σ injected NE, Σ injected P-NE*, the variance of that sum) since the last row; a measurement whose steps
+        reach into the next row is split there (the row's last step measured it: one step on this side)."""
+        self.close_measurement()
+        out = self.ne_injected, self.pne_injected, self.dose_var
+        self.ne_injected = self.pne_injected = self.dose_var = 0.0
         return out
 
 
@@ -182,6 +192,7 @@ class ExposureLogger:
             st.curv_interval = refresh_interval(st.curv_interval, float((a.square() * st.curv_diag).sum()), curv,
                                                 math.hypot(st.curv_rse, rse), self.curv_tol, self.curv_every)
         st.curv_diag, st.curv_step, st.curv_rse = hess.diag, ctx.step, rse
+        st.close_measurement()
         return curv, se
 
     def on_grads(self, ctx: StepContext) -> None:
@@ -212,7 +223,7 @@ class ExposureLogger:
         meas, B, lr = self._measured, self.batch, ctx.lr
         noise, a = meas.noise, meas.a
         interval = ctx.step - self._last
-        ne_inj, pne_inj = self.state.take_interval()
+        ne_inj, pne_inj, dose_var = self.state.take_interval()
         cols = pne_columns(lr, self.kappa, B, a, noise.diag, meas.curv, self.floor, ctx.clip_coef,
                            ne_inj / interval, pne_inj / interval)  # exact interval means
         lam, alpha, pr = leading_eigs(noise.factor, a, self.rank)
@@ -223,6 +234,7 @@ class ExposureLogger:
             "grad_norm": float(noise.mean.norm()), "trace_c": noise.trace,
             "b_simple": b_simple(noise, B), "curv": meas.curv, "curv_se": meas.curv_se,
             "clip_coef": ctx.clip_coef, "clip_frac": self._clipped_steps / max(1, self._steps), **cols,
+            "pne_injected_var": dose_var,
             "aca_eigs": lam.tolist(), "tail_index": alpha, "participation_ratio": pr})
         self.state.pne_postclip = cols["pne_postclip"]
         self._last, self._measured = ctx.step, None

@@ -163,6 +163,7 @@ class NoiseInjector:
                            "clipped_frac": clip / (clip + tr) if clip + tr > 0 else 0.0})
         self.state.ne_injected += row["ne_injected"]
         self.state.pne_injected += pne
+        self.state.dose_open += self._rows[-1]["pne_injected_se"]
         if self._eps is not None:
             params = self._params(ctx)
             with torch.no_grad():

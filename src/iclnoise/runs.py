@@ -173,7 +173,12 @@ def manifest(run_dir: str | Path) -> dict[int, str]:
 
 def missing_checkpoints(run_dir: str | Path, steps: set[int] = frozenset()) -> list[Path]:
     """The analysis checkpoints that the run's manifest (a corrupt one counts as none), or `steps`, list and that
-    are not on disk: no probe can use the run until its training job trains it again."""
+    are not on disk: no probe can use the run until its training job trains it again. A run without a checkpoints
+    directory has none here by design (a clone that pulled its results: DVC does not version checkpoints,
+    .dvcignore), not lost ones: its probes' outputs came with the pull; rerunning a probe there needs
+    `snakemake --forcerun train`."""
+    if not (Path(run_dir) / CKPT_DIR).is_dir():
+        return []
     try:
         listed = set(manifest(run_dir)) | set(steps)
     except CorruptFileError:
