@@ -8,34 +8,19 @@ Usage: OMP_NUM_THREADS=1 python bench/bench_crossover.py [grids per cell, defaul
 """
 from __future__ import annotations
 
-import math
 import sys
+from pathlib import Path
 
 import numpy as np
-import pandas as pd
 from scipy import stats
 
-from iclnoise.schedules import checkpoint_steps
 from iclnoise.thresholds import crossover_threshold, pull_slopes
 
-CK = np.array(checkpoint_steps(10_000, 12, 16)[1:]) * 16   # the default's batch-16 checkpoints (sequences)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_crossover import asymmetric as planted  # noqa: E402  (the planted grids the test checks, one definition)
+
 CELLS = {"8 M, 3 seeds": ([2 ** k for k in range(8)], 3), "uneven, 3 seeds": ([1, 4, 8, 16, 32, 64, 256], 3),
          "uneven, 4 seeds": ([1, 4, 8, 16, 32, 64, 256], 4), "uneven, 6 seeds": ([1, 4, 8, 16, 32, 64, 256], 6)}
-
-
-def planted(rng, x_star, Ms, seeds, wl=1.0, wr=2.5, seed_sd=0.3, run_sd=0.15):
-    rows, lnS = [], np.log(CK)
-    for s in range(seeds):
-        xs = x_star + seed_sd * rng.standard_normal()
-        for M in Ms:
-            x = math.log2(M)
-            beta = math.tanh((xs - x) / (wl if x < xs else wr)) + run_sd * (1 + abs(x - xs) / 2) * rng.standard_normal()
-            base = rng.normal(0, 1) - 0.3 * lnS
-            rows.append(pd.DataFrame({
-                "M": M, "seed": s, "sequences": CK,
-                "ood_delta_ridge": np.exp(base + beta * lnS / 2 + 0.05 * rng.standard_normal(len(CK))),
-                "ood_delta_dmmse": np.exp(base - beta * lnS / 2 + 0.05 * rng.standard_normal(len(CK)))}))
-    return pd.concat(rows, ignore_index=True)
 
 
 def main(n: int) -> None:
