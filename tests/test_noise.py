@@ -356,3 +356,27 @@ def test_controller_starts_from_the_open_loop_estimate(tiny, tmp_path):
     err = np.log(e.pne_postclip.to_numpy() / (30 * base))
     assert abs(err[0]) < math.log(1.2), err
     assert np.abs(err[2:]).max() < math.log(3), err
+
+
+def test_param_noise_reaches_a_dose_the_clipping_bound_would_cap(tiny, tmp_path):
+    """The param source's noise enters the weights after the update and never passes through gradient clipping, so
+    its closed loop solves for s without the clipping factor and without the grad source's saturation bound
+    (injection.SATURATION): at 30× the batch noise's integrated P-NE* under clipping at 0.3 it books its budget
+    within 2 %. Before, its scale was solved as if clipping shrank its noise: each step overshot and the run booked
+    1.33× its budget (and at 100× on the science model the bound capped it at 0.27×, bench/tuning/tuning.md §10).
+    The grad source at this dose saturates under clipping, as it should, and books less."""
+    p = copy.deepcopy(tiny)
+    p["train"]["budget"] = {"mode": "steps", "steps": 80}
+    p["train"]["grad_clip"] = 0.3
+    train_run(run_spec(p, "M4-B16-none-s0"), tmp_path / "none", progress=False)
+    E = 30 * float((lambda e: (e.pne_postclip * e.interval).sum())(read_parquet(tmp_path / "none/exposure.parquet")))
+    booked = {}
+    for source in ("param", "grad"):
+        p["noise"]["conditions"]["dose"] = {"source": source, "shape": "diagonal", "schedule": "constant",
+                                            "budget": E}
+        p["grid"]["noise"] = ["none", "dose"]
+        q = validate_params(copy.deepcopy(p))
+        train_run(run_spec(q, "M4-B16-dose-s0"), tmp_path / source, progress=False)
+        booked[source] = float(read_parquet(tmp_path / source / "injection.parquet").pne_injected.sum()) / E
+    assert booked["param"] == pytest.approx(1.0, rel=0.02), booked
+    assert booked["grad"] < 0.9, booked

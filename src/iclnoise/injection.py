@@ -98,12 +98,15 @@ class NoiseInjector:
         return max(self.floor, float((a.square() * self.state.curv_diag).sum()))
 
     def _scale(self, ctx: StepContext, a: torch.Tensor, curv: float) -> float:
+        """s_t of this step. Only the grad source's noise is clipped with the gradient: the param source's enters the
+        weights after the update, so its scale is solved without the clipping factor or the saturation bound."""
         unit = ne_unit(ctx.lr, self._kappa(), a, self._diag)
+        clip = self.clip if self.source == "grad" else None
         if self.ctl is not None:
             pne, self.state.pne_postclip = self.state.pne_postclip, None
             if not self.ctl_started:  # open-loop start: the scale that reaches the target by itself
                 s0 = budget_scale(target_at(self.ctl.target, ctx.step / self.total), curv, unit,
-                                  self._grad_sq(ctx), self._trace, self.clip)
+                                  self._grad_sq(ctx), self._trace, clip)
                 self.ctl.u = self.ctl.log_s = min(MAX_LOG_SCALE, math.log(s0)) if 0 < s0 else -MAX_LOG_SCALE
                 self.ctl_started = True
                 return math.exp(self.ctl.log_s)
@@ -111,9 +114,9 @@ class NoiseInjector:
         if self.budget is None:
             return 1.0
         left, g2 = self.stop - ctx.step, self._grad_sq(ctx)
-        s = budget_scale(max(0.0, self.budget - self.realised) / left, curv, unit, g2, self._trace, self.clip)
-        if self.clip is not None and self._trace > 0:  # an unreachable target saturates, it does not explode
-            s = min(s, SATURATION * max(g2, self.clip ** 2 / (1 + SATURATION)) / self._trace)
+        s = budget_scale(max(0.0, self.budget - self.realised) / left, curv, unit, g2, self._trace, clip)
+        if clip is not None and self._trace > 0:  # an unreachable target saturates, it does not explode
+            s = min(s, SATURATION * max(g2, clip ** 2 / (1 + SATURATION)) / self._trace)
         return min(s, math.exp(MAX_LOG_SCALE))
 
     def _params(self, ctx: StepContext) -> list[torch.Tensor]:
