@@ -151,7 +151,8 @@ def threshold_with_ci(df: pd.DataFrame, level: float = 0.95, min_seeds: int = 3,
     0.957 at 3 seeds, 0.946 at 5 (300 grids). On noisy plateaus (ceiling 0.6, noise 0.06) 14-18 % of grids get
     no interval (a per-seed fit on a bound) and the rest cover 0.95-0.965.
     No interval with fewer than `min_seeds` seeds or when a per-seed fit has no threshold; then M* is the fit to
-    all runs pooled. No M* at all when the pooled fit has none (`reason` says why).
+    all runs pooled. With an interval, `log2_per_seed` maps each seed to its log2 M* (the dose–response's input).
+    No M* at all when the pooled fit has none (`reason` says why).
 
     Whether r rises at all is decided once, by the F-test of the pooled fit (seeds × M points). The per-seed fits
     only locate each seed's crossing and keep every other check: on a 5-M grid a per-seed F-test has 3 and 1
@@ -186,7 +187,7 @@ def threshold_with_ci(df: pd.DataFrame, level: float = 0.95, min_seeds: int = 3,
     tq = float(stats.t.ppf(0.5 + level / 2, k - 1))
     return {**out, "M_star": 2.0 ** mean, "log2_M_star": mean, "M_star_lo": 2.0 ** (mean - tq * se),
             "M_star_hi": 2.0 ** (mean + tq * se), "log2_se": se, "interval": f"t-interval over {k} per-seed fits",
-            "reason": ""}
+            "reason": "", "log2_per_seed": dict(zip(seeds, v.tolist()))}
 
 
 def pull_slopes(traj: pd.DataFrame, late: float = 0.5, min_points: int = 3) -> pd.DataFrame:

@@ -1,0 +1,139 @@
+"""The dose–response (issue 43): the per-run dose table, the operating regime and the slopes of r and log2 M* against
+log dose, on planted outcome tables with known slopes (coverage, size and power measured by bench/bench_dose.py)."""
+import math
+
+import numpy as np
+import pandas as pd
+from test_gates import table
+
+from iclnoise import dose
+from iclnoise.sections import Stats
+from iclnoise.tasks import M_INF
+from iclnoise.thresholds import logistic4
+from iclnoise.verdicts import GATES, hypothesis_tests
+
+CFG = Stats(alpha=0.05, equivalence_fraction=0.5, equivalence_margin=None, transient_tol=0.05)
+DOSES = (0.01, 0.03, 0.1, 0.3, 1.0)   # 2 decades, 5 levels
+LADDER = (8, 16, 32)
+FULL = (1, 4, 8, 16, 32, 64, 256)
+
+
+def planted(rng, slope=0.0, shift=0.0, doses=DOSES, seeds=3, noise=0.02, seed_sd=0.03, source="param",
+            full_at=(0.0,), inf_at=None, ratio=None, booked=None, x0=4.0, scale=1.0) -> pd.DataFrame:
+    """Outcomes of one dose series at batch 64 and its dose 0: r = logistic4(log2 M − shift·log10(d/d₁); floor 0.05,
+    ceiling 0.85, midpoint x0, scale) + slope·log10(d/d₁) + a seed's shift (sd `seed_sd`) + run noise (sd `noise`);
+    d₁ the lowest positive dose, dose 0 at d₁'s r. So r rises by `slope` per decade at fixed M and M* moves by
+    `shift` octaves per decade. The ladder M ∈ {8, 16, 32} at every dose, the full grid (and M = ∞) at the doses in
+    `full_at`, M = ∞ also at `inf_at` (default: the highest dose); M = ∞ ends at `ratio`[d] × ridge's OOD loss
+    (default 1.05); the booked dose is `booked`[d] × the target (default 1)."""
+    inf_at = (max(doses),) if inf_at is None else inf_at
+    ratio, booked = ratio or {}, booked or {}
+    rows = []
+    for seed in range(seeds):
+        u = seed_sd * rng.standard_normal()
+        for d in (0.0, *doses):
+            ld = math.log10(max(d, doses[0]) / doses[0])
+            ms = [*(FULL if d in full_at else LADDER), *([M_INF] if d in (*full_at, *inf_at) else [])]
+            for M in ms:
+                r = (logistic4(np.log2(M) - shift * ld, 0.05, 0.85, x0, scale) + slope * ld + u
+                     + noise * rng.standard_normal()) if M != M_INF else np.nan
+                noise_name = "none" if d == 0 else f"{source}_{d:g}"
+                rows.append({"run_id": f"M{M}-B64-{noise_name}-s{seed}", "M": M, "seed": seed, "batch": 64,
+                             "noise": noise_name, "noise_source": "batch" if d == 0 else source,
+                             "noise_schedule": "none" if d == 0 else "constant", "emulate_batch": 0,
+                             "steps_as_batch": 0, "noise_shape": "none" if d == 0 else "diagonal",
+                             "noise_level": 1 / 64 if d == 0 else d, "integrated_lr_over_b": 1.0,
+                             "integrated_pne": 0.05 + d, "integrated_pne_injected": d * booked.get(d, 1.0),
+                             "integrated_pne_injected_se": 0.001 * d, "r": r,
+                             "ood_loss": 0.4 * ratio.get(d, 1.05) if M == M_INF else 0.6})
+    return table(rows)
+
+
+def h1(out):
+    t = hypothesis_tests(out, CFG)
+    return t[t.test.str.startswith("dose-response")].reset_index(drop=True)
+
+
+def test_the_dose_table_has_a_row_per_run_of_the_series_and_dose_zero():
+    out = planted(np.random.default_rng(0), booked={0.01: 1.02})
+    runs = dose.dose_runs(out, GATES["regime_tol"])
+    assert len(runs) == len(out) and list(runs.columns) == dose.DOSE_SCHEMA.names
+    assert set(runs.source) == {"param", "none"} and set(runs.target_dose) == {0.0, *DOSES}
+    assert np.allclose(runs[runs.target_dose == 0.01].realised_dose, 0.0102)
+    assert (runs[runs.target_dose == 0].realised_dose == 0).all()
+    assert runs[runs.M == M_INF].converged.astype(bool).all() and runs[runs.M != M_INF].converged.isna().all()
+
+
+def test_no_dose_series_changes_nothing():
+    """One positive dose is no series: no dose runs, no dose rows, the other tests as before."""
+    out = planted(np.random.default_rng(0), doses=(0.1,))
+    assert not len(dose.dose_runs(out, GATES["regime_tol"]))
+    assert not hypothesis_tests(out, CFG).test.str.startswith("dose-response").any()
+
+
+def test_the_regime_leaves_out_unconverged_saturated_and_unchecked_doses():
+    """M = ∞ 1.12× ridge's at dose 1 leaves out 1; the dose 0.3 (no M = ∞ run) lies above the highest converged dose
+    checked (0.1), so it is out too; 0.03 books 0.5× its target (saturated)."""
+    out = planted(np.random.default_rng(0), inf_at=(0.1, 1.0), ratio={1.0: 1.12}, booked={0.03: 0.5})
+    (_, g), = dose.series(dose.dose_runs(out, GATES["regime_tol"]))
+    lv = dose.regime(g, GATES["dose_tol"]).set_index("target_dose")
+    assert list(lv.index[lv.in_regime]) == [0.0, 0.01, 0.1]
+    assert "1.12× ridge's" in lv.regime[1.0] and "saturated" in lv.regime[0.03]
+    assert "no M = ∞ run at or above" in lv.regime[0.3]
+
+
+def test_a_planted_slope_of_r_is_recovered_and_a_null_is_a_null():
+    rng = np.random.default_rng(1)
+    t = h1(planted(rng, slope=0.05)).set_index("outcome")
+    row = t[t.test.str.contains("MixedLM r ~")].iloc[0]
+    assert row.gates_passed and row.in_family and row.ci_lo < 0.05 < row.ci_hi and row.ci_lo > 0
+    assert row.verdict.startswith("r increases with the param dose") and row.n == 45
+    null = h1(planted(rng, slope=0.0))
+    row = null[null.test.str.contains("MixedLM r ~")].iloc[0]
+    assert row.ci_lo < 0 < row.ci_hi and row.verdict.startswith("no evidence") and "could detect a slope" in row.verdict
+
+
+def test_the_ladder_reads_a_planted_shift_of_m_star():
+    """M* moves by −0.25 octave per decade (r's curve translates): the ladder's converted slope covers it, M* by r50
+    is not fitted (3 M at the positive doses), and the shift per dose follows −0.25·log10(d/0.01). (The conversion
+    is first order: at −0.5 per decade, a 1-octave shift over the 2 decades, it reads 10 % low on this logistic.)"""
+    out = planted(np.random.default_rng(2), shift=-0.25, noise=0.01)
+    t = h1(out)
+    lad = t[t.test.str.contains("threshold ladder")].iloc[0]
+    assert lad.ci_lo < -0.25 < lad.ci_hi and lad.ci_hi < 0 and not lad.in_family
+    assert t[t.test.str.contains(r"log2 M\* \(r50\)")].status.iloc[0].startswith("not run")
+    (_, g), = dose.series(dose.dose_runs(out, GATES["regime_tol"]))
+    lv = dose.analyse(g, 0.05, GATES["dose_tol"], 3)["levels"].set_index("target_dose")
+    want = -0.25 * np.log10(np.array(DOSES) / 0.01)
+    assert np.allclose(lv.ladder_shift[list(DOSES)], want, atol=0.08)
+    assert np.isfinite(lv.M_star_r50[0.0]) and np.isnan(lv.M_star_r50[0.1]) and np.isfinite(lv.r16[0.1])
+
+
+def test_with_a_full_grid_at_every_dose_m_star_slope_is_fitted_by_both_definitions():
+    out = planted(np.random.default_rng(3), shift=-0.5, noise=0.01, full_at=(0.0, *DOSES))
+    t = h1(out)
+    for point, family in (("r50", True), ("midpoint", False)):
+        row = t[t.test.str.contains(rf"log2 M\* \({point}\)")].iloc[0]
+        assert row.status == "run" and row.ci_lo < -0.5 < row.ci_hi and row.ci_hi < 0 and row.in_family == family
+
+
+def test_the_dose_zero_contrast_and_an_unconverged_dose_zero():
+    out = planted(np.random.default_rng(4), slope=0.05)
+    z = h1(out).set_index("term").loc["dose 1 − dose 0"]
+    assert abs(z.estimate - 0.1) < 0.03 and z.gates_passed
+    bad = h1(planted(np.random.default_rng(4), slope=0.05, ratio={0.0: 1.3}))
+    assert bad[bad.status == "run"].verdict.str.startswith("inconclusive: unconverged").all()
+
+
+def test_monotonicity_holds_its_size_on_a_line_and_finds_a_step():
+    """Linear in log dose: p roughly uniform (rejections near α); a step between 0.03 and 0.1: rejected."""
+    rng = np.random.default_rng(5)
+    x = np.log10(DOSES)
+
+    def cells(y):
+        return pd.DataFrame([{"log10_dose": xi, "seed": s, "y": yi + 0.02 * rng.standard_normal() + 0.03 * u}
+                             for s, u in enumerate(rng.standard_normal(3)) for xi, yi in zip(x, y)])
+    ps = [dose.monotonicity(cells(0.05 * x), n_sim=300)["p"] for _ in range(40)]
+    assert 0.0 <= np.mean(np.array(ps) < 0.05) <= 0.15
+    step = dose.monotonicity(cells(np.where(x > -1.7, 0.2, 0.0)), n_sim=400)
+    assert step["p"] < 0.05 and step["estimate"] > 0
