@@ -19,6 +19,7 @@ from iclnoise.config import (
     validate_params,
 )
 from iclnoise.cost import PARAMS_RECORD, check_cost, format_cost, rerun_note
+from iclnoise.dose import has_series as has_dose_series
 from iclnoise.io import write_json
 from iclnoise.grid import ed_families, ensemble_groups, expand_grid, job_cfg, parse_run_id, refined_covers, shared_spec
 from iclnoise.grid import probe_sections as probe_sections_of

@@ -137,3 +137,81 @@ def test_monotonicity_holds_its_size_on_a_line_and_finds_a_step():
     assert 0.0 <= np.mean(np.array(ps) < 0.05) <= 0.15
     step = dose.monotonicity(cells(np.where(x > -1.7, 0.2, 0.0)), n_sim=400)
     assert step["p"] < 0.05 and step["estimate"] > 0
+
+
+def test_an_m_inf_only_scan_reports_its_regime_and_runs_no_slope():
+    """configs/dose_scan.yaml's shape: M = ∞ only at every dose: the regime is read, every slope says why not."""
+    out = planted(np.random.default_rng(6), inf_at=DOSES, ratio={1.0: 1.2})
+    out = out[out.M == M_INF]
+    t = h1(out)
+    assert len(t) and (t.status != "run").all()
+    (_, g), = dose.series(dose.dose_runs(out, GATES["regime_tol"]))
+    lv = dose.analyse(g, 0.05, GATES["dose_tol"], 3)["levels"].set_index("target_dose")
+    assert list(lv.index[~lv.in_regime]) == [1.0] and np.isnan(lv.r16).all()
+
+
+def test_reference_sets_have_no_dose_series_and_their_tests_are_unchanged():
+    """The committed reference sets (no dose series): no dose runs, and hypothesis_tests gives their tests.parquet."""
+    import json
+
+    from iclnoise.aggregate import read_outcomes
+    from iclnoise.config import typed
+    from iclnoise.io import read_parquet
+
+    for ref in ("science", "noise"):
+        out = read_outcomes(f"reference/{ref}/aggregate/outcomes.parquet")
+        params = json.load(open(f"reference/{ref}/provenance.json"))["params"]
+        assert not len(dose.dose_runs(out, GATES["regime_tol"])) and not dose.has_series(params)
+        pd.testing.assert_frame_equal(hypothesis_tests(out, typed(params, "stats")),
+                                      read_parquet(f"reference/{ref}/aggregate/tests.parquet"))
+
+
+def test_has_series_reads_the_grid_as_dose_runs_reads_the_outcomes():
+    from iclnoise.config import load_params
+
+    assert not dose.has_series(load_params("params.yaml"))
+    assert not dose.has_series(load_params("params.yaml", ["configs/noise.yaml"]))
+    assert dose.has_series(load_params("params.yaml", ["configs/science.yaml", "configs/dose_scan.yaml"]))
+
+
+def test_aggregate_writes_the_dose_tables_only_for_a_dose_series(tmp_path, monkeypatch):
+    from test_gates import planted as no_dose
+
+    from iclnoise import aggregate as agg
+    from iclnoise.aggregate import OUTCOMES_SCHEMA
+    from iclnoise.io import read_parquet
+
+    for name, out in (("dose", planted(np.random.default_rng(7), slope=0.03)),
+                      ("none", no_dose(np.random.default_rng(7)))):
+        out = out.assign(run_id=out.get("run_id", pd.Series(range(len(out))).astype(str)), steps=1000, t_crit=10)
+        monkeypatch.setattr(agg, "outcomes", lambda dirs, tol, o=out: (o.reindex(columns=OUTCOMES_SCHEMA.names),
+                                                                        OUTCOMES_SCHEMA))
+        monkeypatch.setattr(agg, "trajectories", lambda dirs: pd.DataFrame(columns=agg.TRAJECTORY_COLUMNS))
+        agg.aggregate([], tmp_path / name, CFG)
+    files = {p.name for p in (tmp_path / "dose").iterdir()}
+    assert {"dose.parquet", "dose_levels.parquet", "dose.md", "dose_levels.md"} <= files
+    assert not list((tmp_path / "none").glob("dose*"))
+    runs = read_parquet(tmp_path / "dose" / "dose.parquet")
+    assert len(runs) == 72 and runs.schema if hasattr(runs, "schema") else list(runs.columns) == dose.DOSE_SCHEMA.names
+    lv = read_parquet(tmp_path / "dose" / "dose_levels.parquet")
+    assert list(lv.target_dose) == [0.0, *DOSES] and lv.in_regime.all()
+
+
+def test_figure_6_against_dose_and_the_report_opening_with_the_answer(tmp_path):
+    from iclnoise.figures.stats import fig_dose
+    from iclnoise.io import write_parquet
+    from iclnoise.report import build
+    from iclnoise.verdicts import TESTS_SCHEMA
+
+    out = planted(np.random.default_rng(8), shift=-0.25, noise=0.01, inf_at=(0.3, 1.0), ratio={1.0: 1.2})
+    (_, g), = dose.series(dose.dose_runs(out, GATES["regime_tol"]))
+    lv = dose.levels_table(dose.dose_runs(out, GATES["regime_tol"]), 0.05, GATES["dose_tol"], 3)
+    fig_dose(lv, tmp_path / "figures" / "fig06_threshold_vs_noise_dose")
+    assert (tmp_path / "figures" / "fig06_threshold_vs_noise_dose.png").stat().st_size > 10_000
+    agg = tmp_path / "aggregate"
+    write_parquet(hypothesis_tests(out, CFG), agg / "tests.parquet", TESTS_SCHEMA)
+    write_parquet(lv, agg / "dose_levels.parquet", dose.LEVELS_SCHEMA)
+    text = build(tmp_path, {}, tmp_path)
+    assert text.index("## The answer: ICL against the injected noise dose") < text.index("## What this run shows")
+    assert "operating regime: doses 0.01–0.3 (4 doses, 1.5 decades); outside: dose 1 (M = ∞ 1.2× ridge's" in text
+    assert "threshold ladder" in text and "fig06_threshold_vs_noise_dose.png" in text

@@ -19,6 +19,7 @@ import pandas as pd
 import pyarrow as pa
 
 from . import thresholds
+from .dose import DOSE_SCHEMA, LEVELS_SCHEMA, dose_runs, levels_table
 from .geometry import GEOMETRY_COLUMNS
 from .io import KEY_FIELDS, read_json, read_parquet, write_json, write_parquet, write_text
 from .mech import CIRCUIT_COLUMNS
@@ -274,8 +275,9 @@ def markdown(df: pd.DataFrame) -> str:
 
 
 def aggregate(run_dirs: list[Path], out_dir: Path, cfg: Stats) -> pd.DataFrame:
-    """Outcomes, thresholds and tests of `run_dirs` into `out_dir` (.parquet and .md) with metrics.json;
-    returns the tests. Figures 6-10 are drawn from these tables (iclnoise.figures.aggregate)."""
+    """Outcomes, thresholds and tests of `run_dirs` into `out_dir` (.parquet and .md) with metrics.json, and where
+    the grid has a dose series (iclnoise.dose) dose.parquet (one row per run) and dose_levels.parquet; returns the
+    tests. Figures 6-10 are drawn from these tables (iclnoise.figures.aggregate)."""
     out, schema = outcomes(run_dirs, cfg.transient_tol)
     write_parquet(out, out_dir / "outcomes.parquet", schema)
     conv = convergence(out, GATES["convergence_tol"])
@@ -284,6 +286,13 @@ def aggregate(run_dirs: list[Path], out_dir: Path, cfg: Stats) -> pd.DataFrame:
     tests = hypothesis_tests(out, cfg, conv)
     write_parquet(tests, out_dir / "tests.parquet", TESTS_SCHEMA)
     write_json(metrics_summary(th, tests, conv, out), out_dir / "metrics.json")
-    for name, df in (("outcomes", out), ("thresholds", th), ("tests", tests)):
+    tables = [("outcomes", out), ("thresholds", th), ("tests", tests)]
+    runs = dose_runs(out, GATES["regime_tol"])
+    if len(runs):   # a dose series in the grid (issue 43): its per-run table and its levels
+        levels = levels_table(runs, cfg.alpha, GATES["dose_tol"], GATES["min_seeds"])
+        write_parquet(runs, out_dir / "dose.parquet", DOSE_SCHEMA)
+        write_parquet(levels, out_dir / "dose_levels.parquet", LEVELS_SCHEMA)
+        tables += [("dose", runs), ("dose_levels", levels)]
+    for name, df in tables:
         write_text(markdown(df), out_dir / f"{name}.md")
     return tests

@@ -21,6 +21,7 @@ from scipy import stats as sps
 
 from . import stats
 from .tasks import M_INF
+from .thresholds import threshold_with_ci
 
 SERIES = ["source", "shape", "batch"]   # one dose series
 DOSE_SCHEMA = pa.schema([   # aggregate/dose.parquet: one row per run of a dose series (dose 0 included)
@@ -175,7 +176,8 @@ def ladder_shifts(g: pd.DataFrame, ladder: list[int], s: dict, level: float) -> 
         half = float(sps.t.ppf(0.5 + level / 2, n - 1)) * c["se"]
         rows.append({"target_dose": d, "ladder_shift": c["estimate"], "ladder_shift_lo": c["estimate"] - half,
                      "ladder_shift_hi": c["estimate"] + half})
-    return pd.DataFrame(rows, columns=["target_dose", "ladder_shift", "ladder_shift_lo", "ladder_shift_hi"])
+    cols = ["target_dose", "ladder_shift", "ladder_shift_lo", "ladder_shift_hi"]
+    return pd.DataFrame(rows, columns=cols).astype(float)
 
 
 def _iso_rss(x: np.ndarray, y: np.ndarray, increasing: bool) -> float:
@@ -241,8 +243,6 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
             has a per-seed interval; local: local_slope at dose 0; ladder_fit: ladder_conversion of r's slope;
     zero    paired t (stats.paired_test) of r at the highest in-regime dose − dose 0 by (M, seed) at the ladder;
     mono    monotonicity of the seed means of r over the ladder against log10 dose."""
-    from .thresholds import threshold_with_ci
-
     level = 1 - alpha
     lv = regime(g, dose_tol)
     ok = g[~g.diverged.astype(bool)].assign(log10_dose=lambda d: np.log10(
@@ -268,7 +268,10 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
             if ok_ci and d in set(inside):
                 row[f"_seeds_{point}"] = est["log2_per_seed"]
         extra.append(row)
-    ex = pd.DataFrame(extra)
+    cols = ["target_dose", "r16", "r16_lo", "r16_hi",
+            *[f"M_star_{p}{k}" for p in ("r50", "midpoint") for k in ("", "_lo", "_hi")]]
+    ex = pd.DataFrame(extra).reindex(columns=[*cols, *(c for r in extra for c in r if c.startswith("_"))])
+    ex = ex.loc[:, ~ex.columns.duplicated()]
     res["local"] = local_slope(finite[finite.target_dose == 0], ladder)
     shifts = ladder_shifts(finite[finite.target_dose.isin([0.0, *inside])], ladder, res["local"], level)
     lv = lv.merge(ex.drop(columns=[c for c in ex if c.startswith("_")]), on="target_dose", how="left")
@@ -303,3 +306,19 @@ def levels_table(runs: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: i
               for k, g in series(runs)]
     return pd.concat(frames, ignore_index=True).reindex(columns=LEVELS_SCHEMA.names) if frames else \
         pd.DataFrame(columns=LEVELS_SCHEMA.names)
+
+
+def has_series(params: dict) -> bool:
+    """Whether the grid of `params` holds a dose series (what dose_runs finds in its outcomes): some injected source
+    and shape at a batch size with ≥ 2 distinct positive budgets under a constant schedule, no emulated batch. The
+    workflow declares the dose tables and figure only then."""
+    g, conds = params["grid"], params["noise"]["conditions"]
+    budgets: dict[tuple, set] = {}
+    for name in g["noise"]:
+        c = conds[name]
+        if (c.get("source") in ("grad", "param") and c.get("schedule") == "constant" and not c.get("emulate_batch")
+                and not c.get("steps_as_batch") and (c.get("budget") or 0) > 0):
+            for b in c.get("batch_sizes") or g["batch_sizes"]:
+                if b in g["batch_sizes"]:
+                    budgets.setdefault((c["source"], c.get("shape"), b), set()).add(float(c["budget"]))
+    return any(len(v) >= 2 for v in budgets.values())

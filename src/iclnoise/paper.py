@@ -272,7 +272,7 @@ def _draw(reference: Path, out: Path, prov: dict) -> list[Path]:
     agg, figs = out / "aggregate", out / "figures"
     training_figures([r / "metrics.parquet" for r in runs], out)
     aggregate(runs, agg, typed(params, "stats"))
-    for name in AGGREGATE_TABLES:
+    for name in AGGREGATE_TABLES + tuple(p.name for p in sorted((reference / "aggregate").glob("dose*.parquet"))):
         ours, theirs = read_parquet(agg / name), read_parquet(reference / "aggregate" / name)
         try:
             pd.testing.assert_frame_equal(ours, theirs)

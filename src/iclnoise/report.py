@@ -7,6 +7,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 from . import __version__
@@ -159,6 +160,37 @@ def what_this_run_shows(th, tests, conv=None) -> list[str]:
     return lines
 
 
+def dose_answer(tests, levels) -> list[str]:
+    """The report's opening where the grid has a dose series (issue 43): per series, the operating regime read
+    from the data (dose_levels.parquet) and every dose-response row of the tests (slope per decade of dose with
+    its CI and mde, the dose-0 contrast, the shape check) in words."""
+    lines = ["## The answer: ICL against the injected noise dose", "",
+             "Dose = realised integrated injected P-NE* (after clipping), per condition; slopes per decade of dose "
+             "over the positive doses inside the operating regime (M = ∞ within "
+             f"{1 + GATES['regime_tol']:.2f}× ridge's OOD loss, realised dose within {GATES['dose_tol']:.0%} of its "
+             "target, no run diverged); dose 0 (no injection) is the reference arm.", ""]
+    for (src, shape, batch), g in levels.groupby(["source", "shape", "batch"]):
+        name = f"{src} ({shape}), batch {batch}"
+        inside = g[g.in_regime.astype(bool) & (g.target_dose > 0)].realised_dose
+        out = g[~g.in_regime.astype(bool)]
+        span = (f"doses {inside.min():.3g}–{inside.max():.3g} ({len(inside)} doses, "
+                f"{np.log10(inside.max() / inside.min()):.1f} decades)" if len(inside) >= 2 else
+                f"{len(inside)} positive dose(s) inside")
+        outside = "; ".join(f"{'dose 0' if d.target_dose == 0 else f'dose {d.target_dose:.3g}'} ({d.regime})"
+                            for d in out.itertuples())
+        lines += [f"**{name}** — operating regime: {span}" + (f"; outside: {outside}" if outside else "") + ".", ""]
+        for t in tests[tests.test.str.startswith(f"dose-response {name}:")].itertuples():
+            what = t.test.split(": ", 1)[1]
+            if t.status != "run":
+                lines.append(f"- {what} [{t.outcome}]: {t.status}.")
+                continue
+            ci = f" [{t.ci_lo:+.3g}, {t.ci_hi:+.3g}]" if t.ci_lo == t.ci_lo else ""
+            mde = f", mde {t.mde:.2g}" if t.mde == t.mde else ""
+            lines.append(f"- {what} [{t.outcome}, {t.term}]: {t.estimate:+.3g}{ci}{mde}. {t.verdict}.")
+        lines.append("")
+    return lines
+
+
 def exposure_section(results: Path) -> list[str]:
     """κ in use (from the runs' exposure logs) and the realised exposure per condition (outcomes.parquet)."""
     out_path = results / "aggregate" / "outcomes.parquet"
@@ -224,6 +256,8 @@ def build(results: Path, params: dict, root: Path, origin: str | None = None) ->
     th = read_parquet(agg / "thresholds.parquet") if (agg / "thresholds.parquet").exists() else None
     tests = read_parquet(agg / "tests.parquet") if (agg / "tests.parquet").exists() else None
     conv = convergence(read_parquet(agg / "outcomes.parquet")) if (agg / "outcomes.parquet").exists() else None
+    if (agg / "dose_levels.parquet").exists() and tests is not None:   # a dose series: the answer first
+        lines += dose_answer(tests, read_parquet(agg / "dose_levels.parquet"))
     if th is not None or tests is not None:
         lines += what_this_run_shows(th, tests, conv)
     if tests is not None:
@@ -235,7 +269,8 @@ def build(results: Path, params: dict, root: Path, origin: str | None = None) ->
         if pngs:
             lines += [f"### {caption}", ""]
             lines += [f"![{png.stem}]({os.path.relpath(png, results)})" for png in pngs] + [""]
-    for name, title in (("thresholds", "Task-diversity thresholds"), ("outcomes", "Outcomes per run"),
+    for name, title in (("thresholds", "Task-diversity thresholds"), ("dose_levels", "Dose levels per series"),
+                        ("outcomes", "Outcomes per run"),
                         ("tests", "Hypothesis tests (full table)")):
         md = agg / f"{name}.md"
         if md.exists():

@@ -1,3 +1,8 @@
+# The dose tables exist only where the grid has a dose series (iclnoise.dose.has_series).
+DOSE_TABLES = ([f"{RES}/aggregate/{name}" for name in ("dose.parquet", "dose_levels.parquet", "dose.md",
+                                                          "dose_levels.md")] if has_dose_series(PARAMS) else [])
+
+
 rule aggregate:
     """Outcomes per run, task-diversity thresholds, gated hypothesis tests (H1-H4), metrics.json."""
     input:
@@ -12,6 +17,7 @@ rule aggregate:
         tests=f"{RES}/aggregate/tests.parquet",
         metrics=f"{RES}/aggregate/metrics.json",
         md=multiext(f"{RES}/aggregate/", "outcomes.md", "thresholds.md", "tests.md"),
+        dose=DOSE_TABLES,   # a dose series in the grid (issue 43): dose.parquet, dose_levels.parquet (+ .md)
     params:
         res=RES,
         cfg=cfg("stats"),
@@ -40,6 +46,8 @@ rule aggregate_figures:
         **{f"f8_{k}": v for k, v in figure("fig08_early_late", "fig08", "Hypotheses").items()},
         **{f"f9_{k}": v for k, v in figure("fig09_geometry", "fig09", "Hypotheses").items()},
         **{f"f10_{k}": v for k, v in figure("fig10_exposure_series", "fig10", "Exposure").items()},
+        **({f"f6d_{k}": v for k, v in figure("fig06_threshold_vs_noise_dose", "fig06", "Hypotheses").items()}
+           if DOSE_TABLES else {}),
     params:
         res=RES,
     log:

@@ -10,15 +10,17 @@ from ..aggregate import read_outcomes
 from ..io import read_parquet
 from .noise import fig_exposure_series, fig_schedules
 from .probes import fig_geometry
-from .stats import fig_icl_vs_exposure, fig_threshold_vs_noise
+from .stats import fig_dose, fig_icl_vs_exposure, fig_threshold_vs_noise
 
 STEMS = ("fig06_threshold_vs_noise", "fig07_icl_vs_exposure", "fig08_early_late", "fig09_geometry",
          "fig10_exposure_series")
+DOSE_STEM = "fig06_threshold_vs_noise_dose"   # the report shows it under figure 6's caption
 
 
 def aggregate_figures(agg: Path, exposure_files: list, figs: Path) -> list[Path]:
     """Figures 6-10 into `figs` from outcomes.parquet and thresholds.parquet in `agg` and the runs'
-    exposure.parquet (concatenated in the order given); returns the PNGs."""
+    exposure.parquet (concatenated in the order given), and figure 6 against the dose where `agg` holds
+    dose_levels.parquet; returns the PNGs."""
     out, th = read_outcomes(agg / "outcomes.parquet"), read_parquet(agg / "thresholds.parquet")
     fig_threshold_vs_noise(th, figs / "fig06_threshold_vs_noise")
     fig_icl_vs_exposure(out, figs / "fig07_icl_vs_exposure")
@@ -26,4 +28,8 @@ def aggregate_figures(agg: Path, exposure_files: list, figs: Path) -> list[Path]
     fig_geometry(out, figs / "fig09_geometry")
     fig_exposure_series(pd.concat([read_parquet(f) for f in exposure_files]) if exposure_files else pd.DataFrame(),
                         figs / "fig10_exposure_series")
-    return [figs / f"{s}.png" for s in STEMS]
+    stems = list(STEMS)
+    if (agg / "dose_levels.parquet").exists():   # a dose series (issue 43): figure 6 against the dose
+        fig_dose(read_parquet(agg / "dose_levels.parquet"), figs / DOSE_STEM)
+        stems.insert(1, DOSE_STEM)
+    return [figs / f"{s}.png" for s in stems]

@@ -102,3 +102,70 @@ def fig_icl_vs_exposure(out: pd.DataFrame, path: str | Path) -> None:
     fig.suptitle("ICL outcome against integrated noise exposure (H1, H3)", y=1.02)
     fig.tight_layout()
     style.save_figure(fig, path, out)
+
+
+def fig_dose(levels: pd.DataFrame, path: str | Path) -> None:
+    """Figure 6 for a dose series (aggregate/dose_levels.parquet; issue 43): per series (columns), M* against the
+    realised injected dose with 95 % t-intervals over seeds, r50 (circles, solid) and midpoint (triangles, dotted),
+    and where a dose has no M* of its own (the threshold ladder: 3 M) the ladder's reading, dose 0's M* moved by the
+    ladder's shift (hollow, dashed; its interval is the shift's); below, r at M = 16 against dose. Dose 0 sits half a
+    decade left of the lowest dose (log dose is undefined there); the operating regime (dose_levels' in_regime) is
+    shaded green, the doses outside it grey with the reason listed below the axes."""
+    style.setup()
+    lv = levels.astype({c: float for c in levels.columns if c.startswith(("M_star", "ladder", "r16", "realised"))})
+    keys = sorted(lv.groupby(["source", "shape", "batch"]).groups)
+    fig, axes = plt.subplots(2, len(keys), figsize=(5 * len(keys), 7), squeeze=False, sharex="col")
+    notes = []
+    for j, key in enumerate(keys):
+        g = lv[(lv.source == key[0]) & (lv["shape"] == key[1]) & (lv.batch == key[2])].sort_values("target_dose")
+        pos = g[g.target_dose > 0]
+        x0 = pos.realised_dose.min() / 10 ** 0.5
+        x = np.where(g.target_dose > 0, g.realised_dose, x0)
+        top, bottom = axes[0, j], axes[1, j]
+        zero = g[g.target_dose == 0]
+        for k, (point, mk, ls) in enumerate((("r50", "o", "-"), ("midpoint", "^", ":"))):
+            m, lo, hi = (g[f"M_star_{point}{s}"].to_numpy() for s in ("", "_lo", "_hi"))
+            xk = x * (0.94 if point == "midpoint" else 1.0)
+            top.errorbar(xk, m, yerr=np.nan_to_num(np.vstack([m - lo, hi - m]).clip(min=0)), marker=mk, ls=ls,
+                         color=f"C{k}", capsize=3, label=f"M* ({point})")
+            base = float(zero[f"M_star_{point}"].iloc[0]) if len(zero) else np.nan
+            own = np.isfinite(m)
+            lad = base * 2.0 ** g.ladder_shift.to_numpy()
+            ok = ~own & np.isfinite(lad)
+            if ok.any():
+                err = np.vstack([lad - base * 2.0 ** g.ladder_shift_lo.to_numpy(),
+                                 base * 2.0 ** g.ladder_shift_hi.to_numpy() - lad])[:, ok]
+                top.errorbar(xk[ok], lad[ok], yerr=np.nan_to_num(err).clip(min=0), marker=mk, ls="--", mfc="white",
+                             color=f"C{k}", capsize=3, label=f"M* ({point}) read from the ladder")
+        r, rlo, rhi = (g[f"r16{s}"].to_numpy() for s in ("", "_lo", "_hi"))
+        bottom.errorbar(x, r, yerr=np.nan_to_num(np.vstack([r - rlo, rhi - r]).clip(min=0)), marker="o", color="C2",
+                        capsize=3)
+        inside = g[g.in_regime & (g.target_dose > 0)]
+        outside = g[~g.in_regime.astype(bool)]
+        for ax in (top, bottom):
+            ax.set_xscale("log")
+            if len(inside):
+                ax.axvspan(x0 / 1.5, inside.realised_dose.max() * 1.2, color="green", alpha=0.07, lw=0)
+            for d in outside.itertuples():
+                xd = d.realised_dose if d.target_dose > 0 else x0
+                ax.axvspan(xd / 1.2, xd * 1.2, color="grey", alpha=0.25, lw=0)
+        notes += [f"{key[0]} dose {d.target_dose:.3g}: outside the regime ({d.regime})" for d in outside.itertuples()]
+        if any(np.isfinite(line.get_ydata()).any() for line in top.get_lines()):
+            top.set_yscale("log", base=2)
+            top.yaxis.set_major_formatter(ScalarFormatter())
+        else:
+            top.text(0.5, 0.5, "no M* at any dose", transform=top.transAxes, ha="center", color="grey")
+        top.set_title(f"{key[0]} ({key[1]}), batch {key[2]}", fontsize=10)
+        top.set_ylabel("task-diversity threshold M* (95 % CI)")
+        bottom.set_ylabel("r at M = 16 (95 % CI over seeds)")
+        bottom.set_xlabel("realised injected dose: integrated P-NE* (0: none)")
+        ticks = [x0, *pos.realised_dose]
+        bottom.set_xticks(ticks, ["0", *[f"{v:.2g}" for v in pos.realised_dose]])
+        bottom.xaxis.set_minor_formatter(NullFormatter())
+        top.legend(fontsize=7, loc="best")
+    fig.suptitle("ICL against the injected noise dose (green: operating regime; grey: outside)", y=1.0)
+    note = "\n".join(textwrap.fill(n, 110) for n in notes)
+    if note:
+        fig.text(0.01, 0.0, note, fontsize=6, color="dimgrey", va="top")
+    fig.tight_layout()
+    style.save_figure(fig, path, lv)

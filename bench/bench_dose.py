@@ -1,0 +1,77 @@
+"""Coverage, size and power of the dose–response slopes on planted series (issue 43; tests/test_dose.py's planted
+tables, one definition): 5 doses over 2 decades, the ladder M ∈ {8, 16, 32} at every dose and the full grid at dose 0,
+3 seeds, run noise sd 0.02, seed sd 0.03. Prints, per cell, the share of replications whose nominal 95 % interval
+covers the planted slope, the rejection rate at α = 0.05 (the size under a null slope, the power elsewhere), and the
+mean reported mde.
+
+Cells: r's slope (dose.r_slope) at 0 (size), at 0.03 per decade (coverage) and at the null's mean mde (its claimed
+80 % power); the ladder's log2 M* slope (dose.ladder_conversion, delta method) at a planted translation of the r
+curve by 0, −0.25 and −0.5 octave per decade; dose.monotonicity's rejection rate under a line in log dose (size)
+and under a step.
+
+Usage: OMP_NUM_THREADS=1 python bench/bench_dose.py [replications per cell, default 200]
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from iclnoise import dose
+from iclnoise.verdicts import GATES
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_dose import DOSES, planted  # noqa: E402  (the planted series the test checks, one definition)
+
+
+def fits(rng, **kw):
+    (_, g), = dose.series(dose.dose_runs(planted(rng, **kw), GATES["regime_tol"]))
+    shape_check, dose.monotonicity = dose.monotonicity, lambda cells: None   # measured apart (mono_cell): 3× faster
+    try:
+        return dose.analyse(g, 0.05, GATES["dose_tol"], 3)
+    finally:
+        dose.monotonicity = shape_check
+
+
+def cell(name, n, key, truth, **kw):
+    rng = np.random.default_rng(7)
+    cover, reject, mde = [], [], []
+    for _ in range(n):
+        res = fits(rng, **kw)
+        e = res["r"] if key == "r" else res["ladder_fit"]
+        cover.append(e["ci_lo"] <= truth <= e["ci_hi"])
+        reject.append(e["p"] < 0.05)
+        mde.append(e["mde"])
+    print(f"| {name} | {n} | {np.mean(cover):.3f} | {np.mean(reject):.3f} | {np.mean(mde):.3g} |", flush=True)
+    return float(np.mean(mde))
+
+
+def mono_cell(name, n, shape):
+    """dose.monotonicity's rejection rate on the seed means of a planted response `shape`(log10 dose) (the cells of
+    test_dose's monotonicity test: run noise 0.02, seed sd 0.03, 3 seeds, 5 doses)."""
+    rng = np.random.default_rng(8)
+    x = np.log10(DOSES)
+    reject = []
+    for _ in range(n):
+        cells = pd.DataFrame([{"log10_dose": xi, "seed": s, "y": yi + 0.02 * rng.standard_normal() + 0.03 * u}
+                              for s, u in enumerate(rng.standard_normal(3)) for xi, yi in zip(x, shape(x))])
+        reject.append(dose.monotonicity(cells, n_sim=1000)["p"] < 0.05)
+    print(f"| {name} | {n} | – | {np.mean(reject):.3f} | – |", flush=True)
+
+
+def main(n: int) -> None:
+    print("| cell | replications | coverage (95 %) | rejection rate (α 0.05) | mean mde |\n|---|---|---|---|---|")
+    mde = cell("r slope 0 (size)", n, "r", 0.0, slope=0.0)
+    cell("r slope 0.03 per decade", n, "r", 0.03, slope=0.03)
+    cell(f"r slope at the null's mde ({mde:.3g}; power)", n, "r", mde, slope=mde)
+    cell("ladder log2 M* slope 0 (size)", n, "ladder", 0.0, shift=0.0)
+    cell("ladder log2 M* slope −0.25 per decade", n, "ladder", -0.25, shift=-0.25)
+    cell("ladder log2 M* slope −0.5 per decade", n, "ladder", -0.5, shift=-0.5)
+    mono_cell("monotonicity, r linear in log dose (0.05 per decade; size)", n, lambda x: 0.05 * (x - x[0]))
+    mono_cell("monotonicity, a step of 0.1 between doses 0.03 and 0.1", n, lambda x: np.where(x > -1.7, 0.1, 0.0))
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 200)
