@@ -101,7 +101,7 @@ def test_the_ladder_reads_a_planted_shift_of_m_star():
     t = h1(out)
     lad = t[t.test.str.contains("threshold ladder")].iloc[0]
     assert lad.ci_lo < -0.25 < lad.ci_hi and lad.ci_hi < 0 and not lad.in_family
-    assert t[t.test.str.contains(r"log2 M\* \(r50\)")].status.iloc[0].startswith("not run")
+    assert t[t.test.str.contains(r"MixedLM log2 M\* \(r50\)")].status.iloc[0].startswith("not run")
     (_, g), = dose.series(dose.dose_runs(out, GATES["regime_tol"]))
     lv = dose.analyse(g, 0.05, GATES["dose_tol"], 3)["levels"].set_index("target_dose")
     want = -0.25 * np.log10(np.array(DOSES) / 0.01)
@@ -109,12 +109,24 @@ def test_the_ladder_reads_a_planted_shift_of_m_star():
     assert np.isfinite(lv.M_star_r50[0.0]) and np.isnan(lv.M_star_r50[0.1]) and np.isfinite(lv.r16[0.1])
 
 
+def test_the_cpu_plan_checks_the_ladder_against_m_star_at_its_full_grid_dose():
+    """The CPU plan: the full M grid at dose 0 and at the highest dose (1, 2 decades above the lowest), the ladder
+    elsewhere. M* moves −0.25 octave per decade: log2 M* at dose 1 − dose 0 ≈ −0.5 (paired by seed), and the
+    MixedLM M* slope does not run (one positive dose with a full grid)."""
+    t = h1(planted(np.random.default_rng(9), shift=-0.25, noise=0.01, full_at=(0.0, 1.0)))
+    z = t[t.test.str.contains(r"paired t of log2 M\* \(r50\)")].iloc[0]
+    assert z.status == "run" and z.ci_lo < -0.5 < z.ci_hi and z.gates_passed
+    assert t[t.test.str.contains(r"MixedLM log2 M\* \(r50\)")].status.iloc[0].startswith("not run")
+
+
 def test_with_a_full_grid_at_every_dose_m_star_slope_is_fitted_by_both_definitions():
     out = planted(np.random.default_rng(3), shift=-0.5, noise=0.01, full_at=(0.0, *DOSES))
     t = h1(out)
     for point, family in (("r50", True), ("midpoint", False)):
-        row = t[t.test.str.contains(rf"log2 M\* \({point}\)")].iloc[0]
+        row = t[t.test.str.contains(rf"MixedLM log2 M\* \({point}\)")].iloc[0]
         assert row.status == "run" and row.ci_lo < -0.5 < row.ci_hi and row.ci_hi < 0 and row.in_family == family
+        z = t[t.test.str.contains(rf"paired t of log2 M\* \({point}\)")].iloc[0]   # dose 1 against dose 0: −1 octave
+        assert z.term == "dose 1 − dose 0" and z.ci_lo < -1 < z.ci_hi and z.ci_hi < 0 and z.in_family == family
 
 
 def test_the_dose_zero_contrast_and_an_unconverged_dose_zero():

@@ -239,8 +239,10 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
             midpoint (thresholds.threshold_with_ci; NaN with fewer than 5 finite M) and the ladder's shift;
     fit     the positive in-regime doses' runs at the ladder (the finite M run at every one of them and at dose 0),
             with log10_dose; ladder: those M; doses / left_out: the positive doses in and out of the regime;
-    r       r_slope over `fit` (None with < 2 doses); mstar: {point: mstar_slope or None} over the doses whose M*
-            has a per-seed interval; local: local_slope at dose 0; ladder_fit: ladder_conversion of r's slope;
+    r       r_slope over `fit` (None with < 2 doses); mstar: {point: (mstar_slope, doses)} over the positive doses
+            whose M* has a per-seed interval (≥ 2); mstar_zero: {point: (paired t of log2 M* at the highest such
+            dose − dose 0 by seed, that dose)}; local: local_slope at dose 0; ladder_fit: ladder_conversion of r's
+            slope;
     zero    paired t (stats.paired_test) of r at the highest in-regime dose − dose 0 by (M, seed) at the ladder;
     mono    monotonicity of the seed means of r over the ladder against log10 dose."""
     level = 1 - alpha
@@ -253,7 +255,8 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
     ladder = sorted(set.intersection(*per_dose)) if per_dose else []
     fit = finite[finite.target_dose.isin(inside) & finite.M.isin(ladder)]
     res = {"ladder": ladder, "fit": fit, "doses": sorted(inside),
-           "left_out": lv[~lv.in_regime & (lv.target_dose > 0)], "r": None, "mstar": {}, "ladder_fit": None,
+           "left_out": lv[~lv.in_regime & (lv.target_dose > 0)], "r": None, "mstar": {}, "mstar_zero": {},
+           "ladder_fit": None,
            "zero": None, "mono": None}
     extra = []
     for d, h in finite.groupby("target_dose"):
@@ -265,7 +268,7 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
             ok_ci = not est["reason"]
             row.update({f"M_star_{point}": est["M_star"], f"M_star_{point}_lo": est["M_star_lo"],
                         f"M_star_{point}_hi": est["M_star_hi"]})
-            if ok_ci and d in set(inside):
+            if ok_ci and (d in set(inside) or d == 0):
                 row[f"_seeds_{point}"] = est["log2_per_seed"]
         extra.append(row)
     cols = ["target_dose", "r16", "r16_lo", "r16_hi",
@@ -286,6 +289,14 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
     for point in ("r50", "midpoint"):
         col = f"_seeds_{point}"
         have = ex[ex[col].notna()] if col in ex else ex.iloc[:0]
+        zero = have[have.target_dose == 0]
+        have = have[have.target_dose > 0]
+        if len(have) and len(zero):   # the highest dose with its own M* against dose 0's, paired by seed
+            a, b = have[col].iloc[-1], zero[col].iloc[0]
+            common = sorted(set(a) & set(b))
+            if len(common) >= 2:
+                res["mstar_zero"][point] = (stats.paired_test([a[k] for k in common], [b[k] for k in common], alpha),
+                                            float(have.target_dose.iloc[-1]))
         if len(have) >= 2:
             x = np.log10(have.target_dose.map(lv.set_index("target_dose").realised_dose))
             per = pd.DataFrame([{"log10_dose": xi, "seed": s, "log2_M_star": v}

@@ -443,6 +443,8 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
     - the ladder's reading of the r slope as a log2 M* slope (dose.ladder_conversion, delta method) — derived
       from the r slope, so outside the family;
     - the contrast of the highest in-regime dose against dose 0 (paired t by (M, seed)) — Holm family;
+    - log2 M* at the highest in-regime dose with a full M grid against dose 0's (paired t by seed; the CPU plan's
+      direct check of the ladder) — Holm family (r50; midpoint a sensitivity row);
     - monotonicity: isotonic against linear in log dose (dose.monotonicity, parametric bootstrap) — a shape check,
       outside the family.
     Gates: seeds, equal data, dose 0 inside the regime. No rows at all when the grid has no dose series."""
@@ -484,6 +486,18 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
                              family=point == "r50", power="could detect ≥ {mde:.2g} octaves of M* " + unit,
                              words=(f"M* {_direction(e.estimate, 'rises', 'falls')} with the {src} dose",
                                     f"no evidence that M* moves with the {src} dose")))
+        for point in ("r50", "midpoint"):
+            t_mz = (f"dose-response {name}: paired t of log2 M* ({point}) (highest dose with a full M grid − dose 0) "
+                    "by seed")
+            if point not in res["mstar_zero"]:
+                rows.append(_row("H1", t_mz, "log2 M*", family=point == "r50", status="not run: no positive dose in "
+                                 "the regime and dose 0 both with a per-seed M* (a full M grid) on ≥ 2 common seeds"))
+                continue
+            z, top_m = res["mstar_zero"][point]
+            rows.append(_row("H1", t_mz, "log2 M*", f"dose {top_m:.3g} − dose 0", **z, fails=fails,
+                             family=point == "r50", power="could detect a shift of ≥ {mde:.2g} octaves of M*",
+                             words=(f"M* {_direction(z['estimate'], 'higher', 'lower')} at {src} dose {top_m:.3g} "
+                                    "than without injection", f"no evidence that {src} dose {top_m:.3g} moves M*")))
         loc = res["local"]
         t_l = (f"dose-response {name}: threshold ladder, log2 M* slope = −(r slope) / (dr/dlog2 M at dose 0 over "
                f"M ∈ {{{m_at}}}), delta method")
