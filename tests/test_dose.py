@@ -88,6 +88,8 @@ def test_a_planted_slope_of_r_is_recovered_and_a_null_is_a_null():
     row = t[t.test.str.contains("MixedLM r ~")].iloc[0]
     assert row.gates_passed and row.in_family and row.ci_lo < 0.05 < row.ci_hi and row.ci_lo > 0
     assert row.verdict.startswith("r increases with the param dose") and row.n == 45
+    assoc = t[t.test.str.contains("association")].iloc[0]   # planted: integrated P-NE* = 0.05 + dose
+    assert assoc.estimate > 0 and not assoc.in_family and "(association)" in assoc.verdict
     null = h1(planted(rng, slope=0.0))
     row = null[null.test.str.contains("MixedLM r ~")].iloc[0]
     assert row.ci_lo < 0 < row.ci_hi and row.verdict.startswith("no evidence") and "could detect a slope" in row.verdict

@@ -233,6 +233,16 @@ def _t_interval(v: pd.Series, level: float) -> tuple[float, float, float]:
     return m, m - h, m + h
 
 
+def _fitted(fn, d: pd.DataFrame, alpha: float, res: dict, what: str):
+    """fn(d, alpha), or None with res['failed'][what] = the error's name (a singular design is a result to report,
+    not a crash)."""
+    try:
+        return fn(d, alpha)
+    except Exception as err:  # noqa: BLE001
+        res["failed"][what] = type(err).__name__
+        return None
+
+
 def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> dict:
     """Everything the dose–response of one series says (`g`: its runs and dose 0's, DOSE_SCHEMA rows):
     levels  one row per target dose: `regime`'s columns, r at M = 16 (t-interval over seeds), M* by r50 and by
@@ -244,7 +254,8 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
             dose − dose 0 by seed, that dose)}; local: local_slope at dose 0; ladder_fit: ladder_conversion of r's
             slope;
     zero    paired t (stats.paired_test) of r at the highest in-regime dose − dose 0 by (M, seed) at the ladder;
-    mono    monotonicity of the seed means of r over the ladder against log10 dose."""
+    mono    monotonicity of the seed means of r over the ladder against log10 dose;
+    failed  {fit: error name} of the mixed models that failed."""
     level = 1 - alpha
     lv = regime(g, dose_tol)
     ok = g[~g.diverged.astype(bool)].assign(log10_dose=lambda d: np.log10(
@@ -257,7 +268,7 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
     res = {"ladder": ladder, "fit": fit, "doses": sorted(inside),
            "left_out": lv[~lv.in_regime & (lv.target_dose > 0)], "r": None, "mstar": {}, "mstar_zero": {},
            "ladder_fit": None,
-           "zero": None, "mono": None}
+           "zero": None, "mono": None, "failed": {}}
     extra = []
     for d, h in finite.groupby("target_dose"):
         row = {"target_dose": d}
@@ -280,8 +291,8 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
     lv = lv.merge(ex.drop(columns=[c for c in ex if c.startswith("_")]), on="target_dose", how="left")
     res["levels"] = lv.merge(shifts, on="target_dose", how="left")
     if len(inside) >= 2 and len(fit) and fit.seed.nunique() >= 2:
-        res["r"] = r_slope(fit, alpha)
-        if np.isfinite(res["local"]["s"]):
+        res["r"] = _fitted(r_slope, fit, alpha, res, "r")
+        if res["r"] is not None and np.isfinite(res["local"]["s"]):
             res["ladder_fit"] = ladder_conversion(res["r"].estimate, res["r"].se, res["local"]["s"],
                                                   res["local"]["se"], alpha)
         cells = fit.groupby(["log10_dose", "seed"], as_index=False).r.mean().rename(columns={"r": "y"})
@@ -301,7 +312,9 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
             x = np.log10(have.target_dose.map(lv.set_index("target_dose").realised_dose))
             per = pd.DataFrame([{"log10_dose": xi, "seed": s, "log2_M_star": v}
                                 for xi, seeds in zip(x, have[col]) for s, v in seeds.items()])
-            res["mstar"][point] = (mstar_slope(per, alpha), len(have))
+            e = _fitted(mstar_slope, per, alpha, res, f"M* ({point})")
+            if e is not None:
+                res["mstar"][point] = (e, len(have))
     if len(inside) and ladder:
         top = finite[(finite.target_dose == max(inside)) & finite.M.isin(ladder)].set_index(["M", "seed"]).r
         zero = finite[(finite.target_dose == 0) & finite.M.isin(ladder)].set_index(["M", "seed"]).r

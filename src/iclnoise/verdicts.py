@@ -446,7 +446,10 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
     - log2 M* at the highest in-regime dose with a full M grid against dose 0's (paired t by seed; the CPU plan's
       direct check of the ladder) — Holm family (r50; midpoint a sensitivity row);
     - monotonicity: isotonic against linear in log dose (dose.monotonicity, parametric bootstrap) — a shape check,
-      outside the family.
+      outside the family;
+    - the exposure association, secondary: r against the runs' measured log integrated P-NE* (batch noise and
+      injected, after clipping) on the same runs and dose 0's — outside the family (measured exposure tracks the
+      phase; the dose is the manipulation).
     Gates: seeds, equal data, dose 0 inside the regime. No rows at all when the grid has no dose series."""
     runs = dose.dose_runs(out, GATES["regime_tol"])
     rows = []
@@ -465,8 +468,9 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
         t_r = f"dose-response {name}: MixedLM r ~ log10(dose) + C(M) + (1|seed), M ∈ {{{m_at}}}, {where}"
         unit = "per decade of dose"
         if res["r"] is None:
-            rows.append(_row("H1", t_r, "r", status="not run: needs ≥ 2 positive doses inside the operating regime "
-                             f"and ≥ 2 seeds ({where})"))
+            why = (f"fit failed ({res['failed']['r']})" if "r" in res["failed"] else
+                   f"needs ≥ 2 positive doses inside the operating regime and ≥ 2 seeds ({where})")
+            rows.append(_row("H1", t_r, "r", status=f"not run: {why}"))
         else:
             e = res["r"]
             rows.append(_row("H1", t_r, "r", "log10 dose", n=len(res["fit"]), estimate=e.estimate, ci_lo=e.ci_lo,
@@ -477,8 +481,9 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
         for point in ("r50", "midpoint"):
             t_m = f"dose-response {name}: MixedLM log2 M* ({point}) ~ log10(dose) + (1|seed), {where}"
             if point not in res["mstar"]:
-                rows.append(_row("H1", t_m, "log2 M*", family=point == "r50", status="not run: fewer than 2 "
-                                 "doses in the regime with a per-seed M* (a full M grid at every such dose)"))
+                why = (f"fit failed ({res['failed'][f'M* ({point})']})" if f"M* ({point})" in res["failed"] else
+                       "fewer than 2 doses in the regime with a per-seed M* (a full M grid at every such dose)")
+                rows.append(_row("H1", t_m, "log2 M*", family=point == "r50", status=f"not run: {why}"))
                 continue
             e, k = res["mstar"][point]
             rows.append(_row("H1", t_m, "log2 M*", "log10 dose", n=k, estimate=e.estimate, ci_lo=e.ci_lo,
@@ -523,6 +528,8 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
             rows.append(_row("H1", t_z, "r", f"dose {top} − dose 0", **z, fails=fails,
                              words=(f"r {_direction(z['estimate'], 'higher', 'lower')} at {src} dose {top} than "
                                     "without injection", f"no evidence that {src} dose {top} changes r")))
+        rows.append(_dose_exposure_row(out[out.run_id.isin(res["fit"].run_id) | out.run_id.isin(
+            g.run_id[(g.target_dose == 0) & g.M.isin(res["ladder"])])], name, cfg.alpha, fails))
         t_s = f"dose-response {name}: monotonicity, isotonic vs linear in log10(dose), parametric bootstrap"
         mono = res["mono"]
         if mono is None or not np.isfinite(mono["p"]):
@@ -535,3 +542,22 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
                              words=("monotone but not linear in log dose (a step or saturation)",
                                     "no evidence against a line in log dose")))
     return rows
+
+
+def _dose_exposure_row(used: pd.DataFrame, name: str, alpha: float, fails) -> dict:
+    """The dose series' secondary row: MixedLM r ~ log integrated P-NE* (+ C(M)) + (1|seed) over `used`, outside
+    the Holm family (an association: measured exposure also tracks the phase)."""
+    test = f"dose-response {name}: association, MixedLM r ~ log(integrated P-NE*) + C(M) + (1|seed) (secondary)"
+    d = used[used.integrated_pne.astype(float) > 0]
+    d = d.assign(log_exposure=np.log(d.integrated_pne.astype(float)))
+    if d.log_exposure.nunique() < 2 or d.seed.nunique() < 2:
+        return _row("H1", test, "r", family=False, status="not run: needs ≥ 2 exposure levels and ≥ 2 seeds")
+    try:
+        e = stats.mixed_model(d, "r ~ log_exposure" + (" + C(M)" if d.M.nunique() > 1 else ""), alpha=alpha
+                              ).set_index("term").loc["log_exposure"]
+    except Exception as err:  # noqa: BLE001 — a singular design is a result to report, not a crash
+        return _row("H1", test, "r", family=False, status=f"not run: fit failed ({type(err).__name__})")
+    return _row("H1", test, "r", "log integrated P-NE*", n=len(d), estimate=e.estimate, ci_lo=e.ci_lo, ci_hi=e.ci_hi,
+                p=e.p, effect_size=e.std_effect, mde=e.mde, fails=fails, family=False,
+                words=(f"r {_direction(e.estimate, 'increases', 'decreases')} with measured exposure (association)",
+                       "no evidence that r changes with measured exposure"))
