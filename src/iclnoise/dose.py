@@ -21,7 +21,7 @@ from scipy import stats as sps
 
 from . import stats
 from .tasks import M_INF
-from .thresholds import threshold_with_ci
+from .thresholds import fit_threshold, logistic, threshold_with_ci
 
 SERIES = ["source", "shape", "batch"]   # one dose series
 DOSE_SCHEMA = pa.schema([   # aggregate/dose.parquet: one row per run of a dose series (dose 0 included)
@@ -132,19 +132,34 @@ def mstar_slope(per_seed: pd.DataFrame, alpha: float) -> pd.Series:
 
 
 def local_slope(zero: pd.DataFrame, ladder: list[int]) -> dict:
-    """s = dr/dlog2 M over the ladder at dose 0: per seed the least-squares slope of r on log2 M at the ladder's M,
-    s = their mean, se = sd/√n (seeds the unit), p = the one-sided t-test that s > 0. A translation of the r-curve
-    by δ octaves in M changes the ladder's mean r by −δ·s to first order, which is how a shift in r reads as a
-    shift in M*."""
-    z = zero[zero.M.isin(ladder) & ~zero.diverged.astype(bool) & zero.r.notna()]
-    per = [np.polyfit(np.log2(h.M.astype(float)), h.r.astype(float), 1)[0]
-           for _, h in z.groupby("seed") if h.M.nunique() >= 2]
+    """s = d r̄_L/dlog2 M at dose 0: how fast the ladder's mean r, r̄_L = mean over the ladder's M of r, moves when the
+    r-curve translates in log2 M. A translation by δ octaves changes r̄_L by −δ·s to first order, s = the mean over
+    the ladder of dr/dlog2 M, which is how a shift in r reads as a shift in M*. Per seed, from the dose-0 runs on the
+    full M grid: the derivative (ceiling − floor)·g(1 − g)/scale of that seed's logistic4 fit (thresholds.
+    fit_threshold) averaged over the ladder's log2 M ('logistic'); where a seed's fit has no valid curve (too few M,
+    failed, no rise, a parameter on its bound) every seed's least-squares slope of r on log2 M at the ladder's M
+    instead ('secant': 8 % above the mean derivative on a logistic of scale 1 octave centred on {8, 16, 32}).
+    s = the seeds' mean, se = sd/√n (seeds the unit), p = the one-sided t-test that s > 0; `how` says which."""
+    z = zero[~zero.diverged.astype(bool) & zero.r.notna() & (zero.M != M_INF)]
+    xl = np.log2(np.asarray(ladder, float))
+    per, how = [], "logistic"
+    for _, h in z.groupby("seed"):
+        f = fit_threshold(h.M.to_numpy(), h.r.to_numpy(), None)
+        if f["reason"] and not f["reason"].startswith(("r does not cross 0.5", "crossing outside the grid")):
+            per, how = [], "secant"
+            break
+        g = logistic(xl, f["x0"], f["scale"])
+        per.append(float(np.mean((f["ceiling"] - f["floor"]) * g * (1 - g) / f["scale"])))
+    if how == "secant":
+        zl = z[z.M.isin(ladder)]
+        per = [np.polyfit(np.log2(h.M.astype(float)), h.r.astype(float), 1)[0]
+               for _, h in zl.groupby("seed") if h.M.nunique() >= 2]
     n = len(per)
     if n < 2:
-        return {"s": math.nan, "se": math.nan, "p": math.nan, "n": n}
+        return {"s": math.nan, "se": math.nan, "p": math.nan, "n": n, "how": how}
     s, se = float(np.mean(per)), float(np.std(per, ddof=1) / math.sqrt(n))
     p = float(sps.t.sf(s / se, n - 1)) if se > 0 else float(s <= 0)
-    return {"s": s, "se": se, "p": p, "n": n}
+    return {"s": s, "se": se, "p": p, "n": n, "how": how}
 
 
 def ladder_conversion(b: float, se_b: float, s: float, se_s: float, alpha: float) -> dict:

@@ -505,7 +505,7 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
                                     "than without injection", f"no evidence that {src} dose {top_m:.3g} moves M*")))
         loc = res["local"]
         t_l = (f"dose-response {name}: threshold ladder, log2 M* slope = −(r slope) / (dr/dlog2 M at dose 0 over "
-               f"M ∈ {{{m_at}}}), delta method")
+               f"M ∈ {{{m_at}}}, {loc.get('how', 'secant')}), delta method")
         if res["ladder_fit"] is None:
             rows.append(_row("H1", t_l, "log2 M*", family=False, status="not run: " + (
                 "no r slope" if res["r"] is None else f"no local slope at dose 0 ({loc['n']} seeds with ≥ 2 M)")))
