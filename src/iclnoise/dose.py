@@ -88,7 +88,9 @@ def regime(g: pd.DataFrame, dose_tol: float) -> pd.DataFrame:
         inf = lv[lv.M == M_INF]
         ratio = (inf.ood_loss / inf.ood_loss_ridge).where(~inf.diverged.astype(bool), np.inf).astype(float)
         why, real = [], float(lv.realised_dose.mean())
-        if d > 0 and not abs(real / d - 1) <= dose_tol:
+        if d > 0 and not np.isfinite(real):
+            why.append("realised dose not recorded (no exposure.parquet)")
+        elif d > 0 and not abs(real / d - 1) <= dose_tol:
             why.append(f"{'saturated' if real < d else 'over target'}: realised {real:.3g} = {real / d:.2f}× target")
         if lv.diverged.any():
             why.append(f"{int(lv.diverged.sum())} of {len(lv)} runs diverged")
@@ -120,7 +122,9 @@ def log_dose(g: pd.DataFrame, lv: pd.DataFrame) -> pd.Series:
 def r_slope(d: pd.DataFrame, alpha: float) -> pd.Series:
     """The slope of r against log10 dose at fixed M: MixedLM r ~ log10_dose + C(M) + (1 | seed) (C(M) only with
     several M), REML (stats.mixed_model); the log10_dose row (estimate, se, ci_lo, ci_hi, p, mde,
-    std_effect). `d`: runs with columns r, M, seed, log10_dose."""
+    std_effect). `d`: runs with columns r, M, seed, log10_dose. Measured on planted series (bench/bench_dose.py, 200
+    each; 5 doses over 2 decades, M ∈ {8, 16, 32}, 3 seeds, run sd 0.02, seed sd 0.03): coverage of the 95 %
+    interval 0.960 at slopes 0, 0.0117 and 0.03; size 0.040; power 0.77 at the reported mde (0.0117, 80 %)."""
     formula = "r ~ log10_dose" + (" + C(M)" if d.M.nunique() > 1 else "")
     return stats.mixed_model(d, formula, alpha=alpha).set_index("term").loc["log10_dose"]
 
@@ -208,7 +212,8 @@ def monotonicity(cells: pd.DataFrame, n_sim: int = 2000, seed: int = 0) -> dict:
     gains over the line). p by a parametric bootstrap of the studentized T/σ̂² under the linear fit: ȳ*_d = line_d +
     N(0, σ̂²/n) and σ*² = σ̂²·χ²_df/df independently, σ̂² the residual variance of the additive dose + seed fit of
     the cells (df = (k − 1)(n − 1); a seed's shift common to every dose changes neither RSS);
-    p = (1 + #{T*/σ*² ≥ T/σ̂²}) / (1 + n_sim)."""
+    p = (1 + #{T*/σ*² ≥ T/σ̂²}) / (1 + n_sim). Measured (bench/bench_dose.py, 200 each, 5 doses, 3 seeds, run sd
+    0.02): rejects a line in log dose at 0.065 (α 0.05), a step of 0.1 in r between two doses at 0.970."""
     doses = np.sort(cells.log10_dose.unique())
     k = len(doses)
     wide = cells.pivot_table(index="log10_dose", columns="seed", values="y").reindex(doses).dropna(axis=1)
