@@ -10,6 +10,20 @@ curve by 0, −0.25 and −0.5 octave per decade; dose.monotonicity's rejection 
 and under a step.
 
 Usage: OMP_NUM_THREADS=1 python bench/bench_dose.py [replications per cell, default 200]
+
+Measured (2026-11-27, 200 per cell; the ladder rows with local_slope's logistic derivative, commit 1bd3787):
+| cell | mean estimate | coverage (95 %) | rejection rate (α 0.05) | mean mde |
+|---|---|---|---|---|
+| r slope 0 (size) | −0.0003 | 0.960 | 0.040 | 0.0117 |
+| r slope 0.03 per decade | +0.0297 | 0.960 | 1.000 | 0.0117 |
+| r slope at the null's mde (0.0117; power) | +0.0113 | 0.960 | 0.770 | 0.0117 |
+| ladder log2 M* slope 0 (size) | +0.0020 | 0.960 | 0.040 | 0.0682 |
+| ladder log2 M* slope −0.25 per decade | −0.245 | 0.965 | 1.000 | 0.0724 |
+| ladder log2 M* slope −0.5 per decade | −0.475 | 0.935 | 1.000 | 0.0873 |
+| monotonicity, r linear in log dose (size) | – | – | 0.065 | – |
+| monotonicity, a step of 0.1 between doses 0.03 and 0.1 | – | – | 0.970 | – |
+(With the secant over the ladder as the local slope, the ladder rows read +0.0018 / −0.228 / −0.441, coverage
+0.960 / 0.855 / 0.550.)
 """
 from __future__ import annotations
 

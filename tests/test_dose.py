@@ -98,7 +98,7 @@ def test_a_planted_slope_of_r_is_recovered_and_a_null_is_a_null():
 def test_the_ladder_reads_a_planted_shift_of_m_star():
     """M* moves by −0.25 octave per decade (r's curve translates): the ladder's converted slope covers it, M* by r50
     is not fitted (3 M at the positive doses), and the shift per dose follows −0.25·log10(d/0.01). (The conversion
-    is first order: at −0.5 per decade, a 1-octave shift over the 2 decades, it reads 10 % low on this logistic.)"""
+    is first order: at −0.5 per decade, a 1-octave shift over the 2 decades, it reads 5 % low; bench/bench_dose.py.)"""
     out = planted(np.random.default_rng(2), shift=-0.25, noise=0.01)
     t = h1(out)
     lad = t[t.test.str.contains("threshold ladder")].iloc[0]

@@ -169,7 +169,11 @@ def local_slope(zero: pd.DataFrame, ladder: list[int]) -> dict:
 def ladder_conversion(b: float, se_b: float, s: float, se_s: float, alpha: float) -> dict:
     """A slope b (r per decade, SE se_b) read as a shift of log2 M* per decade through the local slope s (SE se_s,
     independent: dose 0's runs are not in b's fit): c = −b/s, SE by the delta method
-    √(se_b²/s² + b²·se_s²/s⁴), Wald interval and p, mde = stats.mde_wald(SE)."""
+    √(se_b²/s² + b²·se_s²/s⁴), Wald interval and p, mde = stats.mde_wald(SE). First order in the shift: measured on
+    planted translations of a logistic r-curve (bench/bench_dose.py, 200 each; 5 doses over 2 decades, ladder
+    {8, 16, 32} around M* = 16, 3 seeds) coverage 0.960 at 0 (size 0.040), 0.965 at −0.25 octave per decade (mean
+    −0.245), 0.935 at −0.5 (mean −0.475, 5 % low); with the secant slope instead of local_slope's logistic
+    derivative 0.855 and 0.550."""
     c = -b / s
     se = math.sqrt(se_b ** 2 / s ** 2 + b ** 2 * se_s ** 2 / s ** 4)
     z = sps.norm.ppf(1 - alpha / 2)
