@@ -58,9 +58,11 @@ bench: setup
 	test -d results/runs/M16-B64-none-s0 && $(BIN)/python bench/bench_probes.py || echo "bench_probes: needs a finished make run"
 
 # The paper's figures and a report per committed reference set (reference/*/), from their tables alone:
-# nothing trains; paper/<set>/figures/*.png and paper/<set>/report.md.
+# nothing trains; $(PAPER_OUT)/<set>/figures/*.png and $(PAPER_OUT)/<set>/report.md. Each set is first checked
+# against its provenance.json. PAPER_OUT=/elsewhere: from a read-only checkout, or beside another make paper.
+PAPER_OUT ?= paper
 paper: setup
-	iclnoise paper $(wildcard reference/*/) --out paper
+	iclnoise paper $(wildcard reference/*/) --out $(PAPER_OUT)
 
 # Rerun only aggregation, figures and the report from existing per-run artifacts.
 figures: setup

@@ -1,15 +1,28 @@
 # Snakemake entry point. params.yaml is the single source of truth; it is validated here, at
 # parse time, so a bad value stops the workflow before any job starts. Rules stay thin: each
 # calls one `iclnoise <command>`; the package never imports Snakemake.
+import hashlib
 import json
 import shlex
 from pathlib import Path
 
 from snakemake.utils import min_version
 
-from iclnoise.config import ParamsError, check_yaml_files, run_options, switch, validate_params
-from iclnoise.cost import check_cost, format_cost
-from iclnoise.grid import ed_families, ensemble_groups, expand_grid, parse_run_id, refined_covers, shared_spec
+from iclnoise.config import (
+    ParamsError,
+    check_yaml_files,
+    merge_params,
+    parse_overrides,
+    run_options,
+    source_names,
+    switch,
+    validate_params,
+)
+from iclnoise.cost import PARAMS_RECORD, check_cost, format_cost, rerun_note
+from iclnoise.io import write_json
+from iclnoise.grid import ed_families, ensemble_groups, expand_grid, job_cfg, parse_run_id, refined_covers, shared_spec
+from iclnoise.grid import probe_sections as probe_sections_of
+from iclnoise.runs import missing_checkpoints
 
 min_version("9.0")
 
@@ -19,16 +32,24 @@ configfile: "params.yaml"
 
 # Keys that configure how the workflow runs, not what it computes (not part of params.yaml's schema).
 RUN_KEYS = ("train_resources", "train_threads", "confirm_cost")
+# --config key=value. Snakemake reads a mapping's values as strings: the params keys' are read as YAML scalars, as
+# in a file (the run keys keep their words: `confirm_cost=yes` must not read as true).
+CONFIG_ARGS = dict(workflow.config_settings.config)
+OVERRIDES = parse_overrides({k: v for k, v in CONFIG_ARGS.items() if k not in RUN_KEYS})
 try:
     check_yaml_files(["params.yaml", *workflow.configfiles])  # duplicate keys, syntax errors with line numbers
-    PARAMS = validate_params({k: v for k, v in config.items() if k not in RUN_KEYS})
-    confirmed = switch(config.get("confirm_cost", False), "confirm_cost")
-    TRAIN_THREADS, TRAIN_RESOURCES = run_options(config)
+    VALUES = merge_params(config, OVERRIDES)
+    PARAMS = validate_params({k: v for k, v in VALUES.items() if k not in RUN_KEYS})
+    confirmed = switch(VALUES.get("confirm_cost", False), "confirm_cost")
+    TRAIN_THREADS, TRAIN_RESOURCES = run_options(VALUES)
     COST = check_cost(PARAMS, confirmed=confirmed) if workflow.is_main_process else None
 except ParamsError as err:
-    raise WorkflowError(f"{' + '.join(['params.yaml', *map(str, workflow.configfiles)])}: {err}") from None
+    raise WorkflowError(f"{source_names(['params.yaml', *workflow.configfiles], CONFIG_ARGS)}: {err}") from None
 if COST:
     logger.info(f"grid: {format_cost(COST)}")
+    NOTE = rerun_note(PARAMS, "results")
+    if NOTE:
+        logger.info(NOTE)
 
 RUNS = [k.run_id for k in expand_grid(PARAMS)]
 GROUPS = ensemble_groups(PARAMS)
@@ -38,6 +59,7 @@ RES = "results"
 wildcard_constraints:
     run=r"M(inf|\d+)-B\d+-[a-z0-9_]+-s\d+",
     family=r"(bym|bynoise)-[A-Za-z0-9_-]+",
+    tag=r"[0-9a-f]{12}",
 
 
 include: "workflow/rules/common.smk"
@@ -55,6 +77,7 @@ rule all:
     """Every artifact: each run's training and probe outputs, essential dynamics, figures, aggregate, report."""
     input:
         [f for r in RUNS for f in train_outputs(r)],
+        list(CKPT_MISSING.values()),
         [f for r in RUNS for f in probe_outputs(r, probe_sections(r))],
         expand(rules.ed.output, family=list(ED_FAMILIES)),
         expand(rules.ed_figures.output, family=list(ED_FAMILIES)),
@@ -65,3 +88,7 @@ rule all:
         rules.aggregate_figures.output,
         rules.report.output,
     default_target: True
+
+
+onsuccess:
+    write_json(PARAMS, f"{RES}/{PARAMS_RECORD}")  # what the next run's rerun note compares against

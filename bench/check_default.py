@@ -1,7 +1,8 @@
 """Does a finished default run show the known behaviour? Reads the Parquet tables, prints PASS/FAIL per criterion.
 
-Criteria (issue 13, part 1): M = 1 dMMSE-like (mean r ≤ 0.2); the largest finite M ridge-like (mean r ≥ 0.75);
-every M = ∞ seed's OOD loss within --converge (0.15; issue 28's science gate: 0.10) of ridge's; r crosses 0.5
+Criteria (issue 13, part 1), with the aggregate's thresholds (iclnoise.verdicts.GATES): M = 1 dMMSE-like (mean
+r ≤ GATES r_low); the largest finite M ridge-like (mean r ≥ GATES r_high); every M = ∞ seed's OOD loss within
+--converge (GATES convergence_tol; issue 28's science gate: 0.10) of ridge's; r crosses 0.5
 inside the M grid; ≥ 3 seeds; compared batch sizes saw equal data. Where the run has refined LLCs (issue 32):
 every rllc.parquet holds every component at every checkpoint, ≥ 90 % of its λ̂ finite, and has its
 susceptibility.parquet. Exit status 1 if any criterion fails.
@@ -17,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from iclnoise.tasks import M_INF
+from iclnoise.verdicts import GATES
 
 
 def refined_checks(results: Path) -> list[tuple[str, bool]]:
@@ -34,7 +36,7 @@ def refined_checks(results: Path) -> list[tuple[str, bool]]:
     return checks
 
 
-def main(results: Path, converge: float = 0.15) -> int:
+def main(results: Path, converge: float = GATES["convergence_tol"]) -> int:
     runs = [pd.read_parquet(f) for f in sorted(results.glob("runs/*/metrics.parquet"))]
     end = pd.concat([m.sort_values("step").tail(1) for m in runs], ignore_index=True)
     batch_noise = end[end.noise == "none"]
@@ -46,10 +48,10 @@ def main(results: Path, converge: float = 0.15) -> int:
         gaps = (inf.ood_loss / inf.ood_loss_ridge - 1).tolist()
         crosses = [(a, b) for a, b in zip(r_by_m.index[:-1], r_by_m.index[1:]) if r_by_m[a] < 0.5 <= r_by_m[b]]
         checks += [
-            (f"batch {B}: M = 1 dMMSE-like, mean r = {r_by_m.iloc[0]:.3f} ≤ 0.2",
-             r_by_m.index[0] == 1 and r_by_m.iloc[0] <= 0.2),
-            (f"batch {B}: largest M = {r_by_m.index[-1]} ridge-like, mean r = {r_by_m.iloc[-1]:.3f} ≥ 0.75",
-             r_by_m.iloc[-1] >= 0.75),
+            (f"batch {B}: M = 1 dMMSE-like, mean r = {r_by_m.iloc[0]:.3f} ≤ {GATES['r_low']}",
+             r_by_m.index[0] == 1 and r_by_m.iloc[0] <= GATES["r_low"]),
+            (f"batch {B}: largest M = {r_by_m.index[-1]} ridge-like, mean r = {r_by_m.iloc[-1]:.3f} ≥ "
+             f"{GATES['r_high']}", r_by_m.iloc[-1] >= GATES["r_high"]),
             (f"batch {B}: every M = ∞ seed's OOD loss within {converge:.0%} of ridge's "
              f"(excess {[round(x, 3) for x in gaps]})",
              len(gaps) > 0 and all(abs(x) <= converge for x in gaps)),
@@ -68,6 +70,7 @@ def main(results: Path, converge: float = 0.15) -> int:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", nargs="?", default="results", type=Path)
-    ap.add_argument("--converge", type=float, default=0.15, help="largest M = ∞ excess over ridge's OOD loss")
+    ap.add_argument("--converge", type=float, default=GATES["convergence_tol"],
+                    help="largest M = ∞ excess over ridge's OOD loss")
     a = ap.parse_args()
     sys.exit(main(a.results, a.converge))

@@ -16,7 +16,8 @@ from iclnoise.io import read_parquet, write_json, write_parquet
 from iclnoise.llc import LLC_SCHEMA
 from iclnoise.thresholds import logistic
 
-STATS = json.dumps({"stats": {"alpha": 0.05, "equivalence_margin": 0.05, "transient_tol": 0.05}})  # params.yaml
+STATS = json.dumps({"stats": {"alpha": 0.05, "equivalence_fraction": 0.5, "equivalence_margin": None,
+                              "transient_tol": 0.05}})  # params.yaml
 
 PARAMS = load_params("params.yaml")
 
@@ -47,7 +48,8 @@ def fake_run(root, M, B, seed, r_end, diverged=False, llc=None, ood_end=0.8, ste
                                      "diverged": False, "negative": False, "not_levelled": llc_flags and st < steps,
                                      "epsilon": 1e-4, "gamma": 100.0, "nbeta": 100.0, "chains": 1, "burn_in": 1,
                                      "draws": 8, "batch_size": 8, "n": 64, "mala_accept": 0.9,
-                                     "method": "sgld"}
+                                     "method": "sgld", "mean_sampling_loss_se": 0.01, "trivial_loss": 1.03,
+                                     "lambda_max": 10.0, "stability_ratio": 0.1, "unstable": False, "escaped": False}
                                     for st in (steps // 10, steps)]), d / "llc.parquet", LLC_SCHEMA)
     return d
 
@@ -84,8 +86,8 @@ def test_aggregate_outcomes_thresholds_tests_and_report(runs):
     assert o.integrated_pne.isna().all() and o.hessian_trace.isna().all()       # absent probes: null columns
     assert set(o.sequences) == {16000, 64000} and (o.ood_loss_ridge == 0.4).all()
     th = read_parquet(out / "thresholds.parquet").set_index(["batch", "method"])
-    assert len(th) == 4 and set(th.index.get_level_values("method")) == {"r50", "crossover"}
-    for method in ("r50", "crossover"):
+    assert len(th) == 6 and set(th.index.get_level_values("method")) == {"r50", "midpoint", "crossover"}
+    for method in ("r50", "midpoint", "crossover"):   # floor 0, ceiling 1: the midpoint is the r = 0.5 crossing
         t16, t64 = th.loc[(16, method)], th.loc[(64, method)]
         assert t16.M_star == pytest.approx(16, rel=0.25) and t64.M_star == pytest.approx(64, rel=0.25), method
         assert t16.M_star_lo <= 16 <= t16.M_star_hi, method
@@ -138,6 +140,8 @@ def test_planted_clean_transition_passes_every_gate_and_recovers_m_star(tmp_path
     assert m["convergence"]["none/B16"]["converged"] and m["thresholds"]["none/B16"]["gates_passed"]
     assert m["thresholds_crossover"]["none/B16"]["gates_passed"]
     assert m["llc_flagged_share"] == 0.5 and m["llc_final_flagged_share"] == 0.0   # the LLC gate reads the latter
+    out_t = read_parquet(out / "outcomes.parquet").query("M != -1")
+    assert (out_t.llc_final_sampler == False).all() and (out_t.llc_n_sampler == 0).all()   # noqa: E712
 
 
 def test_figure_1_has_one_panel_per_trained_condition(tmp_path, monkeypatch):
@@ -208,12 +212,46 @@ def test_runs_that_diverged_at_their_first_update_are_reported_not_crashed_on(ti
     o = read_parquet(out / "outcomes.parquet")
     assert o.diverged.all() and (o.t_crit == -1).all() and (o.steps == 0).all()
     th = read_parquet(out / "thresholds.parquet")
-    assert sorted(th.method) == ["crossover", "r50"] and (th.reason == "no threshold: every run diverged").all()
+    assert sorted(th.method) == ["crossover", "midpoint", "r50"]
+    assert (th.reason == "no threshold: every run diverged").all()
     assert not th.gates_passed.any() and th.gate_failures.str.contains("every run with finite M diverged").all()
     figures_cli(["--out-dir", str(tmp_path), *[str(d / "metrics.parquet") for d in dirs]])
     assert (tmp_path / "figures" / "fig01_ood_loss.png").exists()
     report_cli(["--results", str(tmp_path), "--cfg", '{"grid": {"M": [1]}}', "--out", str(tmp_path / "report.md")])
     assert "every run diverged" in (tmp_path / "report.md").read_text()
+
+
+def opening(tmp_path, dirs) -> str:
+    """The report's "What this run shows" section for the runs `dirs`, through aggregate and report."""
+    aggregate_cli([str(d) for d in dirs] + ["--out", str(tmp_path / "aggregate"), "--cfg", STATS])
+    report_cli(["--results", str(tmp_path), "--cfg", '{"grid": {"M": [1]}}', "--out", str(tmp_path / "report.md")])
+    text = (tmp_path / "report.md").read_text()
+    start = text.index("## What this run shows")
+    return text[start:text.index("\n## ", start)]
+
+
+def test_the_opening_says_m_inf_runs_diverged_not_that_every_condition_converged(tmp_path):
+    """Issue 48, case 5 (lr 50): every run diverged, M = ∞ included. The opening said "no M = ∞ run ... every
+    condition converged"; it says the M = ∞ runs diverged, not every condition converged, and names it below."""
+    dirs = [fake_run(tmp_path / "runs", M, 16, 0, 0.5, diverged=True) for M in (1, 4, -1)]
+    text = opening(tmp_path, dirs)
+    assert "none/B16 M = ∞ runs diverged; not every condition converged" in text, text
+    assert "no M = ∞ run" not in text and "; every condition converged" not in text, text
+    assert "The models are not converged (none/B16: M = ∞ runs diverged)" in text, text
+    assert "no M* (every run diverged)" in text and "passed its validity gates" not in text, text
+
+
+def test_the_opening_claims_no_passed_gate_where_no_threshold_or_test_ran(tmp_path):
+    """Issue 48, case 6: a grid of M = ∞ only (2 seeds, 2× ridge's loss) has no threshold and runs no test. The
+    opening ended "Every threshold and verdict above passed its validity gates"; it says that no threshold was
+    estimated and no test ran, and that the models are not converged."""
+    dirs = [fake_run(tmp_path / "runs", -1, 16, seed, 0.5) for seed in (0, 1)]
+    text = opening(tmp_path, dirs)
+    assert "passed its validity gates" not in text, text
+    assert "none/B16 2.00×; not every condition converged" in text, text
+    assert "No task-diversity threshold M*: the grid has no run at a finite M." in text, text
+    assert "No threshold was estimated and no hypothesis test ran" in text, text
+    assert "The models are not converged (none/B16: M = ∞ OOD loss 2.00× ridge's)" in text, text
 
 
 def test_an_arm_run_at_one_m_is_judged_converged_by_the_batch_noise_runs_at_its_batch():
@@ -230,8 +268,8 @@ def test_an_arm_run_at_one_m_is_judged_converged_by_the_batch_noise_runs_at_its_
 
     arms = out(1.05)[lambda d: d.noise != "none"]
     assert _gate_convergence(arms, convergence(out(1.05))) == []
-    assert _gate_convergence(arms, convergence(out(1.3))) == [
-        "unconverged (early/B64: no M = ∞ run; batch noise's at batch 64 1.30× ridge's, "
-        "late/B64: no M = ∞ run; batch noise's at batch 64 1.30× ridge's)"]
+    assert _gate_convergence(arms, convergence(out(1.3))) == [   # a record: (code, detail)
+        ("unconverged", "early/B64: no M = ∞ run; batch noise's at batch 64 1.30× ridge's, "
+                        "late/B64: no M = ∞ run; batch noise's at batch 64 1.30× ridge's")]
     alone = out(1.05)[lambda d: d.noise != "none"]
-    assert "nor batch-noise M = ∞ runs at batch 64" in _gate_convergence(alone, convergence(alone))[0]
+    assert "nor batch-noise M = ∞ runs at batch 64" in _gate_convergence(alone, convergence(alone))[0][1]

@@ -119,3 +119,37 @@ def test_refined_covers_the_probed_runs_of_its_m_only(tmp_path):
     assert refined_covers(p, parse_run_id("M16-B64-none-s0")) and not refined_covers(p, parse_run_id("M8-B64-none-s0"))
     p["llc"]["refined"]["M"] = None
     assert refined_covers(p, parse_run_id("M8-B64-none-s0"))
+
+
+def test_check_names_the_jobs_a_change_reruns_with_their_cost(tmp_path, capsys):
+    """Issue 48 (16): against the params the results were made with (<results>/params.last.json, which the Snakefile
+    writes after a successful run), `iclnoise check` prints the changed keys and the jobs they rerun before any
+    runs: a geometry-only key reruns the default grid's 12 probe jobs and both ED families and trains nothing; a
+    stats key reruns aggregate, its figures and the report only; the learning rate reruns everything."""
+    import copy
+
+    from iclnoise.commands.runs import check
+    from iclnoise.config import validate_params
+    from iclnoise.cost import PARAMS_RECORD, rerun_plan
+    from iclnoise.grid import ed_families, ensemble_groups
+    from iclnoise.io import write_json
+
+    old = validate_params(yaml.safe_load((ROOT / "params.yaml").read_text()))
+    write_json(old, tmp_path / "results" / PARAMS_RECORD)
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["geometry"]["probes"] += 1
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    check([str(tmp_path / "params.yaml"), "--results", str(tmp_path / "results")])
+    out = capsys.readouterr().out
+    assert ("changed since the results were made: geometry.probes; this reruns 0 training job(s); 12 probe job(s) "
+            "(every probe of a run reruns together") in out and "; 2 ED families (analysis and figures)" in out, out
+    stats = copy.deepcopy(old)
+    stats["stats"]["alpha"] = 0.01
+    assert rerun_plan(old, stats) == {"train": [], "probe": [], "ed": [], "other": ["aggregate", "aggregate_figures",
+                                                                                      "report"]}
+    lr = copy.deepcopy(old)
+    lr["train"]["optimizer"]["lr"] *= 2
+    plan = rerun_plan(old, lr)
+    assert plan["train"] == list(ensemble_groups(lr)) and len(plan["probe"]) == 12
+    assert plan["ed"] == list(ed_families(lr)) and "training_figures" in plan["other"]
+    assert rerun_plan(old, old) == {"train": [], "probe": [], "ed": [], "other": []}

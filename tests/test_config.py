@@ -1,6 +1,7 @@
 """Invalid parameters are rejected with a message that names the key and what is allowed."""
 import copy
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -548,3 +549,80 @@ def test_each_runs_several_commands_in_one_process(monkeypatch, capsys):
         root.setLevel(saved[1])
         pkg.setLevel(saved[2])
         logging.captureWarnings(False)
+
+
+def test_params_sources_are_read_bounded_devices_and_pipes_included(tmp_path):
+    """Issue 48, case 11: the size cap used stat, which is 0 for a pipe or a device, so `iclnoise check /dev/zero`
+    read without bound (7 GB in 12 s). At most MAX_YAML_BYTES + 1 bytes are read from any source: a pipe that
+    carries 2 MiB is refused naming the cap (and its writer is left unread), /dev/zero too, and a `--cfg @file`."""
+    import threading
+
+    from iclnoise.commands import sections as cfg_sections
+    from iclnoise.commands.runs import check
+    from iclnoise.config import MAX_YAML_BYTES
+
+    r, w = os.pipe()
+    chunk = b"# a comment line of a params file\n" * 1024
+
+    def write():
+        try:
+            with open(w, "wb") as f:
+                for _ in range(2 * MAX_YAML_BYTES // len(chunk) + 1):
+                    f.write(chunk)
+        except BrokenPipeError:
+            pass
+    t = threading.Thread(target=write)
+    t.start()
+    try:
+        with pytest.raises(ParamsError, match=r"/dev/fd/\d+: more than 1,048,576 bytes; allowed: a params file up"):
+            load_params(f"/dev/fd/{r}")
+    finally:
+        os.close(r)
+        t.join()
+    with pytest.raises(SystemExit, match="/dev/zero: more than 1,048,576 bytes"):
+        check(["/dev/zero"])
+    with pytest.raises(SystemExit, match="/dev/zero: more than 1,048,576 bytes"):
+        cfg_sections("@/dev/zero")
+    with pytest.raises(SystemExit, match=f"{tmp_path}: cannot be read"):
+        check([str(tmp_path)])   # a directory: named, no traceback
+
+
+def test_config_values_are_read_as_yaml_scalars_and_errors_name_key_and_value():
+    """Issue 48, case 14: Snakemake reads `--config stats={alpha: 0.05}` with YAML's BaseLoader, so 0.05 arrived as
+    the string '0.05' and was refused as not a number. parse_overrides reads each string as a YAML scalar (safe
+    loader), as in a params file. `data=nan` (a number where a section belongs) is named as such, not as "a finite
+    number"; a source is named once."""
+    from iclnoise.config import parse_overrides, source_names
+
+    got = parse_overrides({"stats": {"alpha": "0.05", "equivalence_margin": "0.1", "transient_tol": "1e-2"},
+                           "grid": {"M": ["1", "16", "inf"], "seeds": ["0"]}, "data": float("nan"),
+                           "model": {"layer_norm": "true", "attn_init": "a: b", "arch": "!!python/name:os.system"}})
+    assert got["stats"] == {"alpha": 0.05, "equivalence_margin": 0.1, "transient_tol": "1e-2"}  # as YAML 1.1 reads
+    assert got["grid"] == {"M": [1, 16, "inf"], "seeds": [0]} and got["data"] != got["data"]
+    assert got["model"] == {"layer_norm": True, "attn_init": "a: b", "arch": "!!python/name:os.system"}
+    p = load_params("params.yaml")
+    with pytest.raises(ParamsError) as e:
+        validate_params(merge_params(p, {"data": float("nan"), "stats": {"transient_tol": float("nan")}}))
+    msg = str(e.value)
+    assert "data = nan is not allowed; it must be a mapping" in msg, msg
+    assert "stats.transient_tol = nan is not allowed; allowed: a finite number" in msg, msg
+    assert "data = nan is not allowed; allowed: a finite number" not in msg, msg
+    here = str(Path("params.yaml").resolve())
+    assert source_names(["params.yaml", here, "configs/noise.yaml"], {"data": 1, "confirm_cost": True}) == \
+        "params.yaml + configs/noise.yaml + --config data, confirm_cost"
+
+
+def test_snakemake_config_values_arrive_as_numbers(tmp_path):
+    """Issue 48, case 14, through Snakemake's own --config parsing (a dry run stopped at parse time): the numbers of
+    a mapping are numbers (stats.alpha is not named), a wrong value names its key and what it got, and the message
+    starts with each source once (it read "params.yaml + params.yaml")."""
+    (tmp_path / "params.yaml").write_text(Path("params.yaml").read_text())
+    out = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--snakefile",
+                          str(Path("Snakefile").resolve()), "--directory", str(tmp_path), "--config",
+                          "stats={alpha: 0.05, equivalence_margin: 0.1, transient_tol: x}", "data=nan"],
+                         capture_output=True, text=True, cwd=tmp_path)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and "params.yaml + --config stats, data: invalid params" in text, text[-2000:]
+    assert "stats.transient_tol = 'x' is not allowed; it must be a number" in text, text[-2000:]
+    assert "data = nan is not allowed; it must be a mapping" in text and "stats.alpha" not in text, text[-2000:]
+    assert "params.yaml + params.yaml" not in text

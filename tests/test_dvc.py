@@ -126,7 +126,7 @@ def test_dvc_from_a_fresh_clone_repro_push_pull_noop_and_partial_rerun(tmp_path)
 
     # a statistics setting: the stage reruns, Snakemake reruns aggregate and report, trains nothing
     p = yaml.safe_load((b / "params.yaml").read_text())
-    p["stats"]["equivalence_margin"] += 0.01
+    p["stats"]["equivalence_fraction"] += 0.01
     (b / "params.yaml").write_text(yaml.safe_dump(p))
     trained = digests(b, "results/runs")
     report = (b / "results/report.md").read_text()

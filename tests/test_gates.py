@@ -1,4 +1,4 @@
-"""Verdicts and validity gates of the hypothesis tests on planted outcome tables (issues 13 and 17)."""
+"""Verdicts and validity gates of the hypothesis tests on planted outcome tables (issues 13, 17 and 42)."""
 import numpy as np
 import pandas as pd
 import pytest
@@ -6,9 +6,10 @@ import pytest
 from iclnoise.aggregate import OUTCOMES_SCHEMA
 from iclnoise.sections import Stats
 from iclnoise.thresholds import logistic
-from iclnoise.verdicts import _row, _verdicts, h1_noise_beyond_eta_b, hypothesis_tests
+from iclnoise.verdicts import NO_MANIPULATION, _row, _verdicts, h1_noise_beyond_eta_b, hypothesis_tests
 
-CFG = Stats(alpha=0.05, equivalence_margin=0.05, transient_tol=0.05)
+CFG = Stats(alpha=0.05, equivalence_fraction=0.5, equivalence_margin=0.05, transient_tol=0.05)   # a stated margin
+DERIVED = Stats(alpha=0.05, equivalence_fraction=0.5, equivalence_margin=None, transient_tol=0.05)
 
 
 def table(rows: list[dict]) -> pd.DataFrame:
@@ -23,22 +24,25 @@ def table(rows: list[dict]) -> pd.DataFrame:
 
 
 CONDITIONS = {  # noise -> (batch, source, schedule, emulated batch, η/B)
-    "none16": (16, "batch", "none", 0, 4.0), "grad_b16": (64, "grad", "constant", 16, 1.0),
+    "none16": (16, "batch", "none", 0, 4.0), "none64": (64, "batch", "none", 0, 1.0),
+    "grad_b16": (64, "grad", "constant", 16, 1.0),
     "early": (64, "grad", "early", 0, 1.0), "late": (64, "grad", "late", 0, 1.0),
 }
 
 
 def planted(rng, late_gain=0.1, inj_shift=0.0, exposure={"early": 1.0, "late": 1.0}, seq_b16=64_000, seeds=6,
-            llc_flagged=0.0):
-    """4 finite M × `seeds` seeds in four conditions (batch 16; batch 64 emulating 16; early and late injection at
-    batch 64), each with converged M = ∞ runs (OOD loss 5 % above ridge's). A share `llc_flagged` of the runs
-    end on a flagged LLC estimate; every run has 3 of its 10 estimates flagged (as at initialisation: no minimum)."""
+            llc_flagged=0.0, manipulation=0.03, Ms=(4, 16, 64, 256)):
+    """4 finite M × `seeds` seeds in five conditions (batch 16 and 64; batch 64 emulating 16; early and late
+    injection at batch 64), each with converged M = ∞ runs (OOD loss 5 % above ridge's). r at batch 16 − batch 64
+    = `manipulation`; the injected arm is `inj_shift` above batch 16; per-run noise sd 0.005 on a (seed, M) level
+    shared by the conditions. A share `llc_flagged` of the runs end on a flagged LLC estimate; every run has 3 of
+    its 10 estimates flagged (as at initialisation: no minimum)."""
     rows = []
     for seed in range(seeds):
-        for M in (4, 16, 64, 256, -1):
+        for M in (*Ms, -1):
             base = 0.2 + 0.1 * np.log2(abs(M)) / 8 + 0.02 * rng.standard_normal()
             for noise, (B, src, sched, emu, eta_b) in CONDITIONS.items():
-                shift = {"grad_b16": inj_shift, "late": late_gain}.get(noise, 0.0)
+                shift = {"grad_b16": inj_shift, "late": late_gain, "none64": -manipulation}.get(noise, 0.0)
                 rows.append({"M": M, "seed": seed, "batch": B, "noise": noise, "noise_source": src,
                              "noise_schedule": sched, "emulate_batch": emu, "integrated_lr_over_b": eta_b,
                              "sequences": seq_b16 if B == 16 else 64_000,
@@ -105,18 +109,90 @@ def test_unconverged_and_too_few_seeds_are_inconclusive():
 
 
 def test_verdict_words_follow_the_holm_decision():
-    """Raw p 0.03 and 0.04 in a family of four: Holm p = 0.09 each, so neither may read as a finding; a gated
-    test with p = 1e-10 reads inconclusive; direction words only for a significant effect."""
+    """Raw p 0.03 and 0.04 in a family of three: Holm p = 0.09 each, so neither may read as a finding; a gated
+    test with p = 1e-10 reads inconclusive and stays out of the family; direction words only for a significant
+    effect; a null states its minimum detectable effect."""
     words = ("r increases", "no evidence")
     rows = [_row("H1", "a", "r", p=0.03, words=words), _row("H1", "b", "r", p=0.04, words=words),
-            _row("H4", "c", "r", p=0.2, words=words),
-            _row("H2", "d", "r", p=1e-10, words=words, fails=["unequal data"])]
+            _row("H4", "c", "r", p=0.2, words=words, mde=0.0123),
+            _row("H2", "d", "r", p=1e-10, words=words, fails=[("unequal data", "")])]
     v = _verdicts(rows, 0.05)
-    assert list(v.p_holm) == pytest.approx([0.09, 0.09, 0.2, 4e-10])    # statsmodels' Holm gives the same
-    assert v.verdict.tolist()[:3] == ["no evidence (Holm p = 0.09)"] * 2 + ["no evidence (Holm p = 0.2)"]
+    assert list(v.p_holm) == pytest.approx([0.09, 0.09, 0.2, np.nan], nan_ok=True)   # statsmodels' Holm: same
+    assert v.in_family.tolist() == [True, True, True, False]
+    assert v.verdict.tolist()[:3] == ["no evidence (Holm p = 0.09)"] * 2 + [
+        "no evidence (could detect |effect| ≥ 0.012; Holm p = 0.2)"]
     assert v.verdict.iloc[3] == "inconclusive: unequal data" and not v.gates_passed.iloc[3]
+    assert v.gate_records.iloc[3] == [{"code": "unequal data", "detail": ""}] and v.gate_records.iloc[0] == []
     v = _verdicts([_row("H1", "a", "r", p=0.001, words=words)], 0.05)
     assert v.verdict.iloc[0] == "r increases (Holm p = 0.001)" and v.gates_passed.iloc[0]
+
+
+def test_holm_family_is_the_tests_that_ran_and_passed_their_gates():
+    """Issue 42: on the science reference seven H4 tests that did not produce a verdict (one seed) sat in the family
+    and turned H1's p 0.008 into Holm p 0.085. Now a not-run, a gated and a sensitivity row are outside it: the
+    two passing tests alone make the family (Holm p = 2 × 0.008), whatever the others' p."""
+    words = ("r decreases", "no evidence")
+    rows = [_row("H1", "a", "r", p=0.008, words=words), _row("H2", "b", "r", p=0.2, words=words),
+            *[_row("H4", f"g{i}", "r", p=0.01, words=words, fails=[("insufficient seeds", "1 < 3")]) for i in range(7)],
+            _row("H3", "c", "r", status="not run: no injected condition"),
+            _row("H1", "s", "r", p=0.001, words=words, family=False)]
+    v = _verdicts(rows, 0.05)
+    assert v.in_family.tolist() == [True, True] + [False] * 9
+    assert v.p_holm.iloc[0] == pytest.approx(0.016) and v.p_holm.iloc[1] == pytest.approx(0.2)
+    assert v.p_holm.iloc[2:].isna().all() and v.verdict.iloc[0] == "r decreases (Holm p = 0.016)"
+    assert v.verdict.iloc[-1] == "r decreases (sensitivity, not in the Holm family: p = 0.001)"
+    t = hypothesis_tests(planted(np.random.default_rng(8)), DERIVED)
+    assert (t.in_family == (t.gates_passed & (t.status == "run") & ~t.test.str.startswith("sensitivity"))).all()
+    assert t[~t.in_family].p_holm.isna().all() and t[t.in_family].p_holm.notna().all()
+
+
+def test_h3_margin_is_half_the_manipulations_effect():
+    """Issue 42's done-when: batch 16 − batch 64 = 0.03 (seed sd 0.005) and the injected arm 0.002 from batch 16:
+    margin 0.5 × 0.03 ≈ 0.015, equivalent; the manipulation's effect and CI are in the row. With no manipulation
+    effect (0) there is nothing to compare sources on: inconclusive, and out of the Holm family. A fixed
+    margin (stats.equivalence_margin) replaces the derived one but not the manipulation gate."""
+    t = hypothesis_tests(planted(np.random.default_rng(9), inj_shift=0.002), DERIVED).set_index("hypothesis")
+    h3 = t.loc["H3"]
+    assert h3.manipulation_ci_lo < 0.03 < h3.manipulation_ci_hi and h3.manipulation_ci_lo > 0.02
+    assert h3.margin == pytest.approx(0.5 * h3.manipulation_effect) and 0.013 < h3.margin < 0.017
+    assert h3.verdict.startswith(f"equivalent within ±{h3.margin:.2g} (Holm p") and h3.in_family
+    assert "0.5 × |batch 16 − batch 64|" in h3.test and h3.mde < h3.margin
+    t = hypothesis_tests(planted(np.random.default_rng(9), inj_shift=0.002, manipulation=0.0), DERIVED)
+    h3 = t.set_index("hypothesis").loc["H3"]
+    assert h3.verdict.startswith(f"inconclusive: {NO_MANIPULATION} (batch 16 − batch 64 = ")
+    assert not h3.in_family and h3.gate_records[-1]["code"] == NO_MANIPULATION
+    # the arms 0.02 apart: outside ±0.015, not shown; inside a stated ±0.05
+    t = hypothesis_tests(planted(np.random.default_rng(9), inj_shift=0.02), DERIVED).set_index("hypothesis")
+    h3 = t.loc["H3"]
+    assert h3.verdict.startswith(f"equivalence within ±{h3.margin:.2g} not shown (could show ±") and h3.margin < 0.02
+    t = hypothesis_tests(planted(np.random.default_rng(9), inj_shift=0.02), CFG).set_index("hypothesis")
+    assert t.loc["H3"].margin == 0.05 and t.loc["H3"].verdict.startswith("equivalent within ±0.05")
+
+
+def test_h1_rows_by_design():
+    """H1's exposure association uses the plain runs only (stated in the row) with M as a factor, a sensitivity
+    row without M = 1 outside the family, and the paired batch 16 − batch 64 comparison at equal data."""
+    df = planted(np.random.default_rng(10), Ms=(1, 4, 16, 64, 256))
+    t = hypothesis_tests(df, DERIVED)
+    h1 = t[t.hypothesis == "H1"].set_index("test")
+    assoc = h1.loc["MixedLM r ~ log(integrated_pne) + C(M) + (1|seed), plain runs (no injection)"]
+    assert assoc.n == len(df.query("M != -1 and noise_source == 'batch'")) and np.isfinite(assoc.mde)
+    pair = h1.loc["paired t (batch 16 − batch 64), plain runs by (M, seed)"]
+    assert pair.term == "batch 16 − batch 64" and pair.estimate == pytest.approx(0.03, abs=0.004) and pair.n == 30
+    assert pair.verdict.startswith("r higher at batch 16 than at batch 64 (equal data) (Holm p")
+    sens = t[t.test.str.startswith("sensitivity, M ≥ 2")]
+    assert len(sens) == 1 and not sens.in_family.iloc[0] and sens.n.iloc[0] == assoc.n - 12   # 2 batches × 6 seeds
+    assert "sensitivity, not in the Holm family: p = " in sens.verdict.iloc[0]
+    t = hypothesis_tests(planted(np.random.default_rng(10)), DERIVED)   # no M = 1: nothing to drop
+    assert t[t.test.str.startswith("sensitivity")].status.iloc[0] == "not run: no M = 1 runs to leave out"
+
+
+def test_h2_arms_are_conditions_not_schedules():
+    """Two conditions with schedule 'early' are not averaged: H2 does not run and says why."""
+    df = planted(np.random.default_rng(11))
+    twin = df[df.noise == "early"].assign(noise="early2")
+    t = hypothesis_tests(pd.concat([df, twin], ignore_index=True), DERIVED).set_index("hypothesis")
+    assert t.loc["H2"].status.startswith("not run: more than one condition per schedule (early: ['early', 'early2']")
 
 
 def phase_panel(rng, inj_effect=0.0, seeds=4, Ms=(1, 4, 16, 64, 256)):
@@ -176,10 +252,26 @@ def test_h3_at_equal_steps_is_gated_on_steps_and_matched_exposure():
     assert at_data.verdict == "inconclusive: unmatched exposure (batch 16 0.5, grad_b16 0.12 integrated P-NE*)"
     assert at_steps.gates_passed and "equal steps" in at_steps.test and at_steps.verdict.startswith("equivalent")
     h1 = t[(t.hypothesis == "H1") & (t.outcome == "r")].iloc[0]
-    assert h1.n == len(df.query("M != -1")) and "unequal data" not in h1.verdict
+    assert h1.n == len(df.query("M != -1 and noise_source == 'batch'")) and "unequal data" not in h1.verdict
     # exposure 0.8 against 0.5 (60 % more) fails the 25 % gate; steps that differ fail the steps gate
     t = hypothesis_tests(pd.concat([df, steps.assign(integrated_pne=0.8)], ignore_index=True), CFG)
     assert "unmatched exposure (batch 16 0.5, grad_b16_steps 0.8" in t.set_index("term").loc[
         "batch 16 − grad_b16_steps"].verdict
     t = hypothesis_tests(pd.concat([df, steps.assign(steps=3000)], ignore_index=True), CFG)
     assert "unequal steps (3,000–4,000)" in t.set_index("term").loc["batch 16 − grad_b16_steps"].verdict
+
+
+def test_llc_verdicts_count_estimates_that_measure_the_sampler_apart():
+    """Issue 44: final LLC estimates flagged unstable / escaped (SPEC §7) gate H4's LLC test on their own count,
+    beside the not-levelled / negative / diverged one; tables from before the flags (null) pass as before."""
+    df = planted(np.random.default_rng(5))
+    fin = df.M != -1
+    df["llc_final_sampler"] = df["llc_final_sampler"].astype(object)
+    df.loc[fin, "llc_final_sampler"] = np.arange(fin.sum()) % 10 < 4            # 40 % of the final estimates
+    llc = hypothesis_tests(df, CFG).query("outcome == 'llc_final'").iloc[0]
+    k = int(df.loc[fin, "llc_final_sampler"].sum())
+    assert llc.verdict == f"inconclusive: LLC measures the sampler ({k} of {int(fin.sum())} final estimates " \
+                         "unstable / escaped)"
+    df.loc[fin, "llc_final_sampler"] = np.arange(fin.sum()) % 10 < 2            # 20 %: within the 25 % share
+    assert hypothesis_tests(df, CFG).query("outcome == 'llc_final'").iloc[0].gates_passed
+    assert hypothesis_tests(planted(np.random.default_rng(5)), CFG).query("outcome == 'llc_final'").iloc[0].gates_passed

@@ -145,6 +145,8 @@ def test_verify_names_every_unreadable_table_and_fails(tmp_path, capsys):
     schema = pa.schema([pa.field("step", pa.int64())])
     write_parquet(pd.DataFrame({"step": [0, 1]}), tmp_path / "runs/a/metrics.parquet", schema)
     write_json({"0": "abc"}, tmp_path / "runs/a/checkpoints.json")
+    (tmp_path / "runs/a/checkpoints").mkdir()
+    (tmp_path / "runs/a/checkpoints/step_0000000.pt").write_bytes(b"a checkpoint")
     verify([str(tmp_path)])
     assert "2 tables read, 0 unreadable" in capsys.readouterr().out
     good = (tmp_path / "runs/a/metrics.parquet").read_bytes()

@@ -411,3 +411,172 @@ def test_a_killed_llc_job_resumes_from_its_finished_passes(tiny, tmp_path, monke
     monkeypatch.setattr(probes, "estimate_llcs", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     probes.llc_for_run(run, LLCConfig(**{**cfg.__dict__, "draws": 9}), progress=False, at=at)
     assert len(calls) == 4
+
+
+# ---------------------------------------------------------------- when λ̂ measures the sampler (SPEC §7, issue 44)
+
+def planted_quadratic(a=(2.0, 1.0, 0.5, 0.25), n=256, seed=0):
+    """Linear model on X with orthogonal columns, XᵀX/n = diag(a): the MSE's Hessian is 2 diag(a), λ_max = 2 max a."""
+    g = torch.Generator().manual_seed(seed)
+    U = torch.linalg.qr(torch.randn(n, len(a), generator=g, dtype=torch.float64)).Q
+    X = (U * torch.tensor(a, dtype=torch.float64).mul(n).sqrt()).float()
+    Y = X @ torch.randn(len(a), generator=g) + 0.5 * torch.randn(n, generator=g)
+    m = Linear(len(a))
+    m.w.data = torch.linalg.lstsq(X, Y.unsqueeze(1)).solution.squeeze(1)
+    return m, X, Y, 2 * max(a)
+
+
+def test_unstable_turns_on_at_the_predicted_step_size():
+    """Planted λ_max = 4: Lanczos finds it, and the stability ratio ε (nβ λ_max + γ)/4 crosses 1 at
+    ε* = 4 / (nβ λ_max + γ). Below ε* (0.9 ε*) the chains stay finite and the estimate is not flagged; above it
+    (1.1 ε*) the top direction's drift factor 1 − (ε/2)(nβ λ_max + γ) is below −1, the chains blow up, and the
+    estimate is flagged `unstable` (and diverged)."""
+    from iclnoise.llc import stability_ratio, top_eigenvalue
+
+    m, X, Y, lam = planted_quadratic()
+    w = {k: v.detach() for k, v in m.named_parameters()}
+    # float32 HVPs through 4 orthogonal columns of 256 rows (llc.HESSIAN_SEQUENCES: all of them): relative error
+    # ~1e-6; Lanczos stops at tol 1e-2
+    assert top_eigenvalue(m, mse, X, Y, w) == pytest.approx(lam, rel=1e-2)
+    base = dict(gamma=10.0, chains=4, burn_in=50, draws=200, batch=256, n=256, seed=0)
+    nb = LLCConfig(epsilon=1e-3, **base).resolved_nbeta()
+    eps_star = 4 / (nb * lam + base["gamma"])
+    assert stability_ratio(lam, eps_star, base["gamma"], nb) == pytest.approx(1.0)
+    below = estimate_llc(m, mse, X, Y, LLCConfig(epsilon=0.9 * eps_star, **base))
+    above = estimate_llc(m, mse, X, Y, LLCConfig(epsilon=1.1 * eps_star, **base))
+    assert below.stability_ratio == pytest.approx(0.9, rel=1e-2)
+    assert above.stability_ratio == pytest.approx(1.1, rel=1e-2)
+    assert not below.flags["unstable"] and not below.flags["diverged"] and np.isfinite(below.traces).all()
+    assert above.flags["unstable"] and above.flags["diverged"]
+    # the mask's block: moving only w_1 (a = 1.0) the restricted chains' limit is 2·1.0, not 4
+    assert top_eigenvalue(m, mse, X, Y, w, {"w": torch.tensor([0, 1, 0, 0])}) == pytest.approx(2.0, rel=1e-2)
+
+
+def test_a_chain_worse_than_the_trivial_predictor_is_flagged_escaped():
+    """Linear d = 4 at its least-squares w*: the trivial predictor (0) scores E y² = ‖w_true‖² + 0.25 (0.38 here), w*
+    about 0.25.
+    A localized chain has E[L] = L(w*) + d/(2 nβ): at nβ = n / log n that is 0.014 above L(w*), not escaped; at
+    nβ = 0.25 and no localization it is 8 above, worse than predicting 0: escaped (ε = 0.05 there, so the chains
+    relax, in ~2 / (ε nβ 2a) = 80 steps, within the burn-in)."""
+    m, X, Y, _ = known_model("linear_d4")
+    base = dict(epsilon=1e-3, gamma=0.0, chains=4, burn_in=100, draws=300, batch=1000, n=1000, seed=0)
+    ok = estimate_llc(m, mse, X, Y, LLCConfig(**base))
+    hot = estimate_llc(m, mse, X, Y, LLCConfig(**{**base, "nbeta": 0.25, "epsilon": 0.05}))
+    assert ok.trivial_loss == pytest.approx(float(Y.square().mean()), rel=1e-5)
+    assert ok.mean_loss < ok.trivial_loss and not ok.flags["escaped"]
+    assert hot.mean_loss > hot.trivial_loss > hot.init_loss and hot.flags["escaped"]
+    # w* = the trivial predictor itself (the quartic's w = 0, truth 0): L(w*) = trivial, never escaped
+    q, Xq, Yq, _ = known_model("quartic")
+    assert not estimate_llc(q, mse, Xq, Yq, LLCConfig(**{**base, "gamma": 1.0})).flags["escaped"]
+
+
+def test_shared_level_flags_a_level_that_does_not_follow_the_checkpoint():
+    """Planted levels over 5 checkpoints whose L(w*) falls 1.0 → 0.2: chains that track w* (E = L* + λ/nβ, λ/nβ
+    from 0.05 to 0.3) are not flagged; chains that sit at one level c (E = 1.11 ± noise, Hoogland's release) are,
+    at every checkpoint; a run whose L(w*) does not move (a plateau) tests nothing."""
+    from iclnoise.llc import shared_level
+
+    L = np.array([1.0, 0.8, 0.6, 0.4, 0.2])
+    se = np.full(5, 0.002)
+    assert not shared_level(L + np.linspace(0.05, 0.3, 5), se, L).any()
+    assert shared_level(1.11 + np.array([0.001, -0.002, 0.003, 0.0, 0.004]), se, L).all()
+    assert not shared_level(np.full(5, 0.5), se, np.full(5, 0.4)).any()
+    # one checkpoint of five at 1.11 while the others track: it keeps the level of one of the four that test it (a
+    # coincidence with checkpoint 0's 1.10), not of half: none is flagged
+    E = L + 0.1
+    E[2] = 1.11
+    assert not shared_level(E, se, L).any()
+
+
+def test_calibration_keeps_the_known_learning_coefficient():
+    """`llc-calibrate`'s choice (the largest unflagged ε whose estimate agrees with the next smaller ε's within
+    2 s.e., at the smallest such γ) on models with a known λ. Measured (n = 1000, nβ = n / log n):
+      product (λ = 1/2), γ = 10, 8 chains, 1500 burn-in + 600 draws: ε 1e-4 / 3e-4 / 1e-3 → 0.478 / 0.516 / 0.599
+        (s.e. 0.021 / 0.013 / 0.011); chosen 3e-4: 1.2 s.e. from λ; the largest clean ε (1e-3) is 9 s.e. off.
+        (At γ = 1 the flat direction relaxes in 2/(εγ) ≈ 7000 steps: every small ε is not levelled.)
+        (At γ = 1 every small ε is also not levelled; at γ = 30 with 800 + 400 steps the 2 s.e. rule chose 1e-3,
+        3.4 s.e. off: the step test's power is the smaller ε's noise, so the chains must be long enough.)
+      w⁴ (λ = 1/4), γ = 1, 16 chains, 300 + 600: ε 1e-3 / 3e-3 / 1e-2 → 0.239 / 0.264 / diverged; chosen 3e-3:
+        1.1 s.e. from λ. (At γ = 100 λ̂ is 0.03-0.07, localization-biased and unflagged: the smallest γ is chosen.)
+    The bound asserted: 2 s.e. (the choice tolerates a 2 s.e. step in ε, so its bias is of that order)."""
+    from iclnoise.llc import calibration_sweep, choose_setting
+
+    for name, base, eps, gammas in (
+            ("product", dict(chains=8, burn_in=1500, draws=600), [1e-4, 3e-4, 1e-3], [10.0]),
+            ("quartic", dict(chains=16, burn_in=300, draws=600), [1e-3, 3e-3, 1e-2], [1.0])):
+        m, X, Y, lam = known_model(name)
+        cfg = LLCConfig(epsilon=1e-3, gamma=1.0, batch=1000, n=1000, seed=0, **base)
+        rows = calibration_sweep(m, mse, X, Y, cfg, [{k: v.detach() for k, v in m.named_parameters()}], eps, gammas)
+        choice = choose_setting(rows)
+        chosen = [r for r in rows if r["chosen"]]
+        assert choice is not None and len(chosen) == 1, (name, rows)
+        r = chosen[0]
+        assert r["plateau"] and r["clean"] and choice["epsilon"] == r["epsilon"] and choice["gamma"] == min(gammas)
+        assert abs(r["llc_mean"] - lam) < 2 * r["llc_se"], (name, r)
+        # a larger clean ε exists and misses λ: the ε-plateau, not cleanliness alone, made the choice
+        worse = [q for q in rows if q["clean"] and q["epsilon"] > r["epsilon"] and q["gamma"] == r["gamma"]]
+        if name == "product":
+            assert worse and all(abs(q["llc_mean"] - lam) > 3 * q["llc_se"] for q in worse)
+
+
+def test_llc_tables_record_the_stability_ratio_and_flag_a_checkpoint_past_the_limit(tiny, tmp_path):
+    """llc.parquet (and the calibration sweep) carry λ_max, the ratio ε (nβ λ_max + γ)/4 and the flags. With ε set
+    so the ratio of the last checkpoint is 1.5 (from its λ_max at a small ε), that checkpoint is `unstable` and the
+    ratio of every row scales with ε as the formula says. `llc-calibrate` writes its sweep and choice."""
+    import json
+
+    from iclnoise.grid import run_spec
+    from iclnoise.probes import calibrate_for_run, llc_for_run
+    from iclnoise.train import train_run
+
+    run = tmp_path / "run"
+    train_run(run_spec(tiny, "M4-B16-none-s0"), run, progress=False)
+    cfg = LLCConfig(seed=0, epsilon=1e-4, gamma=100.0, chains=2, burn_in=2, draws=8, batch=16, n=64)
+    df = llc_for_run(run, cfg, every=3, progress=False)
+    nb = cfg.resolved_nbeta()
+    np.testing.assert_allclose(df.stability_ratio, 1e-4 * (nb * df.lambda_max + 100.0) / 4, rtol=1e-12)
+    assert (df.lambda_max > 0).all() and not df.unstable.any() and (df.trivial_loss > 0).all()
+    last = df.iloc[-1]
+    eps = 1.5 * 4 / (nb * last.lambda_max + 100.0)
+    hot = llc_for_run(run, LLCConfig(**{**cfg.__dict__, "epsilon": eps}), every=3, progress=False)
+    np.testing.assert_allclose(hot.lambda_max, df.lambda_max, rtol=1e-12)   # same checkpoints, same Lanczos seed
+    assert hot.stability_ratio.iloc[-1] == pytest.approx(1.5) and hot.unstable.iloc[-1]
+    assert (hot.unstable == (hot.stability_ratio > 1)).all()
+    table, choice = calibrate_for_run(run, cfg, [20, 60], [3e-5, 1e-4], [100.0])
+    assert set(table.step) == {20, 60} and len(table) == 4 and {"unstable", "escaped", "plateau"} <= set(table)
+    saved = json.loads((run / "llc_calibration.json").read_text())
+    assert saved["choice"] == choice and saved["steps"] == [20, 60]
+    assert read_parquet(run / "llc_calibration.parquet").chosen.sum() == 2 * (choice is not None)   # a row per step
+
+
+def test_figure_4_marks_estimates_that_measure_the_sampler(tmp_path, monkeypatch):
+    """Figure 4: an unstable or escaped estimate is never joined to the trusted line; it is a cross with its own
+    legend entry, apart from the hollow markers of diverged / negative / not levelled estimates."""
+    import pandas as pd
+    from matplotlib.collections import PathCollection
+
+    from iclnoise.figures import llc as figs
+    from iclnoise.figures import style
+
+    steps = [0, 10, 100, 1000]
+    df = pd.DataFrame([{"run_id": "a", "M": 4, "seed": 0, "batch": 16, "noise": "none", "step": s,
+                        "llc_mean": 1.0 + i, "llc_se": 0.1, "diverged": False, "negative": i == 0,
+                        "not_levelled": False, "unstable": i == 2, "escaped": i == 3} for i, s in enumerate(steps)])
+    shown = {}
+    real_save = style.save_figure
+
+    def grab(fig, path, data=None):
+        ax = fig.axes[0]
+        dots = [c for c in ax.collections if isinstance(c, PathCollection)]   # scatter markers (not the band)
+        shown.update(line=[list(map(float, ln.get_xdata())) for ln in ax.get_lines()],
+                     filled=[c.get_offsets().tolist() for c in dots if c.get_facecolors().size],   # the crosses
+                     hollow=[c.get_offsets().tolist() for c in dots if not c.get_facecolors().size],
+                     labels=[t.get_text() for t in ax.get_legend().get_texts()])
+        real_save(fig, path, data)
+
+    monkeypatch.setattr(style, "save_figure", grab)
+    figs.fig_llc_over_training(df, None, tmp_path / "fig04")
+    assert shown["line"] == [[11.0]]                           # only step 10 is trusted: joined (alone)
+    assert shown["filled"] == [[[101.0, 3.0], [1001.0, 4.0]]] and shown["hollow"] == [[[1.0, 1.0]]]
+    assert "flagged: unstable / escaped (measures the sampler)" in shown["labels"]
+    assert "flagged: diverged / negative / not levelled" in shown["labels"]

@@ -218,7 +218,11 @@ def test_export_then_paper_redraws_every_figure_from_the_reference_tables_alone(
     th.loc[0, "batch"] += 1
     th.to_parquet(ref / "aggregate/thresholds.parquet")
     r = run([sys.executable, "-m", "iclnoise.cli", "paper", str(ref), "--out", str(out)], cwd=tmp_path, check=False)
-    assert r.returncode != 0 and "thresholds.parquet differs from" in r.stderr + r.stdout
+    assert r.returncode != 0 and "thresholds.parquet differs from its sha256 in provenance.json" in r.stderr
+    from iclnoise.paper import rehash
+    rehash(ref)   # the edit sealed into provenance.json: the rerun aggregate still refuses it
+    r = run([sys.executable, "-m", "iclnoise.cli", "paper", str(ref), "--out", str(out)], cwd=tmp_path, check=False)
+    assert r.returncode != 0 and "thresholds.parquet: the aggregate rerun from the set's per-run tables" in r.stderr
 
 
 def test_a_deleted_run_is_rebuilt(finished):
@@ -321,3 +325,27 @@ def test_bad_run_options_stop_before_any_job_naming_the_key(tmp_path, override, 
     r = snakemake(tmp_path, "--config", override, check=False)
     assert r.returncode != 0 and expect in r.stdout + r.stderr, (r.stdout + r.stderr)[-2000:]
     assert not (tmp_path / "results").exists()
+
+
+def test_a_deleted_checkpoint_is_named_and_planned_by_a_dry_run(tmp_path):
+    """Issue 48 (15): one ensemble trained as its job would, then one of its checkpoints deleted: `snakemake -n` names
+    the checkpoint and plans the ensemble's training job (which trains the run again: test_train) and the probe."""
+    import json
+
+    from iclnoise.config import validate_params
+    from iclnoise.grid import ensemble_groups, shared_spec
+    from iclnoise.runs import checkpoint_path, manifest
+
+    p = tiny_params(Ms=(1,))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(p))
+    runs = ensemble_groups(validate_params(p))["B8-none"]
+    run([str(Path(BIN) / "iclnoise"), "train", "--spec", json.dumps(shared_spec(validate_params(p), runs)), "--runs",
+         ",".join(runs), "--results", "results", "--no-progress"], cwd=tmp_path)
+    rd = tmp_path / "results/runs" / runs[0]
+    gone = checkpoint_path(rd, sorted(manifest(rd))[2])
+    gone.unlink()
+    r = snakemake(tmp_path, "-n")
+    jobs = dict(plan(r.stdout))
+    assert f"{runs[0]}: checkpoints {gone.relative_to(tmp_path)} are missing" in r.stdout + r.stderr
+    assert "checkpoints.missing." in jobs["train_B8_none"], jobs
+    assert f"probe_{runs[0]}".replace("-", "_") in jobs

@@ -41,6 +41,8 @@ def test_a_reference_set_has_its_provenance(ref):
     assert set(prov["sha256"]) == files
     for name, digest in prov["sha256"].items():
         assert hashlib.sha256((ref / name).read_bytes()).hexdigest() == digest, name
+    from iclnoise.paper import verify
+    assert verify(ref) == prov   # what `make paper` checks first, provenance.json's own hash included
 
 
 @pytest.mark.parametrize("ref, run", [("science", "M16-B64-none-s0"), ("noise", "M16-B64-grad_b16_steps-s0")])

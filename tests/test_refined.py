@@ -350,8 +350,9 @@ def test_refined_for_run_writes_one_row_per_component(tiny, tmp_path):
     and chain generators; float32 rows batched differently)."""
     from iclnoise.grid import run_spec
     from iclnoise.io import read_parquet
-    from iclnoise.probes import llc_for_run, refined_for_run
-    from iclnoise.runs import checkpoint_steps, load_model
+    from iclnoise.probes import llc_for_run, refined_for_run, sampling_data
+    from iclnoise.runs import checkpoint_steps, load_model, read_spec
+    from iclnoise.sections import RunSpec
     from iclnoise.train import train_run
 
     run = tmp_path / "run"
@@ -366,6 +367,20 @@ def test_refined_for_run_writes_one_row_per_component(tiny, tmp_path):
     assert np.isfinite(sus.chi).all() and (sus.chi != 0).any() and (rllc.step == last).all()
     whole = llc_for_run(run, cfg, at={"steps": [last]}, progress=False)
     assert rllc.set_index("component").llc_mean["all"] == pytest.approx(whole.llc_mean.iloc[0], rel=1e-3)
+    # issue 44: a block's top eigenvalue is at most the whole Hessian's (Cauchy interlacing). Where the whole
+    # network's ratio is ≤ 1 (here) every component records that bound; past 1 each its own block's (Lanczos to 1 %)
+    lam = rllc.set_index("component").lambda_max
+    assert lam["all"] == pytest.approx(whole.lambda_max.iloc[0], rel=1e-6) and (lam == lam["all"]).all()
+    assert rllc.set_index("component").lambda_max_bound.drop("all").all() and not rllc.lambda_max_bound.iloc[-1]
+    assert (rllc.unstable == (rllc.stability_ratio > 1)).all() and (rllc.trivial_loss == whole.trivial_loss[0]).all()
+    hot = LLCConfig(**{**cfg.__dict__, "epsilon": 1.5 * 4 / (cfg.resolved_nbeta() * lam["all"] + cfg.gamma)})
+    model = load_model(run, last)
+    r = refined_llcs(model, mse_loss, *sampling_data(RunSpec.of(read_spec(run)), cfg.n), hot)
+    own = pd.Series({c: x.lambda_max for c, x in r.llc.items()})
+    assert not any(r.lambda_bound.values()) and own["all"] == pytest.approx(lam["all"], rel=1e-6)
+    assert (own <= own["all"] * 1.01).all() and (own > 0).all() and (own < own["all"] * 0.99).any()
+    assert r.llc["all"].flags["unstable"]
+    assert all(x.flags["unstable"] == (x.stability_ratio > 1) for x in r.llc.values())
 
 
 def test_refined_checkpoints_are_early_middle_and_last_of_the_llcs():

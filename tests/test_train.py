@@ -1,27 +1,33 @@
 """Training: runs inside an ensemble equal runs alone, resume exactly, diverge alone, restart on a changed spec."""
 import copy
 import json
+import shutil
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 
+from iclnoise.ensemble import Member
 from iclnoise.grid import run_spec, spec_hash
 from iclnoise.io import CorruptFileError, read_parquet
 from iclnoise.model import ModelConfig, build_model, mse_loss
 from iclnoise.runs import (
     CorruptFile,
+    ForeignFile,
+    RunDirError,
     checkpoint_path,
     load_checkpoint,
     load_model,
     load_torch,
     manifest,
+    missing_checkpoints,
     sha256,
 )
 from iclnoise.schedules import checkpoint_steps, lr_lambda
+from iclnoise.sections import RunSpec
 from iclnoise.tasks import BatchSampler, task_pool
-from iclnoise.train import train_ensemble, train_run
+from iclnoise.train import _resume_states, train_ensemble, train_run
 
 RUNS = ["M4-B16-none-s0", "M1-B16-none-s1", "Minf-B16-none-s0"]
 
@@ -159,7 +165,7 @@ def test_outputs_and_learning(tiny, tmp_path):
     man = manifest(tmp_path)
     assert sorted(man) == list(m.step)
     assert all(sha256(checkpoint_path(tmp_path, s)) == h for s, h in man.items())
-    state = torch.load(checkpoint_path(tmp_path, 200), weights_only=False)
+    state = torch.load(checkpoint_path(tmp_path, 200), weights_only=True)
     assert set(state) == {"model", "model_config", "adam", "spec_hash"}
 
 
@@ -324,3 +330,240 @@ def test_killed_process_resumes_to_the_same_numbers(tiny, tmp_path):
         # subprocess in the last bits of train_loss); bitwise equality of resumes is tested in-process above
         pd.testing.assert_frame_equal(c, read_parquet(tmp_path / "killed/runs" / r / "metrics.parquet"),
                                       rtol=1e-5, atol=1e-6)
+
+
+def test_a_changed_spec_removes_only_the_pipelines_files_and_a_linked_run_dir_is_refused(tiny, tmp_path, caplog):
+    """Issue 48 (3): a spec change clears the files the pipeline writes and keeps the user's, naming them in the log;
+    a run directory that is a symbolic link is refused before anything is written through it."""
+    p = copy.deepcopy(tiny)
+    rd = tmp_path / "run"
+    train_ensemble([run_spec(p, RUNS[0])], [rd], progress=False, stop_after=5)
+    mine = {rd / "notes.txt": b"mine", rd / "mine" / "data.csv": b"x", rd / "checkpoints" / "keep.txt": b"k"}
+    for f, b in mine.items():
+        f.parent.mkdir(exist_ok=True)
+        f.write_bytes(b)
+    (rd / "checkpoints" / "step_0000099.pt").write_bytes(b"a stale checkpoint of the old spec")
+    p["train"]["optimizer"]["lr"] = 0.02
+    with caplog.at_level("WARNING", logger="iclnoise.runs"):
+        train_ensemble([run_spec(p, RUNS[0])], [rd], progress=False, stop_after=5)
+    assert {f: f.read_bytes() for f in mine} == mine
+    kept = {f"{f}: not written by the pipeline, kept" for f in (rd / "notes.txt", rd / "mine", rd / "checkpoints"
+                                                                 / "keep.txt")}
+    assert kept <= {r.getMessage() for r in caplog.records}
+    assert not (rd / "checkpoints" / "step_0000099.pt").exists()   # the old spec's checkpoints are gone
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "precious.txt").write_text("p")
+    link = tmp_path / "linked"
+    link.symlink_to(other)
+    with pytest.raises(RunDirError, match=f"{link} is a symbolic link"):
+        train_ensemble([run_spec(p, RUNS[0])], [link], progress=False, stop_after=5)
+    assert [f.name for f in other.iterdir()] == ["precious.txt"]
+
+
+class Planted:
+    """An object whose unpickling runs a shell command (creates a file)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_planted_resume_state_or_checkpoint_runs_nothing_and_is_refused_by_name(tiny, tmp_path, caplog):
+    """Issue 48 (4): every .pt file is read with weights_only=True. A planted resume.pt whose unpickling would run a
+    command is refused naming it (the command never runs); a planted checkpoint likewise; a well-formed state of
+    another spec is skipped with a warning naming it, not silently."""
+    spec = run_spec(tiny, RUNS[0])
+    rd = tmp_path / "run"
+    train_ensemble([spec], [rd], progress=False, stop_after=5)
+    marker = tmp_path / "ran"
+    good = (rd / "resume.pt").read_bytes()
+    torch.save({"spec_hash": spec_hash(spec), "step": Planted(marker)}, rd / "resume.pt")
+    with pytest.raises(ForeignFile, match=f"{rd / 'resume.pt'} holds objects the pipeline never writes"):
+        train_ensemble([spec], [rd], progress=False, stop_after=5)
+    ck = checkpoint_path(rd, 0)
+    torch.save({"model": Planted(marker)}, ck)
+    with pytest.raises(ForeignFile, match=f"{ck} holds objects"):
+        load_torch(ck)
+    assert not marker.exists(), "unpickling ran the planted command"
+    (rd / "resume.pt").write_bytes(good)
+    torch.save({"spec_hash": "0" * 64, "step": 5}, rd / "resume.prev.pt")
+    with caplog.at_level("WARNING", logger="iclnoise.train"):
+        states = _resume_states(Member(RunSpec.of(spec), rd, spec_hash(spec), torch.device("cpu")))
+    assert [p for p, _ in states] == [rd / "resume.pt"]
+    assert f"{RUNS[0]}: {rd / 'resume.prev.pt'} is not a resume state of this run's spec; not resuming from it" in [
+        r.getMessage() for r in caplog.records]
+
+
+class Killed(Exception):
+    """Stands in for SIGKILL: the files are all a killed trainer leaves behind."""
+
+
+def final_states(dirs) -> list[dict]:
+    return [load_torch(d / "resume.pt") for d in dirs]
+
+
+def assert_same_states(a: list[dict], b: list[dict]) -> None:
+    for x, y in zip(a, b):
+        assert x["step"] == y["step"] and x["opt"]["step"] == y["opt"]["step"]
+        for k in ("params",):
+            assert all(torch.equal(x[k][n], y[k][n]) for n in x[k]), k
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert all(torch.equal(x["opt"][k][n], y["opt"][k][n]) for n in x["opt"][k]), k
+
+
+def test_any_sequence_of_kills_resumes_the_ensemble_as_one_bitwise(tiny, tmp_path, monkeypatch):
+    """Issue 48 (8): the trainer is killed four times in a row while it writes the members' resume states (after 2,
+    4, 5 and 7 more states: inside commit 0, then 1, then 1 again, then 8), then runs to the end: every run's weights
+    and Adam moments are torch.equal to an uninterrupted ensemble's, its tables equal, and every resume trained the
+    three runs as one ensemble (a split one rounds differently)."""
+    import iclnoise.ensemble as ens
+
+    specs = [run_spec(tiny, r) for r in RUNS]
+    full_dirs = [tmp_path / "full" / r for r in RUNS]
+    full = train_ensemble(specs, full_dirs, progress=False)
+    dirs = [tmp_path / "killed" / r for r in RUNS]
+    save, sizes, init = ens.save_resume, [], ens.Ensemble.__init__
+
+    def spy(self, members, *a):
+        sizes.append(len(members))
+        init(self, members, *a)
+
+    monkeypatch.setattr(ens.Ensemble, "__init__", spy)
+    for n in (2, 4, 5, 7):
+        left = [n]
+
+        def dying(*a):
+            if left[0] == 0:
+                raise Killed
+            left[0] -= 1
+            save(*a)
+
+        monkeypatch.setattr(ens, "save_resume", dying)
+        with pytest.raises(Killed):
+            train_ensemble(specs, dirs, progress=False)
+    monkeypatch.setattr(ens, "save_resume", save)
+    out = train_ensemble(specs, dirs, progress=False)
+    assert sizes == [3] * 5, sizes
+    assert_same_states(final_states(full_dirs), final_states(dirs))
+    for a, b in zip(full, out):
+        pd.testing.assert_frame_equal(a, b)
+
+
+def test_a_rolled_back_member_resumes_with_its_ensemble_or_is_refused(tiny, tmp_path):
+    """Issue 48 (8): one member's resume state rolled back one commit (its resume.pt replaced by its resume.prev.pt):
+    the whole ensemble steps back with it and ends torch.equal to an uninterrupted one. Rolled back further than
+    the others keep: refused, naming the member and the files, and nothing changes."""
+    specs = [run_spec(tiny, r) for r in RUNS]   # commits at steps 0, 1, 8, 20, 40, 60
+    full_dirs = [tmp_path / "full" / r for r in RUNS]
+    train_ensemble(specs, full_dirs, progress=False)
+    dirs = [tmp_path / "part" / r for r in RUNS]
+    train_ensemble(specs, dirs, progress=False, stop_after=25)
+    (dirs[1] / "resume.prev.pt").replace(dirs[1] / "resume.pt")   # run 1 back at 8, the others at 20 (and 8)
+    train_ensemble(specs, dirs, progress=False)
+    assert_same_states(final_states(full_dirs), final_states(dirs))
+
+    dirs = [tmp_path / "again" / r for r in RUNS]
+    train_ensemble(specs, dirs, progress=False, stop_after=5)
+    old = (dirs[1] / "resume.pt").read_bytes()   # step 1
+    train_ensemble(specs, dirs, progress=False, stop_after=25)
+    (dirs[1] / "resume.pt").write_bytes(old)
+    (dirs[1] / "resume.prev.pt").unlink()
+    before = files(tmp_path / "again")
+    with pytest.raises(CorruptFile, match=f"{RUNS[1]}: resume state at step 1, behind the rest of its ensemble "
+                                          f"\\({RUNS[0]}, {RUNS[2]} keep no state .*rolled back or replaced"):
+        train_ensemble(specs, dirs, progress=False)
+    assert files(tmp_path / "again") == before
+
+
+def test_a_second_trainer_is_refused_naming_the_first_and_a_killed_one_frees_the_run(tiny, tmp_path):
+    """Issue 48 (13): while an `iclnoise train` process trains a run (e.g. left running by a killed snakemake), a
+    second trainer of it is refused, naming the first's pid, and writes nothing; once the first is killed the run
+    trains (the kernel drops a dead process's lock)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    p = copy.deepcopy(tiny)
+    p["train"]["budget"]["steps"] = 2000
+    p["train"]["checkpoints"] = {"linear": 400, "log": 0}
+    spec = run_spec(p, RUNS[0])
+    rd = tmp_path / "run"
+    first = subprocess.Popen([str(Path(sys.executable).parent / "iclnoise"), "train", "--spec", json.dumps(spec),
+                              "--run-dir", str(rd), "--no-progress"], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while not (rd / "resume.pt").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        assert first.poll() is None, "the first trainer ended before the test"
+        with pytest.raises(RunDirError, match=f"{rd} is being trained by another process \\(pid {first.pid},"):
+            train_ensemble([spec], [rd], progress=False, stop_after=5)
+    finally:
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+    assert train_ensemble([spec], [rd], progress=False, stop_after=5) == [None]
+
+
+def test_a_deleted_checkpoint_is_named_and_its_run_trained_again_to_the_same_bytes(tiny, tmp_path, capsys, caplog):
+    """Issue 48 (15): `iclnoise verify` names a checkpoint that checkpoints.json lists and the disk lacks (exit 1);
+    training the run again (what its job does once the DAG plans it) writes it back, byte for byte."""
+    from iclnoise.commands.runs import verify
+
+    rd = tmp_path / "results/runs" / RUNS[0]
+    train_run(run_spec(tiny, RUNS[0]), rd, progress=False)
+    man = manifest(rd)
+    gone = checkpoint_path(rd, sorted(man)[2])
+    gone.unlink()
+    with pytest.raises(SystemExit) as e:
+        verify([str(tmp_path / "results")])
+    assert e.value.code == 1 and f"{gone}: listed in {rd / 'checkpoints.json'}, missing" in capsys.readouterr().out
+    with caplog.at_level("WARNING", logger="iclnoise.train"):
+        train_run(run_spec(tiny, RUNS[0]), rd, progress=False)
+    assert f"checkpoints {gone} are missing" in caplog.text
+    assert manifest(rd) == man and sha256(gone) == man[sorted(man)[2]]
+    # no checkpoints directory at all is a clone that pulled its results (DVC keeps no checkpoints), not a loss
+    shutil.rmtree(rd / "checkpoints")
+    verify([str(tmp_path / "results")])
+    assert missing_checkpoints(rd) == []
+
+
+def test_a_resume_after_a_divergence_keeps_the_frozen_run_in_the_ensemble(tiny, tmp_path, monkeypatch):
+    """A run that diverged stays in the stack (frozen), as in the ensemble that froze it: stopped after step 45 (run 1
+    diverged at 30) and resumed, every run ends torch.equal to the uninterrupted diverging ensemble, and the resume
+    trains all three runs as one ensemble."""
+    import iclnoise.ensemble as ens
+    import iclnoise.train as tr
+
+    orig = tr.Member.setup
+
+    def setup(self):
+        orig(self)
+        if self.run_id == RUNS[1]:
+            draw = self.sampler.batch
+            self.sampler.batch = lambda step, size: (lambda b: type(b)(b.xs, b.ys * (1e4 if step >= 30 else 1.0),
+                                                                       b.tasks))(draw(step, size))
+    monkeypatch.setattr(tr.Member, "setup", setup)
+    specs = [run_spec(tiny, r) for r in RUNS]
+    full_dirs, dirs = [tmp_path / "full" / r for r in RUNS], [tmp_path / "part" / r for r in RUNS]
+    full = train_ensemble(specs, full_dirs, progress=False)
+    train_ensemble(specs, dirs, progress=False, stop_after=45)
+    sizes, init = [], ens.Ensemble.__init__
+
+    def spy(self, members, *a):
+        sizes.append(len(members))
+        init(self, members, *a)
+
+    monkeypatch.setattr(ens.Ensemble, "__init__", spy)
+    out = train_ensemble(specs, dirs, progress=False)
+    assert sizes == [3] and out[1].diverged.iloc[-1] and out[1].step.iloc[-1] == 30
+    for a, b in zip(full, out):
+        pd.testing.assert_frame_equal(a, b)
+    for x, y in zip(final_states(full_dirs), final_states(dirs)):
+        assert all(torch.equal(x["params"][n], y["params"][n]) for n in x["params"])

@@ -37,6 +37,8 @@ def read_theirs(path: str | Path) -> pd.DataFrame:
     shim = types.ModuleType("pandas.core.indexes.numeric")     # pandas < 2 index classes
     shim.Int64Index = shim.Float64Index = shim.UInt64Index = shim.NumericIndex = pd.Index
     sys.modules.setdefault("pandas.core.indexes.numeric", shim)
+    # the upstream release's pickled pandas DataFrame: weights_only cannot build one, so this unpickles
+    # arbitrary objects; run it on that published release only, never on a file of unknown origin
     raw = torch.load(path, map_location="cpu", weights_only=False)
     return (raw[["step", "model_seed", "llc/mean/mean"]]
             .rename(columns={"model_seed": "seed", "llc/mean/mean": "llc"})

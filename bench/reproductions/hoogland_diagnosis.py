@@ -43,6 +43,8 @@ def release_table(release: Path, path: str) -> pd.DataFrame:
     f = release / path
     blob = f.read_bytes() if f.exists() else subprocess.run(
         ["git", "-C", str(release), "show", f"HEAD:{path}"], capture_output=True, check=True).stdout
+    # the upstream release's pickled pandas DataFrame: weights_only cannot build one, so this unpickles
+    # arbitrary objects; run it on that published release only, never on a file of unknown origin
     return torch.load(BytesIO(blob), map_location="cpu", weights_only=False)
 
 

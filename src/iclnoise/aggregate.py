@@ -34,6 +34,7 @@ from .verdicts import (
     _gate_equal_data,
     _gate_seeds,
     convergence,
+    gate_columns,
     hypothesis_tests,
 )
 
@@ -54,10 +55,13 @@ OUTCOME_FIELDS = KEY_FIELDS + [
 # Columns from optional per-run files: always in the table (null where the file or the key is absent), so the
 # schema of outcomes.parquet does not depend on which probes ran.
 LLC_COLUMNS = ["llc_final", "llc_final_std"]
-LLC_COUNTS = ["llc_n_estimates", "llc_n_flagged"]   # estimates in llc.parquet; flagged not-levelled/negative/diverged
-LLC_FLAGS = ["llc_final_flagged"]   # the final estimate (the one H4 tests) is not levelled / negative / diverged
+LLC_COUNTS = ["llc_n_estimates", "llc_n_flagged",   # estimates in llc.parquet; flagged not-levelled/negative/diverged
+              "llc_n_sampler"]                     # flagged unstable / escaped (SPEC §7: λ̂ measures the sampler)
+LLC_FLAGS = ["llc_final_flagged",   # the final estimate (the one H4 tests) is not levelled / negative / diverged
+             "llc_final_sampler"]   # ... is unstable or escaped (null: llc.parquet without those columns)
 EXPOSURE_COLUMNS = ["integrated_pne", "integrated_pne_preclip", "integrated_ne", "integrated_ne_injected",
-                    "integrated_ne_simple", "integrated_pne_injected"]   # exposure.summarize keys (realised, per run)
+                    "integrated_ne_simple", "integrated_pne_injected",   # exposure.summarize keys (realised, per run)
+                    "integrated_pne_injected_se"]   # the last one's SE from diag Ĥ's Hutchinson error
 OPTIONAL_FIELDS = ([pa.field(c, pa.float64()) for c in LLC_COLUMNS] + [pa.field(c, pa.int64()) for c in LLC_COUNTS]
                    + [pa.field(c, pa.bool_()) for c in LLC_FLAGS]
                    + [pa.field(c, pa.float64()) for c in EXPOSURE_COLUMNS + GEOMETRY_COLUMNS + CIRCUIT_COLUMNS])
@@ -66,7 +70,8 @@ THRESHOLD_SCHEMA = pa.schema([   # one row per (batch, noise, method)
     pa.field("batch", pa.int64()), pa.field("noise", pa.string()), pa.field("noise_source", pa.string()),
     pa.field("noise_schedule", pa.string()), pa.field("emulate_batch", pa.int64()),
     pa.field("noise_level", pa.float64()),
-    pa.field("method", pa.string()),   # r50: r crosses 0.5 (thresholds.threshold_with_ci); crossover: the anchor's M*
+    pa.field("method", pa.string()),   # r50: r crosses 0.5 (thresholds.threshold_with_ci); midpoint: half-way between
+                                       # the fitted floor and ceiling (point="midpoint"); crossover: the anchor's M*
                                        # where the late pull on new tasks turns from dMMSE_M to ridge
                                        # (thresholds.crossover_threshold)
     pa.field("M_star", pa.float64()), pa.field("M_star_lo", pa.float64()),
@@ -75,6 +80,8 @@ THRESHOLD_SCHEMA = pa.schema([   # one row per (batch, noise, method)
     pa.field("p_rise", pa.float64()),                                     # r50 only: NaN for crossover
     pa.field("p_sign", pa.float64()), pa.field("slope_first", pa.float64()),
     pa.field("slope_last", pa.float64()),                                 # crossover only: NaN for r50
+    *[pa.field(f"M_star{k}_{w}", pa.float64()) for w in ("last_two_thirds", "last_third") for k in ("", "_lo", "_hi")],
+    # crossover only: the estimate with the pull over the last ⅔ and ⅓ of training (M_star: the last ½)
     pa.field("in_range", pa.bool_()), pa.field("n_seeds", pa.int64()),
     pa.field("n_seeds_fit", pa.int64()), pa.field("interval", pa.string()), pa.field("reason", pa.string()),
     pa.field("r_min", pa.float64()), pa.field("r_max", pa.float64()), *GATE_FIELDS,
@@ -130,6 +137,9 @@ def run_outcomes(run_dir: Path, transient_tol: float) -> dict:
             row.update(llc_final=float(llc.llc_mean.iloc[-1]), llc_final_std=float(llc.llc_std.iloc[-1]),
                        llc_n_estimates=len(llc), llc_n_flagged=int(flagged.sum()),
                        llc_final_flagged=bool(flagged.iloc[-1]))
+            if {"unstable", "escaped"} <= set(llc):
+                sampler = llc.unstable.astype(bool) | llc.escaped.astype(bool)
+                row.update(llc_n_sampler=int(sampler.sum()), llc_final_sampler=bool(sampler.iloc[-1]))
     if (run_dir / "exposure.parquet").exists():
         from .exposure import summarize  # the noise module owns exposure summaries
         s = summarize(read_parquet(run_dir / "exposure.parquet"))
@@ -196,28 +206,31 @@ def threshold_table(out: pd.DataFrame, cfg: Stats, conv: pd.DataFrame | None = N
         t = traj[traj.run_id.isin(g.run_id)]
         at = {"level": 1 - cfg.alpha, "min_seeds": gates["min_seeds"], "alpha": cfg.alpha}
         ests = {"r50": thresholds.threshold_with_ci(g, **at),
-                "crossover": thresholds.crossover_threshold(thresholds.pull_slopes(t), **at)}
+                "midpoint": thresholds.threshold_with_ci(g, **at, point="midpoint"),
+                "crossover": thresholds.crossover_windows(t, **at)}
         if not t.ood_delta_ridge.notna().any():
             ests["crossover"]["reason"] = "no threshold: Δ on new tasks not logged (runs predate ood_delta_*)"
         for method, est in ests.items():
-            gate = "threshold fit" if method == "r50" else "crossover fit"
+            gate = "crossover fit" if method == "crossover" else "threshold fit"
             fails = []
             if est["reason"].startswith("no threshold"):
-                fails.append(f"{gate} ({name}: {est['reason'].removeprefix('no threshold: ')})")
+                fails.append((gate, f"{name}: {est['reason'].removeprefix('no threshold: ')}"))
             elif est["seeds_failed"]:
-                fails.append(f"{gate} ({name}: per-seed estimates without threshold: {est['seeds_failed']})")
-            if method == "r50" and not (mean_r.min() <= gates["r_low"] and mean_r.max() >= gates["r_high"]):
-                fails.append(f"r does not span low to high ({name}: seed-mean r {mean_r.min():.2f}–"
-                             f"{mean_r.max():.2f}, needs ≤ {gates['r_low']} and ≥ {gates['r_high']})")
-            fails = unconverged + fails + design
-            rows.append({**base, **est, "method": method, "gates_passed": not fails, "gate_failures": "; ".join(fails)})
+                fails.append((gate, f"{name}: per-seed estimates without threshold: {est['seeds_failed']}"))
+            if method == "crossover" and not est["window_consistent"]:
+                fails.append(("crossover window", f"{name}: {est['window_detail']}"))
+            if method != "crossover" and not (mean_r.min() <= gates["r_low"] and mean_r.max() >= gates["r_high"]):
+                fails.append(("r does not span low to high", f"{name}: seed-mean r {mean_r.min():.2f}–"
+                              f"{mean_r.max():.2f}, needs ≤ {gates['r_low']} and ≥ {gates['r_high']}"))
+            rows.append({**base, **est, "method": method, **gate_columns(unconverged + fails + design)})
     finite = out[out.M != M_INF]
     for (B, noise), g in finite.groupby(["batch", "noise"]):
         if g.diverged.all():   # the condition stays in the table, saying why it has no threshold
             name = _cond(B, noise)
             rows += [{**_condition_fields(B, noise, g), "method": method, "reason": "no threshold: every run diverged",
-                      "gates_passed": False, "gate_failures": f"{gate} ({name}: every run with finite M diverged)"}
-                     for method, gate in (("r50", "threshold fit"), ("crossover", "crossover fit"))]
+                      **gate_columns([(gate, f"{name}: every run with finite M diverged")])}
+                     for method, gate in (("r50", "threshold fit"), ("midpoint", "threshold fit"),
+                                          ("crossover", "crossover fit"))]
     return pd.DataFrame(rows).reindex(columns=THRESHOLD_SCHEMA.names)
 
 
@@ -233,14 +246,15 @@ def _json_safe(v):
 
 def metrics_summary(th: pd.DataFrame, tests: pd.DataFrame, conv: pd.DataFrame, out: pd.DataFrame) -> dict:
     """Small machine-readable summary for `dvc metrics show`: M* per condition (thresholds: r50,
-    thresholds_crossover: the anchor's crossover), verdicts with their gates,
-    convergence per condition and the share of flagged LLC estimates."""
+    thresholds_midpoint: the logistic's midpoint, thresholds_crossover: the anchor's crossover), verdicts with their
+    gates, convergence per condition and the share of flagged LLC estimates."""
     n_llc = out.llc_n_estimates.sum()
     return {
         **{key: {_cond(r.batch, r.noise): {k: _json_safe(getattr(r, k)) for k in (
             "M_star", "M_star_lo", "M_star_hi", "n_seeds", "reason", "gates_passed", "gate_failures")}
             for r in th[th.method == method].itertuples()}
-           for key, method in (("thresholds", "r50"), ("thresholds_crossover", "crossover"))},
+           for key, method in (("thresholds", "r50"), ("thresholds_midpoint", "midpoint"),
+                               ("thresholds_crossover", "crossover"))},
         "tests": {f"{r.hypothesis} {r.test} [{r.outcome}{', ' + r.term if r.term else ''}]": {
             "verdict": r.verdict or r.status, "estimate": _json_safe(r.estimate), "p_holm": _json_safe(r.p_holm),
             "gates_passed": bool(r.gates_passed), "gate_failures": r.gate_failures} for r in tests.itertuples()},
@@ -253,7 +267,7 @@ def metrics_summary(th: pd.DataFrame, tests: pd.DataFrame, conv: pd.DataFrame, o
 
 
 def markdown(df: pd.DataFrame) -> str:
-    show = df.copy()
+    show = df.drop(columns=["gate_records"], errors="ignore")   # gate_failures says the same in words
     if "M" in show:
         show["M"] = show.M.map(m_label)
     return show.to_markdown(index=False, floatfmt=".4g") + "\n"

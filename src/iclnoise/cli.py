@@ -20,8 +20,8 @@ COMMANDS = {  # command -> ("iclnoise.commands.<topic>:<command with - as _>", h
     "check": ("iclnoise.commands.runs:check", "validate a params file, print the grid and its cost estimate"),
     "verify": ("iclnoise.commands.runs:verify", "read every table of a results directory; name the unreadable ones"),
     "llc": ("iclnoise.commands.probes:llc", "local learning coefficient per checkpoint of a run"),
-    "llc-calibrate": ("iclnoise.commands.probes:llc_calibrate", "sweep SGLD step size / localization on one "
-                      "checkpoint"),
+    "llc-calibrate": ("iclnoise.commands.probes:llc_calibrate", "choose SGLD's ε, γ, nβ in the stable, non-escaped "
+                      "region: a sweep at three checkpoints of a run"),
     "refined": ("iclnoise.commands.probes:refined", "refined LLC per component and susceptibilities at a few "
                 "checkpoints of a run"),
     "stages": ("iclnoise.commands.probes:stages", "developmental stages from a run's LLC curve"),

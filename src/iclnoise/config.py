@@ -71,14 +71,25 @@ def _check_nodes(node: yaml.Node, path: list, name: str, sizes: dict) -> int:
     return size
 
 
+def read_bounded(path: str | Path, cap: int = MAX_YAML_BYTES) -> bytes:
+    """The bytes of a params source (a file, a device, a pipe): at most `cap + 1` are read, and a source longer
+    than `cap` is a ParamsError naming it (stat's size is 0 for /dev/zero and pipes, so it is not trusted); one
+    that cannot be opened is a ParamsError too."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(cap + 1)
+    except OSError as e:
+        raise ParamsError(f"{path}: cannot be read ({e.strerror or e}); allowed: a readable params file") from None
+    if len(raw) > cap:
+        raise ParamsError(f"{path}: more than {cap:,} bytes; allowed: a params file up to {cap:,} bytes")
+    return raw
+
+
 def read_yaml(path: str | Path) -> Any:
     """Parse a YAML file strictly: a duplicate or non-string key, a syntax error, bytes that are not UTF-8, a
     file over MAX_YAML_BYTES, nesting or alias expansion beyond the bounds above are a ParamsError naming the
     file (and the line and column where there is one)."""
-    size = Path(path).stat().st_size
-    if size > MAX_YAML_BYTES:
-        raise ParamsError(f"{path}: {size:,} bytes; allowed: a params file up to {MAX_YAML_BYTES:,} bytes")
-    raw = Path(path).read_bytes()
+    raw = read_bounded(path)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -133,7 +144,39 @@ def load_params(path: str | Path = "params.yaml", overrides: list[str | Path] = 
     try:
         return validate_params(params)
     except ParamsError as e:
-        raise ParamsError(f"{' + '.join(map(str, [path, *overrides]))}: {e}") from None
+        raise ParamsError(f"{source_names([path, *overrides])}: {e}") from None
+
+
+def parse_overrides(overrides: Any) -> Any:
+    """Snakemake's `--config key=value` overrides with each string value read as a YAML scalar (safe loader), as
+    it would be in a params file: Snakemake parses `stats={alpha: 0.05}` with YAML's BaseLoader, which gives the
+    string '0.05'. A string that is no YAML scalar (a mapping's text, an unsafe tag) stays as written, and the
+    schema then names its key."""
+    if isinstance(overrides, dict):
+        return {k: parse_overrides(v) for k, v in overrides.items()}
+    if isinstance(overrides, list):
+        return [parse_overrides(v) for v in overrides]
+    if not isinstance(overrides, str):
+        return overrides
+    try:
+        value = yaml.safe_load(overrides)
+    except yaml.YAMLError:
+        return overrides
+    return overrides if isinstance(value, (dict, list)) else value
+
+
+def source_names(files: list[str | Path], overrides: dict | None = None) -> str:
+    """The params sources an error message starts with: each file once (Snakemake lists the workflow's configfile
+    among --configfile's), then `--config` and the keys it set."""
+    seen, names = set(), []
+    for f in files:
+        key = Path(f).resolve()
+        if key not in seen:
+            seen.add(key)
+            names.append(str(f))
+    if overrides:
+        names.append(f"--config {', '.join(map(str, overrides))}")
+    return " + ".join(names)
 
 
 def switch(value: Any, key: str) -> bool:

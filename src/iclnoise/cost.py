@@ -3,9 +3,21 @@ to allocate, with the checks that refuse a grid above a threshold (validation, `
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from .grid import ed_families, ensemble_groups, expand_grid, parse_run_id, refined_covers, steps_for, trained_steps
+from .grid import (
+    ed_families,
+    ensemble_groups,
+    expand_grid,
+    job_cfg,
+    parse_run_id,
+    probe_sections,
+    refined_covers,
+    shared_spec,
+    steps_for,
+    trained_steps,
+)
 from .sections import Data, Eval, Model, ParamsError
 from .tasks import M_INF
 
@@ -265,3 +277,91 @@ def check_cost(params: dict, confirmed: bool = False) -> dict[str, Any]:
                           f"threshold. To start it anyway add `--config confirm_cost=true` to the snakemake command "
                           f"(or shrink grid.M, grid.seeds, grid.batch_sizes or train.budget)")
     return est
+
+
+PARAMS_RECORD = "params.last.json"  # in the results directory: the params of the last successful snakemake run
+
+
+def rerun_note(params: dict, results: str = "results") -> str | None:
+    """format_rerun against the params the results were last made with (<results>/params.last.json, written by
+    the Snakefile after a successful run), None where there is no record."""
+    from .io import CorruptFileError, read_json
+
+    path = Path(results) / PARAMS_RECORD
+    if not path.exists():
+        return None
+    try:
+        return format_rerun(read_json(path), params)
+    except (CorruptFileError, KeyError, TypeError, ValueError, AttributeError) as e:  # corrupt, or an older schema
+        return f"{path}: cannot compare with it ({type(e).__name__}: {e}), so which jobs rerun is not estimated"
+
+
+def changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """The dotted keys whose values differ between two params trees (a whole section where one side lacks it)."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return [] if old == new else [prefix or "(all)"]
+    return [k for key in sorted(set(old) | set(new), key=str)
+            for k in changed_keys(old.get(key), new.get(key), f"{prefix}.{key}" if prefix else str(key))]
+
+
+def rerun_plan(old: dict, new: dict) -> dict[str, list[str]]:
+    """The jobs of `new`'s DAG that a change from `old` (the params the results were made with) reruns, by job kind,
+    from what each job's rule reads (workflow/rules): a training job its ensemble's shared spec; a probe job its
+    run's training and probe sections' job_cfg; an ED family (and its figures) its runs' training and probe jobs and
+    job_cfg ed; the training, LLC and refined figures their jobs' inputs; aggregate its inputs and stats; aggregate
+    figures aggregate; the report any change. A job new to the grid counts as a rerun."""
+    old_groups = {tuple(r): g for g, r in ensemble_groups(old).items()}
+    train = [g for g, runs in ensemble_groups(new).items()
+             if tuple(runs) not in old_groups or shared_spec(old, runs) != shared_spec(new, runs)]
+    retrained = {r for g in train for r in ensemble_groups(new)[g]}
+    old_runs = {k.run_id: k for k in expand_grid(old)}
+    probe = []
+    for k in expand_grid(new):
+        secs = probe_sections(new, k)
+        if not secs:
+            continue
+        before = probe_sections(old, old_runs[k.run_id]) if k.run_id in old_runs else None
+        cfg = sorted({"refined": "llc"}.get(x, x) for x in secs)
+        if k.run_id in retrained or before != secs or job_cfg(old, *cfg) != job_cfg(new, *cfg):
+            probe.append(k.run_id)
+    reprobed = set(probe) if new["llc"]["enabled"] else set()
+    old_fams = ed_families(old)
+    ed = [f for f, runs in ed_families(new).items()
+          if old_fams.get(f) != runs or job_cfg(old, "ed") != job_cfg(new, "ed")
+          or any(r in retrained or r in reprobed for r in runs)]
+    other = ["training_figures"] * bool(train) + ["llc_figures", "refined_figures"] * bool(probe)
+    if train or probe or job_cfg(old, "stats") != job_cfg(new, "stats"):
+        other += ["aggregate", "aggregate_figures"]
+    other += ["report"] * bool(train or probe or ed or other or changed_keys(old, new))
+    return {"train": train, "probe": probe, "ed": ed, "other": other}
+
+
+def format_rerun(old: dict, new: dict) -> str:
+    """Which keys changed since `old` and which jobs that reruns, with their estimated CPU core-hours."""
+    keys = changed_keys(old, new)
+    if not keys:
+        return "no parameter changed since the results were made: nothing reruns for a parameter"
+    plan = rerun_plan(old, new)
+    groups = ensemble_groups(new)
+    conds = new["noise"]["conditions"]
+    train_s = 0.0
+    for g in plan["train"]:
+        k = parse_run_id(groups[g][0])
+        cond = conds[k.noise]
+        window = cond.get("fraction") if cond.get("schedule") in ("early", "late") else 1.0
+        train_s += JOB_START_S + trained_steps(new, k.batch, k.noise) * step_ms(
+            new, k.batch, cond["source"], len(groups[g]), window) / 1000
+    probe_s = 0.0
+    for r in plan["probe"]:
+        k = parse_run_id(r)
+        secs = probe_sections(new, k)
+        probe_s += JOB_START_S + sum(probe_seconds(new, k.batch, s, k.noise) for s in secs if s != "refined")
+        probe_s += refined_seconds(new, k.batch, k.noise) if "refined" in secs else 0.0
+    other_s = (2 * len(plan["ed"]) + len(plan["other"])) * JOB_START_S
+    shown = ", ".join(keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
+    jobs = (f"{len(plan['train'])} training job(s){': ' + ', '.join(plan['train']) if plan['train'] else ''}; "
+            f"{len(plan['probe'])} probe job(s) (every probe of a run reruns together: llc, refined LLC, geometry, "
+            f"mech); {len(plan['ed'])} ED famil{'y' if len(plan['ed']) == 1 else 'ies'} (analysis and figures); "
+            f"{', '.join(plan['other']) or 'no other job'}")
+    return (f"changed since the results were made: {shown}; this reruns {jobs}: ≈ "
+            f"{(train_s + probe_s + other_s) / 3600:,.2f} CPU core-hours")

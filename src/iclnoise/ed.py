@@ -59,7 +59,7 @@ import pyarrow as pa
 from .io import KEY_FIELDS
 from .predictors import dmmse, ridge
 from .sections import ED, Data, Eval
-from .tasks import M_INF, eval_set, task_pool
+from .tasks import M_INF, eval_set, prior_cov, task_pool
 
 MAX_GAP = 1.5  # largest checkpoint gap inside the margins, in bandwidths, for a run to be analysable
 GRID_PER_BANDWIDTH = 10  # grid points per bandwidth of the uniform τ grid
@@ -309,9 +309,10 @@ def bootstrap_curves(X: np.ndarray, mean: np.ndarray, comps: np.ndarray, n_seq: 
 
 def predictor_vectors(d: Data, e: Eval, Ms: list[int]) -> dict[str, np.ndarray]:
     """Flattened dMMSE_M (each finite M) and ridge predictions on the root-task sequences."""
-    b = eval_set("root", 1, e.n_root, d.K, d.D, d.noise_var, d.pool_seed, e.eval_seed)
-    out = {"ridge": ridge(b.xs, b.ys, d.noise_var).numpy().ravel()}
+    p = d.task_prior
+    b = eval_set("root", 1, e.n_root, d.K, d.D, d.noise_var, d.pool_seed, e.eval_seed, p)
+    out = {"ridge": ridge(b.xs, b.ys, d.noise_var, None if p is None else prior_cov(p, d.D)).numpy().ravel()}
     for M in Ms:
         if M != M_INF:
-            out[f"dmmse_{M}"] = dmmse(b.xs, b.ys, task_pool(d.pool_seed, M, d.D), d.noise_var).numpy().ravel()
+            out[f"dmmse_{M}"] = dmmse(b.xs, b.ys, task_pool(d.pool_seed, M, d.D, p), d.noise_var).numpy().ravel()
     return out

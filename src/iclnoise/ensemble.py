@@ -6,6 +6,12 @@ AdamW is elementwise, so one AdamW over the stacked tensors is R AdamWs; each ru
 slice of the stack, and its hooks read its slice of the optimizer state through `RunAdam`. A step
 (`Ensemble.run`): sample every run's batch, backward, freeze runs that diverged, the hooks' `on_grads`, clip
 per run, the optimizer step (frozen runs restored), the hooks' `on_update` and the due checkpoints.
+
+Resume states are written per commit, not per run: at each checkpoint step the ensemble first writes every live
+run's analysis checkpoint, then every member's resume state (frozen runs too), each tagged with the commit step and
+the ensemble's cohort. A member keeps the state of the previous commit beside it (resume.prev.pt), so a kill while
+the members' states are being written leaves every member a state at the earlier commit, and the ensemble resumes
+from there as one (iclnoise.train).
 """
 from __future__ import annotations
 
@@ -74,6 +80,7 @@ class Member:
     loss_sum: float = 0.0
     loss_n: int = 0
     resume: dict | None = None
+    saved: int | None = None   # the commit step of the run's resume.pt, None before it has one
     adam: RunAdam | None = None
 
     @property
@@ -90,15 +97,17 @@ class Member:
         self.evaluator = Evaluator(s, self.device)
 
 
-def save_resume(m: Member, params: dict[str, torch.Tensor], opt_state: dict | None, step: int) -> None:
-    """The run's rolling full training state (the previous one kept as resume.prev.pt)."""
+def save_resume(m: Member, params: dict[str, torch.Tensor], opt_state: dict | None, commit: int, cohort: str) -> None:
+    """The run's full training state at the ensemble's commit step `commit` (resume.pt); resume.pt of an earlier
+    commit becomes resume.prev.pt first, so the run keeps its state at the ensemble's previous commit."""
     cur, prev = m.run_dir / RESUME, m.run_dir / RESUME_PREV
-    state = {"spec_hash": m.hash, "step": step, "diverged": m.diverged, "params": params, "opt": opt_state,
-             "hooks": [h.state_dict() for h in m.hooks], "rows": m.rows, "tokens": m.tokens, "root": m.root,
-             "manifest": m.manifest}
-    if cur.exists():
+    state = {"spec_hash": m.hash, "step": m.step, "commit": commit, "cohort": cohort, "diverged": m.diverged,
+             "params": params, "opt": opt_state, "hooks": [h.state_dict() for h in m.hooks], "rows": m.rows,
+             "tokens": m.tokens, "root": m.root, "manifest": m.manifest}
+    if m.saved is not None and m.saved != commit and cur.exists():
         cur.replace(prev)
     save_torch(state, cur)
+    m.saved = commit
 
 
 class RunAdam:
@@ -127,10 +136,11 @@ class RunAdam:
 
 
 class Ensemble:
-    """The stacked parameters and AdamW of runs that all start at the same step."""
+    """The stacked parameters and AdamW of runs that all start at the same step (frozen runs included: they stay in
+    the stack, as in the ensemble that froze them). `cohort` names the ensemble in its resume states."""
 
-    def __init__(self, members: list[Member], start: int):
-        self.members, self.start = members, start
+    def __init__(self, members: list[Member], start: int, cohort: str):
+        self.members, self.start, self.cohort = members, start, cohort
         spec = members[0].spec
         self.t = t = spec.train
         self.total, self.B, self.mb = t.steps, spec.keys.batch, t.micro_batch
@@ -193,7 +203,7 @@ class Ensemble:
                 "exp_avg_sq": {n: s["exp_avg_sq"][r].clone().cpu() for n, s in zip(self.names, st)}}
 
     def checkpoint(self, r: int, step: int) -> None:
-        """Evaluate run r, write its weights-only analysis checkpoint and its rolling resume state."""
+        """Evaluate run r and write its weights-only analysis checkpoint (its resume state: `commit`)."""
         m = self.members[r]
         metrics, tok, preds = m.evaluator(m.model)
         train_loss = m.loss_sum / m.loss_n if m.loss_n else math.nan
@@ -210,7 +220,11 @@ class Ensemble:
         m.manifest[step] = save_torch({"model": params, "model_config": m.model.cfg.to_dict(), "adam": adam,
                                        "spec_hash": m.hash}, checkpoint_path(m.run_dir, step))
         m.loss_sum, m.loss_n, m.step = 0.0, 0, step
-        save_resume(m, params, opt, step)
+
+    def commit(self, step: int) -> None:
+        """Every member's resume state at `step` (after the step's analysis checkpoints)."""
+        for r, m in enumerate(self.members):
+            save_resume(m, self.params_of(r), self.opt_of(r), step, self.cohort)
 
     # ---------------------------------------------------------------- one step, in named parts
     def _backward(self, batches: list[Batch]) -> list[float]:
@@ -283,11 +297,15 @@ class Ensemble:
             for r, m in enumerate(members):
                 if m.resume is None:
                     self.checkpoint(r, 0)
+            self.commit(0)
         desc = members[0].run_id if len(members) == 1 else f"{len(members)} runs B{self.B} {members[0].spec.keys.noise}"
         bar = tqdm(range(self.start, self.stop), initial=self.start, total=self.stop, desc=desc,
                    disable=not progress, mininterval=1.0, dynamic_ncols=True)
         for step in bar:
-            if self.frozen.all() or (stop_after is not None and step >= stop_after):
+            if self.frozen.all():  # every run diverged: their final states
+                self.commit(step)
+                break
+            if stop_after is not None and step >= stop_after:
                 break
             lr = self.lr(step)
             self.opt.param_groups[0]["lr"] = lr
@@ -308,6 +326,7 @@ class Ensemble:
                 if step + 1 in self.ckpt_at:
                     self.checkpoint(r, step + 1)
             if step + 1 in self.ckpt_at:
+                self.commit(step + 1)
                 self._log_progress(bar, desc, step + 1)
         bar.close()
 

@@ -14,8 +14,8 @@ import torch
 
 from .io import KEY_FIELDS
 from .predictors import delta, dmmse, icl_score, ridge, ridge_likeness, token_losses
-from .sections import RunSpec
-from .tasks import M_INF, Batch, eval_set, pool_for
+from .sections import RunSpec, TaskPrior
+from .tasks import M_INF, Batch, eval_set, pool_for, prior_cov
 
 METRICS_SCHEMA = pa.schema(KEY_FIELDS + [
     pa.field("step", pa.int64()),
@@ -56,14 +56,15 @@ class _Split:
 
 @functools.lru_cache(maxsize=64)
 def _split(kind: str, M: int, n: int, K: int, D: int, noise_var: float, pool_seed: int,
-           eval_seed: int) -> tuple[Batch, torch.Tensor | None, torch.Tensor]:
+           eval_seed: int, prior: TaskPrior | None = None) -> tuple[Batch, torch.Tensor | None, torch.Tensor]:
     """An evaluation set with dMMSE_M of the run's pool (None for M = ∞) and ridge on it, on the CPU; cached,
     because the OOD and root sets (and their ridge predictions) are the same for every run of an ensemble, and
-    dMMSE_M on them the same for every seed of one M."""
-    b = eval_set(kind, M, n, K, D, noise_var, pool_seed, eval_seed)
-    pool = pool_for(M, pool_seed, D)
+    dMMSE_M on them the same for every seed of one M. `ridge` is the Bayes predictor of the prior in force
+    (the generalised ridge under a shaped prior, SPEC §13), so r and the Δ's are measured against it."""
+    b = eval_set(kind, M, n, K, D, noise_var, pool_seed, eval_seed, prior)
+    pool = pool_for(M, pool_seed, D, prior)
     dm = None if pool is None else dmmse(b.xs, b.ys, pool, noise_var)
-    return b, dm, ridge(b.xs, b.ys, noise_var)
+    return b, dm, ridge(b.xs, b.ys, noise_var, None if prior is None else prior_cov(prior, D))
 
 
 class Evaluator:
@@ -76,7 +77,7 @@ class Evaluator:
         self.device = device
         self.splits: dict[str, _Split] = {}
         for kind, n in (("id", e.n_sequences), ("ood", e.n_sequences), ("root", e.n_root)):
-            b, dm, rd = _split(kind, self.M, n, d.K, d.D, d.noise_var, d.pool_seed, e.eval_seed)
+            b, dm, rd = _split(kind, self.M, n, d.K, d.D, d.noise_var, d.pool_seed, e.eval_seed, d.task_prior)
             self.splits[kind] = _Split(b.to(device), None if dm is None else dm.to(device), rd.to(device))
         self.reference = self._reference_losses()
 

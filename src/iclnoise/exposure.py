@@ -255,6 +255,30 @@ def budget_scale(target: float, curv: float, unit: float, grad_sq: float, trace_
     return target * curv * grad_sq / den if den > 0 else math.inf
 
 
+def refresh_interval(interval: int, curv_old: float, curv_new: float, rse: float, tol: float, most: int) -> int:
+    """The next refresh interval of diag Ĥ in an injection window (exposure.curvature_tol, SPEC §6's closed loop).
+
+    drift = |Curv_new − Curv_old| / Curv_new − 2·rse, both Curv at this step's A (old and new Ĥ), rse their
+    combined Hutchinson relative standard error (what the estimates differ by without any change in Ĥ):
+    the interval halves when drift > tol, doubles when drift < tol / 2, and stays within [1, most]."""
+    if not (curv_new > 0 and math.isfinite(curv_old)):
+        return 1
+    drift = abs(curv_new - curv_old) / curv_new - 2 * (rse if math.isfinite(rse) else 0.0)
+    nxt = interval // 2 if drift > tol else 2 * interval if drift < tol / 2 else interval
+    return min(most, max(1, nxt))
+
+
+def injected_dose_se(steps_curv: np.ndarray, pne_se: np.ndarray) -> float:
+    """Standard error of a run's integrated injected P-NE* from the curvature's Hutchinson error (issue 43):
+    each step's P-NE* divides by Curv from the latest diag Ĥ, so its error δ_t = P-NE*_t · rse of that Ĥ is
+    shared by every step that uses the same measurement and independent between measurements:
+    SE = sqrt(Σ_m (Σ_{t uses m} δ_t)²)."""
+    if len(steps_curv) == 0:
+        return 0.0
+    per = pd.Series(pne_se).groupby(np.asarray(steps_curv)).sum().to_numpy(float)
+    return float(np.sqrt(np.nansum(per ** 2)))
+
+
 def update_innovation_variance(adam: AdamState, G: torch.Tensor, batch: int) -> float:
     """Σ_i Var(Δw_i) of one AdamW update from the current state, for batch-B gradient noise.
 
@@ -314,13 +338,14 @@ EXPOSURE_SCHEMA = pa.schema(KEY_FIELDS + [
     pa.field("clip_frac", pa.float64()),     # fraction of the steps since the last row that were clipped
     pa.field("ne_postclip", pa.float64()), pa.field("pne_postclip", pa.float64()),
     pa.field("pne_injected_postclip", pa.float64()),  # realised injected P-NE* after clipping, exact interval mean
+    pa.field("pne_injected_var", pa.float64()),  # variance of the interval's injected P-NE* sum from diag Ĥ's error
     pa.field("ne_simple_postclip", pa.float64()),
     EIG_FIELD, pa.field("tail_index", pa.float64()), pa.field("participation_ratio", pa.float64()),
 ])
 
 
 SUMMARY_COLUMNS = ["integrated_pne", "integrated_pne_preclip", "integrated_ne", "integrated_ne_injected",
-                   "integrated_pne_injected", "integrated_ne_simple"]
+                   "integrated_pne_injected", "integrated_ne_simple", "integrated_pne_injected_se"]
 
 
 def summarize(df: pd.DataFrame) -> dict:
@@ -333,4 +358,6 @@ def summarize(df: pd.DataFrame) -> dict:
     s = lambda c: float((df[c].to_numpy(float) * w).sum())  # noqa: E731
     return {"integrated_pne": s("pne_postclip"), "integrated_pne_preclip": s("pne"),
             "integrated_ne": s("ne_postclip"), "integrated_ne_injected": s("ne_injected"),
-            "integrated_pne_injected": s("pne_injected_postclip"), "integrated_ne_simple": s("ne_simple_postclip")}
+            "integrated_pne_injected": s("pne_injected_postclip"), "integrated_ne_simple": s("ne_simple_postclip"),
+            "integrated_pne_injected_se": float(np.sqrt(df.pne_injected_var.sum())) if "pne_injected_var" in df
+            else math.nan}   # rows written before issue 43 carry no variance

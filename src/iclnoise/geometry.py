@@ -92,10 +92,11 @@ def t_halfwidth(se: float, n: int, level: float = 0.95) -> float:
 
 
 def lanczos(hvp: HVP, dim: int, iters: int, generator: torch.Generator, tol: float = 1e-3,
-            device="cpu", dtype: torch.dtype = torch.float32) -> dict[str, dict]:
+            device="cpu", dtype: torch.dtype = torch.float32,
+            which: tuple[str, ...] = ("max", "min")) -> dict[str, dict]:
     """Largest ("max") and smallest algebraic ("min") eigenvalue by Lanczos with full
-    reorthogonalisation; stops when both Ritz residuals ‖H y − θ y‖ ≤ tol·max(|θ|, 1e-12·‖T‖) or the
-    Krylov space is exhausted. Each: eigenvalue, residual, iterations, converged."""
+    reorthogonalisation; stops when the Ritz residuals ‖H y − θ y‖ of those in `which` are ≤
+    tol·max(|θ|, 1e-12·‖T‖) or the Krylov space is exhausted. Each: eigenvalue, residual, iterations, converged."""
     q = torch.randn(dim, generator=generator, device=device).to(dtype)
     Q, alphas, betas = [q / q.norm()], [], []
     out = {}
@@ -113,7 +114,7 @@ def lanczos(hvp: HVP, dim: int, iters: int, generator: torch.Generator, tol: flo
             theta, resid = float(evals[col]), abs(beta * evecs[-1, col])
             ok = done or resid <= tol * max(abs(theta), 1e-12 * scale)
             out[name] = {"eigenvalue": theta, "residual": resid, "iterations": k + 1, "converged": bool(ok)}
-        if all(o["converged"] for o in out.values()):
+        if all(out[k]["converged"] for k in which):
             return out
         betas.append(beta)
         Q.append(w / beta)
@@ -122,8 +123,8 @@ def lanczos(hvp: HVP, dim: int, iters: int, generator: torch.Generator, tol: flo
 
 def lanczos_top(hvp: HVP, dim: int, iters: int, generator: torch.Generator, tol: float = 1e-3,
                 device="cpu", dtype: torch.dtype = torch.float32) -> dict:
-    """The largest eigenvalue's entry of `lanczos`."""
-    return lanczos(hvp, dim, iters, generator, tol, device, dtype)["max"]
+    """The largest eigenvalue's entry of `lanczos`, stopping as soon as it has converged."""
+    return lanczos(hvp, dim, iters, generator, tol, device, dtype, which=("max",))["max"]
 
 
 def sam_sharpness(f: FlatLoss, rho: float) -> float:

@@ -49,6 +49,31 @@ def refined_covers(params: dict, keys: RunKeys) -> bool:
     return (seeds is None or keys.seed in seeds) and (ms is None or keys.M in {parse_m(M) for M in ms})
 
 
+def probe_sections(params: dict, keys: RunKeys) -> list[str]:
+    """The probe sections a run's probe job runs: llc, geometry, mech (each where it is enabled and `<section>.seeds`,
+    absent = every seed, holds the run's seed) and refined (refined_covers)."""
+    secs = [s for s in ("llc", "geometry", "mech") if (params.get(s) or {}).get("enabled")
+            and (params[s].get("seeds") is None or keys.seed in params[s]["seeds"])]
+    return secs + ["refined"] if refined_covers(params, keys) else secs
+
+
+SELECTION_KEYS = ("seeds", "families", "refined.M")   # which jobs exist, not what a job computes (in a section)
+
+
+def without(sec: Any, keys: list[str] | tuple[str, ...]) -> Any:
+    """`sec` less `keys`, dotted keys reaching into its subsections."""
+    if not isinstance(sec, dict):
+        return sec
+    return {k: without(v, [x.split(".", 1)[1] for x in keys if x.startswith(k + ".")])
+            for k, v in sec.items() if k not in keys}
+
+
+def job_cfg(params: dict, *names: str) -> dict:
+    """What a command's --cfg holds: the params sections it reads, less the keys that only select jobs. As a rule's
+    param it reruns the rule when what it computes changes, and only then."""
+    return {n: without(params[n], SELECTION_KEYS) for n in names}
+
+
 def expand_grid(params: dict) -> list[RunKeys]:
     """Every (M, batch, noise, seed) of the grid, in a stable order; a noise condition with its own
     `batch_sizes` or `M` runs only at those."""

@@ -28,7 +28,6 @@ from torch import nn
 from .exposure import (
     EXPOSURE_SCHEMA,
     AdamState,
-    Curvature,
     GradNoise,
     b_simple,
     calibrated_kappa,
@@ -40,6 +39,7 @@ from .exposure import (
     leading_eigs,
     pne_columns,
     preconditioner,
+    refresh_interval,
     update_innovation_variance,
 )
 from .sections import Exposure, RunSpec
@@ -81,14 +81,26 @@ class ExposureState:
 
     curv_diag: torch.Tensor | None = None  # diag Ĥ of the latest measurement: Curv(A) = Σ a² diag Ĥ
     curv_step: int = -1                    # the step it was measured at
+    curv_rse: float = math.nan             # its Hutchinson relative standard error, at the A of that step
+    curv_interval: int = 1                 # steps to the next refresh inside a window (exposure.curvature_tol)
     kappa: float | None = None             # calibrated κ (None: the configured one)
     pne_postclip: float | None = None      # the latest row's P-NE* after clipping, until the controller reads it
     ne_injected: float = 0.0               # Σ over the steps since the last row: injected NE (pre-clip)
     pne_injected: float = 0.0              # ... and realised injected P-NE* after clipping
+    dose_var: float = 0.0                  # ... its variance from diag Ĥ's error, Σ_m (Σ_{t uses m} δ_t)² (closed m)
+    dose_open: float = 0.0                 # Σ δ_t of the steps using the latest diag Ĥ (open measurement)
 
-    def take_interval(self) -> tuple[float, float]:
-        out = self.ne_injected, self.pne_injected
-        self.ne_injected = self.pne_injected = 0.0
+    def close_measurement(self) -> None:
+        """A new diag Ĥ: the steps that used the previous one share its error (injection.injected_dose_se)."""
+        self.dose_var += self.dose_open ** 2
+        self.dose_open = 0.0
+
+    def take_interval(self) -> tuple[float, float, float]:
+        """(Σ injected NE, Σ injected P-NE*, the variance of that sum) since the last row; a measurement whose steps
+        reach into the next row is split there (the row's last step measured it: one step on this side)."""
+        self.close_measurement()
+        out = self.ne_injected, self.pne_injected, self.dose_var
+        self.ne_injected = self.pne_injected = self.dose_var = 0.0
         return out
 
 
@@ -149,34 +161,45 @@ class ExposureLogger:
         self.probes, self.n_heldout = cfg.curvature_probes, cfg.heldout
         self.floor, self.rank = cfg.floor, cfg.eig_rank
         self.curvature, self.curv_every, self.D = cfg.curvature, cfg.curvature_every, spec.data.D
+        self.curv_tol = cfg.curvature_tol
         self.meter, self.state, self.window, self.device = meter, state, window, device
         self._rows: list[dict] = []
         self._measured: Measured | None = None
         self._last, self._clipped_steps, self._steps = -1, 0, 0
 
     def _refresh_due(self, step: int) -> bool:
-        """diag Ĥ alone is due: none measured yet, or `curvature_every` steps old inside the injection window."""
+        """diag Ĥ alone is due: none measured yet, or inside the injection window `curvature_every` steps old
+        (adaptive, `curvature_tol`: the state's interval, never longer than the steps since the window opened)."""
         if self.window is None:
             return False
         st, (start, stop) = self.state, self.window
-        return st.curv_diag is None or (start <= step < stop and step - st.curv_step >= self.curv_every)
+        every = self.curv_every if self.curv_tol is None else min(st.curv_interval, step - start)
+        return st.curv_diag is None or (start <= step < stop and step - st.curv_step >= max(1, every))
 
-    def _measure_curvature(self, ctx: StepContext) -> Curvature:
-        """Hutchinson diag Ĥ on this step's held-out batch, kept in the shared state."""
+    def _measure_curvature(self, ctx: StepContext, a: torch.Tensor | None) -> tuple[float, float]:
+        """Hutchinson diag Ĥ on this step's held-out batch, kept in the shared state with its relative standard
+        error at this step's A; adapts the refresh interval to the drift from the previous Ĥ (curvature_tol)."""
         gen = torch.Generator(device=self.device).manual_seed(_seed_mix(_PROBE, self.keys["seed"], ctx.step))
         held = ctx.heldout(ctx.step, self.n_heldout)
         if self.curvature == "ggn":  # the MSE objective: loss_scale 1/D (iclnoise.model.mse_loss)
             hess = ggn_curvature(ctx.model, held.xs, held.ys, self.probes, gen, 1.0 / self.D)
         else:
             hess = hessian_curvature(ctx.model, ctx.loss_fn, held.xs, held.ys, self.probes, gen)
-        self.state.curv_diag, self.state.curv_step = hess.diag, ctx.step
-        return hess
+        st = self.state
+        curv, se = hess.at(a)
+        rse = se / curv if curv > 0 else math.nan
+        if self.curv_tol is not None and st.curv_diag is not None and a is not None:
+            st.curv_interval = refresh_interval(st.curv_interval, float((a.square() * st.curv_diag).sum()), curv,
+                                                math.hypot(st.curv_rse, rse), self.curv_tol, self.curv_every)
+        st.curv_diag, st.curv_step, st.curv_rse = hess.diag, ctx.step, rse
+        st.close_measurement()
+        return curv, se
 
     def on_grads(self, ctx: StepContext) -> None:
         self._measured = None
         if not self.meter.due(ctx.step):
             if self._refresh_due(ctx.step):
-                self._measure_curvature(ctx)
+                self._measure_curvature(ctx, preconditioner(ctx.adam))
             return
         noise = self.meter.measure(ctx)
         a = preconditioner(ctx.adam)
@@ -189,7 +212,7 @@ class ExposureLogger:
                                  [r["update_var_pred"] for r in self._rows] + [upd_pred], self.beta1)
             if math.isfinite(k):
                 self.kappa = self.state.kappa = k
-        curv, curv_se = self._measure_curvature(ctx).at(a)
+        curv, curv_se = self._measure_curvature(ctx, a)
         self._measured = Measured(noise, a, curv, curv_se, upd_var, upd_pred)
 
     def on_update(self, ctx: StepContext) -> None:
@@ -200,7 +223,7 @@ class ExposureLogger:
         meas, B, lr = self._measured, self.batch, ctx.lr
         noise, a = meas.noise, meas.a
         interval = ctx.step - self._last
-        ne_inj, pne_inj = self.state.take_interval()
+        ne_inj, pne_inj, dose_var = self.state.take_interval()
         cols = pne_columns(lr, self.kappa, B, a, noise.diag, meas.curv, self.floor, ctx.clip_coef,
                            ne_inj / interval, pne_inj / interval)  # exact interval means
         lam, alpha, pr = leading_eigs(noise.factor, a, self.rank)
@@ -211,6 +234,7 @@ class ExposureLogger:
             "grad_norm": float(noise.mean.norm()), "trace_c": noise.trace,
             "b_simple": b_simple(noise, B), "curv": meas.curv, "curv_se": meas.curv_se,
             "clip_coef": ctx.clip_coef, "clip_frac": self._clipped_steps / max(1, self._steps), **cols,
+            "pne_injected_var": dose_var,
             "aca_eigs": lam.tolist(), "tail_index": alpha, "participation_ratio": pr})
         self.state.pne_postclip = cols["pne_postclip"]
         self._last, self._measured = ctx.step, None

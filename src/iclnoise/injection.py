@@ -30,6 +30,8 @@ INJECTION_SCHEMA = pa.schema([
     pa.field("clip_coef", pa.float64()),        # c² multiplies the injected noise (grad source); 1 for param
     pa.field("curv", pa.float64()),             # max(floor, Σ a² diag Ĥ): this step's A, the latest Ĥ (NaN off-window)
     pa.field("pne_injected", pa.float64()),     # realised injected P-NE* after clipping: c² · ne_injected / curv
+    pa.field("pne_injected_se", pa.float64()),  # its standard error from diag Ĥ's Hutchinson error: pne · rse(Ĥ)
+    pa.field("curv_step", pa.int64()),          # the step diag Ĥ was measured at (steps sharing it share its error)
     pa.field("trace_injected", pa.float64()),   # Tr(s R')
     pa.field("clipped_trace", pa.float64()),    # s · trace removed by PSD clipping (what could not be matched)
     pa.field("clipped_frac", pa.float64()),     # clipped / (clipped + injected) trace
@@ -96,12 +98,15 @@ class NoiseInjector:
         return max(self.floor, float((a.square() * self.state.curv_diag).sum()))
 
     def _scale(self, ctx: StepContext, a: torch.Tensor, curv: float) -> float:
+        """s_t of this step. Only the grad source's noise is clipped with the gradient: the param source's enters the
+        weights after the update, so its scale is solved without the clipping factor or the saturation bound."""
         unit = ne_unit(ctx.lr, self._kappa(), a, self._diag)
+        clip = self.clip if self.source == "grad" else None
         if self.ctl is not None:
             pne, self.state.pne_postclip = self.state.pne_postclip, None
             if not self.ctl_started:  # open-loop start: the scale that reaches the target by itself
                 s0 = budget_scale(target_at(self.ctl.target, ctx.step / self.total), curv, unit,
-                                  self._grad_sq(ctx), self._trace, self.clip)
+                                  self._grad_sq(ctx), self._trace, clip)
                 self.ctl.u = self.ctl.log_s = min(MAX_LOG_SCALE, math.log(s0)) if 0 < s0 else -MAX_LOG_SCALE
                 self.ctl_started = True
                 return math.exp(self.ctl.log_s)
@@ -109,9 +114,9 @@ class NoiseInjector:
         if self.budget is None:
             return 1.0
         left, g2 = self.stop - ctx.step, self._grad_sq(ctx)
-        s = budget_scale(max(0.0, self.budget - self.realised) / left, curv, unit, g2, self._trace, self.clip)
-        if self.clip is not None and self._trace > 0:  # an unreachable target saturates, it does not explode
-            s = min(s, SATURATION * max(g2, self.clip ** 2 / (1 + SATURATION)) / self._trace)
+        s = budget_scale(max(0.0, self.budget - self.realised) / left, curv, unit, g2, self._trace, clip)
+        if clip is not None and self._trace > 0:  # an unreachable target saturates, it does not explode
+            s = min(s, SATURATION * max(g2, clip ** 2 / (1 + SATURATION)) / self._trace)
         return min(s, math.exp(MAX_LOG_SCALE))
 
     def _params(self, ctx: StepContext) -> list[torch.Tensor]:
@@ -132,7 +137,8 @@ class NoiseInjector:
         s = self._scale(ctx, a, curv) if active else 0.0
         ne = s * ne_unit(ctx.lr, self._kappa(), a, self._diag) if s > 0 else 0.0
         self._pending = {"run_id": self.run_id, "step": ctx.step, "active": active, "scale": s, "ne_injected": ne,
-                         "curv": curv, "trace_injected": s * self._trace, "clipped_trace": s * self.clipped}
+                         "curv": curv, "trace_injected": s * self._trace, "clipped_trace": s * self.clipped,
+                         "curv_step": self.state.curv_step, "curv_rse": self.state.curv_rse}
         self._eps = None
         if s <= 0:
             return
@@ -155,10 +161,12 @@ class NoiseInjector:
         pne = c2 * row["ne_injected"] / row["curv"] if row["ne_injected"] > 0 and row["curv"] > 0 else 0.0
         self.realised += pne
         tr, clip = row["trace_injected"], row["clipped_trace"]
-        self._rows.append({**row, "clip_coef": c2, "pne_injected": pne,
+        rse = row.pop("curv_rse")
+        self._rows.append({**row, "clip_coef": c2, "pne_injected": pne, "pne_injected_se": pne * rse if pne else 0.0,
                            "clipped_frac": clip / (clip + tr) if clip + tr > 0 else 0.0})
         self.state.ne_injected += row["ne_injected"]
         self.state.pne_injected += pne
+        self.state.dose_open += self._rows[-1]["pne_injected_se"]
         if self._eps is not None:
             params = self._params(ctx)
             with torch.no_grad():
@@ -180,3 +188,58 @@ class NoiseInjector:
         self.ctl_started = state["ctl_started"]
         if self.ctl is not None:
             self.ctl.u, self.ctl.log_s = state["ctl"]
+
+
+class DoseReference:
+    """SPEC §6's injected P-NE*, recomputed independently beside a run (a check of the closed loop's books, not
+    used by it): at every `every`-th injecting step, before the injector acts, this step's A (from the live AdamW)
+    and the exact Gauss–Newton diagonal (full Jacobian on `n_heldout` held-out sequences at the current weights);
+    after the update, c² · η κ Σ a² s R'_ii / max(floor, Σ a² diag G) with the s, R' and c the step really used.
+    `booked` holds the injector's own P-NE* of the same steps. Shares no code with the closed loop but
+    `preconditioner`. Insert it before the run's hooks (its on_grads must see the gradient before injection)."""
+
+    name, schema = "reference", pa.schema([pa.field("step", pa.int64())])   # written empty by the trainer
+
+    def __init__(self, injector: NoiseInjector, n_heldout: int, every: int = 1):
+        self.inj, self.n, self.every = injector, n_heldout, every
+        self.steps: list[int] = []
+        self.pne: list[float] = []
+        self.booked: list[float] = []
+        self.c2: list[float] = []
+        self._a: torch.Tensor | None = None
+
+    def on_grads(self, ctx: StepContext) -> None:
+        self._a = None
+        if not (self.inj.start <= ctx.step < self.inj.stop) or (ctx.step - self.inj.start) % self.every:
+            return
+        held = ctx.heldout(ctx.step, self.n)
+        names = [n for n, _ in ctx.model.named_parameters()]
+        params = {n: p.detach() for n, p in ctx.model.named_parameters()}
+        J = torch.func.jacrev(lambda p: torch.func.functional_call(ctx.model, p, (held.xs, held.ys)))(params)
+        J = torch.cat([J[n].reshape(held.ys.numel(), -1) for n in names], dim=1).double()
+        diag_g = J.square().sum(0) * 2 / (held.ys.numel() * held.xs.shape[-1])   # mse_loss = mean (f − y)² / D
+        self._a = preconditioner(ctx.adam).double()
+        self._g2 = float(sum(p.grad.double().square().sum() for p in ctx.model.parameters()))  # before injection
+        self._curv = max(self.inj.floor, float((self._a.square() * diag_g).sum()))
+
+    def on_update(self, ctx: StepContext) -> None:
+        if self._a is None:
+            return
+        row = self.inj.rows()[-1]
+        ne = ctx.lr * self.inj.kappa * row["scale"] * float((self._a.square() * self.inj._diag.double()).sum())
+        grad = self.inj.source == "grad"
+        c2 = ctx.clip_coef ** 2 if grad else 1.0
+        free = min(1.0, self.inj.clip ** 2 / self._g2) if grad and self.inj.clip is not None else 1.0
+        self.c2.append(c2 / free)   # c² relative to the step without injection
+        self.steps.append(ctx.step)
+        self.pne.append(c2 * ne / self._curv)
+        self.booked.append(row["pne_injected"])
+
+    def rows(self) -> list[dict]:
+        return []
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass

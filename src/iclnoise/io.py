@@ -8,12 +8,14 @@ an expected schema when given one.
 """
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
 import logging
 import os
 import platform
+import shutil
 import subprocess
 import tempfile
 from importlib import metadata
@@ -31,12 +33,16 @@ class CorruptFileError(OSError):
     """A file the pipeline reads is unreadable or has the wrong columns; the message names it and what to do."""
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def file_mode() -> int:
     """Mode of a new output file: 0o666 minus the process umask (what open() would give), so a group-
     readable umask (e.g. 0o022, 0o002) gives group-readable results. mkstemp alone gives 0o600."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
+    return 0o666 & ~_umask()
 
 
 def atomic_path(path: str | os.PathLike) -> tuple[Path, Path]:
@@ -50,6 +56,39 @@ def atomic_path(path: str | os.PathLike) -> tuple[Path, Path]:
     finally:
         os.close(fd)
     return final, Path(tmp)
+
+
+def atomic_dir(path: str | os.PathLike) -> tuple[Path, Path]:
+    """(final, temporary) directories for writing a whole directory: the temporary one is new, hidden and unique
+    (`.<name>.<random>.tmp` beside `final`, so concurrent writers never share one and a glob `*` skips it), with
+    the umask's mode; `replace_dir` puts it in place. OSError when the parent is not writable."""
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    os.chmod(tmp, 0o777 & ~_umask())   # what mkdir would give; mkdtemp gives 0o700
+    return final, tmp
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Put the finished directory `tmp` (from atomic_dir) at `final` by renames: an old `final` is first renamed
+    aside, then deleted. A reader sees the old directory or the new one (or, between the two renames, none), never
+    a mix; when two processes replace `final` at once, the last rename wins and neither fails."""
+    for _ in range(100):
+        old = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".old", dir=final.parent))
+        try:
+            try:
+                os.rename(final, old)
+            except FileNotFoundError:
+                pass
+            try:
+                os.rename(tmp, final)
+                return
+            except OSError as e:   # another process put its directory there in between: move that one aside
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+        finally:
+            shutil.rmtree(old, ignore_errors=True)
+    raise OSError(f"{final}: could not replace it after 100 tries (other processes keep replacing it)")
 
 
 def content_hash(obj: Any) -> str:
@@ -103,7 +142,8 @@ def write_parquet(df: pd.DataFrame, path: str | os.PathLike, schema: pa.Schema, 
     missing = set(schema.names) - set(df.columns)
     if extra or missing:
         raise ValueError(f"{path}: columns do not match schema (extra={sorted(extra)}, missing={sorted(missing)})")
-    table = pa.Table.from_pandas(df[schema.names], schema=schema, preserve_index=False)
+    table = (pa.Table.from_pandas(df[schema.names], schema=schema, preserve_index=False) if len(df)
+             else schema.empty_table())   # an empty frame's columns carry no type (a list column reads as float64)
     meta = {**(table.schema.metadata or {}), **{k.encode(): v.encode() for k, v in provenance(spec_hash).items()}}
     table = table.replace_schema_metadata(meta)
     final, tmp = atomic_path(path)

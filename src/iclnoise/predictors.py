@@ -50,13 +50,20 @@ def dmmse(xs: torch.Tensor, ys: torch.Tensor, pool: torch.Tensor, noise_var: flo
 
 
 @torch.no_grad()
-def ridge(xs: torch.Tensor, ys: torch.Tensor, noise_var: float) -> torch.Tensor:
-    """Ridge (Bayes for q_∞): t̂_k = (XᵀX + σ²I)⁻¹ Xᵀy over the first k−1 pairs; t̂_1 = 0."""
+def ridge(xs: torch.Tensor, ys: torch.Tensor, noise_var: float, prior_cov=None) -> torch.Tensor:
+    """Ridge (Bayes for q_∞): t̂_k = (XᵀX + σ²I)⁻¹ Xᵀy over the first k−1 pairs; t̂_1 = 0.
+
+    With `prior_cov` = Σβ (D, D; SPEC §13) the generalised ridge, Bayes for t ~ N(0, Σβ):
+    t̂_k = Σβ Xᵀ(X Σβ Xᵀ + σ²I)⁻¹ y = (XᵀX + σ² Σβ⁻¹)⁻¹ Xᵀy (push-through identity; Σβ positive definite).
+    None: Σβ = I, the isotropic ridge (same arithmetic as Σβ⁻¹ = I without the inverse).
+    """
     B, K, D = xs.shape
     dt = torch.float64
     x, y = xs.to(dt), ys.to(dt)
     A = _exclusive_cumsum(x.unsqueeze(-1) * x.unsqueeze(-2), dim=1)      # (B, K, D, D)
-    A = A + noise_var * torch.eye(D, dtype=dt, device=xs.device)
+    prec = (torch.eye(D, dtype=dt, device=xs.device) if prior_cov is None
+            else torch.linalg.inv(torch.as_tensor(prior_cov, dtype=dt, device=xs.device)))
+    A = A + noise_var * prec
     b = _exclusive_cumsum(x * y.unsqueeze(-1), dim=1)                     # (B, K, D)
     t_hat = torch.linalg.solve(A, b.unsqueeze(-1)).squeeze(-1)
     return (t_hat * x).sum(-1).to(xs.dtype)

@@ -36,7 +36,17 @@ from .ed import (
 )
 from .geometry import GEOMETRY_SCHEMA, geometry_at
 from .io import read_json, read_parquet, write_json, write_parquet
-from .llc import LLC_SCHEMA, TRACE_SCHEMA, LLCConfig, estimate_llcs
+from .llc import (
+    CALIBRATION_SCHEMA,
+    LLC_SCHEMA,
+    TRACE_SCHEMA,
+    LLCConfig,
+    calibration_sweep,
+    choose_setting,
+    estimate_llcs,
+    flag_shared_levels,
+    sampler_columns,
+)
 from .mech import MECH_SCHEMA, mech_at
 from .refined import RLLC_SCHEMA, SUSCEPTIBILITY_SCHEMA, position_loss, refined_llcs, tables
 from .sections import ED, Geometry, Mech, RunSpec, Stages
@@ -116,11 +126,13 @@ def llc_for_run(run_dir: str | Path, cfg: LLCConfig, every: int = 1, progress: b
         results = estimate_llcs(models[0], mse_loss, xs, ys, cfg, centers)
         log.info("steps %s: %d chains each, one batched pass, %.1f s", steps, cfg.chains, time.perf_counter() - t0)
         for step, r in zip(steps, results):
-            log.info("step %d: λ̂ = %.3f ± %.3f, MALA acceptance %.3f", step, r.llc_mean, r.llc_std, r.mala_accept)
+            log.info("step %d: λ̂ = %.3f ± %.3f, MALA acceptance %.3f, stability ratio %.3f (λ_max %.3g), E[L] %.4f vs "
+                     "trivial %.4f", step, r.llc_mean, r.llc_std, r.mala_accept, r.stability_ratio, r.lambda_max,
+                     r.mean_loss, r.trivial_loss)
             rows.append({**spec.key_dict, "step": step, "llc_mean": r.llc_mean, "llc_std": r.llc_std,
                          "llc_se": r.llc_std / math.sqrt(cfg.chains), "llc_per_chain": r.llc_per_chain.tolist(),
-                         "init_loss": r.init_loss, "mean_sampling_loss": float(r.traces[:, cfg.burn_in:].mean()),
-                         "mala_accept": r.mala_accept, **r.flags, "method": cfg.method,
+                         "init_loss": r.init_loss, "mala_accept": r.mala_accept, **sampler_columns(r),
+                         **r.flags, "method": cfg.method,
                          "epsilon": cfg.epsilon, "gamma": cfg.gamma, "nbeta": r.nbeta,
                          "chains": cfg.chains, "burn_in": cfg.burn_in, "draws": cfg.draws, "batch_size": cfg.batch,
                          "n": cfg.n})
@@ -130,6 +142,7 @@ def llc_for_run(run_dir: str | Path, cfg: LLCConfig, every: int = 1, progress: b
                         "loss": float(r.traces[c, t])} for c in range(cfg.chains) for t in keep]
         write_parquet(pd.DataFrame(traces), part["_traces"], TRACE_SCHEMA)
         write_parquet(pd.DataFrame(rows), part[""], LLC_SCHEMA)
+    flag_shared_levels(rows)
     df = pd.DataFrame(rows).sort_values("step", kind="stable").reset_index(drop=True)
     write_parquet(pd.DataFrame(traces).sort_values(["step", "chain", "sgld_step"], kind="stable"),
                   run_dir / "llc_traces.parquet", TRACE_SCHEMA)
@@ -175,7 +188,8 @@ def mech_for_run(run_dir: str | Path, cfg: Mech, every: int = 1) -> pd.DataFrame
     run_dir = Path(run_dir)
     spec = RunSpec.of(read_spec(run_dir))
     d, e = spec.data, spec.eval
-    ood = eval_set("ood", spec.keys.M, e.n_sequences, d.K, d.D, d.noise_var, d.pool_seed, e.eval_seed)
+    ood = eval_set("ood", spec.keys.M, e.n_sequences, d.K, d.D, d.noise_var, d.pool_seed, e.eval_seed,
+                   d.task_prior)
     probe_batch = sampler(spec, "mech").batch(0, cfg.n_probe)
     rows = []
     for step in select_steps(checkpoint_steps(run_dir), every):
@@ -271,7 +285,8 @@ def refined_for_run(run_dir: str | Path, cfg: LLCConfig, steps: Sequence[int], p
     d = spec.data
     xs, ys = sampling_data(spec, cfg.n, device)
     q = runs.sampler(spec, "llc", device).batch(1, n_obs)
-    fresh = BatchSampler(None, d.K, d.D, d.noise_var, spec.keys.seed, device, stream=runs.STREAMS["llc"])
+    fresh = BatchSampler(None, d.K, d.D, d.noise_var, spec.keys.seed, device, stream=runs.STREAMS["llc"],
+                         prior=d.task_prior)
     q2 = fresh.batch(1, n_obs)      # for an M = ∞ run the same sequences as q: χ = 0
     loss_fn = mse_loss if positions is None else position_loss(positions)
     data = "all" if positions is None else "k" + ",".join(str(p) for p in positions)
@@ -281,7 +296,31 @@ def refined_for_run(run_dir: str | Path, cfg: LLCConfig, steps: Sequence[int], p
         r = refined_llcs(model, loss_fn, xs, ys, cfg, perturbations={"new_tasks": ((q.xs, q.ys), (q2.xs, q2.ys))})
         a, b = tables(spec.key_dict, step, data, r, cfg)
         rllc, sus = rllc + a, sus + b
+    flag_shared_levels(rllc, by=("component",))
     rllc, sus = pd.DataFrame(rllc, columns=RLLC_SCHEMA.names), pd.DataFrame(sus, columns=SUSCEPTIBILITY_SCHEMA.names)
     write_parquet(rllc, run_dir / "rllc.parquet", RLLC_SCHEMA, spec.raw.get("spec_hash"))
     write_parquet(sus, run_dir / "susceptibility.parquet", SUSCEPTIBILITY_SCHEMA, spec.raw.get("spec_hash"))
     return rllc, sus
+
+
+def calibrate_for_run(run_dir: str | Path, base: LLCConfig, steps: Sequence[int], epsilons: list[float],
+                      gammas: list[float], nbetas: list[float | None] = (None,), device: str = "cpu"
+                      ) -> tuple[pd.DataFrame, dict | None]:
+    """The ε × γ (× nβ) sweep of `iclnoise.llc.calibration_sweep` at the run's checkpoints `steps` (sampling set as
+    llc_for_run's), and its choice (`choose_setting`; None: no setting is clean and levelled off in ε). Writes
+    llc_calibration.parquet (the sweep, one row per setting and checkpoint) and llc_calibration.json (the choice,
+    the checkpoints and the base settings)."""
+    from .model import mse_loss
+
+    run_dir = Path(run_dir)
+    spec = RunSpec.of(runs.read_spec(run_dir))
+    xs, ys = sampling_data(spec, base.n, device)
+    models = [runs.load_model(run_dir, s, device) for s in steps]
+    centers = [{k: v.detach() for k, v in m.named_parameters()} for m in models]
+    rows = calibration_sweep(models[0], mse_loss, xs, ys, base, centers, epsilons, gammas, list(nbetas), list(steps))
+    choice = choose_setting(rows)
+    df = pd.DataFrame([{"run_id": spec.keys.run_id, "step": r.pop("center"), **r} for r in rows])
+    write_parquet(df, run_dir / "llc_calibration.parquet", CALIBRATION_SCHEMA)
+    write_json({"choice": choice, "steps": [int(s) for s in steps], "base": dataclasses.asdict(base)},
+               run_dir / "llc_calibration.json")
+    return df, choice

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -9,8 +10,8 @@ from pathlib import Path
 import yaml
 
 from . import __version__
-from .io import read_json, read_parquet
-from .verdicts import GATES
+from .io import read_parquet
+from .verdicts import GATES, NO_MANIPULATION, _cond, convergence
 
 FIGURES = [
     ("fig01_ood_loss", "1. OOD loss over training per M (t_crit circles; dotted: dMMSE_M, dashed: ridge)"),
@@ -56,7 +57,14 @@ LIMITS = [
     ("threshold fit", "an r = 0.5 threshold could not be fitted everywhere ({detail})"),
     ("crossover fit", "the crossover threshold (where more data stops pulling toward dMMSE_M) could not be "
                       "estimated everywhere ({detail})"),
+    ("crossover window", "whether the crossover exists depends on which late part of training the pull is read over "
+                         "({detail}): the crossover threshold is not robust there"),
     ("LLC diagnostics", "too many LLC estimates are unreliable ({detail})"),
+    ("LLC measures the sampler", "too many final LLC estimates measure the sampler rather than the geometry "
+                                 "({detail}: SGLD past its stability limit, or chains that left w*'s neighbourhood; "
+                                 "SPEC §7, iclnoise llc-calibrate)"),
+    (NO_MANIPULATION, "H3 needs a noise manipulation that moves r ({detail}): equivalence of two noise sources "
+                      "carries no information where the noise they emulate has no measurable effect"),
 ]
 
 
@@ -74,23 +82,50 @@ def _threshold_sentence(t) -> str:
     return f"{cond}: M* = {_fmt_m(t.M_star)} {ci}, {t.n_seeds} seeds{gate}"
 
 
-def what_this_run_shows(th, tests, convergence: dict | None = None) -> list[str]:
-    """The opening paragraph, written from the gated tables only: convergence per condition, M* per condition with
-    its interval or the reason there is none, each hypothesis verdict, and what the run cannot show and why (the
-    gates that failed)."""
+def _convergence(conv) -> tuple[list[str], list[str]]:
+    """(each condition's part of the convergence sentence, the unconverged ones as the convergence gate names
+    them) from a verdicts.convergence table. A condition without M = ∞ runs is judged by batch noise's at its
+    batch size (verdicts._gate_convergence); M = ∞ runs that diverged are said to have diverged."""
+    c = conv.set_index(["batch", "noise"])
+    parts, bad = [], []
+    for r in sorted(conv.itertuples(), key=lambda r: _cond(r.batch, r.noise)):   # metrics.json's order
+        name = _cond(r.batch, r.noise)
+        ref = (r.batch, "none")
+        if r.n_inf_runs:
+            parts.append(f"{name} M = ∞ runs diverged" if r.ood_loss_over_ridge == math.inf
+                         else f"{name} {r.ood_loss_over_ridge:.2f}×")
+            if not r.converged:
+                bad.append(f"{name}: M = ∞ runs diverged" if r.ood_loss_over_ridge == math.inf
+                           else f"{name}: M = ∞ OOD loss {r.ood_loss_over_ridge:.2f}× ridge's")
+        elif ref in c.index and c.loc[ref].n_inf_runs:
+            parts.append(f"{name} no M = ∞ run (batch noise's at its batch size stands for it)")
+        else:
+            parts.append(f"{name} no M = ∞ run, nor batch noise's at its batch size")
+            bad.append(f"{name}: no M = ∞ run, nor batch-noise M = ∞ runs at batch {int(r.batch)}")
+    return parts, bad
+
+
+def what_this_run_shows(th, tests, conv=None) -> list[str]:
+    """The opening paragraph, written from the gated tables only: convergence per condition (`conv`, a
+    verdicts.convergence table), M* per condition with its interval or the reason there is none, each hypothesis
+    verdict, and what the run cannot show and why (the gates that failed, and unconverged conditions whether or
+    not a gated row names them). It says that every gate passed only where a threshold or a test ran."""
     lines = ["## What this run shows", ""]
-    if convergence:
-        parts = [f"{k} {v['ood_loss_over_ridge']:.2f}×" if v["ood_loss_over_ridge"] is not None
-                 else f"{k} no M = ∞ run (batch noise's at its batch size stands for it)"
-                 for k, v in convergence.items()]
-        ok = all(v["converged"] for v in convergence.values() if v["ood_loss_over_ridge"] is not None)
+    failures = []
+    if conv is not None and len(conv):
+        parts, bad = _convergence(conv)
         lines += [f"Convergence (final OOD loss of the M = ∞ runs over ridge's, worst seed): {', '.join(parts)}; "
-                  + ("every condition converged." if ok else "not every condition converged (see below)."), ""]
+                  + ("not every condition converged (see below)." if bad else "every condition converged."), ""]
+        failures += [f"unconverged ({', '.join(bad)})"] if bad else []
     if th is not None and len(th):
-        lines += ["Task-diversity threshold M* by two methods (95 % t-intervals over seeds): r50, where ridge-likeness "
-                  "r crosses 0.5; crossover (Raventós et al.), where more data (late training) stops pulling the "
-                  "model toward dMMSE_M and pulls it toward ridge on new tasks:", ""]
+        lines += ["Task-diversity threshold M* by three methods (95 % t-intervals over seeds): r50, where "
+                  "ridge-likeness r crosses 0.5; midpoint, half-way between the fitted logistic's floor and ceiling "
+                  "(the same point only when floor + ceiling = 1); crossover (Raventós et al.), where more data (late "
+                  "training) stops pulling the model toward dMMSE_M and pulls it toward ridge on new tasks:", ""]
         lines += [f"- {_threshold_sentence(t)}." for t in th.itertuples()] + [""]
+    elif th is not None:
+        lines += ["No task-diversity threshold M*: the grid has no run at a finite M.", ""]
+    ran = tests[tests.status == "run"] if tests is not None and len(tests) else None
     if tests is not None and len(tests):
         lines += ["Hypotheses (each verdict follows its Holm-adjusted test and passes its validity gates, "
                   "else it reads 'inconclusive'):", ""]
@@ -98,7 +133,6 @@ def what_this_run_shows(th, tests, convergence: dict | None = None) -> list[str]
             what = t.verdict if t.status == "run" else t.status
             lines.append(f"- {t.hypothesis}, {t.test} [{t.outcome}]: {what}.")
         lines.append("")
-    failures = []
     for df in (th, tests):
         if df is not None and len(df):
             failures += [f for text in df.gate_failures.fillna("") for f in text.split("; ") if f]
@@ -114,10 +148,13 @@ def what_this_run_shows(th, tests, convergence: dict | None = None) -> list[str]
         if details or any(f.startswith(key) for f in failures):
             more = f" and {len(details) - 4} more" if len(details) > 4 else ""
             limits.append(sentence.format(detail=", ".join(details[:4]) + more or key, **GATES))
+    gated = [what for what, df in (("threshold", th), ("verdict", ran)) if df is not None and len(df)]
+    if not gated:
+        lines += ["No threshold was estimated and no hypothesis test ran: this run shows no M* and no verdict.", ""]
     if limits:
         lines += ["What it cannot show:", ""] + [f"- {x[0].upper()}{x[1:]}." for x in limits] + [""]
-    elif failures == [] and (th is not None or tests is not None):
-        lines += ["Every threshold and verdict above passed its validity gates (convergence, threshold fit, "
+    elif gated and not failures:
+        lines += [f"Every {' and '.join(gated)} above passed its validity gates (convergence, threshold fit, "
                   "seeds, equal data and exposure, LLC diagnostics).", ""]
     return lines
 
@@ -142,31 +179,55 @@ def exposure_section(results: Path) -> list[str]:
             *rows, ""]
 
 
-def build(results: Path, params: dict, root: Path) -> str:
+def _verdict_line(t) -> str:
+    """One test row in words: estimate, CI, effect size, the mde of its design, H3's margin beside the
+    manipulation's effect, and the verdict."""
+    if t.status != "run":
+        return f"- **{t.hypothesis}** — {t.test}, {t.outcome}: {t.status}."
+    nan = float("nan")
+    mde, margin, man = (getattr(t, k, nan) for k in ("mde", "margin", "manipulation_effect"))
+    power = f", mde (80 % power) {mde:.2g}" if mde == mde else ""
+    beside = ""
+    if margin == margin or man == man:
+        beside = (f"; margin ±{margin:.2g} beside the noise manipulation's effect "
+                  + (f"{man:+.3g} [{t.manipulation_ci_lo:+.3g}, {t.manipulation_ci_hi:+.3g}]" if man == man
+                     else "(not measured)"))
+    gates = " (all validity gates passed)" if t.gates_passed else ""
+    return (f"- **{t.hypothesis}** — {t.test}, {t.outcome}: estimate {t.estimate:.3g} [{t.ci_lo:.3g}, {t.ci_hi:.3g}], "
+            f"effect size {t.effect_size:.3g}{power}, n = {t.n}{beside}. {t.verdict}{gates}.")
+
+
+def verdict_section(tests) -> list[str]:
+    """'Hypothesis verdicts': every test row in words (_verdict_line) and the Holm family (tests.in_family)."""
+    lines = ["## Hypothesis verdicts", "",
+             "Effect sizes with 95 % CIs (H3: the TOST's 90 % CI); p-values Holm-adjusted across the family of tests "
+             "that ran and passed their validity gates, and every verdict follows the Holm-adjusted decision; a "
+             "null states the minimum detectable effect (mde) of its design at 80 % power. A verdict whose validity "
+             "gates fail reads 'inconclusive'; a test that could not run says why.", ""]
+    lines += [_verdict_line(t) for t in tests.itertuples()] + [""]
+    if "in_family" in tests:
+        fam = tests[tests.in_family.fillna(False).astype(bool)]
+        lines += [f"Holm family ({len(fam)} tests): "
+                  + ("; ".join(f"{t.hypothesis} {t.test} [{t.outcome}{', ' + t.term if t.term else ''}]"
+                               for t in fam.itertuples()) or "none") + ".", ""]
+    return lines
+
+
+def build(results: Path, params: dict, root: Path, origin: str | None = None) -> str:
     """The text of report.md from the aggregate tables and figures under `results`, ending with `params` (the
-    resolved parameters); the code version is that of the checkout at `root`."""
+    resolved parameters); the code version is that of the checkout at `root`, and `origin` (a reference set's:
+    the commits its runs trained at) follows it."""
     agg, figs = results / "aggregate", results / "figures"
     lines = ["# Does stochastic gradient noise drive in-context learning? — report", "",
              f"Generated {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC} from {code_version(root)}.", ""]
+    lines += [origin, ""] if origin else []
     th = read_parquet(agg / "thresholds.parquet") if (agg / "thresholds.parquet").exists() else None
     tests = read_parquet(agg / "tests.parquet") if (agg / "tests.parquet").exists() else None
-    conv = read_json(agg / "metrics.json").get("convergence") if (agg / "metrics.json").exists() else None
+    conv = convergence(read_parquet(agg / "outcomes.parquet")) if (agg / "outcomes.parquet").exists() else None
     if th is not None or tests is not None:
         lines += what_this_run_shows(th, tests, conv)
     if tests is not None:
-        lines += ["## Hypothesis verdicts", "",
-                  "Effect sizes with 95 % CIs; p-values Holm-adjusted across the family, and every verdict "
-                  "follows the Holm-adjusted decision. A verdict whose validity gates fail reads 'inconclusive'; "
-                  "a test that could not run says why.", ""]
-        for _, t in tests.iterrows():
-            if t.status == "run":
-                gates = " (all validity gates passed)" if t.gates_passed else ""
-                lines.append(f"- **{t.hypothesis}** — {t.test}, {t.outcome}: estimate {t.estimate:.3g} "
-                             f"[{t.ci_lo:.3g}, {t.ci_hi:.3g}], effect size {t.effect_size:.3g}, n = {t.n}. "
-                             f"{t.verdict}{gates}.")
-            else:
-                lines.append(f"- **{t.hypothesis}** — {t.test}, {t.outcome}: {t.status}.")
-        lines.append("")
+        lines += verdict_section(tests)
     lines += exposure_section(results)
     lines += ["## Figures", ""]
     for stem, caption in FIGURES:

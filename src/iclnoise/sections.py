@@ -101,6 +101,7 @@ class Mech(Section):
 @dataclass(frozen=True)
 class Exposure(Section):
     """exposure (SPEC §6). `kappa`: a number, None (κ = 1 for AdamW, iclnoise.exposure.kappa) or "calibrated".
+    `curvature_tol` None: diag Ĥ is refreshed every `curvature_every` steps in an injection window (else adaptive).
     A section written `{enabled: false}` alone has no typed form: check `enabled(d)` first."""
     SECTION: ClassVar[str] = "exposure"
     enabled: bool
@@ -114,14 +115,18 @@ class Exposure(Section):
     heldout: int
     floor: float
     eig_rank: int
+    curvature_tol: float | None = None
 
 
 @dataclass(frozen=True)
 class Stats(Section):
-    """stats: test level, H3 equivalence margin, transient tolerance (the gates: iclnoise.verdicts.GATES)."""
+    """stats: test level, H3's equivalence margin (equivalence_margin None: equivalence_fraction × the noise
+    manipulation's measured effect, iclnoise.verdicts.h3_rows), transient tolerance (the gates:
+    iclnoise.verdicts.GATES)."""
     SECTION: ClassVar[str] = "stats"
     alpha: float
-    equivalence_margin: float
+    equivalence_fraction: float
+    equivalence_margin: float | None
     transient_tol: float
 
 
@@ -268,13 +273,44 @@ class NoiseCondition(Section):
 
 
 @dataclass(frozen=True)
+class TaskPrior(Section):
+    """data.task_prior (SPEC §13): the spectrum of Σβ and the seed of its basis (iclnoise.tasks.prior_factor).
+    `exponent` is read for spectrum power_law, `eigenvalues` (a tuple, so the section hashes) for eigenvalues."""
+    SECTION: ClassVar[str] = "data.task_prior"
+    spectrum: str
+    basis_seed: int
+    exponent: float | None = None
+    eigenvalues: tuple | None = None
+
+    def __post_init__(self) -> None:
+        need = {"power_law": "exponent", "eigenvalues": "eigenvalues"}
+        if self.spectrum not in need:
+            raise ParamsError(f"data.task_prior.spectrum = {self.spectrum!r}; allowed: {', '.join(need)}")
+        if getattr(self, need[self.spectrum]) is None:
+            raise ParamsError(f"data.task_prior.{need[self.spectrum]} is missing; spectrum {self.spectrum} needs it")
+        if self.eigenvalues is not None:
+            ev = tuple(float(v) for v in self.eigenvalues)
+            if min(ev) <= 0:
+                raise ParamsError(f"data.task_prior.eigenvalues must all be > 0 (Σβ positive definite), got {ev}")
+            object.__setattr__(self, "eigenvalues", ev)
+
+
+@dataclass(frozen=True)
 class Data(Section):
-    """data (SPEC §2): task dimension D, context length K, label noise variance, task-pool seed."""
+    """data (SPEC §2): task dimension D, context length K, label noise variance, task-pool seed; `task_prior` None
+    (absent): t ~ N(0, I_D), else the TaskPrior (SPEC §13)."""
     SECTION: ClassVar[str] = "data"
     D: int
     K: int
     noise_var: float
     pool_seed: int
+    task_prior: TaskPrior | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> Data:
+        c = super().from_dict(d)
+        p = c.task_prior
+        return c if p is None else dataclasses.replace(c, task_prior=TaskPrior.from_dict(p))
 
 
 @dataclass(frozen=True)

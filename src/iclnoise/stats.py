@@ -11,7 +11,9 @@ import warnings
 
 import numpy as np
 import pandas as pd
-from scipy import stats
+from scipy import optimize, stats
+
+POWER = 0.8   # the power every minimum detectable effect (mde) is stated at
 
 
 def _fit_mixed(df: pd.DataFrame, formula: str, group: str, reml: bool):
@@ -37,8 +39,8 @@ def _fit_with_fallback(model, reml: bool):
 
 def mixed_model(df: pd.DataFrame, formula: str, group: str = "seed", alpha: float = 0.05,
                 reml: bool = True) -> pd.DataFrame:
-    """statsmodels MixedLM with a random intercept per `group`; coefficients with SE, CI, p and
-    a standardized effect (coefficient × sd(predictor) / sd(outcome))."""
+    """statsmodels MixedLM with a random intercept per `group`; coefficients with SE, CI, p, a standardized
+    effect (coefficient × sd(predictor) / sd(outcome)) and the mde (mde_wald on the fitted SE)."""
     res = _fit_mixed(df, formula, group, reml)
     ci = res.conf_int(alpha)
     y = formula.split("~")[0].strip()
@@ -47,6 +49,7 @@ def mixed_model(df: pd.DataFrame, formula: str, group: str = "seed", alpha: floa
         sd_x = df[term].std() if term in df else math.nan
         rows.append({"term": term, "estimate": res.fe_params[term], "se": res.bse_fe[term],
                      "ci_lo": ci.loc[term, 0], "ci_hi": ci.loc[term, 1], "p": res.pvalues[term],
+                     "mde": mde_wald(res.bse_fe[term], alpha),
                      "std_effect": res.fe_params[term] * sd_x / df[y].std() if term != "Intercept" else math.nan})
     out = pd.DataFrame(rows)
     out.attrs.update(llf=res.llf, aic=getattr(res, "aic", math.nan), converged=res.converged)
@@ -83,7 +86,10 @@ def manipulation_lr_test(df: pd.DataFrame, outcome: str, treatment: str, control
     Treatment levels aliased with the controls (a condition that exists at only one η/B level shared by no other
     condition) are dropped, so `df` counts only the contrasts the design identifies; `df = 0` means none is.
     Measured exposure never enters: it responds to the phase the model is in, so regressing on it would let a
-    phase-tracking dose read as a cause (issue 17, point 9)."""
+    phase-tracking dose read as a cause (issue 17, point 9).
+
+    mde: the smallest shift of r by one condition (the best-determined treatment contrast, SE from the full fit)
+    the k-df test detects at 80 % power (mde_wald with k df)."""
     import patsy
 
     Xc = np.asarray(patsy.dmatrix(controls, df, return_type="dataframe"), float)
@@ -91,16 +97,67 @@ def manipulation_lr_test(df: pd.DataFrame, outcome: str, treatment: str, control
     Xr, Xf = _independent_columns(Xc, Xt)
     k = Xf.shape[1] - Xr.shape[1]
     if k <= 0:
-        return {"lr_stat": math.nan, "df": 0, "p": math.nan, "delta_aic": math.nan, "n": len(df)}
+        return {"lr_stat": math.nan, "df": 0, "p": math.nan, "delta_aic": math.nan, "n": len(df), "mde": math.nan}
     y, g = df[outcome].to_numpy(float), df[group].to_numpy()
     f, r = _fit_mixed_arrays(y, Xf, g), _fit_mixed_arrays(y, Xr, g)
     lr = max(0.0, 2 * (f.llf - r.llf))
-    return {"lr_stat": lr, "df": k, "p": float(stats.chi2.sf(lr, k)), "delta_aic": -lr + 2 * k, "n": len(df)}
+    se = float(np.min(np.asarray(f.bse_fe)[-k:]))
+    return {"lr_stat": lr, "df": k, "p": float(stats.chi2.sf(lr, k)), "delta_aic": -lr + 2 * k, "n": len(df),
+            "mde": mde_wald(se, k=k)}
+
+
+def mde_paired_t(sd: float, n: int, alpha: float = 0.05, power: float = POWER) -> float:
+    """Minimum detectable effect of the two-sided paired t-test on n differences of sd `sd`: the mean δ at which
+    P(|T| > t_{1−α/2, n−1}) = power, T ~ noncentral t(n − 1, δ√n/sd) (exact; the textbook
+    (t_{1−α/2} + t_{power})·sd/√n is within 1 % at n ≥ 8 and 10 % low at n = 3)."""
+    if not (n > 1 and sd > 0):
+        return math.nan
+    df, tc = n - 1, stats.t.ppf(1 - alpha / 2, n - 1)
+    return _ncp(lambda ncp: stats.nct.sf(tc, df, ncp) + np.nan_to_num(stats.nct.cdf(-tc, df, ncp)), power, 0.0, tc) \
+        * sd / math.sqrt(n)
+
+
+def _ncp(power_at, power: float, lo: float, start: float) -> float:
+    """The noncentrality at which `power_at` (increasing) reaches `power`: bracket by doubling from `start`, then
+    Brent."""
+    hi = start + 1.0
+    while power_at(hi) < power:
+        lo, hi = hi, 2 * hi
+    return float(optimize.brentq(lambda x: power_at(x) - power, lo, hi))
+
+
+def mde_tost(sd: float, n: int, alpha: float = 0.05, power: float = POWER) -> float:
+    """The smallest equivalence margin the paired TOST (level α per side) shows with probability `power` when the
+    true difference is 0: each one-sided test fails with P(T' < t_{1−α, n−1}), T' ~ noncentral t(n − 1, m√n/sd),
+    and the two failures are taken as disjoint (power ≈ 1 − 2·P; checked against simulation in test_stats)."""
+    if not (n > 1 and sd > 0):
+        return math.nan
+    df, tc = n - 1, stats.t.ppf(1 - alpha, n - 1)
+    return _ncp(lambda ncp: 1 - 2 * stats.nct.cdf(tc, df, ncp), power, tc, tc) * sd / math.sqrt(n)
+
+
+def mde_wald(se: float, alpha: float = 0.05, power: float = POWER, k: int = 1) -> float:
+    """Minimum detectable coefficient of a Wald / likelihood-ratio test with `k` df whose one coefficient has
+    standard error `se` (from the fitted variance components): δ = √λ·se, λ the noncentrality at which a
+    χ²_k(λ) exceeds its level-α critical value with probability `power` (k = 1: (z_{1−α/2} + z_power)·se
+    up to the far tail)."""
+    if not se > 0:
+        return math.nan
+    crit = stats.chi2.isf(alpha, k)
+    return math.sqrt(_ncp(lambda lam: stats.ncx2.sf(crit, k, lam), power, 1e-9, crit)) * se
+
+
+def mde_spearman(n: int, alpha: float = 0.05, power: float = POWER) -> float:
+    """Minimum detectable Spearman ρ at n points: tanh((z_{1−α/2} + z_power)·1.03/√(n − 3)) (the Fisher-z
+    approximation `correlation` builds its interval on)."""
+    if n < 4:
+        return math.nan
+    return float(np.tanh((stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(power)) * 1.03 / math.sqrt(n - 3)))
 
 
 def paired_test(a: np.ndarray, b: np.ndarray, alpha: float = 0.05) -> dict:
     """Paired t-test of a − b (e.g. late − early, paired by seed): mean difference, its CI,
-    Cohen's d_z and the Wilcoxon signed-rank p as a robustness check."""
+    Cohen's d_z, the Wilcoxon signed-rank p as a robustness check and the mde (mde_paired_t)."""
     d = np.asarray(a, float) - np.asarray(b, float)
     n = len(d)
     mean, sd = d.mean(), d.std(ddof=1) if n > 1 else math.nan
@@ -109,7 +166,8 @@ def paired_test(a: np.ndarray, b: np.ndarray, alpha: float = 0.05) -> dict:
     p = stats.ttest_1samp(d, 0.0).pvalue if n > 1 else math.nan
     w = stats.wilcoxon(d).pvalue if n > 1 and np.any(d != 0) else math.nan
     return {"estimate": mean, "ci_lo": mean - t * se, "ci_hi": mean + t * se, "p": float(p),
-            "effect_size": mean / sd if sd and sd > 0 else math.nan, "p_wilcoxon": float(w), "n": n}
+            "effect_size": mean / sd if sd and sd > 0 else math.nan, "p_wilcoxon": float(w), "n": n,
+            "mde": mde_paired_t(sd, n, alpha) if n > 1 else math.nan}
 
 
 def tost(a: np.ndarray, b: np.ndarray, margin: float, alpha: float = 0.05) -> dict:
@@ -133,7 +191,7 @@ def tost(a: np.ndarray, b: np.ndarray, margin: float, alpha: float = 0.05) -> di
 def paired_tost(a: np.ndarray, b: np.ndarray, margin: float, alpha: float = 0.05) -> dict:
     """TOST on paired differences d = a − b (e.g. matched by M and seed): equivalence is declared when
     both one-sided paired t-tests reject, i.e. the (1 − 2α) CI of mean(d) lies inside ±margin.
-    Effect size: Cohen's d_z = mean(d) / sd(d)."""
+    Effect size: Cohen's d_z = mean(d) / sd(d); mde: the smallest margin this design shows (mde_tost)."""
     d = np.asarray(a, float) - np.asarray(b, float)
     n = len(d)
     mean, sd = float(d.mean()), float(d.std(ddof=1)) if n > 1 else math.nan
@@ -148,19 +206,20 @@ def paired_tost(a: np.ndarray, b: np.ndarray, margin: float, alpha: float = 0.05
     p = max(p_lower, p_upper)
     return {"estimate": mean, "ci_lo": lo, "ci_hi": hi, "p_lower": p_lower, "p_upper": p_upper, "p": p,
             "equivalent": bool(p < alpha), "margin": margin, "effect_size": mean / sd if sd and sd > 0 else math.nan,
-            "n": n}
+            "n": n, "mde": mde_tost(sd, n, alpha) if n > 1 else math.nan}
 
 
 def correlation(x: np.ndarray, y: np.ndarray, alpha: float = 0.05) -> dict:
     """Spearman ρ with a Fisher-z CI (SE 1.03/√(n−3), Fieller et al.), and Pearson r with its Fisher-z CI
-    tanh(atanh r ± z_{1−α/2}/√(n−3)) (the interval scipy's pearsonr(...).confidence_interval() gives)."""
+    tanh(atanh r ± z_{1−α/2}/√(n−3)) (the interval scipy's pearsonr(...).confidence_interval() gives); mde: the
+    smallest ρ detectable at 80 % power (mde_spearman)."""
     x, y = np.asarray(x, float), np.asarray(y, float)
     ok = np.isfinite(x) & np.isfinite(y)
     x, y = x[ok], y[ok]
     n = len(x)
     if n < 4:
         return {"estimate": math.nan, "ci_lo": math.nan, "ci_hi": math.nan, "p": math.nan, "pearson": math.nan,
-                "pearson_ci_lo": math.nan, "pearson_ci_hi": math.nan, "pearson_p": math.nan, "n": n}
+                "pearson_ci_lo": math.nan, "pearson_ci_hi": math.nan, "pearson_p": math.nan, "n": n, "mde": math.nan}
     rho, p = stats.spearmanr(x, y)
     zq = stats.norm.ppf(1 - alpha / 2)
     z = np.arctanh(np.clip(rho, -0.999999, 0.999999))
@@ -170,7 +229,8 @@ def correlation(x: np.ndarray, y: np.ndarray, alpha: float = 0.05) -> dict:
     sp = 1 / math.sqrt(n - 3)
     return {"estimate": float(rho), "ci_lo": float(np.tanh(z - zq * se)), "ci_hi": float(np.tanh(z + zq * se)),
             "p": float(p), "pearson": float(pr.statistic), "pearson_ci_lo": float(np.tanh(zp - zq * sp)),
-            "pearson_ci_hi": float(np.tanh(zp + zq * sp)), "pearson_p": float(pr.pvalue), "n": n}
+            "pearson_ci_hi": float(np.tanh(zp + zq * sp)), "pearson_p": float(pr.pvalue), "n": n,
+            "mde": mde_spearman(n, alpha)}
 
 
 def holm(pvalues) -> np.ndarray:

@@ -1,16 +1,20 @@
-"""Nested multi-task in-context linear regression (SPEC §2).
+"""Nested multi-task in-context linear regression (SPEC §2, §13).
 
-A task is t ~ N(0, I_D); a sequence is (x_1, y_1, ..., x_K, y_K) with x_k ~ N(0, I_D) and
-y_k = t·x_k + e_k, e_k ~ N(0, σ²). Pools are nested prefixes of one task stream drawn from the
-pool seed, so T_M ⊂ T_M' for M < M' and the root task t_1 is in every pool. M = M_INF (-1) means
-a fresh Gaussian task for every sequence.
+A task is t ~ N(0, I_D), or t = L z with z ~ N(0, I_D) and L Lᵀ = Σβ under a shaped prior (`prior`, a
+sections.TaskPrior; None is the isotropic prior and draws exactly as before the key existed); a sequence
+is (x_1, y_1, ..., x_K, y_K) with x_k ~ N(0, I_D) and y_k = t·x_k + e_k, e_k ~ N(0, σ²). Pools are nested
+prefixes of one task stream drawn from the pool seed, so T_M ⊂ T_M' for M < M' and the root task t_1 is
+in every pool. M = M_INF (-1) means a fresh task from the prior for every sequence.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from .sections import ParamsError, TaskPrior
 
 M_INF = -1  # the documented encoding of M = ∞ in every table
 
@@ -37,23 +41,63 @@ def _seed_mix(*keys: int) -> int:
     return int(np.random.SeedSequence([int(k) & 0xFFFFFFFF for k in keys]).generate_state(2, np.uint64)[0] >> 1)
 
 
-_POOL, _EVAL, _BATCH = 0x9001, 0xE7A1, 0xBA7C
+_POOL, _EVAL, _BATCH, _BASIS = 0x9001, 0xE7A1, 0xBA7C, 0xBA515
 
 
-def task_pool(pool_seed: int, M: int, D: int) -> torch.Tensor:
+def prior_spectrum(prior: TaskPrior, D: int) -> np.ndarray:
+    """λ of Σβ, float64 (D,): power_law λ_i = D i^(−a) / Σ_j j^(−a) (trace D); eigenvalues as given."""
+    if prior.spectrum == "power_law":
+        lam = np.arange(1, D + 1, dtype=np.float64) ** -float(prior.exponent)
+        return lam * (D / lam.sum())
+    lam = np.asarray(prior.eigenvalues, dtype=np.float64)
+    if lam.shape != (D,):
+        raise ParamsError(f"data.task_prior.eigenvalues has {lam.size} values; data.D = {D} needs {D}")
+    return lam
+
+
+def random_basis(seed: int, D: int) -> np.ndarray:
+    """A random orthonormal U (D, D), float64, Haar distributed: Q of the QR of a seeded Gaussian, columns
+    signed so that diag(R) > 0 (which makes Q unique)."""
+    rng = np.random.Generator(np.random.PCG64(_seed_mix(_BASIS, seed)))
+    q, r = np.linalg.qr(rng.standard_normal((D, D)))
+    return q * np.sign(np.diag(r))
+
+
+@functools.lru_cache(maxsize=16)
+def prior_factor(prior: TaskPrior, D: int) -> np.ndarray:
+    """L = U diag(√λ), float64 (D, D), so t = L z, z ~ N(0, I_D) has covariance Σβ = U diag(λ) Uᵀ (SPEC §13)."""
+    return random_basis(prior.basis_seed, D) * np.sqrt(prior_spectrum(prior, D))
+
+
+def prior_cov(prior: TaskPrior | None, D: int) -> np.ndarray:
+    """Σβ, float64 (D, D); the identity for the isotropic prior (None)."""
+    if prior is None:
+        return np.eye(D)
+    L = prior_factor(prior, D)
+    return L @ L.T
+
+
+def task_pool(pool_seed: int, M: int, D: int, prior: TaskPrior | None = None) -> torch.Tensor:
     """T_M = the first M tasks of the stream seeded by `pool_seed`, shape (M, D), float32.
 
-    NumPy's Generator draws standard normals sequentially, so pools are prefixes of each other.
+    NumPy's Generator draws standard normals sequentially, so pools are prefixes of each other; a shaped
+    prior maps the same normals z to L z, row by row, which keeps them prefixes.
     """
     if M == M_INF:
         raise ValueError("M = inf has no finite pool; sample fresh tasks instead")
     rng = np.random.Generator(np.random.PCG64(_seed_mix(_POOL, pool_seed)))
-    return torch.from_numpy(rng.standard_normal((M, D))).float()
+    z = rng.standard_normal((M, D))
+    return torch.from_numpy(z if prior is None else z @ prior_factor(prior, D).T).float()
 
 
-def pool_for(M: int, pool_seed: int, D: int) -> torch.Tensor | None:
+def pool_for(M: int, pool_seed: int, D: int, prior: TaskPrior | None = None) -> torch.Tensor | None:
     """The task pool of a run (None for M = ∞)."""
-    return None if M == M_INF else task_pool(pool_seed, M, D)
+    return None if M == M_INF else task_pool(pool_seed, M, D, prior)
+
+
+def _factor(prior: TaskPrior | None, D: int, device: torch.device | str) -> torch.Tensor | None:
+    """Lᵀ as float32 on `device` (None for the isotropic prior): fresh tasks are z Lᵀ, z ~ N(0, I)."""
+    return None if prior is None else torch.from_numpy(prior_factor(prior, D).T.copy()).float().to(device)
 
 
 @dataclass(frozen=True)
@@ -76,9 +120,12 @@ class Batch:
 
 
 def _draw(gen: torch.Generator, pool: torch.Tensor | None, B: int, K: int, D: int, noise_var: float,
-          device: torch.device | str) -> Batch:
+          device: torch.device | str, factor: torch.Tensor | None = None) -> Batch:
+    """A batch from `pool`, or (None) from fresh tasks z Lᵀ with `factor` = Lᵀ (None: z, isotropic)."""
     if pool is None:
         tasks = torch.randn(B, D, generator=gen, device=device)
+        if factor is not None:
+            tasks = tasks @ factor
     else:
         idx = torch.randint(0, pool.shape[0], (B,), generator=gen, device=device)
         tasks = pool[idx]
@@ -95,19 +142,20 @@ class BatchSampler:
     """
 
     def __init__(self, pool: torch.Tensor | None, K: int, D: int, noise_var: float, data_seed: int,
-                 device: torch.device | str = "cpu", stream: int = 0):
+                 device: torch.device | str = "cpu", stream: int = 0, prior: TaskPrior | None = None):
         self.pool = None if pool is None else pool.to(device)
+        self.factor = _factor(prior, D, device)   # fresh tasks' prior (M = ∞); a pool was drawn from it already
         self.K, self.D, self.noise_var, self.data_seed, self.device = K, D, noise_var, data_seed, device
         self.stream = stream  # independent streams from one seed: 0 training, 1 held-out, 2+ probes
         self._gen = torch.Generator(device=device)
 
     def batch(self, step: int, size: int) -> Batch:
         self._gen.manual_seed(_seed_mix(_BATCH, self.stream, self.data_seed, step))
-        return _draw(self._gen, self.pool, size, self.K, self.D, self.noise_var, self.device)
+        return _draw(self._gen, self.pool, size, self.K, self.D, self.noise_var, self.device, self.factor)
 
 
 def eval_set(kind: str, M: int, n: int, K: int, D: int, noise_var: float, pool_seed: int,
-             eval_seed: int) -> Batch:
+             eval_seed: int, prior: TaskPrior | None = None) -> Batch:
     """Fixed evaluation sets, generated on the CPU from their own seed (hardware independent).
 
     kind: 'id' (q_M), 'ood' (q_∞) or 'root' (q_1, the root task t_1 only). The 'ood' and 'root'
@@ -118,7 +166,7 @@ def eval_set(kind: str, M: int, n: int, K: int, D: int, noise_var: float, pool_s
         raise ValueError(f"eval kind must be one of {sorted(kinds)}, got {kind!r}")
     if kind == "id" and M == M_INF:
         kind = "ood"
-    pool = {"id": lambda: task_pool(pool_seed, M, D), "root": lambda: task_pool(pool_seed, 1, D),
+    pool = {"id": lambda: task_pool(pool_seed, M, D, prior), "root": lambda: task_pool(pool_seed, 1, D, prior),
             "ood": lambda: None}[kind]()
     gen = torch.Generator().manual_seed(_seed_mix(_EVAL, eval_seed, kinds[kind], M if kind == "id" else 0))
-    return _draw(gen, pool, n, K, D, noise_var, "cpu")
+    return _draw(gen, pool, n, K, D, noise_var, "cpu", _factor(prior, D, "cpu"))

@@ -123,9 +123,26 @@ def fit_threshold(M: np.ndarray, r: np.ndarray, alpha: float | None = 0.05) -> d
     return {**out, "reason": reason}
 
 
-def threshold_with_ci(df: pd.DataFrame, level: float = 0.95, min_seeds: int = 3, alpha: float = 0.05) -> dict:
+def midpoint(fit: dict, grid: np.ndarray) -> dict:
+    """The logistic midpoint of a fit_threshold result: M at half-way between the fitted floor and ceiling
+    (log2 M = x0), which is where r = 0.5 only when floor + ceiling = 1; with the default's ceiling ≈ 0.73, r = 0.5
+    lies at 69 % of the rise. Same reasons as the fit, except those about crossing r = 0.5; 'midpoint outside the
+    grid' when x0 is (`grid`: the log2 M of the fit's points)."""
+    reason = "" if fit["reason"].startswith(("r does not cross 0.5", "crossing outside the grid")) else fit["reason"]
+    x0 = fit["x0"]
+    if not reason and not (np.isfinite(x0) and grid.min() <= x0 <= grid.max()):
+        reason = f"midpoint outside the grid (extrapolated M = {2.0 ** x0:.3g})"
+    ok = not reason
+    return {**fit, "log2_M_star": x0 if ok else math.nan, "M_star": 2.0 ** x0 if ok else math.nan, "in_range": ok,
+            "reason": reason}
+
+
+def threshold_with_ci(df: pd.DataFrame, level: float = 0.95, min_seeds: int = 3, alpha: float = 0.05,
+                      point: str = "r50") -> dict:
     """M* of one condition with a t-interval over seeds: log2 M* is fitted per seed and the interval is
-    mean ± t_{n−1} · sd / √n of those n per-seed values (M* reported as 2^mean, the geometric mean).
+    mean ± t_{n−1} · sd / √n of those n per-seed values (M* reported as 2^mean, the geometric mean). `point`:
+    'r50', where the fitted r crosses 0.5, or 'midpoint', half-way between the fitted floor and ceiling
+    (`midpoint`); both from the same fits.
 
     Seeds differ in their own thresholds, so the seed is the unit of replication; a percentile bootstrap over
     2-10 seeds under-covers (50-84 % at nominal 95 %, issue 17). Measured coverage on planted grids with
@@ -140,9 +157,16 @@ def threshold_with_ci(df: pd.DataFrame, level: float = 0.95, min_seeds: int = 3,
     only locate each seed's crossing and keep every other check: on a 5-M grid a per-seed F-test has 3 and 1
     degrees of freedom (critical F 216 at 0.05), so it withheld intervals from curves that plainly rise
     (the default's batch 64 seeds: r 0.00 → 0.54 monotone, p 0.05-0.14)."""
-    pooled = fit_threshold(df.M.to_numpy(), df.r.to_numpy(), alpha)
+    if point not in ("r50", "midpoint"):
+        raise ValueError(f"threshold point {point!r}: allowed r50, midpoint")
+    grid = np.log2(df.M[(df.M != M_INF) & (df.M > 0)].to_numpy(float))
+
+    def fit(g, a):
+        f = fit_threshold(g.M.to_numpy(), g.r.to_numpy(), a)
+        return midpoint(f, grid) if point == "midpoint" else f
+    pooled = fit(df, alpha)
     seeds = sorted(df.seed.unique())
-    per = {s: fit_threshold(g.M.to_numpy(), g.r.to_numpy(), None) for s, g in df.groupby("seed")}
+    per = {s: fit(g, None) for s, g in df.groupby("seed")}
     failed = {s: f["reason"] for s, f in per.items() if f["reason"]}
     out = {**pooled, "M_star_lo": math.nan, "M_star_hi": math.nan, "log2_se": math.nan, "n_seeds": len(seeds),
            "n_seeds_fit": len(per) - len(failed), "interval": "pooled fit",
@@ -181,7 +205,8 @@ def pull_slopes(traj: pd.DataFrame, late: float = 0.5, min_points: int = 3) -> p
     `traj`: one row per checkpoint with M, seed, sequences, ood_delta_dmmse, ood_delta_ridge (M = ∞ rows and
     non-positive or missing Δ are dropped). Returns M, seed, slope, n (late checkpoints used); slope NaN with
     fewer than `min_points` late checkpoints."""
-    t = traj[(traj.M != M_INF) & (traj.ood_delta_dmmse > 0) & (traj.ood_delta_ridge > 0)]
+    dm, dr = (pd.to_numeric(traj[c], errors="coerce") for c in ("ood_delta_dmmse", "ood_delta_ridge"))
+    t = traj[(traj.M != M_INF) & (dm > 0) & (dr > 0)]   # Δ not logged (None / NaN): no row, no pull
     rows = []
     for (M, seed), g in t.groupby(["M", "seed"]):
         g = g[g.sequences >= late * g.sequences.max()]
@@ -191,7 +216,7 @@ def pull_slopes(traj: pd.DataFrame, late: float = 0.5, min_points: int = 3) -> p
         ok = len(x) >= min_points and (xc ** 2).sum() > 0
         rows.append({"M": M, "seed": seed, "slope": float(xc @ (d - d.mean()) / (xc @ xc)) if ok else math.nan,
                      "n": len(x)})
-    return pd.DataFrame(rows, columns=["M", "seed", "slope", "n"])
+    return pd.DataFrame(rows, columns=["M", "seed", "slope", "n"]).astype({"slope": float, "n": int})
 
 
 def sign_change(x: np.ndarray, b: np.ndarray) -> tuple[float, str]:
@@ -211,27 +236,45 @@ def sign_change(x: np.ndarray, b: np.ndarray) -> tuple[float, str]:
     return float(x[i] + (x[i + 1] - x[i]) * fit[i] / (fit[i] - fit[i + 1])), ""
 
 
+# The crossing is interpolated linearly between the grid points around it, which is biased where the pull is not
+# symmetric about it (shared by every seed, so it does not average out): the interval adds GAP_SHARE × the width of
+# that grid gap (log2 M) in quadrature. Measured in crossover_threshold's docstring.
+GAP_SHARE = 0.35
+CROSSOVER_NONE = {"M_star": math.nan, "log2_M_star": math.nan, "M_star_lo": math.nan, "M_star_hi": math.nan,
+                  "log2_se": math.nan, "in_range": False, "n_seeds": 0, "n_seeds_fit": 0, "p_sign": math.nan,
+                  "slope_first": math.nan, "slope_last": math.nan, "interval": "seed means", "seeds_failed": ""}
+
+
 def crossover_threshold(slopes: pd.DataFrame, level: float = 0.95, min_seeds: int = 3, alpha: float = 0.05,
                         min_m: int = 5) -> dict:
     """The anchor's task-diversity threshold (Raventós et al.; SPEC §11): M* where more data stops pulling the
     model toward dMMSE_M and starts pulling it toward ridge, from the late pulls β(M, seed) of `pull_slopes`.
 
-    Per seed, x*_s = sign_change(log2 M, β_s); the interval is mean ± t_{n−1} · sd / √n over seeds in log2 M and
-    M* = 2^mean, as in threshold_with_ci. Whether the sign changes at all is decided once, on the seed-mean pulls:
-    their crossing x̄ splits the grid, and per seed u_s = mean β below x̄, v_s = mean β above it; the change is
-    significant when both one-sided t-tests over seeds reject (u > 0 and v < 0; p_sign = the larger p). Without
-    it there is no M*, and `reason` says why: 'too few M' (< min_m distinct finite M with a pull), 'too few seeds'
-    (< 2: no test), the crossing outside the grid (all seed-mean pulls of one sign), 'no significant sign change'.
+    Per seed, x*_s = sign_change(log2 M, β_s); M* = 2^mean over seeds and the interval in log2 M is
+    mean ± √((t_{n−1} · sd / √n)² + (GAP_SHARE · gap)²), gap = the width of the grid interval holding the mean: the
+    linear interpolation across a gap is biased where the pull is asymmetric, by the same amount in every seed.
+    Measured (issue 42, bench/bench_crossover.py: asymmetric pulls, run noise growing away from x*, crossings inside
+    grid gaps, 200 grids per cell): log2 M* reads +0.19 to +0.22 octave high; coverage of the nominal 95 % interval
+    0.950 (8 M, 3 seeds), 0.983 / 0.960 / 0.990 (uneven grid {1, 4, ..., 64, 256}, 3 / 4 / 6 seeds), against
+    0.911, 0.932 / 0.904 / 0.879 for the t-interval alone.
+
+    Whether the sign changes at all is decided once, on the seed-mean pulls: their crossing x̄ splits the grid, and
+    per seed u_s = mean β below x̄, v_s = mean β above it; the change is significant when both one-sided t-tests
+    over seeds reject (u > 0 and v < 0; p_sign = the larger p). Without it there is no M*, and `reason` says why:
+    'too few M' (< min_m distinct finite M with a pull), 'too few seeds' (< 2: no test), the crossing outside the
+    grid (all seed-mean pulls of one sign), 'no significant sign change'.
     No interval (M* from the seed means) with < min_seeds seeds or when a seed's own pulls do not change sign.
+    No pull at all (`slopes` empty: Δ on new tasks not logged) is a reason too, not an error.
     slope_first, slope_last: the seed-mean pull at the smallest and the largest M."""
-    b = slopes[np.isfinite(slopes.slope) & (slopes.M != M_INF)].assign(x=lambda d: np.log2(d.M.astype(float)))
+    if not len(slopes):
+        return {**CROSSOVER_NONE, "reason": "no threshold: no pull (Δ on new tasks not logged)"}
+    b = slopes[np.isfinite(slopes.slope.astype(float)) & (slopes.M != M_INF)].assign(
+        x=lambda d: np.log2(d.M.astype(float)))
     seeds = sorted(b.seed.unique())
     mean = b.groupby("x").slope.mean()
-    out = {"M_star": math.nan, "log2_M_star": math.nan, "M_star_lo": math.nan, "M_star_hi": math.nan,
-           "log2_se": math.nan, "in_range": False, "n_seeds": len(seeds), "n_seeds_fit": 0, "p_sign": math.nan,
+    out = {**CROSSOVER_NONE, "n_seeds": len(seeds),
            "slope_first": float(mean.iloc[0]) if len(mean) else math.nan,
-           "slope_last": float(mean.iloc[-1]) if len(mean) else math.nan, "interval": "seed means",
-           "seeds_failed": ""}
+           "slope_last": float(mean.iloc[-1]) if len(mean) else math.nan}
     if len(mean) < min_m:
         return {**out, "reason": f"no threshold: too few M ({len(mean)} distinct finite M with a pull < {min_m})"}
     if len(seeds) < 2:
@@ -260,9 +303,36 @@ def crossover_threshold(slopes: pd.DataFrame, level: float = 0.95, min_seeds: in
     k = len(xs)
     m, se = float(xs.mean()), float(xs.std(ddof=1) / math.sqrt(k))
     tq = float(stats.t.ppf(0.5 + level / 2, k - 1))
-    return {**out, "M_star": 2.0 ** m, "log2_M_star": m, "M_star_lo": 2.0 ** (m - tq * se),
-            "M_star_hi": 2.0 ** (m + tq * se), "log2_se": se, "interval": f"t-interval over {k} per-seed crossings",
-            "reason": ""}
+    grid = np.sort(b.x.unique())
+    j = int(np.clip(np.searchsorted(grid, m), 1, len(grid) - 1))
+    half = math.hypot(tq * se, GAP_SHARE * (grid[j] - grid[j - 1]))
+    return {**out, "M_star": 2.0 ** m, "log2_M_star": m, "M_star_lo": 2.0 ** (m - half),
+            "M_star_hi": 2.0 ** (m + half), "log2_se": se,
+            "interval": f"t-interval over {k} per-seed crossings, widened by {GAP_SHARE} × the grid gap", "reason": ""}
+
+
+WINDOWS = {"last_half": 0.5, "last_two_thirds": 1 / 3, "last_third": 2 / 3}   # pull window: S ≥ late · S_end
+
+
+def crossover_windows(traj: pd.DataFrame, **at) -> dict:
+    """crossover_threshold with the pull read over the last ½ (the estimate), ⅔ and ⅓ of training (WINDOWS), and
+    whether the conclusion (a threshold inside the grid, or none) is the same in every window with enough late
+    checkpoints for a pull: `window_detail` says where it is not. Keys: crossover_threshold's of the last half,
+    M_star[_lo, _hi]_<window> for the other two, `window_consistent` and `window_detail`."""
+    est = {w: crossover_threshold(pull_slopes(traj, late), **at) for w, late in WINDOWS.items()}
+    out = dict(est["last_half"])
+    for w in ("last_two_thirds", "last_third"):
+        out.update({f"M_star_{w}": est[w]["M_star"], f"M_star_lo_{w}": est[w]["M_star_lo"],
+                    f"M_star_hi_{w}": est[w]["M_star_hi"]})
+    found = {w: not e["reason"].startswith("no threshold") for w, e in est.items()}
+    readable = [found[w] for w, e in est.items()   # a window too short for a pull (< 3 checkpoints) says nothing
+                if not e["reason"].startswith(("no threshold: too few M", "no threshold: no pull"))]
+    out["window_consistent"] = len(set(readable)) <= 1
+    said = {w: f"M* {e['M_star']:.3g}" if found[w] else e["reason"].removeprefix("no threshold: ")
+            for w, e in est.items()}
+    out["window_detail"] = "" if out["window_consistent"] else ", ".join(
+        f"{w.replace('_', ' ')}: {v}" for w, v in said.items())
+    return out
 
 
 def transient_ridge_window(metrics: pd.DataFrame, rel_tol: float = 0.05) -> dict:

@@ -11,16 +11,22 @@ injection and exposure hooks, its evaluation, checkpoints and divergence (a dive
 recorded with `diverged = true` and kept; the others go on). `train_run` is an ensemble of one.
 
 Run directory (iclnoise.runs): `run.json` (spec + `spec_hash`), weights-only analysis checkpoints
-with a sha256 manifest, one rolling full resume state `resume.pt` (the previous one kept as
-`resume.prev.pt`), and the Parquet tables. A run resumes from its resume state only if the state's
-spec hash equals the spec's; a run whose spec changed starts fresh (the stale state is removed and
-the log says so). A corrupt newest resume state falls back to the previous one.
+with a sha256 manifest, one rolling full resume state `resume.pt` (the previous commit's kept as
+`resume.prev.pt`), and the Parquet tables. The trainer holds every member's run-directory lock while it
+runs (a second trainer is refused, naming the first's pid) and refuses a run directory that is a symbolic
+link. A run resumes from its resume state only if the state's spec hash equals the spec's; a run whose spec
+changed starts fresh (the pipeline's files are removed, any other file kept, and the log says so). A corrupt
+newest resume state falls back to the previous one; a state holding objects the pipeline never writes is
+refused (ForeignFile). The runs of one cohort (an ensemble that trained together) resume from one commit step,
+the newest that every one of them has, so any sequence of kills resumes the ensemble as it was; a member
+without that step (a resume state rolled back or replaced) is refused, naming the files.
 """
 from __future__ import annotations
 
 import logging
-import shutil
+import os
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import pandas as pd
@@ -30,7 +36,17 @@ from .ensemble import RESUME, RESUME_PREV, Ensemble, Member
 from .evaluate import METRICS_SCHEMA, TOKEN_SCHEMA, root_preds_schema
 from .grid import spec_hash
 from .io import CorruptFileError, repair_advice, write_json, write_parquet
-from .runs import CKPT_DIR, MANIFEST, CorruptFile, load_torch, read_spec
+from .runs import (
+    CKPT_DIR,
+    MANIFEST,
+    CorruptFile,
+    ForeignFile,
+    clear_run_dir,
+    load_torch,
+    lock_run_dir,
+    missing_checkpoints,
+    read_spec,
+)
 from .sections import RunSpec
 
 log = logging.getLogger(__name__)
@@ -77,9 +93,11 @@ def _memory_check(specs: list[RunSpec], device: torch.device) -> None:
                           f"are free on {device}; lower train.ensemble_runs (runs per ensemble) or train.micro_batch")
 
 
-def _load_resume(m: Member) -> dict | None:
-    """The newest readable resume state of the run whose spec hash matches; stale state is removed. A corrupt
-    run.json stops here (CorruptFileError, naming it and what to do) and deletes nothing: it is not a changed spec."""
+def _resume_states(m: Member) -> list[tuple[Path, dict]]:
+    """The run's readable resume states whose spec hash matches, newest first. A changed spec, or an analysis
+    checkpoint gone from disk (only training writes it again), clears the run directory (clear_run_dir). A corrupt
+    run.json stops here (CorruptFileError, naming it and what to do) and deletes nothing: it is not a changed spec.
+    A state holding foreign objects stops here too (ForeignFile)."""
     rd = m.run_dir
     old = rd / "run.json"
     if old.exists():
@@ -90,20 +108,61 @@ def _load_resume(m: Member) -> dict | None:
         if prev_hash != m.hash:
             log.warning("%s: spec changed (hash %s → %s): removing the stale run state and training from scratch",
                         m.run_id, prev_hash, m.hash)
-            for p in rd.iterdir():
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
+            clear_run_dir(rd)
+    out = []
     for name in (RESUME, RESUME_PREV):
         path = rd / name
         if not path.exists():
             continue
         try:
             state = load_torch(path, "cpu")
+        except ForeignFile:
+            raise
         except CorruptFile:  # the previous state, or training from step 0, replaces it
             log.warning("%s: %s is truncated or corrupt; not resuming from it", m.run_id, path)
             continue
-        if state.get("spec_hash") == m.hash:
-            return state
-    return None
+        if not isinstance(state, dict) or state.get("spec_hash") != m.hash:
+            log.warning("%s: %s is not a resume state of this run's spec; not resuming from it", m.run_id, path)
+            continue
+        out.append((path, {"commit": state["step"], "cohort": None, **state}))  # states before commits: their step
+    gone = missing_checkpoints(rd, {s for _, st in out for s in st["manifest"]})
+    if gone:
+        log.warning("%s: checkpoints %s are missing: removing the run's files and training it again from step 0",
+                    m.run_id, ", ".join(map(str, gone)))
+        clear_run_dir(rd)
+        return []
+    return out
+
+
+def _choose_resume(members: list[Member]) -> None:
+    """Set each member's resume state (None: it starts at step 0). The members of one cohort resume from one
+    commit, the newest that all of them have: a kill while the ensemble wrote its states leaves some a commit
+    ahead, and they step back to their previous state (resume.pt, newer, is removed). A member without that commit
+    (its state rolled back or replaced) would split the ensemble: refused (CorruptFile), naming the files."""
+    cohorts = defaultdict(list)
+    for m in members:
+        states = _resume_states(m)
+        if states:
+            cohorts[states[0][1]["cohort"]].append((m, states))
+    ats = {c: min(states[0][1]["commit"] for _, states in group) for c, group in cohorts.items()}
+    for c, group in cohorts.items():  # all checked before any file is touched
+        at = ats[c]
+        lacking = [m.run_id for m, states in group if all(st["commit"] != at for _, st in states)]
+        if lacking:
+            behind = [m.run_id for m, states in group if states[0][1]["commit"] == at]
+            have = "; ".join(f"{p} at step {st['commit']}" for _, ss in group for p, st in ss)
+            files = " ".join(str(m.run_dir / n) for m, _ in group for n in (RESUME, RESUME_PREV))
+            raise CorruptFile(f"{', '.join(behind)}: resume state at step {at}, behind the rest of its ensemble "
+                              f"({', '.join(lacking)} keep no state at that step; {have}): a resume state was rolled "
+                              f"back or replaced, and resuming would split the ensemble. Restore the file, or delete "
+                              f"the ensemble's resume states (rm -f {files}) and rerun to train these runs again from "
+                              f"step 0.")
+    for c, group in cohorts.items():
+        for m, states in group:
+            path, m.resume = next((p, st) for p, st in states if st["commit"] == ats[c])
+            m.saved = ats[c]
+            if path.name == RESUME_PREV:
+                (m.run_dir / RESUME).unlink(missing_ok=True)  # newer than the ensemble's commit, or unreadable
 
 
 def _write_outputs(m: Member) -> pd.DataFrame:
@@ -131,32 +190,41 @@ def train_ensemble(specs: list[dict], run_dirs: list[str | Path], progress: bool
     _check_shared(typed)
     device = device or resolve_device(typed[0].train.device)
     _memory_check(typed, device)
-    members = []
-    for spec, rd in zip(typed, run_dirs):
-        m = Member(spec, Path(rd), spec_hash(spec.raw), device)
-        m.run_dir.mkdir(parents=True, exist_ok=True)
-        m.resume = _load_resume(m)
-        write_json({**spec.raw, "spec_hash": m.hash}, m.run_dir / "run.json")
+    locks = []
+    try:
+        for rd in run_dirs:
+            locks.append(lock_run_dir(rd))
+        return _train_locked(typed, [Path(rd) for rd in run_dirs], device, progress, stop_after)
+    finally:
+        for fd in locks:
+            os.close(fd)
+
+
+def _train_locked(typed: list[RunSpec], run_dirs: list[Path], device: torch.device, progress: bool | None,
+                  stop_after: int | None) -> list[pd.DataFrame | None]:
+    members = [Member(spec, rd, spec_hash(spec.raw), device) for spec, rd in zip(typed, run_dirs)]
+    _choose_resume(members)
+    for m in members:
+        write_json({**m.spec.raw, "spec_hash": m.hash}, m.run_dir / "run.json")
         (m.run_dir / CKPT_DIR).mkdir(exist_ok=True)
-        members.append(m)
     show = sys.stderr.isatty() if progress is None else progress
-    todo = []
+    starts = defaultdict(list)  # (commit, cohort) → members; every run starting at step 0 trains in one ensemble
     for m in members:
         m.setup()
-        if m.resume is not None:
-            st = m.resume
+        st = m.resume
+        if st is not None:
             m.step, m.diverged = st["step"], st["diverged"]
             m.rows, m.tokens, m.root, m.manifest = st["rows"], st["tokens"], st["root"], st["manifest"]
             for h, hs in zip(m.hooks, st["hooks"]):
                 h.load_state_dict(hs)
-            log.info("%s: resuming at step %d", m.run_id, m.step)
-        if not (m.diverged or m.step >= m.spec.train.last_step):
-            todo.append(m)
-        else:  # finished earlier: restore its final weights so outputs match the state
+            log.info("%s: resuming at step %d", m.run_id, st["commit"])
+        starts[(st["commit"], st["cohort"]) if st is not None and st["commit"] > 0 else (0, None)].append(m)
+    for (start, cohort), group in sorted(starts.items(), key=lambda kv: kv[0][0]):
+        if any(not m.diverged and m.step < m.spec.train.last_step for m in group):
+            Ensemble(group, start, cohort or ",".join(sorted(m.run_id for m in group))).run(show, stop_after)
+            continue
+        for m in group:  # finished earlier: restore its final weights so outputs match the state
             m.model.load_state_dict({**m.model.state_dict(), **m.resume["params"]})
-    for start in sorted({m.step for m in todo}):
-        group = [m for m in todo if m.step == start]
-        Ensemble(group, start).run(show, stop_after)
     return [_write_outputs(m) if m.diverged or m.step >= m.spec.train.last_step else None for m in members]
 
 

@@ -26,10 +26,11 @@ from .sections import (
     Section,
     Stages,
     Stats,
+    TaskPrior,
     enabled,
     schema,
 )
-from .tasks import parse_m
+from .tasks import parse_m, prior_spectrum
 
 
 def dotted_key(path) -> str:
@@ -117,19 +118,26 @@ def validate_params(params: dict) -> dict:
     rules (finite numbers, seeds, sizes, noise conditions); return it unchanged."""
     if not isinstance(params, dict):
         raise ParamsError("params.yaml must be a mapping of sections (grid, data, model, train, eval, noise, ...)")
-    bad = _non_finite(params, [])
-    if bad:
-        lines = "\n  - ".join(
-            f"{dotted_key(p)} = {v!r} is not allowed; allowed: a finite number"
-            + (" (M = ∞ is written inf, a string)" if p[:2] == ["grid", "M"] else "") for p, v in bad)
-        raise ParamsError(f"invalid params:\n  - {lines}")
     errors = [e for e in _Validator(schema()).iter_errors(params) if not _switched_off(e)]
     errors.sort(key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
-    if errors:
-        lines = "\n  - ".join(_describe(e) for e in errors[:10])
-        raise ParamsError(f"invalid params:\n  - {lines}")
+    # NaN passes the schema's bounds: a non-finite number is named here, unless no number belongs there at all
+    # (`--config data=nan`: the schema says data must be a mapping)
+    no_number = {tuple(e.absolute_path) for e in errors if e.validator == "type" and not {"number", "integer"}
+                 & ({e.validator_value} if isinstance(e.validator_value, str) else set(e.validator_value))}
+    bad = [(p, v) for p, v in _non_finite(params, []) if tuple(p) not in no_number]
+    lines = [f"{dotted_key(p)} = {v!r} is not allowed; allowed: a finite number"
+             + (" (M = ∞ is written inf, a string)" if p[:2] == ["grid", "M"] else "") for p, v in bad]
+    lines += [_describe(e) for e in errors if list(e.absolute_path) not in [p for p, _ in bad]]
+    if lines:
+        raise ParamsError("invalid params:\n  - " + "\n  - ".join(lines[:10]))
     _cross_checks(params)
     return params
+
+
+def _prior_checks(d: dict) -> None:
+    """data.task_prior: its spectrum fits data.D."""
+    if d.get("task_prior") is not None:
+        prior_spectrum(TaskPrior.from_dict(d["task_prior"]), d["D"])
 
 
 def _cross_checks(p: dict) -> None:
@@ -168,6 +176,7 @@ def _cross_checks(p: dict) -> None:
     Ms = [parse_m(x) for x in p["grid"]["M"]]
     if len(set(Ms)) != len(Ms):
         raise ParamsError(f"grid.M has duplicates: {p['grid']['M']}")
+    _prior_checks(d)
     _seed_checks(p)
     _ed_checks(p)
     _noise_checks(p)

@@ -22,12 +22,24 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-from pathlib import Path
 
 
 def doc(module: str) -> str:
     """The docstring of a module of the package ("figures.llc"), as a command's description."""
     return importlib.import_module(f"iclnoise.{module}").__doc__ or ""
+
+
+def at_file(text: str) -> str:
+    """A JSON option's text: `@file.json` is read from the file, bounded as a params file (a device or a pipe
+    included, iclnoise.config.read_bounded); SystemExit names a file that is too long or unreadable."""
+    from ..config import ParamsError, read_bounded
+
+    if not text.startswith("@"):
+        return text
+    try:
+        return read_bounded(text[1:]).decode("utf-8", errors="replace")
+    except ParamsError as e:
+        raise SystemExit(str(e)) from None
 
 
 def add_cfg(ap: argparse.ArgumentParser, *names: str) -> None:
@@ -40,10 +52,8 @@ def add_cfg(ap: argparse.ArgumentParser, *names: str) -> None:
 def sections(text: str, *names: str) -> dict:
     """The mapping {section name: section} of a `--cfg` value (JSON, or @file.json). With `names`, it must hold
     exactly those sections: a rule passes a command the sections it reads, no more (SystemExit otherwise)."""
-    if text.startswith("@"):
-        text = Path(text[1:]).read_text()
     try:
-        cfg = json.loads(text)
+        cfg = json.loads(at_file(text))
     except json.JSONDecodeError as e:
         raise SystemExit(f"--cfg is not JSON ({e})") from None
     if not isinstance(cfg, dict) or not all(isinstance(v, dict) for v in cfg.values()):

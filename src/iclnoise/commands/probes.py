@@ -19,6 +19,7 @@ from ..ed import EVENTS_SCHEMA, FORMS_SCHEMA, MAX_GAP, PCS_SCHEMA, SAMPLING_SCHE
 from ..io import write_parquet
 from ..mech import run_summary
 from ..probes import (
+    calibrate_for_run,
     essential_dynamics,
     geometry_for_run,
     llc_for_run,
@@ -51,8 +52,8 @@ def llc(argv: list[str]) -> None:
     a, cfg, device = _sampling_args(ap, argv)
     every, at = every_at(cfg, "llc")
     df = llc_for_run(a.run_dir, typed(cfg, "llc.sampler"), every, at=at, device=device)
-    print(df[["step", "llc_mean", "llc_std", "mala_accept", "not_levelled", "negative", "diverged"]]
-          .to_string(index=False))
+    print(df[["step", "llc_mean", "llc_std", "mala_accept", "stability_ratio", "not_levelled", "negative", "diverged",
+              "unstable", "escaped"]].to_string(index=False))
 
 
 def refined(argv: list[str]) -> None:
@@ -73,23 +74,38 @@ def refined(argv: list[str]) -> None:
 
 
 def llc_calibrate(argv: list[str]) -> None:
-    """Sweep ε × γ on one checkpoint (the other settings: llc.sampler); plot the traces so a user can pick
-    settings."""
-    from ..figures.llc import llc_calibration
+    """Choose (ε, γ, nβ) inside SGLD's stable, non-escaped region (SPEC §7): sweep ε × γ (× nβ) at the first, middle
+    and last of the LLC's checkpoints past step 0 (the other settings: llc.sampler) and keep the largest ε whose
+    estimate is unflagged and has levelled off in ε, at the smallest such γ. Writes <run-dir>/llc_calibration.parquet
+    (the sweep), llc_calibration.json (the choice) and the figure."""
+    from ..figures.llc import fig_llc_calibration
 
     ap = argparse.ArgumentParser(prog="iclnoise llc-calibrate", description=llc_calibrate.__doc__)
     ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: the last)")
-    ap.add_argument("--epsilons", type=float, nargs="+", default=[1e-5, 3e-5, 1e-4, 3e-4, 1e-3])
+    ap.add_argument("--steps", type=int, nargs="+", default=None,
+                    help="checkpoint steps (default: first, middle and last of the LLC's past step 0)")
+    ap.add_argument("--epsilons", type=float, nargs="+", default=[3e-5, 1e-4, 3e-4, 1e-3, 3e-3])
     ap.add_argument("--gammas", type=float, nargs="+", default=[10.0, 100.0, 1000.0])
+    ap.add_argument("--nbetas", type=float, nargs="+", default=None, help="default: llc.sampler's nbeta")
     add_cfg(ap, "llc")
-    ap.add_argument("--out", default=None, help="output stem (default: <run-dir>/llc_calibration)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default=None, help="figure stem (default: <run-dir>/llc_calibration)")
     a = ap.parse_args(argv)
-    base = typed(sections(a.cfg, "llc"), "llc.sampler")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(a.threads)
+    cfg = sections(a.cfg, "llc")
+    base = typed(cfg, "llc.sampler")
+    steps = a.steps or refined_steps(llc_steps(a.run_dir, *every_at(cfg, "llc")), 3)
+    t0 = time.process_time()
+    table, choice = calibrate_for_run(a.run_dir, base, steps, a.epsilons, a.gammas, a.nbetas or [base.nbeta], a.device)
     out = Path(a.out) if a.out else Path(a.run_dir) / "llc_calibration"
-    table = llc_calibration(a.run_dir, base, a.step, a.epsilons, a.gammas, out)
-    print(table.to_string(index=False))
-    print(f"wrote {out}.png")
+    fig_llc_calibration(table, out)
+    cols = ["step", "nbeta", "gamma", "epsilon", "llc_mean", "llc_se", "stability_ratio", "mean_sampling_loss",
+            "trivial_loss", "not_levelled", "unstable", "escaped", "plateau", "chosen"]
+    print(table[cols].to_string(index=False))
+    print(f"choice: {choice}" if choice else "no setting is unflagged and levelled off in ε: widen the sweep")
+    print(f"{len(table)} estimates in {time.process_time() - t0:.1f} CPU s; wrote {out}.png")
 
 
 def stages(argv: list[str]) -> None:

@@ -4,11 +4,13 @@ iclnoise.report and iclnoise.paper). Only the figure commands draw."""
 from __future__ import annotations
 
 import argparse
-import shutil
+import logging
 import time
 from pathlib import Path
 
 from . import add_cfg, doc, sections
+
+log = logging.getLogger(__name__)
 
 
 def figures(argv: list[str]) -> None:
@@ -111,32 +113,52 @@ def export(argv: list[str]) -> None:
     ap.add_argument("--workdir", default=".", help="the directory the workflow ran in (its benchmarks/)")
     ap.add_argument("--out", required=True, help="e.g. reference/science")
     a = ap.parse_args(argv)
-    prov = run(Path(a.results), Path(a.out), load_params(a.params, a.configfile), Path(a.workdir))
+    prov = run(Path(a.results), Path(a.out), load_params(a.params, a.configfile), Path(a.workdir),
+               [Path(a.params), *map(Path, a.configfile)])
     size = sum(p.stat().st_size for p in Path(a.out).rglob("*") if p.is_file())
     print(f"{a.out}: {len(prov['spec_hash'])} runs, {len(prov['sha256'])} files, {size / 2**20:.1f} MiB, "
           f"commit {prov['commit']}, jobs' wall time {prov['wall_time']['total_s']:.0f} s")
 
 
 def paper(argv: list[str]) -> None:
+    from ..io import write_bytes
+    from ..paper import apart, rehash, update_aggregate, verify
     from ..paper import paper as run
 
     ap = argparse.ArgumentParser(prog="iclnoise paper", description=doc("paper"),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("references", nargs="+", help="reference sets, e.g. reference/science reference/noise")
-    ap.add_argument("--out", default="paper", help="figures and reports go to OUT/<set name>/")
+    ap.add_argument("--out", default="paper", help="figures and reports go to OUT/<set name>/ (make paper: "
+                    "PAPER_OUT=DIR); it must be apart from the sets")
     ap.add_argument("--update-aggregate", action="store_true",
                     help="first rerun each set's aggregate with this code and write it into the set (after a change "
                          "of the aggregate; the runs are not retrained)")
+    ap.add_argument("--stats-from", metavar="PARAMS",
+                    help="with --update-aggregate: aggregate with this params file's stats section (e.g. params.yaml "
+                         "after a new stats key), recorded in the set's provenance.json; default: the set's own")
     a = ap.parse_args(argv)
+    refs = []
     for ref in map(Path, a.references):
+        if ref.name.endswith(".tmp") or ref.name.startswith("."):
+            log.warning("%s: skipped, a temporary directory left by a killed export (or one still running), no "
+                        "reference set; delete it when none runs: rm -r %s", ref, ref)
+        else:
+            refs.append(ref)
+    if len({r.name for r in refs}) < len(refs):
+        raise SystemExit(f"two reference sets share a name ({', '.join(map(str, refs))}): both would be drawn into "
+                         f"{a.out}/<name>; pass one of them")
+    for ref in refs:   # every set checked before the first is drawn
+        apart(Path(a.out) / ref.name, refs)
+        verify(ref)
+    for ref in refs:
         if a.update_aggregate:
-            from ..paper import update_aggregate
-            print(f"{ref.name}: aggregate rerun; changed: {', '.join(update_aggregate(ref)) or 'nothing'}")
+            from ..config import load_params
+            params = load_params(a.stats_from) if a.stats_from else None
+            print(f"{ref.name}: aggregate rerun; changed: {', '.join(update_aggregate(ref, params)) or 'nothing'}")
         t0 = time.perf_counter()
         pngs = run(ref, Path(a.out) / ref.name)
         if a.update_aggregate:   # the set's report follows its aggregate
-            from ..paper import rehash
-            shutil.copy2(Path(a.out) / ref.name / "report.md", ref / "report.md")
+            write_bytes((Path(a.out) / ref.name / "report.md").read_bytes(), ref / "report.md")
             rehash(ref)
         print(f"{ref.name}: {len(pngs)} figures and report.md in {Path(a.out) / ref.name} "
               f"({time.perf_counter() - t0:.0f} s)")

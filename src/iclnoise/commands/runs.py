@@ -12,6 +12,7 @@ def train(argv: list[str]) -> None:
 
     from ..grid import member_specs
     from ..train import train_ensemble
+    from . import at_file
 
     ap = argparse.ArgumentParser(prog="iclnoise train",
                                  description="Train runs as one ensemble (resumes from their resume states).")
@@ -23,7 +24,7 @@ def train(argv: list[str]) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
     a = ap.parse_args(argv)
-    spec = json.loads(Path(a.spec[1:]).read_text() if a.spec.startswith("@") else a.spec)
+    spec = json.loads(at_file(a.spec))
     torch.set_num_threads(a.threads)
     if a.runs:
         specs = member_specs(spec, a.runs.split(","))
@@ -42,35 +43,42 @@ def train(argv: list[str]) -> None:
 
 
 def check(argv: list[str]) -> None:
-    from ..config import ParamsError, load_params
-    from ..cost import COST_CONFIRM_CORE_HOURS, cost_estimate, format_cost
+    from ..config import ParamsError, load_params, source_names
+    from ..cost import COST_CONFIRM_CORE_HOURS, PARAMS_RECORD, cost_estimate, format_cost, rerun_note
     from ..grid import expand_grid, steps_for, trained_steps
 
     ap = argparse.ArgumentParser(prog="iclnoise check",
                                  description="Validate a params file, list its runs and print the cost estimate.")
     ap.add_argument("params", nargs="?", default="params.yaml")
     ap.add_argument("--configfile", nargs="*", default=[], help="override files merged on top, as snakemake does")
+    ap.add_argument("--results", default="results", help=f"compare with the params of <results>/{PARAMS_RECORD} "
+                    "and print which jobs the change reruns")
     a = ap.parse_args(argv)
     try:
         params = load_params(a.params, a.configfile)
     except ParamsError as e:
         raise SystemExit(str(e))
     runs = expand_grid(params)
-    print(f"{' + '.join([a.params, *a.configfile])}: valid; {len(runs)} runs")
+    print(f"{source_names([a.params, *a.configfile])}: valid; {len(runs)} runs")
     for k in runs:
         n, stop = steps_for(params, k.batch, k.noise), trained_steps(params, k.batch, k.noise)
         print(f"  {k.run_id}  ({n} steps{f', stopping at {stop}' if stop < n else ''})")
     est = cost_estimate(params)
     print(f"cost estimate: {format_cost(est)}")
+    note = rerun_note(params, a.results)
+    if note:
+        print(note)
     if est["core_hours"] > COST_CONFIRM_CORE_HOURS:
         print(f"above the {COST_CONFIRM_CORE_HOURS:g} core-hour threshold: snakemake refuses it without "
               f"--config confirm_cost=true")
 
 
 def verify(argv: list[str]) -> None:
-    """Read every Parquet and JSON file under a results directory; name each unreadable one and what to do
-    (exit 1). scripts/dvc-snakemake.sh runs it last, so `dvc repro` never records a corrupt table."""
+    """Read every Parquet and JSON file under a results directory, and check that every checkpoint a run's
+    checkpoints.json lists is on disk; name each unreadable or missing file and what to do (exit 1).
+    scripts/dvc-snakemake.sh runs it last, so `dvc repro` never records a corrupt table."""
     from ..io import CorruptFileError, read_json, read_parquet
+    from ..runs import MANIFEST, missing_checkpoints
 
     ap = argparse.ArgumentParser(prog="iclnoise verify", description=verify.__doc__)
     ap.add_argument("dir", nargs="?", default="results")
@@ -84,8 +92,12 @@ def verify(argv: list[str]) -> None:
             read_parquet(f) if f.suffix == ".parquet" else read_json(f)
         except CorruptFileError as e:
             bad.append(str(e))
+            continue
+        if f.name == MANIFEST:
+            bad += [f"{c}: listed in {f}, missing; rerun snakemake: the run's training job trains it again (and its "
+                    f"probes after it)" for c in missing_checkpoints(f.parent)]
     for line in bad:
         print(line)
-    print(f"{a.dir}: {n} tables read, {len(bad)} unreadable")
+    print(f"{a.dir}: {n} tables read, {len(bad)} unreadable or missing")
     if bad:
         raise SystemExit(1)

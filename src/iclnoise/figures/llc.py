@@ -2,7 +2,6 @@
 calibration sweep of `iclnoise llc-calibrate`."""
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -10,7 +9,6 @@ import numpy as np
 import pandas as pd
 
 from ..io import read_parquet
-from ..sections import LLCConfig, RunSpec
 from ..tasks import M_INF, m_label
 from . import style
 
@@ -63,28 +61,30 @@ def fig_llc_vs_m(summary: pd.DataFrame, llc: pd.DataFrame, path: str | Path) -> 
     style.save_figure(fig, path, df.drop(columns=["x"]))
 
 
-FLAGS = ("diverged", "negative", "not_levelled")
+SAMPLER_FLAGS = ("unstable", "escaped")   # λ̂ measures the sampler, not the geometry (SPEC §7)
+FLAGS = ("diverged", "negative", "not_levelled", *SAMPLER_FLAGS)
 
 
-def _flagged(df: pd.DataFrame) -> pd.Series:
-    """Estimates a reader must not take at face value (any SGLD diagnostic flag set)."""
-    cols = [c for c in FLAGS if c in df]
-    return df[cols].any(axis=1) if cols else pd.Series(False, index=df.index)
+def _flagged(df: pd.DataFrame, flags: tuple[str, ...] = FLAGS) -> pd.Series:
+    """Estimates a reader must not take at face value (any of `flags` set; default: every SGLD diagnostic)."""
+    cols = [c for c in flags if c in df]
+    return df[cols].fillna(False).astype(bool).any(axis=1) if cols else pd.Series(False, index=df.index)
 
 
 def fig_llc_over_training(llc: pd.DataFrame, stages: pd.DataFrame | None, path: str | Path) -> None:
     """Figure 4: LLC over training per M (every batch size).
 
     Trusted estimates are joined by a line with a ± standard-error band (markers only when there are
-    few checkpoints); flagged estimates (diverged, negative, not levelled) are hollow grey-edged
-    markers, never joined. Stage boundaries of the first seed are ▼ ticks on the top edge in the
+    few checkpoints); flagged estimates are never joined: hollow markers where the chains diverged, went
+    negative or did not level off, crosses where the estimate measures the sampler (unstable or escaped,
+    SPEC §7; a cross wins where both apply). Stage boundaries of the first seed are ▼ ticks on the top edge in the
     M's colour, so they cannot be read as data.
     """
     style.setup()
     pal = style.m_palette(llc.M)
     batches = sorted(llc.batch.unique())
     fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 3.8), squeeze=False, sharey=True)
-    any_flagged = any_stage = False
+    any_flagged = any_sampler = any_stage = False
     for j, B in enumerate(batches):
         ax = axes[0, j]
         sub = llc[llc.batch == B]
@@ -101,10 +101,16 @@ def fig_llc_over_training(llc: pd.DataFrame, stages: pd.DataFrame | None, path: 
                         marker="o" if few else None, ms=3, label=style.m_legend_label(M) if first else None)
                 if first:
                     ax.fill_between(ok.step + 1, ok.llc_mean - se, ok.llc_mean + se, color=pal[M], alpha=0.15, lw=0)
-                if bad.any():
+                sampler = _flagged(r, SAMPLER_FLAGS)
+                other = bad & ~sampler
+                if other.any():
                     any_flagged = True
-                    ax.scatter(r.step[bad] + 1, r.llc_mean[bad], s=22, facecolors="none", edgecolors=pal[M],
+                    ax.scatter(r.step[other] + 1, r.llc_mean[other], s=22, facecolors="none", edgecolors=pal[M],
                                linewidths=0.9, alpha=0.8 if first else 0.35, zorder=3)
+                if sampler.any():
+                    any_sampler = True
+                    ax.scatter(r.step[sampler] + 1, r.llc_mean[sampler], s=26, marker="x", color=pal[M],
+                               linewidths=1.0, alpha=0.8 if first else 0.35, zorder=3)
                 if stages is not None and first:
                     st = stages[(stages.run_id == r.run_id.iloc[0]) & (stages.kind != "end")]
                     if len(st):
@@ -118,7 +124,10 @@ def fig_llc_over_training(llc: pd.DataFrame, stages: pd.DataFrame | None, path: 
     handles, labels = axes[0, -1].get_legend_handles_labels()
     if any_flagged:
         handles.append(plt.Line2D([], [], ls="", marker="o", mfc="none", mec="grey"))
-        labels.append("flagged estimate (not joined)")
+        labels.append("flagged: diverged / negative / not levelled")
+    if any_sampler:
+        handles.append(plt.Line2D([], [], ls="", marker="x", color="grey"))
+        labels.append("flagged: unstable / escaped (measures the sampler)")
     if any_stage:
         handles.append(plt.Line2D([], [], ls="", marker="v", color="grey"))
         labels.append("stage boundary (seed %d)" % llc.seed.min())
@@ -137,46 +146,28 @@ def llc_figures(summary: str | Path, llc_files: list, stages_files: list, out: P
     return [out / "fig03_loss_llc_vs_m.png", out / "fig04_llc_over_training.png"]
 
 
-def llc_calibration(run_dir: str | Path, base: LLCConfig, step: int | None, epsilons: list[float],
-                    gammas: list[float], out: Path) -> pd.DataFrame:
-    """Estimate the LLC of one checkpoint (default: the last) at every ε × γ, the other settings `base`'s;
-    draw each setting's traces at `out` (pick the largest ε whose traces level off without divergence, the
-    smallest γ that keeps the chains local) and return the table of estimates and flags."""
-    from .. import runs
-    from ..llc import estimate_llc
-    from ..model import mse_loss
-    from ..probes import sampling_data
-
-    run_dir = Path(run_dir)
-    spec = RunSpec.of(runs.read_spec(run_dir))
-    step = step if step is not None else max(runs.checkpoint_steps(run_dir))
-    xs, ys = sampling_data(spec, base.n)
-    model = runs.load_model(run_dir, step)
+def fig_llc_calibration(table: pd.DataFrame, path: str | Path) -> None:
+    """The `iclnoise llc-calibrate` sweep: λ̂ ± s.e. against ε, one panel per checkpoint, one line per (γ, nβ);
+    flagged estimates (any of FLAGS) are crosses, the chosen setting is ringed."""
     style.setup()
-    fig, axes = plt.subplots(len(gammas), len(epsilons), figsize=(3 * len(epsilons), 2.4 * len(gammas)),
-                             squeeze=False, sharex=True)
-    rows = []
-    for i, g in enumerate(gammas):
-        for j, e in enumerate(epsilons):
-            cfg = LLCConfig(**{**asdict(base), "epsilon": e, "gamma": g})
-            r = estimate_llc(model, mse_loss, xs, ys, cfg)
-            ax = axes[i, j]
-            for tr in r.traces:
-                ax.plot(r.nbeta * (tr - r.init_loss), lw=0.7)
-            ax.axvline(cfg.burn_in, color="grey", ls=":")
-            ax.axhline(0, color="black", lw=0.5)
-            bad = [k for k, v in r.flags.items() if v]
-            flags = f" [{', '.join(bad)}]" if bad else ""
-            ax.set_title(f"ε={e:g} γ={g:g}\nλ̂={r.llc_mean:.2f}±{r.llc_std:.2f}" + flags,
-                         fontsize=8, color="firebrick" if bad else "black")
-            rows.append({"epsilon": e, "gamma": g, "llc_mean": r.llc_mean, "llc_std": r.llc_std, **r.flags})
-    for ax in axes[-1]:
-        ax.set_xlabel("SGLD step")
-    for ax in axes[:, 0]:
-        ax.set_ylabel("nβ·(L − L(w*))")
-    fig.suptitle(f"LLC calibration, {spec.keys.run_id} step {step}: pick the largest ε whose traces level "
-                 f"off without divergence, and the smallest γ that keeps chains local", fontsize=9)
+    steps = sorted(table.step.unique())
+    fig, axes = plt.subplots(1, len(steps), figsize=(3.6 * len(steps), 3.2), squeeze=False)
+    for ax, step in zip(axes[0], steps):
+        sub = table[table.step == step]
+        for i, ((g, nb), r) in enumerate(sub.groupby(["gamma", "nbeta"])):
+            r = r.sort_values("epsilon")
+            bad = _flagged(r)
+            ax.errorbar(r.epsilon, r.llc_mean, yerr=r.llc_se, color=f"C{i}", marker="o", ms=3, capsize=2,
+                        label=f"γ={g:g}, nβ={nb:.4g}")
+            ax.scatter(r.epsilon[bad], r.llc_mean[bad], marker="x", s=40, color="firebrick", zorder=4)
+            ch = r[r.chosen]
+            ax.scatter(ch.epsilon, ch.llc_mean, s=120, facecolors="none", edgecolors="black", zorder=5)
+        ax.set_xscale("log")
+        ax.set_title(f"step {step}", fontsize=9)
+        ax.set_xlabel("SGLD step size ε")
+    axes[0, 0].set_ylabel("λ̂ (± s.e.)")
+    axes[0, -1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5),
+                       title="× flagged, ○ chosen", title_fontsize=7)
+    fig.suptitle("LLC calibration: the largest ε whose estimate is unflagged and has levelled off in ε", fontsize=9)
     fig.tight_layout()
-    table = pd.DataFrame(rows)
-    style.save_figure(fig, out, table)
-    return table
+    style.save_figure(fig, path, table)

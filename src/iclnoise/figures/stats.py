@@ -15,9 +15,10 @@ from . import style
 
 
 def fig_threshold_vs_noise(th: pd.DataFrame, path: str | Path) -> None:
-    """M* by both methods with 95 % t-intervals over seeds, against the noise level: r50 (circles, solid: r = 0.5
-    crossing of a logistic in log2 M with free plateaus) and crossover (squares, dashed, drawn a little to the
-    right: where the late pull on new tasks turns from dMMSE_M to ridge). Conditions without a threshold are listed
+    """M* by each method with 95 % t-intervals over seeds, against the noise level: r50 (circles, solid: r = 0.5
+    crossing of a logistic in log2 M with free plateaus), midpoint (triangles, dotted, a little to the left: half-way
+    between that logistic's floor and ceiling) and crossover (squares, dashed, a little to the right: where the late
+    pull on new tasks turns from dMMSE_M to ridge). Conditions without a threshold are listed
     with the reason; hollow markers: the condition failed a validity gate (thresholds.parquet gate_failures).
 
     The level is an effective inverse batch size: 1/B for batch noise, 1/B_target for injected noise
@@ -32,8 +33,8 @@ def fig_threshold_vs_noise(th: pd.DataFrame, path: str | Path) -> None:
     colour = {label: f"C{i}" for i, label in enumerate(sorted(df.series.unique()))}
     for (label, method), g in df.groupby(["series", "method"]):
         g = g.sort_values("level")
-        x = g.level * (1.06 if method == "crossover" else 1.0)   # side by side where both exist
-        mk, ls = ("s", "--") if method == "crossover" else ("o", "-")
+        x = g.level * {"crossover": 1.06, "midpoint": 0.94}.get(method, 1.0)   # side by side where several exist
+        mk, ls = {"crossover": ("s", "--"), "midpoint": ("^", ":")}.get(method, ("o", "-"))
         yerr = np.vstack([g.M_star - g.M_star_lo, g.M_star_hi - g.M_star]).clip(min=0)
         ax.errorbar(x, g.M_star, yerr=np.nan_to_num(yerr), marker=mk, ls=ls, capsize=4, lw=1.5,
                     color=colour[label], label=f"{label} ({method})")

@@ -1,0 +1,124 @@
+"""How close a closed-loop injected dose is to SPEC §6's definition, on the science model (issue 43, item 0).
+
+A run injects constant-schedule diagonal noise under the closed loop (a budget of integrated injected P-NE*),
+and `iclnoise.injection.DoseReference` recomputes, at every `--ref-every`-th step, the step's injected P-NE*
+with that step's A and the exact Gauss–Newton diagonal on held-out sequences. Both are summed over the same
+steps, so their ratio is the books' accuracy: realised / booked. Printed per (curvature setting, source),
+over the first `--early` steps (A and the curvature move fastest) and over the rest; one CSV row each.
+
+The run is the first `--stop` steps of the science schedule (params.yaml + configs/science.yaml, batch 64,
+1 280 000 sequences: 20 000 steps, warm-up 1 000), so the learning-rate schedule is the experiment's.
+
+Usage: python bench/bench_dose_accuracy.py [--stop 1500] [--ref-every 10] [--dose 0.55]
+           [--settings 8:25 16:10] [--sources param grad] [--out bench/results/dose_accuracy.csv]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+import iclnoise.ensemble as ensemble
+from iclnoise.config import validate_params
+from iclnoise.grid import run_spec
+from iclnoise.injection import DoseReference
+from iclnoise.train import train_run
+
+
+def deep_update(base: dict, over: dict) -> dict:
+    for k, v in over.items():
+        base[k] = deep_update(base.get(k, {}), v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return base
+
+
+def measure(base: dict, source: str, probes: int, every: int | str, a) -> dict:
+    """One run with a reference beside its injector; the booked and recomputed P-NE* summed per period."""
+    p = copy.deepcopy(base)
+    p["exposure"].update(curvature_probes=probes)
+    if every == "auto":
+        p["exposure"]["curvature_tol"] = a.tol
+    else:
+        p["exposure"]["curvature_every"] = int(every)
+    p["noise"]["conditions"]["dose"] = {"source": source, "shape": "diagonal", "schedule": "constant",
+                                        "budget": a.dose, "batch_sizes": [64]}
+    p = validate_params(p)
+    made, build = [], ensemble.build_hooks
+
+    def with_reference(spec, device):
+        hooks = build(spec, device)
+        inj = [h for h in hooks if h.name == "injection"]
+        if inj:
+            made.append(DoseReference(inj[0], a.heldout, a.ref_every))
+            hooks.insert(0, made[-1])
+        return hooks
+
+    ensemble.build_hooks = with_reference
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            t0 = time.perf_counter()
+            train_run(run_spec(p, "Minf-B64-dose-s0"), Path(d), progress=False)
+            wall = time.perf_counter() - t0
+    finally:
+        ensemble.build_hooks = build
+    ref = made[0]
+    steps, real, booked = np.array(ref.steps), np.array(ref.pne), np.array(ref.booked)
+    out = {}
+    for period, sel in (("early", steps < a.early), ("rest", steps >= a.early), ("all", steps >= 0)):
+        out[period] = (float(real[sel].sum() / booked[sel].sum()), int(sel.sum()))
+    out["wall_s"] = wall
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stop", type=int, default=1500, help="train the first N steps of the schedule")
+    ap.add_argument("--ref-every", type=int, default=10)
+    ap.add_argument("--early", type=int, default=500)
+    ap.add_argument("--heldout", type=int, default=32, help="held-out sequences of the exact reference")
+    ap.add_argument("--dose", type=float, default=0.55, help="budget over the whole 20 000-step schedule")
+    ap.add_argument("--tol", type=float, default=0.05, help="exposure.curvature_tol of the settings named auto")
+    ap.add_argument("--settings", nargs="*", default=["8:25", "16:10"],
+                    help="probes:every (every = auto: adaptive refresh at --tol)")
+    ap.add_argument("--sources", nargs="*", default=["param", "grad"])
+    ap.add_argument("--out", default="bench/results/dose_accuracy.csv")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    base = deep_update(yaml.safe_load(open("params.yaml")), yaml.safe_load(open("configs/science.yaml")))
+    base["train"]["budget"]["stop_at"] = a.stop
+    base["train"]["checkpoints"] = {"linear": 0, "log": 0}
+    base["eval"].update(n_sequences=64, n_root=8)
+    for probe in ("ed", "llc", "geometry", "mech"):
+        base[probe]["enabled"] = False
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    rows = []
+    for setting in a.settings:
+        probes, every = setting.split(":")
+        for source in a.sources:
+            r = measure(base, source, int(probes), every, a)
+            print(f"probes {probes:>2} every {every:>4}  {source:5s}  realised/booked: first {a.early} steps "
+                  f"{r['early'][0]:.3f} ({r['early'][1]} steps), rest {r['rest'][0]:.3f}, all {r['all'][0]:.3f}  "
+                  f"[{r['wall_s']:.0f} s]", flush=True)
+            rows.append({"probes": probes, "curvature_every": every, "tol": a.tol if every == "auto" else "",
+                         "source": source, "dose": a.dose, "steps": a.stop, "ref_every": a.ref_every,
+                         "ratio_early": round(r["early"][0], 4), "ratio_rest": round(r["rest"][0], 4),
+                         "ratio_all": round(r["all"][0], 4), "wall_s": round(r["wall_s"], 1),
+                         "device": "cpu (2-core dev machine, 1 thread)", "commit": commit})
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    new = not Path(a.out).exists()
+    with open(a.out, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        if new:
+            w.writeheader()
+        w.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
