@@ -32,6 +32,17 @@ from iclnoise.train import _resume_states, train_ensemble, train_run
 RUNS = ["M4-B16-none-s0", "M1-B16-none-s1", "Minf-B16-none-s0"]
 
 
+def _diverging_at_30(orig):
+    """Member.setup whose run RUNS[1] draws labels 1e4× larger from step 30 on: it diverges there."""
+    def setup(self):
+        orig(self)
+        if self.run_id == RUNS[1]:
+            draw = self.sampler.batch
+            self.sampler.batch = lambda step, size: (lambda b: type(b)(b.xs, b.ys * (1e4 if step >= 30 else 1.0),
+                                                                       b.tasks))(draw(step, size))
+    return setup
+
+
 def test_checkpoint_schedule_is_union_of_linear_and_log():
     s = checkpoint_steps(1000, 4, 4)
     assert s[0] == 0 and s[-1] == 1000
@@ -177,13 +188,7 @@ def test_a_diverging_run_is_frozen_and_recorded_while_the_others_go_on(tiny, tmp
     import iclnoise.train as tr
 
     orig = tr.Member.setup
-
-    def setup(self):
-        orig(self)
-        if self.run_id == RUNS[1]:
-            draw = self.sampler.batch
-            self.sampler.batch = lambda step, size: (lambda b: type(b)(b.xs, b.ys * (1e4 if step >= 30 else 1.0),
-                                                                       b.tasks))(draw(step, size))
+    setup = _diverging_at_30(orig)
     tr.Member.setup = setup
     try:
         out = train_ensemble(specs, [tmp_path / "bad" / r for r in RUNS], progress=False)
@@ -541,14 +546,7 @@ def test_a_resume_after_a_divergence_keeps_the_frozen_run_in_the_ensemble(tiny, 
     import iclnoise.ensemble as ens
     import iclnoise.train as tr
 
-    orig = tr.Member.setup
-
-    def setup(self):
-        orig(self)
-        if self.run_id == RUNS[1]:
-            draw = self.sampler.batch
-            self.sampler.batch = lambda step, size: (lambda b: type(b)(b.xs, b.ys * (1e4 if step >= 30 else 1.0),
-                                                                       b.tasks))(draw(step, size))
+    setup = _diverging_at_30(tr.Member.setup)
     monkeypatch.setattr(tr.Member, "setup", setup)
     specs = [run_spec(tiny, r) for r in RUNS]
     full_dirs, dirs = [tmp_path / "full" / r for r in RUNS], [tmp_path / "part" / r for r in RUNS]
