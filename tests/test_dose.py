@@ -186,6 +186,7 @@ def test_has_series_reads_the_grid_as_dose_runs_reads_the_outcomes():
     assert not dose.has_series(load_params("params.yaml"))
     assert not dose.has_series(load_params("params.yaml", ["configs/noise.yaml"]))
     assert dose.has_series(load_params("params.yaml", ["configs/science.yaml", "configs/dose_scan.yaml"]))
+    assert dose.has_series(load_params("params.yaml", ["configs/science.yaml", "configs/dose.yaml"]))
 
 
 def test_aggregate_writes_the_dose_tables_only_for_a_dose_series(tmp_path, monkeypatch):
