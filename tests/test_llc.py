@@ -519,6 +519,31 @@ def test_calibration_keeps_the_known_learning_coefficient():
             assert worse and all(abs(q["llc_mean"] - lam) > 3 * q["llc_se"] for q in worse)
 
 
+def test_calibration_leaves_out_a_checkpoint_where_every_stable_estimate_is_negative():
+    """A checkpoint at initialisation (E[L] < L(w*) at every stable setting: not near a minimum, the LLC undefined)
+    flags `negative` at every setting; counted, it leaves no setting clean (the default run's step 5 did). It is left
+    out and the choice is that of the other checkpoints; a checkpoint negative at one stable setting only is kept."""
+    from iclnoise.llc import CALIBRATION_FLAGS, choose_setting, undefined_centers
+
+    def row(center, eps, llc, **flags):
+        return {"nbeta": 100.0, "gamma": 100.0, "epsilon": eps, "center": center, "llc_mean": llc, "llc_se": 0.5,
+                **{f: False for f in CALIBRATION_FLAGS}, **flags}
+
+    def sweep(first_negative_at_1e4=True):
+        return [row(5, 1e-4, -3.0, negative=first_negative_at_1e4), row(5, 3e-4, -2.8, negative=True),
+                row(5, 1e-3, 15.0, unstable=True),           # positive, but past the stability limit
+                *(row(c, e, v) for c, v in ((300, 30.0), (2500, 45.0)) for e in (1e-4, 3e-4)),
+                row(300, 1e-3, 80.0, unstable=True), row(2500, 1e-3, 120.0, unstable=True)]
+
+    rows = sweep()
+    assert undefined_centers(rows) == [5]
+    assert choose_setting(rows) == {"nbeta": 100.0, "gamma": 100.0, "epsilon": 3e-4}
+    assert [r["chosen"] for r in rows if r["center"] == 5] == [False, True, False]   # every row gets the marks
+    kept = sweep(first_negative_at_1e4=False)
+    assert undefined_centers(kept) == [] and choose_setting(kept) is None
+    assert choose_setting([r for r in rows if r["center"] == 5]) is None   # nothing left: no choice
+
+
 def test_llc_tables_record_the_stability_ratio_and_flag_a_checkpoint_past_the_limit(tiny, tmp_path):
     """llc.parquet (and the calibration sweep) carry λ_max, the ratio ε (nβ λ_max + γ)/4 and the flags. With ε set
     so the ratio of the last checkpoint is 1.5 (from its λ_max at a small ε), that checkpoint is `unstable` and the

@@ -30,8 +30,8 @@ CHECK_STEPS = (1_000, 5_000, 40_000)
 TOLERANCE = 0.20   # the issue's criterion: within 20 % of their published mean
 
 
-def read_theirs(path: str | Path) -> pd.DataFrame:
-    """(step, seed, llc) from their llcs.pt."""
+def load_release(path: str | Path) -> pd.DataFrame:
+    """One pickled pandas frame of their release (analysis/L2H4Minf/*.pt)."""
     import torch
 
     shim = types.ModuleType("pandas.core.indexes.numeric")     # pandas < 2 index classes
@@ -39,7 +39,12 @@ def read_theirs(path: str | Path) -> pd.DataFrame:
     sys.modules.setdefault("pandas.core.indexes.numeric", shim)
     # the upstream release's pickled pandas DataFrame: weights_only cannot build one, so this unpickles
     # arbitrary objects; run it on that published release only, never on a file of unknown origin
-    raw = torch.load(path, map_location="cpu", weights_only=False)
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def read_theirs(path: str | Path) -> pd.DataFrame:
+    """(step, seed, llc) from their llcs.pt."""
+    raw = load_release(path)
     return (raw[["step", "model_seed", "llc/mean/mean"]]
             .rename(columns={"model_seed": "seed", "llc/mean/mean": "llc"})
             .astype({"step": int, "seed": int}).sort_values(["seed", "step"]).reset_index(drop=True))

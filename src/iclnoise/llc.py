@@ -450,31 +450,46 @@ def calibration_sweep(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor,
     return rows
 
 
+def undefined_centers(rows: list[dict]) -> list:
+    """The centers of a `calibration_sweep` where every estimate of a setting that is neither unstable nor diverged is
+    negative: E[L] < L(w*), so w* is not near a minimum (e.g. at initialisation), the LLC is not defined there and no
+    setting can be clean at it."""
+    neg: dict = {}
+    for r in rows:
+        if not (r["unstable"] or r["diverged"]):
+            neg.setdefault(r["center"], []).append(r["negative"])
+    return [c for c, v in neg.items() if all(v)]
+
+
 def choose_setting(rows: list[dict], z: float = 2.0) -> dict | None:
     """The calibrated (nβ, γ, ε) of a `calibration_sweep`: per (nβ, γ), a setting is clean when no estimate at any
     center carries a flag (CALIBRATION_FLAGS), and on the ε-plateau when it and the next smaller ε are clean and
     their estimates agree at every center within z·√(se² + se'²) (the estimate has levelled off in ε: the
     discretisation bias, which grows with ε, is below the chains' noise). The choice: the largest ε on the
     plateau, at the smallest γ that has one (the weakest localization that keeps the chains local), at the first
-    nβ of the sweep's order that has one. Sets `clean`, `plateau`, `chosen` in `rows`; returns the chosen
-    setting {nbeta, gamma, epsilon} or None when no setting qualifies."""
+    nβ of the sweep's order that has one. The `undefined_centers` are left out (with none left, no setting
+    qualifies). Sets `clean`, `plateau`, `chosen` in `rows`; returns the chosen setting {nbeta, gamma, epsilon} or
+    None when no setting qualifies."""
     settings: dict = {}
+    undefined = undefined_centers(rows)
     for r in rows:
-        settings.setdefault((r["nbeta"], r["gamma"], r["epsilon"]), []).append(r)
+        settings.setdefault((r["nbeta"], r["gamma"], r["epsilon"]), [])
+        if r["center"] not in undefined:
+            settings[r["nbeta"], r["gamma"], r["epsilon"]].append(r)
     clean = {k: not any(r[f] for r in v for f in CALIBRATION_FLAGS) for k, v in settings.items()}
     plateau = {}
     for (nb, g, e), v in settings.items():
         smaller = [k for k in settings if k[:2] == (nb, g) and k[2] < e]
         prev = max(smaller, key=lambda k: k[2]) if smaller else None
-        plateau[nb, g, e] = bool(prev and clean[nb, g, e] and clean[prev] and all(
+        plateau[nb, g, e] = bool(prev and v and clean[nb, g, e] and clean[prev] and all(
             abs(a["llc_mean"] - b["llc_mean"]) <= z * math.hypot(a["llc_se"], b["llc_se"])
             for a, b in zip(v, settings[prev])))
     order = {nb: i for i, nb in enumerate(dict.fromkeys(k[0] for k in settings))}
     ok = [k for k, p in plateau.items() if p]
     best = min(ok, key=lambda k: (order[k[0]], k[1], -k[2])) if ok else None
-    for k, v in settings.items():
-        for r in v:
-            r.update(clean=clean[k], plateau=plateau[k], chosen=k == best)
+    for r in rows:
+        k = (r["nbeta"], r["gamma"], r["epsilon"])
+        r.update(clean=clean[k], plateau=plateau[k], chosen=k == best)
     return None if best is None else {"nbeta": best[0], "gamma": best[1], "epsilon": best[2]}
 
 

@@ -46,6 +46,7 @@ from .llc import (
     estimate_llcs,
     flag_shared_levels,
     sampler_columns,
+    undefined_centers,
 )
 from .mech import MECH_SCHEMA, mech_at
 from .refined import RLLC_SCHEMA, SUSCEPTIBILITY_SCHEMA, position_loss, refined_llcs, tables
@@ -309,7 +310,7 @@ def calibrate_for_run(run_dir: str | Path, base: LLCConfig, steps: Sequence[int]
     """The ε × γ (× nβ) sweep of `iclnoise.llc.calibration_sweep` at the run's checkpoints `steps` (sampling set as
     llc_for_run's), and its choice (`choose_setting`; None: no setting is clean and levelled off in ε). Writes
     llc_calibration.parquet (the sweep, one row per setting and checkpoint) and llc_calibration.json (the choice,
-    the checkpoints and the base settings)."""
+    the checkpoints, the base settings and the checkpoints left out as not near a minimum, `undefined_centers`)."""
     from .model import mse_loss
 
     run_dir = Path(run_dir)
@@ -318,9 +319,9 @@ def calibrate_for_run(run_dir: str | Path, base: LLCConfig, steps: Sequence[int]
     models = [runs.load_model(run_dir, s, device) for s in steps]
     centers = [{k: v.detach() for k, v in m.named_parameters()} for m in models]
     rows = calibration_sweep(models[0], mse_loss, xs, ys, base, centers, epsilons, gammas, list(nbetas), list(steps))
-    choice = choose_setting(rows)
+    choice, undefined = choose_setting(rows), undefined_centers(rows)
     df = pd.DataFrame([{"run_id": spec.keys.run_id, "step": r.pop("center"), **r} for r in rows])
     write_parquet(df, run_dir / "llc_calibration.parquet", CALIBRATION_SCHEMA)
-    write_json({"choice": choice, "steps": [int(s) for s in steps], "base": dataclasses.asdict(base)},
-               run_dir / "llc_calibration.json")
+    write_json({"choice": choice, "steps": [int(s) for s in steps], "base": dataclasses.asdict(base),
+                "undefined_steps": [int(s) for s in undefined]}, run_dir / "llc_calibration.json")
     return df, choice

@@ -16,7 +16,7 @@ import torch
 
 from ..config import every_at, typed
 from ..ed import EVENTS_SCHEMA, FORMS_SCHEMA, MAX_GAP, PCS_SCHEMA, SAMPLING_SCHEMA, VAR_SCHEMA
-from ..io import write_parquet
+from ..io import read_json, write_parquet
 from ..mech import run_summary
 from ..probes import (
     calibrate_for_run,
@@ -104,6 +104,8 @@ def llc_calibrate(argv: list[str]) -> None:
     cols = ["step", "nbeta", "gamma", "epsilon", "llc_mean", "llc_se", "stability_ratio", "mean_sampling_loss",
             "trivial_loss", "not_levelled", "unstable", "escaped", "plateau", "chosen"]
     print(table[cols].to_string(index=False))
+    if undefined := read_json(Path(a.run_dir) / "llc_calibration.json")["undefined_steps"]:
+        print(f"left out: steps {undefined}, negative at every stable setting (w* not near a minimum)")
     print(f"choice: {choice}" if choice else "no setting is unflagged and levelled off in ε: widen the sweep")
     print(f"{len(table)} estimates in {time.process_time() - t0:.1f} CPU s; wrote {out}.png")
 
