@@ -17,6 +17,7 @@ from iclnoise.nap import (
     TaskSketch,
     alignment,
     distinct_tasks,
+    factor_eig,
     frobenius,
     nap_covariance,
     random_orthonormal,
@@ -120,6 +121,21 @@ def test_controls_share_the_spectrum_and_only_nap_is_aligned():
     assert al["nap_misaligned"] < al["nap_isotropic"], al
     assert al["nap_isotropic"] == pytest.approx(float(SPECTRUM.sum()) / math.sqrt(P * float(SPECTRUM.square().sum())),
                                                 rel=1e-6)
+
+
+@pytest.mark.parametrize("n, p", [(12, 40), (12, 7)])
+def test_factor_eig_is_the_dense_eigendecomposition(n, p):
+    """Fᵀ diag(w) F with weights of both signs, more or fewer rows than columns: the eigenpairs from the Gram matrix
+    rebuild the dense matrix and their eigenvalues are its nonzero ones."""
+    g = torch.Generator().manual_seed(2)
+    F = torch.randn(n, p, generator=g, dtype=torch.float64)
+    w = torch.linspace(-0.5, 1.0, n, dtype=torch.float64)
+    dense = (F.T * w) @ F
+    U, ev = factor_eig(F, w)
+    torch.testing.assert_close((U * ev) @ U.T, dense)
+    torch.testing.assert_close(U.T @ U, torch.eye(len(ev), dtype=torch.float64))
+    full = torch.linalg.eigvalsh(dense)
+    np.testing.assert_allclose(np.sort(ev.numpy()), np.sort(full[full.abs() > 1e-9].numpy()), atol=1e-9)
 
 
 def test_distinct_tasks_keeps_the_order_of_first_appearance():

@@ -126,3 +126,17 @@ def test_validation_names_the_optimizer_keys(tiny):
     q["grid"]["optimizer"] = ["nap"]
     with pytest.raises(ParamsError):
         validate_params(q)
+
+
+def test_the_cost_model_counts_each_optimizers_runs_and_ensembles(tiny):
+    """grid.optimizer doubles the runs, the training steps and the training jobs (one ensemble per optimizer) at the
+    same per-step rate (bench/bench_noise.py: sgd_momentum 1.01x AdamW's step)."""
+    from iclnoise.cost import cost_estimate
+
+    p = mixed(tiny)
+    q = copy.deepcopy(p)
+    q["grid"]["optimizer"] = ["adamw"]
+    two, one = cost_estimate(p), cost_estimate(q)
+    assert two["runs"] == 2 * one["runs"] and two["run_steps"] == 2 * one["run_steps"]
+    assert two["jobs"] - one["jobs"] >= 1
+    assert two["train_core_hours"] == pytest.approx(2 * one["train_core_hours"], rel=1e-9)

@@ -9,7 +9,7 @@ trained on); with g_jk the gradient of sequence k of task j, h_j = mean_k g_jk a
     Σ_b = Σ_j (h_j − h̄)(h_j − h̄)ᵀ / (J − 1) − Σ_w / m            between-task covariance, unbiased
 
 (the raw covariance of the h_j alone carries Σ_w / m, whose top directions are the within-task ones).
-Both are Fᵀ diag(w) F for a (J (m + 1)) × P factor, so their eigenpairs come exactly from a thin QR of Fᵀ and a
+Both are Fᵀ diag(w) F for a (J (m + 1)) × P factor, so their eigenpairs come exactly from its Gram matrix and a
 small eigh (`factor_eig`). Each refresh merges its estimate into a rank-r sketch, a running mean over the last
 `memory` refreshes, kept at OVERSAMPLE·r eigenpairs of either sign (`TaskSketch.update`), with the untruncated
 trace kept beside it. The injected gradient-space covariance (iclnoise.noise's R') of shape
@@ -69,12 +69,16 @@ def task_factors(G: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], tu
 
 
 def factor_eig(F: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """All eigenpairs (U (P, n), ev (n,), descending) of Fᵀ diag(w) F, F (n, P): Fᵀ = Q R gives
-    Fᵀ diag(w) F = Q (R diag(w) Rᵀ) Qᵀ, an eigh of a small matrix (exact; w may be negative)."""
-    Q, R = torch.linalg.qr(F.T)
-    ev, V = torch.linalg.eigh((R.double() * w) @ R.double().T)
-    ev, V = ev.flip(0), V.flip(1)
-    return Q @ V.to(Q.dtype), ev.to(F.dtype)
+    """All nonzero eigenpairs (U (P, k), ev (k,), descending) of Fᵀ diag(w) F, F (n, P), w of either sign, from the
+    n × n Gram matrix (two matrix products over P in F's dtype, no P-sized factorisation; the small eighs in float64):
+    with F Fᵀ = V diag(s) Vᵀ, F = V S^½ Qᵀ with Q = Fᵀ V S^-½ orthonormal, so Fᵀ diag(w) F = Q (S^½ Vᵀ diag(w) V S^½) Qᵀ
+    and a k × k eigh finishes it (directions with s below 1e-10 of the largest are F's null space)."""
+    s, V = torch.linalg.eigh((F @ F.T).double())
+    keep = s > float(s.max()) * 1e-10 if len(s) and float(s.max()) > 0 else s > math.inf
+    root, V = s[keep].sqrt(), V[:, keep]
+    ev, Vm = torch.linalg.eigh(root[:, None] * ((V.T * w.double()) @ V) * root[None])
+    ev, Vm = ev.flip(0), Vm.flip(1)
+    return F.T @ ((V / root) @ Vm).to(F.dtype), ev.to(F.dtype)
 
 
 def positive(U: torch.Tensor, ev: torch.Tensor, r: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
