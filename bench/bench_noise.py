@@ -10,7 +10,8 @@ under the closed loop of the early and late arms (the realised-exposure budget, 
 `exposure.curvature_every` steps); compare it with `exposure`, the plain arm of the noise experiment.
 `budget_nap` is the same closed loop with NAP's shape (issue 45: rank 4, 16 tasks × 4 sequences per refresh, every
 `--every` steps, iclnoise.nap); compare it with `budget_lowrank` and `budget_diagonal`, plain injecting steps (the
-issue asks ≤ 1.3x). `sgd_momentum` is `exposure` trained with SGD and heavy-ball momentum instead of AdamW.
+issue asks ≤ 1.3x; measured 1.05-1.10x at --every 100, 1.27-1.38x at --every 25: cost.py). `sgd_momentum` is
+`exposure` trained with SGD and heavy-ball momentum instead of AdamW (measured 1.01x).
 
 Usage: python bench/bench_noise.py [--steps 600] [--batch 64] [--every 100] [--rounds 3] [--device cpu]
        python bench/bench_noise.py --variants budget_diagonal budget_lowrank budget_nap sgd_momentum exposure
