@@ -58,7 +58,7 @@ RES = "results"
 
 
 wildcard_constraints:
-    run=r"M(inf|\d+)-B\d+-[a-z0-9_]+-s\d+",
+    run=r"M(inf|\d+)-B\d+-[a-z0-9_]+(-sgd_momentum)?-s\d+",
     family=r"(bym|bynoise)-[A-Za-z0-9_-]+",
     tag=r"[0-9a-f]{12}",
 

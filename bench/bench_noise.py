@@ -8,8 +8,13 @@ and the fastest of each variant kept (machines here are noisy: read the ratios).
 the per-run hook work is measured against the shared stacked step. `budget_diagonal` injects on every step
 under the closed loop of the early and late arms (the realised-exposure budget, curvature re-measured every
 `exposure.curvature_every` steps); compare it with `exposure`, the plain arm of the noise experiment.
+`budget_nap` is the same closed loop with NAP's shape (issue 45: rank 4, 16 tasks × 4 sequences per refresh, every
+`--every` steps, iclnoise.nap); compare it with `budget_lowrank` and `budget_diagonal`, plain injecting steps (the
+issue asks ≤ 1.3x; measured 1.05-1.10x at --every 100, 1.27-1.38x at --every 25: cost.py). `sgd_momentum` is
+`exposure` trained with SGD and heavy-ball momentum instead of AdamW (measured 1.01x).
 
 Usage: python bench/bench_noise.py [--steps 600] [--batch 64] [--every 100] [--rounds 3] [--device cpu]
+       python bench/bench_noise.py --variants budget_diagonal budget_lowrank budget_nap sgd_momentum exposure
        python bench/bench_noise.py --runs 12 --every 400 --variants exposure budget_diagonal   (the H2 jobs)
        python bench/bench_noise.py --override configs/paper.yaml --device cuda --batch 256   (paper scale)
 """
@@ -61,7 +66,8 @@ def main() -> None:
     base["eval"].update(n_sequences=64, n_root=8)
     base["exposure"]["every"] = a.every
     emulate = max(1, a.batch // 4)
-    variants = {  # name: (exposure logging, noise condition)
+    nap = {"rank": 4, "nap_tasks": 16, "nap_per_task": 4, "nap_memory": 4}
+    variants = {  # name: (exposure logging, noise condition[, optimizer])
         "plain": (False, {"source": "none"}),
         "exposure": (True, {"source": "none"}),
         "grad_lowrank": (False, {"source": "grad", "shape": "lowrank", "rank": 4, "schedule": "constant",
@@ -75,27 +81,35 @@ def main() -> None:
         "grad_lowrank+exposure": (True, {"source": "grad", "shape": "lowrank", "rank": 4, "schedule": "constant",
                                          "emulate_batch": emulate}),
         "budget_diagonal": (True, {"source": "grad", "shape": "diagonal", "schedule": "constant", "budget": 1.0}),
+        "budget_lowrank": (True, {"source": "grad", "shape": "lowrank", "rank": 4, "schedule": "constant",
+                                  "budget": 1.0}),
+        "budget_nap": (True, {"source": "grad", "shape": "nap", **nap, "schedule": "constant", "budget": 1.0}),
+        "budget_nap_misaligned": (True, {"source": "grad", "shape": "nap_misaligned", **nap, "schedule": "constant",
+                                         "budget": 1.0}),
+        "sgd_momentum": (True, {"source": "none"}, "sgd_momentum"),
     }
     variants = {k: v for k, v in variants.items() if not a.variants or k in a.variants or k == "plain"}
 
-    def run(log: bool, cond: dict, steps: int) -> float:
+    def run(log: bool, cond: dict, steps: int, opt: str = "adamw") -> float:
         p = copy.deepcopy(base)
         p["exposure"]["enabled"] = log
         p["noise"]["conditions"]["bench"] = cond
         p["train"]["budget"]["steps"] = steps
-        Ms = ["1", "4", "16", "inf"]
-        specs = [run_spec(p, f"M{Ms[i % 4]}-B{a.batch}-bench-s{i // 4}") for i in range(a.runs)]
+        p["train"]["sgd_momentum"] = {"lr": 0.01, "momentum": 0.9, "weight_decay": 0.0}
+        Ms = ["64" if cond.get("shape", "").startswith("nap") else "1", "4", "16", "inf"]  # NAP: ≥ 2 tasks a batch
+        label = "" if opt == "adamw" else f"-{opt}"
+        specs = [run_spec(p, f"M{Ms[i % 4]}-B{a.batch}-bench{label}-s{i // 4}") for i in range(a.runs)]
         with tempfile.TemporaryDirectory() as d:
             t0 = time.perf_counter()
             train_ensemble(specs, [f"{d}/{i}" for i in range(a.runs)], progress=False)
             return time.perf_counter() - t0
 
-    for log, cond in variants.values():  # warm-up: imports, allocator, first vmap traces
-        run(log, cond, a.every)
+    for v in variants.values():  # warm-up: imports, allocator, first vmap traces
+        run(*v[:2], a.every, *v[2:])
     times: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(a.rounds):
-        for name, (log, cond) in variants.items():
-            times[name].append(run(log, cond, a.steps))
+        for name, v in variants.items():
+            times[name].append(run(*v[:2], a.steps, *v[2:]))
     best = {k: min(v) for k, v in times.items()}
     n_params = sum(p.numel() for p in build_model(
         ModelConfig(D=base["data"]["D"], K=base["data"]["K"], **base["model"]),

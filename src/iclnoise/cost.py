@@ -138,6 +138,13 @@ def check_memory(p: dict) -> None:
 # grad: 1.22, the closed loop of the early and late arms (diagonal, curvature re-measured every 25 steps) on
 # 12-run ensembles at batch 64 (bench/bench_noise.py --runs 12 --every 400; README); param: 1.19, measured on a
 # single run (param_b16) before issue 27. Re-measure on new hardware.
+# Issue 45 (bench/bench_noise.py --steps 400 --rounds 3, one run, batch 64, default model, 2 shared loaded cores):
+# a NAP step costs 1.05-1.10x a plain injecting step at --every 100 (budget_nap 57.3 ms/step, budget_diagonal 54.3,
+# budget_lowrank 52.0) and 1.27-1.38x at --every 25 (89.5 against 70.4 and 64.6), its refresh (16 × 4
+# per-sequence gradients and two Gram eigendecompositions, ≈ 0.25 s here) amortised over exposure.every steps: at
+# the default's and the science setting's 400 it is ≈ 2 %, so the NAP shapes take their source's INJECTED_FACTOR.
+# SGD with heavy-ball momentum costs what AdamW does (46.5 against 46.0 ms/step with exposure logged), so
+# grid.optimizer multiplies runs and ensembles (iclnoise.grid.ensemble_groups: one optimizer per ensemble).
 STEP_MS_BASE = 3.03
 STEP_MS_PER_RUN = 0.5
 STEP_MS_PER_MFLOP = 0.0558

@@ -123,6 +123,8 @@ class RunAdam:
 
     def state(self) -> AdamState:
         g = self.opt.param_groups[0]
+        if "momentum" in g:   # SGD with momentum: no preconditioner (A = I), β its momentum
+            return AdamState(g["lr"], g["momentum"], 0.0, 0.0, self.grads, identity=True)
         sts = [self.opt.state.get(P) for P in self.stacked]
         key = tuple(id(st) if st else 0 for st in sts)  # an empty state (not yet filled) is 0
         if key != self._key:
@@ -157,16 +159,21 @@ class Ensemble:
                   for n in self.names]
         o = t.optimizer
         fused = self.device.type in ("cpu", "cuda")
-        self.opt = torch.optim.AdamW(self.P, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
-                                     eps=o.eps, fused=fused)
-        if start > 0:
+        if o.KIND == "sgd_momentum":   # undampened heavy ball: v ← β v + g + λ w, w ← w − η v (κ = 1/(1 − β)²)
+            self.opt = torch.optim.SGD(self.P, lr=o.lr, momentum=o.momentum, dampening=0.0,
+                                       weight_decay=o.weight_decay, nesterov=False)
+        else:
+            self.opt = torch.optim.AdamW(self.P, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
+                                         eps=o.eps, fused=fused)
+        if start > 0 and members[0].resume["opt"] is not None:
+            saved = members[0].resume["opt"]
             for i, P in enumerate(self.P):
                 n = self.names[i]
-                self.opt.state[P] = {
-                    "step": torch.tensor(float(members[0].resume["opt"]["step"]), dtype=torch.float32,
-                                         device=self.device if fused else "cpu"),
-                    "exp_avg": torch.stack([m.resume["opt"]["exp_avg"][n] for m in members]).to(self.device),
-                    "exp_avg_sq": torch.stack([m.resume["opt"]["exp_avg_sq"][n] for m in members]).to(self.device)}
+                self.opt.state[P] = {k: torch.stack([m.resume["opt"][k][n] for m in members]).to(self.device)
+                                     for k in saved if k != "step"}
+                if "step" in saved:
+                    self.opt.state[P]["step"] = torch.tensor(float(saved["step"]), dtype=torch.float32,
+                                                             device=self.device if fused else "cpu")
         for g in self.P:
             g.grad = torch.zeros_like(g)
         for r, m in enumerate(members):  # each run's hooked model now aliases its slice of the stack
@@ -198,9 +205,8 @@ class Ensemble:
         st = [self.opt.state.get(P) for P in self.P]
         if not st[0]:
             return None
-        return {"step": int(st[0]["step"]), "exp_avg": {n: s["exp_avg"][r].clone().cpu() for n,
-                                                        s in zip(self.names, st)},
-                "exp_avg_sq": {n: s["exp_avg_sq"][r].clone().cpu() for n, s in zip(self.names, st)}}
+        out = {k: {n: s[k][r].clone().cpu() for n, s in zip(self.names, st)} for k in st[0] if k != "step"}
+        return {"step": int(st[0]["step"]), **out} if "step" in st[0] else out   # AdamW's step; SGD has none
 
     def checkpoint(self, r: int, step: int) -> None:
         """Evaluate run r and write its weights-only analysis checkpoint (its resume state: `commit`)."""
@@ -215,8 +221,9 @@ class Ensemble:
         m.root.append({"run_id": rid, "step": step, "preds": preds.astype(np.float32)})
         params, opt = self.params_of(r), self.opt_of(r)
         o = self.t.optimizer
-        adam = None if opt is None else {"exp_avg_sq": torch.cat([v.reshape(-1) for v in opt["exp_avg_sq"].values()]),
-                                         "step": opt["step"], "beta2": o.betas[1], "eps": o.eps}
+        adam = None if opt is None or "exp_avg_sq" not in opt else {   # SGD: no preconditioner to keep
+            "exp_avg_sq": torch.cat([v.reshape(-1) for v in opt["exp_avg_sq"].values()]),
+            "step": opt["step"], "beta2": o.betas[1], "eps": o.eps}
         m.manifest[step] = save_torch({"model": params, "model_config": m.model.cfg.to_dict(), "adam": adam,
                                        "spec_hash": m.hash}, checkpoint_path(m.run_dir, step))
         m.loss_sum, m.loss_n, m.step = 0.0, 0, step

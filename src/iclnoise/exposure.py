@@ -122,6 +122,7 @@ class AdamState:
     step: int | None = None
     exp_avg: list[torch.Tensor] | None = None
     exp_avg_sq: list[torch.Tensor] | None = None
+    identity: bool = False   # no preconditioner (SGD with momentum: A = I; beta1 is its momentum)
 
     @classmethod
     def of_torch(cls, opt: torch.optim.Optimizer) -> AdamState:
@@ -140,7 +141,9 @@ def preconditioner(adam: AdamState, fallback_grads: bool = True) -> torch.Tensor
     coordinates whose root is below the float resolution of the largest, iclnoise.adam).
 
     Before the first update there is no v; then v̂_1 = g² is what the first update will use, so the
-    current gradients stand in (or None when `fallback_grads` is False or there are none)."""
+    current gradients stand in (or None when `fallback_grads` is False or there are none). SGD: a = 1."""
+    if adam.identity:
+        return torch.cat([torch.ones_like(g).reshape(-1) for g in adam.grads])
     if adam.exp_avg_sq is not None:   # one foreach pass: this runs every injecting step
         bc = [1 - adam.beta2 ** float(adam.step)] * len(adam.exp_avg_sq)
         roots = torch._foreach_sqrt(torch._foreach_div(adam.exp_avg_sq, bc))
@@ -206,13 +209,16 @@ def ggn_curvature(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor, pr
     return Curvature(JtU, JtU, 2 * loss_scale / out.numel())
 
 
-def kappa(setting: float | str | None, beta1: float) -> float:
-    """κ, the long-run diffusion factor of the optimizer's momentum (SPEC §6): 1 for Adam/AdamW, whose momentum
-    is dampened (m ← β1 m + (1 − β1) g, so one gradient moves the weights by η·A·g in total whatever β1),
-    unless `setting` (params exposure.kappa) is a number. (1/(1 − β1)² is the undampened heavy-ball value; it
-    would overstate AdamW's diffusion 100× at β1 = 0.9.) `calibrated` starts from 1 and is replaced by
-    `calibrated_kappa`; None is 1."""
-    return float(setting) if isinstance(setting, (int, float)) else 1.0
+def kappa(setting: float | str | None, beta1: float, optimizer: str = "adamw") -> float:
+    """κ, the long-run diffusion factor of the optimizer's momentum β1 (SPEC §6), unless `setting` (params
+    exposure.kappa) is a number: 1 for Adam/AdamW, whose momentum is dampened (m ← β1 m + (1 − β1) g, so one
+    gradient moves the weights by η·A·g in total whatever β1); 1/(1 − β1)² for undampened heavy-ball momentum
+    (optimizer sgd_momentum: v ← β1 v + g, so one gradient moves the weights by η g / (1 − β1) in total; it would
+    overstate AdamW's diffusion 100× at β1 = 0.9). `calibrated` starts from AdamW's 1 and is replaced by
+    `calibrated_kappa`; None is the optimizer's value."""
+    if isinstance(setting, (int, float)):
+        return float(setting)
+    return 1.0 / (1.0 - beta1) ** 2 if optimizer == "sgd_momentum" else 1.0
 
 
 def ne_unit(lr: float, kappa_: float, a: torch.Tensor, diag: torch.Tensor) -> float:

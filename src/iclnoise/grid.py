@@ -10,32 +10,42 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from .sections import OPTIMIZERS
 from .tasks import m_label, parse_m
 
 
 @dataclass(frozen=True, order=True)
 class RunKeys:
+    """A run's place in the grid. The optimizer (grid.optimizer) is in the run id only where it is not AdamW, so
+    AdamW's run ids, specs and tables are those of grids without the axis; the run id alone carries it."""
     M: int
     batch: int
     noise: str
     seed: int
+    optimizer: str = OPTIMIZERS[0]
+
+    @property
+    def label(self) -> str:
+        """`-{optimizer}` for a run that does not train with AdamW, else empty."""
+        return "" if self.optimizer == OPTIMIZERS[0] else f"-{self.optimizer}"
 
     @property
     def run_id(self) -> str:
-        return f"M{m_label(self.M)}-B{self.batch}-{self.noise}-s{self.seed}"
+        return f"M{m_label(self.M)}-B{self.batch}-{self.noise}{self.label}-s{self.seed}"
 
     def to_dict(self) -> dict:
         return {"run_id": self.run_id, "M": self.M, "seed": self.seed, "batch": self.batch, "noise": self.noise}
 
 
-_RUN_RE = re.compile(r"^M(?P<M>inf|\d+)-B(?P<batch>\d+)-(?P<noise>[a-z0-9_]+)-s(?P<seed>\d+)$")
+_RUN_RE = re.compile(r"^M(?P<M>inf|\d+)-B(?P<batch>\d+)-(?P<noise>[a-z0-9_]+)"
+                     rf"(?:-(?P<opt>{'|'.join(OPTIMIZERS[1:])}))?-s(?P<seed>\d+)$")
 
 
 def parse_run_id(run_id: str) -> RunKeys:
     m = _RUN_RE.match(run_id)
     if not m:
-        raise ValueError(f"not a run id: {run_id!r} (expected e.g. M64-B128-none-s0)")
-    return RunKeys(parse_m(m["M"]), int(m["batch"]), m["noise"], int(m["seed"]))
+        raise ValueError(f"not a run id: {run_id!r} (expected e.g. M64-B128-none-s0 or M64-B128-none-sgd_momentum-s0)")
+    return RunKeys(parse_m(m["M"]), int(m["batch"]), m["noise"], int(m["seed"]), m["opt"] or OPTIMIZERS[0])
 
 
 def refined_covers(params: dict, keys: RunKeys) -> bool:
@@ -74,12 +84,17 @@ def job_cfg(params: dict, *names: str) -> dict:
     return {n: without(params[n], SELECTION_KEYS) for n in names}
 
 
+def optimizers(params: dict) -> list[str]:
+    """grid.optimizer; absent: AdamW alone."""
+    return params["grid"].get("optimizer") or [OPTIMIZERS[0]]
+
+
 def expand_grid(params: dict) -> list[RunKeys]:
-    """Every (M, batch, noise, seed) of the grid, in a stable order; a noise condition with its own
-    `batch_sizes` or `M` runs only at those."""
+    """Every (M, batch, noise, optimizer, seed) of the grid, in a stable order (without grid.optimizer: the order
+    of grids before it); a noise condition with its own `batch_sizes` or `M` runs only at those."""
     g, conds = params["grid"], params["noise"]["conditions"]
-    return [RunKeys(parse_m(M), B, n, s) for M in g["M"] for B in g["batch_sizes"] for n in g["noise"]
-            for s in g["seeds"] if B in conds[n].get("batch_sizes", [B])
+    return [RunKeys(parse_m(M), B, n, s, o) for M in g["M"] for B in g["batch_sizes"] for n in g["noise"]
+            for o in optimizers(params) for s in g["seeds"] if B in conds[n].get("batch_sizes", [B])
             and parse_m(M) in map(parse_m, conds[n].get("M", [M]))]
 
 
@@ -98,9 +113,9 @@ def ed_families(params: dict, single: bool = False) -> dict[str, list[str]]:
     fams: dict[str, list[str]] = {}
     for k in runs:
         if "by_m" in ed["families"]:
-            fams.setdefault(f"bym-{k.noise}-B{k.batch}-s{k.seed}", []).append(k.run_id)
+            fams.setdefault(f"bym-{k.noise}{k.label}-B{k.batch}-s{k.seed}", []).append(k.run_id)
         if "by_noise" in ed["families"] and len(params["grid"]["noise"]) > 1:
-            fams.setdefault(f"bynoise-M{m_label(k.M)}-B{k.batch}-s{k.seed}", []).append(k.run_id)
+            fams.setdefault(f"bynoise-M{m_label(k.M)}-B{k.batch}{k.label}-s{k.seed}", []).append(k.run_id)
     return {f: r for f, r in fams.items() if (len(r) == 1) == single}
 
 
@@ -119,10 +134,15 @@ def trained_steps(params: dict, batch: int, noise: str = "none") -> int:
 
 
 def run_spec(params: dict, run_id: str) -> dict[str, Any]:
-    """Everything one run needs, resolved (steps, micro-batch, noise condition); JSON-serialisable."""
+    """Everything one run needs, resolved (steps, micro-batch, noise condition, optimizer); JSON-serialisable.
+    An sgd_momentum run's train.optimizer is train.sgd_momentum with `kind: sgd_momentum`; an AdamW run's spec is
+    what it was before grid.optimizer existed (train.sgd_momentum is not part of it)."""
     keys = parse_run_id(run_id)
-    train = {k: v for k, v in copy.deepcopy(params["train"]).items() if k != "ensemble_runs"}  # how runs are
-    train["steps"] = steps_for(params, keys.batch, keys.noise)                                # grouped ≠ what they are
+    train = {k: v for k, v in copy.deepcopy(params["train"]).items()
+             if k not in ("ensemble_runs", "sgd_momentum")}                   # how runs are grouped ≠ what they are
+    if keys.optimizer != OPTIMIZERS[0]:
+        train["optimizer"] = {"kind": keys.optimizer, **copy.deepcopy(params["train"][keys.optimizer])}
+    train["steps"] = steps_for(params, keys.batch, keys.noise)
     train["micro_batch"] = min(train["micro_batch"], keys.batch)
     spec = {
         "keys": keys.to_dict(),
@@ -148,11 +168,12 @@ def spec_hash(spec: dict) -> str:
 def ensemble_groups(params: dict) -> dict[str, list[str]]:
     """Ensembles: runs trained together in one process (iclnoise.train). Runs of one (batch, noise condition)
     share model shape, step count and training configuration; each such set is split into chunks of at
-    most `train.ensemble_runs` runs (in grid order). Group id `B{batch}-{noise}` (+ `-c{k}` when chunked)."""
+    most `train.ensemble_runs` runs (in grid order). Group id `B{batch}-{noise}` (+ `-{optimizer}` for an optimizer
+    other than AdamW, + `-c{k}` when chunked)."""
     cap = params["train"]["ensemble_runs"]
     by_key: dict[str, list[str]] = {}
     for k in expand_grid(params):
-        by_key.setdefault(f"B{k.batch}-{k.noise}", []).append(k.run_id)
+        by_key.setdefault(f"B{k.batch}-{k.noise}{k.label}", []).append(k.run_id)
     groups = {}
     for key, runs in by_key.items():
         chunks = [runs[i:i + cap] for i in range(0, len(runs), cap)]

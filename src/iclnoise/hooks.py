@@ -156,8 +156,8 @@ class ExposureLogger:
                  device: torch.device):
         cfg = spec.exposure
         self.keys, self.batch, self.total = spec.key_dict, spec.keys.batch, spec.train.steps
-        self.beta1 = spec.train.optimizer.betas[0]
-        self.kappa, self.calibrate = kappa(cfg.kappa, self.beta1), cfg.kappa == "calibrated"
+        self.beta1 = spec.train.optimizer.momentum
+        self.kappa, self.calibrate = kappa(cfg.kappa, self.beta1, spec.train.optimizer.KIND), cfg.kappa == "calibrated"
         self.probes, self.n_heldout = cfg.curvature_probes, cfg.heldout
         self.floor, self.rank = cfg.floor, cfg.eig_rank
         self.curvature, self.curv_every, self.D = cfg.curvature, cfg.curvature_every, spec.data.D

@@ -12,6 +12,7 @@ import torch
 
 from .exposure import budget_scale, kappa, ne_unit, preconditioner
 from .hooks import ExposureState, NoiseMeter, StepContext
+from .nap import NAP_SHAPES, NapEstimator
 from .noise import CovModel, PIController, shaped_covariance, target_at, window
 from .sections import RunSpec
 from .tasks import _seed_mix
@@ -35,7 +36,8 @@ INJECTION_SCHEMA = pa.schema([
     pa.field("trace_injected", pa.float64()),   # Tr(s R')
     pa.field("clipped_trace", pa.float64()),    # s · trace removed by PSD clipping (what could not be matched)
     pa.field("clipped_frac", pa.float64()),     # clipped / (clipped + injected) trace
-])
+    pa.field("alignment", pa.float64()),        # NAP shapes: cos_F(R', Σ̂_b) with the latest refresh's between-task
+])                                              # gradient covariance (iclnoise.nap); NaN for the other shapes
 
 
 class NoiseInjector:
@@ -59,7 +61,7 @@ class NoiseInjector:
         self.emulate = n.emulate_batch
         self.coef = (1.0 / self.emulate - 1.0 / self.batch) if self.emulate else 1.0
         self.budget = n.budget
-        self.kappa, self.floor = kappa(exposure.kappa, t.optimizer.betas[0]), exposure.floor
+        self.kappa, self.floor = kappa(exposure.kappa, t.optimizer.momentum, t.optimizer.KIND), exposure.floor
         self.ctl = (PIController(n.target, n.controller.kp, n.controller.ki)
                     if self.schedule == "controlled" else None)
         self.ctl_started = False
@@ -72,6 +74,9 @@ class NoiseInjector:
         self._eps: torch.Tensor | None = None
         self._pending: dict | None = None
         self._plist: list[torch.Tensor] | None = None
+        self.nap = (NapEstimator(n.shape, n.rank, n.nap_tasks, n.nap_per_task, n.nap_memory, spec.data.K,
+                                 spec.data.noise_var, self.seed) if n.shape in NAP_SHAPES else None)
+        self.alignment = math.nan
 
     @property
     def _diag(self) -> torch.Tensor:
@@ -85,6 +90,9 @@ class NoiseInjector:
         return float(self._diag.sum())
 
     def _refresh(self, ctx: StepContext) -> None:
+        if self.nap is not None:   # its own measurement: per-task gradients of the batch's tasks (iclnoise.nap)
+            self.cov, self.alignment = self.nap.refresh(ctx.model, ctx.loss_fn, ctx.batch.tasks, ctx.step)
+            return
         self.cov, self.clipped = shaped_covariance(self.meter.measure(ctx), self.coef, self.shape, self.rank)
 
     def _kappa(self) -> float:
@@ -138,7 +146,8 @@ class NoiseInjector:
         ne = s * ne_unit(ctx.lr, self._kappa(), a, self._diag) if s > 0 else 0.0
         self._pending = {"run_id": self.run_id, "step": ctx.step, "active": active, "scale": s, "ne_injected": ne,
                          "curv": curv, "trace_injected": s * self._trace, "clipped_trace": s * self.clipped,
-                         "curv_step": self.state.curv_step, "curv_rse": self.state.curv_rse}
+                         "curv_step": self.state.curv_step, "curv_rse": self.state.curv_rse,
+                         "alignment": self.alignment}
         self._eps = None
         if s <= 0:
             return
@@ -180,7 +189,8 @@ class NoiseInjector:
     def state_dict(self) -> dict:
         return {"cov": None if self.cov is None else self.cov.state_dict(), "clipped": self.clipped,
                 "rows": list(self._rows), "realised": self.realised, "ctl_started": self.ctl_started,
-                "ctl": None if self.ctl is None else (self.ctl.u, self.ctl.log_s)}
+                "ctl": None if self.ctl is None else (self.ctl.u, self.ctl.log_s),
+                "nap": None if self.nap is None else {**self.nap.state_dict(), "alignment": self.alignment}}
 
     def load_state_dict(self, state: dict) -> None:
         self.cov = None if state["cov"] is None else CovModel(**{k: v.to(self.device) for k, v in state["cov"].items()})
@@ -188,6 +198,9 @@ class NoiseInjector:
         self.ctl_started = state["ctl_started"]
         if self.ctl is not None:
             self.ctl.u, self.ctl.log_s = state["ctl"]
+        if self.nap is not None:
+            self.nap.load_state_dict(state["nap"], self.device)
+            self.alignment = state["nap"]["alignment"]
 
 
 class DoseReference:

@@ -231,7 +231,8 @@ class NoiseCondition(Section):
     """One noise condition (SPEC §5; a run spec's `noise`). Every key but `source` may be absent (None):
 
     shape, schedule  None only for source none (the validator requires them otherwise);
-    rank             None unless shape is lowrank (required there);
+    rank             None unless shape is lowrank or a NAP shape (required there);
+    nap_tasks, nap_per_task, nap_memory  None unless shape is a NAP shape (iclnoise.nap; required there);
     fraction         None unless schedule is early or late: the window is then the whole run;
     emulate_batch    None: no emulated batch (the level is `budget` or `target`);
     budget           None: no integrated-exposure budget;
@@ -245,6 +246,9 @@ class NoiseCondition(Section):
     source: str
     shape: str | None = None
     rank: int | None = None
+    nap_tasks: int | None = None
+    nap_per_task: int | None = None
+    nap_memory: int | None = None
     schedule: str | None = None
     fraction: float | None = None
     emulate_batch: int | None = None
@@ -326,14 +330,33 @@ class Model(Section):
     arch: str
 
 
+OPTIMIZERS = ("adamw", "sgd_momentum")   # grid.optimizer (iclnoise.grid); adamw's run ids carry no label
+
+
 @dataclass(frozen=True)
 class Optimizer(Section):
     """train.optimizer: AdamW's learning rate, (β1, β2), weight decay and δ."""
     SECTION: ClassVar[str] = "train.optimizer"
+    KIND: ClassVar[str] = "adamw"
     lr: float
     betas: tuple
     weight_decay: float
     eps: float
+
+    @property
+    def momentum(self) -> float:
+        return self.betas[0]
+
+
+@dataclass(frozen=True)
+class SGDMomentum(Section):
+    """train.sgd_momentum: SGD with undampened heavy-ball momentum (v ← β v + g + λ w, w ← w − η v), the settings
+    of grid.optimizer's sgd_momentum runs (a run spec holds them as train.optimizer with `kind: sgd_momentum`)."""
+    SECTION: ClassVar[str] = "train.sgd_momentum"
+    KIND: ClassVar[str] = "sgd_momentum"
+    lr: float
+    momentum: float
+    weight_decay: float
 
 
 @dataclass(frozen=True)
@@ -352,7 +375,7 @@ class Train(Section):
     SECTION: ClassVar[str] = "train"
     budget: Budget
     micro_batch: int
-    optimizer: Optimizer
+    optimizer: Optimizer | SGDMomentum
     lr_schedule: LRSchedule
     grad_clip: float | None
     checkpoints: dict
@@ -363,7 +386,10 @@ class Train(Section):
     @classmethod
     def from_dict(cls, d: dict | None) -> Train:
         t = super().from_dict(d)
-        return dataclasses.replace(t, budget=Budget.from_dict(t.budget), optimizer=Optimizer.from_dict(t.optimizer),
+        o = t.optimizer   # a run spec's: AdamW's settings, or another optimizer's with its `kind` (iclnoise.grid)
+        opt = (SGDMomentum.from_dict({k: v for k, v in o.items() if k != "kind"}) if o.get("kind") == "sgd_momentum"
+               else Optimizer.from_dict(o))
+        return dataclasses.replace(t, budget=Budget.from_dict(t.budget), optimizer=opt,
                                    lr_schedule=LRSchedule.from_dict(t.lr_schedule))
 
     @property

@@ -129,8 +129,14 @@ def _draw(gen: torch.Generator, pool: torch.Tensor | None, B: int, K: int, D: in
     else:
         idx = torch.randint(0, pool.shape[0], (B,), generator=gen, device=device)
         tasks = pool[idx]
-    xs = torch.randn(B, K, D, generator=gen, device=device)
-    ys = torch.einsum("bkd,bd->bk", xs, tasks) + noise_var**0.5 * torch.randn(B, K, generator=gen, device=device)
+    return sequences(gen, tasks, K, noise_var)
+
+
+def sequences(gen: torch.Generator, tasks: torch.Tensor, K: int, noise_var: float) -> Batch:
+    """One sequence of each task (B, D): x_k ~ N(0, I_D), y_k = t·x_k + e_k, e_k ~ N(0, σ²) (SPEC §2)."""
+    B, D = tasks.shape
+    xs = torch.randn(B, K, D, generator=gen, device=tasks.device)
+    ys = torch.einsum("bkd,bd->bk", xs, tasks) + noise_var**0.5 * torch.randn(B, K, generator=gen, device=tasks.device)
     return Batch(xs, ys, tasks)
 
 

@@ -180,6 +180,7 @@ def _cross_checks(p: dict) -> None:
     _seed_checks(p)
     _ed_checks(p)
     _noise_checks(p)
+    _optimizer_checks(p)
     check_memory(p)
     try:  # the typed sections (iclnoise.sections) build from what the schema let through
         all_sections(p)
@@ -293,6 +294,7 @@ def _noise_checks(p: dict) -> None:
             raise ParamsError(f"{key}: schedule controlled needs exposure.enabled: true (it measures P-NE*)")
         if c["shape"] == "lowrank" and "rank" not in c:
             raise ParamsError(f"{key}.rank is required for shape lowrank (the rank of the low-rank part)")
+        _nap_checks(p, key, c)
         if c["schedule"] == "controlled" and "controller" not in c:
             raise ParamsError(f"{key}.controller is required for schedule controlled; allowed: {{kp: …, ki: …}} "
                               f"(PI gains on log P-NE*)")
@@ -303,3 +305,50 @@ def _noise_checks(p: dict) -> None:
         if "emulate_batch" in c and name in used and runs_at and c["emulate_batch"] >= min(runs_at):
             warnings.warn(f"{key}.emulate_batch = {c['emulate_batch']} is not below every batch size; the "
                           f"negative residual is clipped to zero and logged (injection.parquet clipped_trace)")
+
+
+_NAP_KEYS = ("rank", "nap_tasks", "nap_per_task", "nap_memory")
+
+
+def _nap_checks(p: dict, key: str, c: dict) -> None:
+    """A NAP shape (iclnoise.nap) has its keys, a level the closed loop sets, rank < nap_tasks (Σ_b of J tasks has
+    rank ≤ J − 1) and runs where the batch can hold two tasks (M = 1 has no between-task covariance)."""
+    nap = c["shape"].startswith("nap")
+    given = [k for k in _NAP_KEYS[1:] if k in c]
+    if not nap:
+        if given:
+            raise ParamsError(f"{key}: {', '.join(given)} apply to the nap shapes only (shape is {c['shape']})")
+        return
+    missing = [k for k in _NAP_KEYS if k not in c]
+    if missing:
+        raise ParamsError(f"{key}: shape {c['shape']} needs {', '.join(missing)} (iclnoise.nap)")
+    if "emulate_batch" in c:
+        raise ParamsError(f"{key}: shape {c['shape']} takes a budget or a target, not emulate_batch (its covariance is "
+                          f"the task family's, not the batch noise's)")
+    if c["rank"] >= c["nap_tasks"]:
+        raise ParamsError(f"{key}.rank = {c['rank']} must be < nap_tasks = {c['nap_tasks']} (the between-task "
+                          f"covariance of J tasks has rank ≤ J − 1)")
+    if 1 in map(parse_m, c.get("M", p["grid"]["M"])):
+        raise ParamsError(f"{key}: shape {c['shape']} cannot run at M = 1 (one task: no between-task covariance); "
+                          f"give the condition an M list without 1")
+
+
+def _optimizer_checks(p: dict) -> None:
+    """grid.optimizer's settings exist, and κ is each optimizer's own (iclnoise.exposure.kappa)."""
+    opts = p["grid"].get("optimizer") or ["adamw"]
+    if "sgd_momentum" not in opts:
+        return
+    if "sgd_momentum" not in p["train"]:
+        raise ParamsError("grid.optimizer has sgd_momentum but train.sgd_momentum is missing; allowed: "
+                          "train.sgd_momentum: {lr: …, momentum: …, weight_decay: …}")
+    k = (p.get("exposure") or {}).get("kappa")
+    if k == "calibrated":
+        raise ParamsError("exposure.kappa: calibrated measures AdamW's update variance; with grid.optimizer "
+                          "sgd_momentum use null (κ = 1/(1 − β)² for heavy ball, SPEC §6)")
+    if k is not None and len(opts) > 1:
+        raise ParamsError(f"exposure.kappa = {k} would give every optimizer of grid.optimizer = {opts} the same κ; "
+                          f"allowed: null (each optimizer's own: 1 for adamw, 1/(1 − β)² for sgd_momentum)")
+    if len(opts) > 1:
+        warnings.warn(f"grid.optimizer = {opts}: training and the per-run tables keep the optimizers apart (run ids), "
+                      f"but the aggregate's per-condition tables group by (batch, noise) and would pool them; "
+                      f"aggregate each optimizer's runs on their own")
