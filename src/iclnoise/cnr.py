@@ -21,7 +21,8 @@ Two estimators of the same quantity:
 - `exact_change`: Λ̃_t − Λ_t given by signed factors Σ_i s_i w_i w_iᵀ; one path per (t, i): exact to rounding
   (the known answer on quadratic models, small problems only);
 - `replay`: Hutchinson over noise draws: per probe, one path driven by u_t ~ N(0, Λ̃_t) and one by v_t ~ N(0, Λ_t),
-  Δ̂ = mean(second(u)) − mean(second(v)); its standard error from the probes' spread, and the spread a single
+  Δ̂ = mean(second(u) − second(v)), u and v drawn from the same random stream (paired: for Λ̃ = c Λ, u = √c v,
+  which removes most of the probes' variance); its standard error from the pairs' spread, and the spread a single
   realisation adds (`sd_draw`, from the first-order terms of the same paths).
 
 Approximations (what the prediction ignores; seed 002's bound E[(f̂ − f)²] ≤ C1 Σ η_t² ‖Λ̃_t − Λ_t‖²_F
@@ -71,26 +72,36 @@ def _jvp2(fn: Map, x: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torc
     return d1, d2
 
 
+def propagate(phi: Map, theta: torch.Tensor, delta: torch.Tensor | None,
+              e: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """One step of the perturbation: (J δ, J e + ½ D²Φ[δ, δ]) at θ (None: no perturbation yet)."""
+    if delta is None:
+        return None, e
+    jd, d2 = _jvp2(phi, theta, delta)
+    return jd, 0.5 * d2 if e is None else jvp(phi, (theta,), (e,))[1] + 0.5 * d2
+
+
+def metric_terms(f: Map, theta_T: torch.Tensor, delta: torch.Tensor | None,
+                 e: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(∇f·δ_T, ∇f·e_T + ½ D²f[δ_T, δ_T]): the first- and second-order change of f."""
+    if delta is None:
+        zero = torch.zeros_like(f(theta_T))
+        return zero, zero
+    df, d2f = _jvp2(f, theta_T, delta)
+    return df, 0.5 * d2f if e is None else jvp(f, (theta_T,), (e,))[1] + 0.5 * d2f
+
+
 def path(steps: Sequence[Step], f: Map, theta_T: torch.Tensor, noise: Sequence[torch.Tensor | None],
          start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(first, second) order change of f(θ_T) when w_t = noise[t - start] is added after step t, t ≥ start (None:
     nothing added): first = ∇f·δ_T, second = ∇f·e_T + ½ D²f[δ_T, δ_T] (module docstring)."""
     delta = e = None
     for t in range(start, len(steps)):
-        phi, theta = steps[t]
-        if delta is not None:
-            jd, d2 = _jvp2(phi, theta, delta)
-            e = 0.5 * d2 if e is None else jvp(phi, (theta,), (e,))[1] + 0.5 * d2
-            delta = jd
+        delta, e = propagate(*steps[t], delta, e)
         w = noise[t - start]
         if w is not None:
             delta = w.clone() if delta is None else delta + w
-    if delta is None:
-        zero = torch.zeros_like(f(theta_T))
-        return zero, zero
-    df, d2f = _jvp2(f, theta_T, delta)
-    second = 0.5 * d2f if e is None else jvp(f, (theta_T,), (e,))[1] + 0.5 * d2f
-    return df, second
+    return metric_terms(f, theta_T, delta, e)
 
 
 def exact_change(steps: Sequence[Step], f: Map, theta_T: torch.Tensor,
@@ -114,16 +125,22 @@ def replay(steps: Sequence[Step], f: Map, theta_T: torch.Tensor, draw_cf: Draw, 
     return None: no noise at t); `probes` ≥ 2 paths of each."""
     if probes < 2:
         raise ValueError(f"replay needs probes >= 2 for its standard error, got {probes}")
-    gen = torch.Generator().manual_seed(seed)
     T, zero = len(steps), torch.zeros_like(theta_T)
     batched = vmap(lambda noise: path(steps, f, theta_T, noise))   # every probe's path at once
 
-    def run(draw):
+    def run(draw):   # both noises from the same stream: paired draws (u = √c v when Λ̃ = c Λ)
+        gen = torch.Generator().manual_seed(seed)
         noise = [torch.stack([_or(draw(t, gen), zero) for _ in range(probes)]) for t in range(T)]
         return batched(noise)
 
-    (fu, su), (fv, sv) = run(draw_cf), run(draw_base)
-    se = ((su.var(0) + sv.var(0)) / probes).sqrt()
+    return estimate(*run(draw_cf), *run(draw_base))
+
+
+def estimate(fu: torch.Tensor, su: torch.Tensor, fv: torch.Tensor, sv: torch.Tensor) -> Estimate:
+    """The Estimate from paired paths (probes, metrics): first- and second-order terms driven by the counterfactual
+    noise (fu, su) and by the run's own (fv, sv), probe k of both from the same draws."""
+    probes = su.shape[0]
+    se = ((su - sv).var(0) / probes).sqrt()
     return Estimate(su.mean(0) - sv.mean(0), se, (fu.square().mean(0) + fv.square().mean(0)).sqrt(), probes)
 
 
