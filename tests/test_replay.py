@@ -1,14 +1,18 @@
 """Counterfactual noise replay of a run directory (iclnoise.replay): the replay is the run, the linearised step is
 AdamW's, paired draws make the prediction linear in the covariance change, bad counterfactuals are refused."""
+import json
 import math
 
 import pytest
 import torch
 
+from iclnoise.cli import main
 from iclnoise.ensemble import Ensemble, Member
+from iclnoise.figures.cnr import fig_cnr
 from iclnoise.grid import run_spec, spec_hash
 from iclnoise.injection import NoiseInjector
-from iclnoise.replay import METRICS, Replayer, counterfactual, replay_run, step_preconditioner
+from iclnoise.io import read_parquet
+from iclnoise.replay import CNR_SCHEMA, METRICS, Replayer, counterfactual, step_preconditioner
 from iclnoise.sections import RunSpec
 from iclnoise.train import train_run
 
@@ -29,10 +33,11 @@ def run(small, tmp_path_factory):
     return rd
 
 
-def test_replay_is_the_run_and_paired_predictions_are_linear_in_the_covariance(small, run):
+def test_replay_is_the_run_and_paired_predictions_are_linear_in_the_covariance(small, run, tmp_path):
     names = ["none", "self*2", "self*3", "grad_iso_b16"]
-    df = replay_run(run, names, small["noise"]["conditions"], probes=3, jac_batch=4).set_index(
-        ["counterfactual", "metric"])
+    cfg = json.dumps({"noise": small["noise"]})
+    main(["cnr", str(run), "--counterfactual", *names, "--cfg", cfg, "--probes", "3", "--jac-batch", "4"])
+    df = read_parquet(run / "cnr.parquet", CNR_SCHEMA).set_index(["counterfactual", "metric"])
     assert len(df) == len(names) * len(METRICS)
     for name in names:   # the replayed trajectory ends where the run ended
         ood = df.loc[(name, "ood_loss")]
@@ -44,6 +49,14 @@ def test_replay_is_the_run_and_paired_predictions_are_linear_in_the_covariance(s
     assert (d.loc["self*2"].abs() > 0).all()
     assert not torch.allclose(torch.tensor(d.loc["grad_iso_b16"].values), torch.tensor(d.loc["none"].values))
     assert (df.lo <= df.predicted).all() and (df.predicted <= df.hi).all()
+    # the figure of predicted against realised changes draws from such a table (realised: here a stand-in)
+    table = df.reset_index().assign(lo_delta=lambda t: t.lo - t.observed, hi_delta=lambda t: t.hi - t.observed,
+                                    realised=lambda t: t.delta)
+    assert {p.suffix for p in fig_cnr(table, tmp_path / "cnr")} == {".png", ".pdf", ".parquet"}
+    # a bad name stops the command before any replay, naming it; the table written before stays
+    with pytest.raises(SystemExit, match="'nope' is not a noise condition"):
+        main(["cnr", str(run), "--counterfactual", "none", "nope", "--cfg", cfg])
+    assert len(read_parquet(run / "cnr.parquet", CNR_SCHEMA)) == len(df)
 
 
 class _StepCheck(Replayer):
