@@ -98,7 +98,8 @@ def main() -> None:
         rho_cf = spearmanr(mean.delta, mean.realised).statistic
         print(f"{metric}: Spearman over (cf, seed) {rho:.3f}, over counterfactuals (seed means) {rho_cf:.3f}, "
               f"coverage {d.covered.mean():.2f} of {len(d)}")
-    per_seed = df.groupby("seed").agg(cnr=("cnr_s", "first"), retrain=("retrain_s", "sum"))
+    per_seed = pd.DataFrame({"cnr": df.groupby("seed").cnr_s.first(),
+                             "retrain": df.groupby(["seed", "counterfactual"]).retrain_s.first().groupby("seed").sum()})
     print(f"cost: CNR (one replay, all {len(COUNTERFACTUALS)} counterfactuals) / retraining them: "
           f"{(per_seed.cnr / per_seed.retrain).mean():.2f}")
     fig_cnr(df, Path(a.out).with_name("cnr_check"))
