@@ -70,6 +70,7 @@ include: "workflow/rules/llc.smk"
 include: "workflow/rules/ed.smk"
 include: "workflow/rules/probes.smk"
 include: "workflow/rules/aggregate.smk"
+include: "workflow/rules/cnr.smk"
 
 
 # Snakemake rebuilds a missing file only when a target asks for it, not when a file made from it is

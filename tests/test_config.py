@@ -288,7 +288,7 @@ BAD_FILES = [
     ("llc-key-missing", in_section("llc", "  every: 8 ", "  # every: 8 "),
      ["llc.every is required", "allowed: the keys enabled, every, sampler, stages", "llc.enabled: false"]),
     ("unknown-section", lambda t: t + "typo_section: {enabled: false}\n",
-     ["unknown key(s) typo_section", "allowed keys: data, ed, eval, exposure"]),
+     ["unknown key(s) typo_section", "allowed keys: cnr, data, ed, eval, exposure"]),
     ("exposure-off-but-injected", replace_section("exposure", "exposure: {enabled: false}"),
      ["noise.conditions.grad_b16", "needs the full exposure section", "groups"]),
     # probe seeds must be grid seeds

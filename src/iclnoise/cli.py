@@ -28,6 +28,8 @@ COMMANDS = {  # command -> ("iclnoise.commands.<topic>:<command with - as _>", h
     "geometry": ("iclnoise.commands.probes:geometry", "Hessian trace, top eigenvalue, SAM sharpness per checkpoint"),
     "mech": ("iclnoise.commands.probes:mech", "attention, head ablation, layer-norm and linear probes per "
              "checkpoint"),
+    "cnr": ("iclnoise.commands.probes:cnr", "counterfactual noise replay: a run's final metrics under other noise, "
+            "predicted without retraining (cnr.parquet)"),
     "ed": ("iclnoise.commands.probes:ed", "essential dynamics of a family of runs"),
     "figures": ("iclnoise.commands.results:figures", "training-curve figures (SPEC §12 fig. 1) and the summary "
                 "table"),
@@ -35,6 +37,8 @@ COMMANDS = {  # command -> ("iclnoise.commands.<topic>:<command with - as _>", h
                     "training)"),
     "refined-figures": ("iclnoise.commands.results:refined_figures", "figures 11 (refined LLC per head over "
                         "training) and 12 (susceptibilities)"),
+    "cnr-figure": ("iclnoise.commands.results:cnr_figure", "CNR's predicted against realised changes (from "
+                   "bench/reproductions/cnr.csv)"),
     "ed-figures": ("iclnoise.commands.results:ed_figures", "figures 2 and 5 from results/ed/<family>"),
     "aggregate": ("iclnoise.commands.results:aggregate", "outcomes, thresholds and hypothesis tests over all runs"),
     "aggregate-figures": ("iclnoise.commands.results:aggregate_figures", "figures 6-10 from the aggregate tables"),

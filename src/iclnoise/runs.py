@@ -44,7 +44,7 @@ LOCK = ".train.lock"
 RUN_FILES = ("run.json", MANIFEST, "metrics.parquet", "token_losses.parquet", "root_preds.parquet", "exposure.parquet",
              "injection.parquet", "resume.pt", "resume.prev.pt", "llc.parquet", "llc_traces.parquet",
              "llc.partial.parquet", "llc_traces.partial.parquet", "llc.partial.json", "stages.parquet",
-             "geometry.parquet", "mech.parquet", "rllc.parquet", "susceptibility.parquet")
+             "geometry.parquet", "mech.parquet", "rllc.parquet", "susceptibility.parquet", "cnr.parquet")
 CKPT_NAME = re.compile(r"step_\d{7}\.pt")
 # what torch.load(weights_only=True) may build besides tensors and plain containers: numpy arrays and scalars
 # (root predictions, metric values in a resume state's rows)

@@ -1,6 +1,6 @@
-"""`iclnoise figures | llc-figures | refined-figures | ed-figures | aggregate | aggregate-figures | report | export |
-paper`: what the workflow makes from the runs' tables (the work is in iclnoise.figures, iclnoise.aggregate,
-iclnoise.report and iclnoise.paper). Only the figure commands draw."""
+"""`iclnoise figures | llc-figures | refined-figures | ed-figures | cnr-figure | aggregate | aggregate-figures |
+report | export | paper`: what the workflow makes from the runs' tables (the work is in iclnoise.figures,
+iclnoise.aggregate, iclnoise.report and iclnoise.paper). Only the figure commands draw."""
 from __future__ import annotations
 
 import argparse
@@ -23,6 +23,24 @@ def figures(argv: list[str]) -> None:
     out = Path(a.out_dir)
     s = training_figures(a.metrics, out)
     print(f"figure: {out / 'figures' / 'fig01_ood_loss.png'}; summary: {out / 'summary.md'} ({len(s)} runs)")
+
+
+def cnr_figure(argv: list[str]) -> None:
+    import pandas as pd
+
+    from ..figures.cnr import fig_cnr
+
+    ap = argparse.ArgumentParser(prog="iclnoise cnr-figure", description=doc("figures.cnr"))
+    ap.add_argument("table", help="CNR against retraining (CSV), e.g. bench/reproductions/cnr.csv: columns metric, "
+                    "counterfactual, delta, lo_delta, hi_delta, realised")
+    ap.add_argument("--out", default="results/figures/cnr_check")
+    a = ap.parse_args(argv)
+    df = pd.read_csv(a.table)
+    missing = {"metric", "counterfactual", "delta", "lo_delta", "hi_delta", "realised"} - set(df.columns)
+    if missing:
+        raise SystemExit(f"{a.table}: no column(s) {', '.join(sorted(missing))}; write it with "
+                         f"bench/reproductions/cnr_check.py")
+    print(f"wrote {', '.join(map(str, fig_cnr(df, a.out)))}")
 
 
 def llc_figures(argv: list[str]) -> None:
