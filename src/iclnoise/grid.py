@@ -118,11 +118,15 @@ def trained_steps(params: dict, batch: int, noise: str = "none") -> int:
     return min(n, params["train"]["budget"].get("stop_at") or n)
 
 
+ENGINE = ("cuda_graphs", "tf32")   # train's switches of how the step runs on CUDA
+
+
 def run_spec(params: dict, run_id: str) -> dict[str, Any]:
     """Everything one run needs, resolved (steps, micro-batch, noise condition); JSON-serialisable."""
     keys = parse_run_id(run_id)
-    train = {k: v for k, v in copy.deepcopy(params["train"]).items() if k != "ensemble_runs"}  # how runs are
-    train["steps"] = steps_for(params, keys.batch, keys.noise)                                # grouped ≠ what they are
+    train = {k: v for k, v in copy.deepcopy(params["train"]).items()   # how runs are grouped ≠ what they are; the
+             if k != "ensemble_runs" and (k not in ENGINE or v)}       # engine switches only when on (specs before)
+    train["steps"] = steps_for(params, keys.batch, keys.noise)
     train["micro_batch"] = min(train["micro_batch"], keys.batch)
     spec = {
         "keys": keys.to_dict(),
