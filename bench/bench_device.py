@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
+import multiprocessing
 import os
 import subprocess
 import tempfile
@@ -169,7 +170,8 @@ def science_rows(params: dict, devices: list[str], sizes: list[int], batches: li
             for c in cases:
                 add(step_row(params, *c, dv, max(2, quiet // 10) if c[3] else quiet))
             continue
-        with ProcessPoolExecutor(workers) as pool:   # the largest first: they take longest
+        # spawned, not forked from a process that has used CUDA; the largest first: they take longest
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             futs = [pool.submit(step_row, params, *c, "cpu", 1 if c[3] or c[0] > 72 else max(2, quiet // 30), 1)
                     for c in sorted(cases, key=lambda c: -c[0])]
             for f in futs:

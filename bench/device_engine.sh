@@ -20,7 +20,7 @@ if [ "${1:-}" = "--quick" ]; then
     SCIENCE_S=${SCIENCE_S:-5} FIRST=5 limits=(120 300 300)
 else
     tests=(-k "cuda or draw_is_every") bench=(--devices cuda cpu --steps 300 --workers 15)
-    SCIENCE_S=${SCIENCE_S:-90} FIRST=200 limits=(45 330 $((SCIENCE_S + 30)))
+    SCIENCE_S=${SCIENCE_S:-75} FIRST=200 limits=(90 300 $((SCIENCE_S + 25)))
 fi
 {
     date -u; nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"

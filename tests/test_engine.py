@@ -183,9 +183,11 @@ def test_the_step_runs_under_cuda_sync_debug_errors_on_steps_that_log_nothing(ti
 def test_the_cuda_switches_are_logged_no_ops_off_cuda_and_leave_the_default_spec_alone(tiny, tmp_path, caplog):
     """train.cuda_graphs and train.tf32 on the CPU: each logged as having no effect there, and the run's tables
     equal those without them; off (the default), a run's spec and hash are those of the specs before the switches."""
-    specs = [run_spec(tiny, "M4-B16-none-s0")]
+    off = copy.deepcopy(tiny)
+    off["train"]["device"] = "cpu"
+    specs = [run_spec(off, "M4-B16-none-s0")]
     assert all(k not in specs[0]["train"] for k in ("cuda_graphs", "tf32"))
-    on = copy.deepcopy(tiny)
+    on = copy.deepcopy(off)
     on["train"].update(cuda_graphs=True, tf32=True)
     with caplog.at_level("INFO", logger="iclnoise.ensemble"):
         a = train_ensemble([run_spec(on, "M4-B16-none-s0")], [tmp_path / "on"], progress=False, stop_after=20)
