@@ -86,7 +86,7 @@ def alone(spec: dict, tmp) -> tuple[dict, list, list, dict]:
 
 
 # NE and Curv at step 0 have A = 1/(|g| + ε) (v̂_1 = g²): b_K's round-off gradient (test_train) enters them as 1/ε
-# (measured: 1.2e-3 apart at step 0, ≤ 1e-6 afterwards; their ratio P-NE* agrees at step 0 too)
+# (measured, run 0: Curv 1.2e-3 and NE 1.5e-3 apart at step 0, ≤ 4e-6 at its later rows; P-NE* passes at step 0 too)
 STEP0_A = ("ne_postclip", "curv", "ne_injected")
 
 
