@@ -9,20 +9,38 @@ runs its jobs on 1 thread each). Exposure logging is off and checkpoints are few
 update (or SGLD step) rate; a run-step is one update of one run.
 
 Usage: PYTHONPATH=src python bench/bench_device.py [--devices cuda cpu] [--threads 1 16] [--steps 300]
+
+--science (issue 41): the step of configs/science.yaml's model (D = 5, K = 8) at R = 18, 72 and 288 runs, batch 16 and
+64, exposure logging off and on, and a closed-loop injecting arm (its `early` condition: budget, window open), on
+every device given (CPU rows on 1 thread each, in parallel processes after the GPU's), into --csv (columns device,
+model, runs, batch, exposure, injecting, run_steps_per_s, step_ms, commit). A row times `Ensemble._step` itself:
+the steps after a warm-up, and with exposure on the logging step (every `exposure.every`-th) apart, weighted 1 in
+`every`. --science-train S then trains configs/science.yaml's ensembles (ensemble_groups) on the first device for
+at most S seconds and writes --science-csv: each group's steps done, seconds, and its time at that pace to the end
+(measured when it finished, else projected from the steps done: the early log-spaced checkpoints make that an
+over-estimate).
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import csv
+import multiprocessing
+import os
+import subprocess
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import torch
 
 from iclnoise.config import load_params
-from iclnoise.grid import run_spec
+from iclnoise.ensemble import Ensemble, Member
+from iclnoise.grid import ensemble_groups, run_spec, spec_hash
 from iclnoise.model import ModelConfig, build_model, mse_loss
 from iclnoise.probes import sampling_data
+from iclnoise.schedules import checkpoints_until
 from iclnoise.sections import LLCConfig, RunSpec
 from iclnoise.train import train_ensemble
 
@@ -63,13 +81,183 @@ def llc_rate(params: dict, run: str, sgld_steps: int, device: str) -> float:
     return cfg.chains * sgld_steps / (time.perf_counter() - t0)
 
 
+COLUMNS = ["device", "model", "runs", "batch", "exposure", "injecting", "run_steps_per_s", "step_ms", "commit"]
+
+
+def commit() -> str:
+    """The code's commit: $ICLNOISE_COMMIT, else git's (+ '-dirty' with uncommitted changes), else 'unknown'."""
+    if os.environ.get("ICLNOISE_COMMIT"):
+        return os.environ["ICLNOISE_COMMIT"]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"cpu ({torch.get_num_threads()} thread{'s' * (torch.get_num_threads() > 1)})"
+
+
+def science_runs(params: dict, runs: int, batch: int, noise: str) -> list[str]:
+    """`runs` run ids of one ensemble: the grid's M cycled over seeds 0, 1, ... (each run its own pool and stream)."""
+    Ms = params["grid"]["M"]
+    return [f"M{Ms[i % len(Ms)]}-B{batch}-{noise}-s{i // len(Ms)}" for i in range(runs)]
+
+
+def step_row(params: dict, runs: int, batch: int, exposure: bool, injecting: bool, device: str, quiet: int,
+             threads: int = 0) -> dict:
+    """One row of device.csv: an ensemble of `runs` science runs built as `iclnoise train` builds it, its
+    `Ensemble._step` timed over `quiet` steps after a warm-up (step 0, exposure's first row, included) and, with
+    exposure on, the logging step apart: step_ms = (quiet_ms · (every − 1) + logging_ms) / every."""
+    if threads:
+        torch.set_num_threads(threads)
+    p = copy.deepcopy(params)
+    p["train"].update(checkpoints={"linear": 1, "log": 0}, device=device)   # no checkpoint inside the timed steps
+    p["exposure"]["enabled"] = exposure
+    specs = [run_spec(p, r) for r in science_runs(p, runs, batch, "early" if injecting else "none")]
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    with tempfile.TemporaryDirectory() as d:
+        members = [Member(RunSpec.of(s), Path(d) / s["keys"]["run_id"], spec_hash(s), torch.device(device))
+                   for s in specs]
+        for m in members:
+            m.setup()
+        e = Ensemble(members, 0, "bench")
+        first = 1 if device == "cpu" else 0   # the CPU skips step 0's exposure row (R of them, seconds each)
+        warm = first + (1 if device == "cpu" else 10)
+
+        def timed(steps: range) -> float:
+            sync()
+            t0 = time.perf_counter()
+            for step in steps:
+                e._step(step, None)
+            sync()
+            return (time.perf_counter() - t0) * 1e3 / len(steps)
+
+        timed(range(first, warm))
+        ms = timed(range(warm, warm + quiet))
+        every = p["exposure"]["every"]
+        if exposure and every > warm + quiet:
+            ms = (ms * (every - 1) + timed(range(every - 1, every))) / every
+    return {"device": device_name(device), "model": "science", "runs": runs, "batch": batch, "exposure": exposure,
+            "injecting": injecting, "run_steps_per_s": round(runs * 1e3 / ms, 1), "step_ms": round(ms, 3),
+            "commit": commit()}
+
+
+def science_rows(params: dict, devices: list[str], sizes: list[int], batches: list[int], quiet: int,
+                 workers: int, path: str) -> list[dict]:
+    """Every (runs, batch, exposure) and, at the largest batch, the injecting arm (exposure on; a tenth of the steps:
+    its hooks act every step); GPU rows one after another, then the CPU rows on 1 thread each, in `workers` parallel
+    processes (a thirtieth of the steps; one above 72 runs or injecting). `path` is rewritten after every row."""
+    cases = [(r, b, x, False) for r in sizes for b in batches for x in (False, True)]
+    cases += [(r, max(batches), True, True) for r in sizes]
+    rows = []
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        print(row, flush=True)
+        write_csv([{k: r[k] for k in COLUMNS} for r in rows], path)
+
+    for dv in devices:
+        if dv != "cpu":
+            for c in cases:
+                add(step_row(params, *c, dv, max(2, quiet // 10) if c[3] else quiet))
+            continue
+        # spawned, not forked from a process that has used CUDA; the largest first: they take longest
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futs = [pool.submit(step_row, params, *c, "cpu", 1 if c[3] or c[0] > 72 else max(2, quiet // 30), 1)
+                    for c in sorted(cases, key=lambda c: -c[0])]
+            for f in futs:
+                add(f.result())
+    return rows
+
+
+def train_science(params: dict, device: str, budget_s: float, first: int = 200) -> list[dict]:
+    """Train every ensemble of `params` (as the pipeline groups them) on `device`, one after another, each for its
+    share of `budget_s` (by run-steps): stops only at checkpoints (resume commits), so the continuation wastes no
+    step (the first stop: the first checkpoint from step `first`). A group's `total_s` is measured when it
+    finished, else its seconds so far and the pace of its last stretch (after the first: fewer checkpoints) over the
+    steps left."""
+    p = copy.deepcopy(params)
+    p["train"]["device"] = device
+    groups = ensemble_groups(p)
+    specs = {g: [run_spec(p, r) for r in runs] for g, runs in groups.items()}
+    work = {g: len(s) * s[0]["train"]["steps"] for g, s in specs.items()}
+    rows = []
+    for g, ss in specs.items():
+        steps, share = ss[0]["train"]["steps"], budget_s * work[g] / sum(work.values())
+        ckpts = checkpoints_until(steps, p["train"]["checkpoints"]["linear"], p["train"]["checkpoints"]["log"], steps)
+        done, secs, target = 0, 0.0, next(c for c in ckpts if c >= min(steps, first))
+        with tempfile.TemporaryDirectory() as d:
+            while True:
+                t0 = time.perf_counter()
+                train_ensemble(ss, [Path(d) / s["keys"]["run_id"] for s in ss], progress=False,
+                               device=torch.device(device), stop_after=target)
+                dt = time.perf_counter() - t0
+                pace, secs, done = dt / (target - done), secs + dt, target   # seconds per step of this stretch
+                reach = [c for c in ckpts if done < c <= done + (share - secs) / pace]
+                if done >= steps or not reach:
+                    break
+                target = reach[-1]
+        rows.append({"device": device_name(device), "group": g, "runs": len(ss), "steps": steps, "steps_done": done,
+                     "seconds": round(secs, 1), "total_s": round(secs + (steps - done) * pace, 1),
+                     "finished": done >= steps, "commit": commit()})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def write_csv(rows: list[dict], path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(f"{path}.tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    tmp.replace(path)
+
+
+def science_main(a: argparse.Namespace) -> None:
+    params = load_params("params.yaml", ["configs/science.yaml"])
+    print(f"torch {torch.__version__}; GPU: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}; "
+          f"commit {commit()}", flush=True)
+    if not a.train_only:
+        t0 = time.perf_counter()
+        rows = science_rows(params, a.devices, a.runs, a.batches, a.steps, a.workers, a.csv)
+        print(f"{a.csv}: {len(rows)} rows in {time.perf_counter() - t0:.0f} s", flush=True)
+    if a.science_train:
+        train = train_science(params, a.devices[0], a.science_train, a.first_stop)
+        write_csv(train, a.science_csv)
+        total = sum(r["total_s"] for r in train)
+        print(f"configs/science.yaml's {sum(r['runs'] for r in train)} runs on {train[0]['device']}: "
+              f"{total / 60:.1f} min ({'measured' if all(r['finished'] for r in train) else 'projected'})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", nargs="+", default=["cuda", "cpu"])
     ap.add_argument("--threads", nargs="+", type=int, default=[1])
     ap.add_argument("--steps", type=int, default=300, help="training updates per GPU measurement (CPU: a tenth)")
     ap.add_argument("--sgld", type=int, default=100, help="SGLD steps per GPU measurement (CPU: a tenth)")
+    ap.add_argument("--science", action="store_true", help="the science model's rows (issue 41) instead")
+    ap.add_argument("--runs", nargs="+", type=int, default=[18, 72, 288], help="--science: ensemble sizes")
+    ap.add_argument("--batches", nargs="+", type=int, default=[16, 64], help="--science: batch sizes")
+    ap.add_argument("--workers", type=int, default=12, help="--science: parallel CPU processes")
+    ap.add_argument("--csv", default="bench/results/device.csv")
+    ap.add_argument("--science-train", type=float, default=0, metavar="S",
+                    help="--science: also train configs/science.yaml for at most S seconds")
+    ap.add_argument("--science-csv", default="bench/results/device_science.csv")
+    ap.add_argument("--train-only", action="store_true", help="--science: only --science-train (no rows)")
+    ap.add_argument("--first-stop", type=int, default=200, help="--science-train: steps before the first stop")
     a = ap.parse_args()
+    if a.science:
+        return science_main(a)
     default = load_params("params.yaml")
     hoogland = load_params("params.yaml", ["configs/hoogland.yaml"])
     jobs = [("default 18 runs x B16", default, [f"M{m}-B16-none-s{s}" for m in (1, 2, 4, 8, 16, "inf")

@@ -32,14 +32,25 @@ from iclnoise.train import _resume_states, train_ensemble, train_run
 RUNS = ["M4-B16-none-s0", "M1-B16-none-s1", "Minf-B16-none-s0"]
 
 
+class _BlowingUp(BatchSampler):
+    """A sampler whose tasks are 1e4× larger from step 30 (so are its labels): `seeded(step)` sets the scale that
+    `pool` then has (the ensemble's stacked draw and `batch` read the pool after seeding)."""
+
+    @property
+    def pool(self):
+        return self._pool * (1e4 if self.at >= 30 else 1.0)
+
+    def seeded(self, step):
+        self.at = step
+        return super().seeded(step)
+
+
 def _diverging_at_30(orig):
-    """Member.setup whose run RUNS[1] draws labels 1e4× larger from step 30 on: it diverges there."""
+    """Member.setup whose run RUNS[1] (M = 1) draws labels 1e4× larger from step 30 on: it diverges there."""
     def setup(self):
         orig(self)
         if self.run_id == RUNS[1]:
-            draw = self.sampler.batch
-            self.sampler.batch = lambda step, size: (lambda b: type(b)(b.xs, b.ys * (1e4 if step >= 30 else 1.0),
-                                                                       b.tasks))(draw(step, size))
+            self.sampler.__class__, self.sampler._pool = _BlowingUp, self.sampler.__dict__.pop("pool")
     return setup
 
 

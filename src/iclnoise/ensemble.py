@@ -4,8 +4,13 @@ The runs' parameters are stacked along a leading run axis and one step is one ca
 `ICLTransformer` on the stacked parameters (`functional_call`: its layers run the R runs as batched matmuls).
 AdamW is elementwise, so one AdamW over the stacked tensors is R AdamWs; each run's hooked model aliases its
 slice of the stack, and its hooks read its slice of the optimizer state through `RunAdam`. A step
-(`Ensemble.run`): sample every run's batch, backward, freeze runs that diverged, the hooks' `on_grads`, clip
-per run, the optimizer step (frozen runs restored), the hooks' `on_update` and the due checkpoints.
+(`Ensemble._step`): one stacked draw of every run's batch, backward, freeze runs that diverged, the hooks' `on_grads`,
+clip per run, the optimizer step (frozen runs restored), the hooks' `on_update` and the due checkpoints.
+
+The step reads nothing from the device on the host (no sync): losses, their interval sums, divergence and freezing,
+clipping and the restoring of frozen runs are tensors over the run axis. The host looks at the frozen runs only at
+the steps `Ensemble._looks` names (checkpoints, steps where a hook acts, every LOOK_EVERY steps) and then records a
+run frozen at step s as at s: its parameters and moments were kept as they were at s, its loss sums stopped there.
 
 Resume states are written per commit, not per run: at each checkpoint step the ensemble first writes every live
 run's analysis checkpoint, then every member's resume state (frozen runs too), each tagged with the commit step and
@@ -36,10 +41,12 @@ from .noise import window
 from .runs import checkpoint_path, sampler, save_torch
 from .schedules import checkpoints_until, lr_lambda
 from .sections import RunSpec
-from .tasks import Batch
+from .tasks import Batch, stacked_batch
 
 log = logging.getLogger(__name__)
 RESUME, RESUME_PREV = "resume.pt", "resume.prev.pt"
+LOOK_EVERY = 64  # steps between the host's reads of the frozen runs when nothing else makes it look
+LOOK_ALWAYS = ("cpu",)  # devices where the host reads them every step (free there), sparing the restore when none is
 
 
 def build_hooks(spec: RunSpec, device: torch.device) -> list[StepHook]:
@@ -77,8 +84,6 @@ class Member:
     manifest: dict = field(default_factory=dict)
     step: int = 0
     diverged: bool = False
-    loss_sum: float = 0.0
-    loss_n: int = 0
     resume: dict | None = None
     saved: int | None = None   # the commit step of the run's resume.pt, None before it has one
     adam: RunAdam | None = None
@@ -121,7 +126,8 @@ class RunAdam:
         self._key: tuple = ()
         self._slices: tuple = (None, None, None)
 
-    def state(self) -> AdamState:
+    def state(self, step: int) -> AdamState:
+        """The state before update `step` (AdamW has made `step` updates once it has a state: no device read)."""
         g = self.opt.param_groups[0]
         if "momentum" in g:   # SGD with momentum: no preconditioner (A = I), β its momentum
             return AdamState(g["lr"], g["momentum"], 0.0, 0.0, self.grads, identity=True)
@@ -130,11 +136,11 @@ class RunAdam:
         if key != self._key:
             self._key = key
             full = all(sts)
-            self._slices = ((sts[0]["step"], [st["exp_avg"][self.r] for st in sts],
-                             [st["exp_avg_sq"][self.r] for st in sts]) if full else (None, None, None))
-        step, m, v = self._slices
-        return AdamState(g["lr"], g["betas"][0], g["betas"][1], g["eps"], self.grads,
-                         None if step is None else int(step), m, v)
+            self._slices = (([st["exp_avg"][self.r] for st in sts],
+                             [st["exp_avg_sq"][self.r] for st in sts]) if full else (None, None))
+        m, v = self._slices
+        return AdamState(g["lr"], g["betas"][0], g["betas"][1], g["eps"], self.grads, None if m is None else step,
+                         m, v)
 
 
 class Ensemble:
@@ -159,12 +165,18 @@ class Ensemble:
                   for n in self.names]
         o = t.optimizer
         fused = self.device.type in ("cpu", "cuda")
+        self.graphed = self._engine()
         if o.KIND == "sgd_momentum":   # undampened heavy ball: v ← β v + g + λ w, w ← w − η v (κ = 1/(1 − β)²)
+            if self.graphed:
+                log.info("train.cuda_graphs: not for sgd_momentum (its momentum buffers appear at the first step); "
+                         "the step runs as without it")
+                self.graphed = False
             self.opt = torch.optim.SGD(self.P, lr=o.lr, momentum=o.momentum, dampening=0.0,
                                        weight_decay=o.weight_decay, nesterov=False)
         else:
-            self.opt = torch.optim.AdamW(self.P, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
-                                         eps=o.eps, fused=fused)
+            lr = torch.tensor(o.lr, device=self.device) if self.graphed else o.lr   # a graph reads lr from the tensor
+            self.opt = torch.optim.AdamW(self.P, lr=lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
+                                         eps=o.eps, fused=fused, capturable=self.graphed)
         if start > 0 and members[0].resume["opt"] is not None:
             saved = members[0].resume["opt"]
             for i, P in enumerate(self.P):
@@ -187,7 +199,30 @@ class Ensemble:
         s = t.lr_schedule
         self.lr_at = lr_lambda(s.kind, self.total, s.warmup_frac, s.min_lr_frac)
         self.ckpt_at = set(checkpoints_until(self.total, t.checkpoints["linear"], t.checkpoints["log"], self.stop))
-        self.frozen = torch.tensor([m.diverged for m in members])
+        R = len(members)
+        self.samplers = [m.sampler for m in members]
+        # divergence on the device (self.frozen, the step and loss it happened at); the host's view, self.known,
+        # is brought up to date at the steps _looks names (iclnoise.ensemble module docstring)
+        self.frozen = torch.tensor([m.diverged for m in members], device=self.device)
+        self.known = [m.diverged for m in members]
+        self.div_step = torch.full((R,), -1, dtype=torch.long, device=self.device)
+        self.div_loss = torch.zeros(R, device=self.device)
+        self.loss_sum = torch.zeros(R, dtype=torch.float64, device=self.device)   # since each run's last checkpoint
+        self.loss_n = torch.zeros(R, dtype=torch.long, device=self.device)
+        self.step_t = torch.zeros((), dtype=torch.long, device=self.device)    # the step, for _record_losses
+        self.graphs: tuple | None = None   # (backward graph, its xs, ys; update graph, its norms, coefs)
+
+    def _engine(self) -> bool:
+        """Apply train.tf32 and say whether train.cuda_graphs is to be tried; on another device, log that they do
+        nothing there."""
+        t, cuda = self.t, self.device.type == "cuda"
+        for key, on in (("tf32", t.tf32), ("cuda_graphs", t.cuda_graphs)):
+            if on and not cuda:
+                log.info("train.%s: no effect on %s (CUDA only); the step runs as without it", key, self.device)
+        if t.tf32 and cuda:
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+            log.info("train.tf32: TF32 matmuls on %s", self.device)
+        return t.cuda_graphs and cuda
 
     def loss(self, params: list[torch.Tensor], xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
         """Every run's training loss (R,) on its own batch, from the stacked parameters (R, ...)."""
@@ -201,102 +236,177 @@ class Ensemble:
     def params_of(self, r: int) -> dict[str, torch.Tensor]:
         return {n: P.detach()[r].clone().cpu() for n, P in zip(self.names, self.P)}
 
-    def opt_of(self, r: int) -> dict | None:
+    def opt_of(self, r: int, step: int) -> dict | None:
+        """Run r's AdamW state at `step` (AdamW has made `step` updates; a frozen run's moments were kept)."""
         st = [self.opt.state.get(P) for P in self.P]
         if not st[0]:
             return None
         out = {k: {n: s[k][r].clone().cpu() for n, s in zip(self.names, st)} for k in st[0] if k != "step"}
-        return {"step": int(st[0]["step"]), **out} if "step" in st[0] else out   # AdamW's step; SGD has none
+        return {"step": step, **out} if "step" in st[0] else out   # AdamW's step; SGD has none
 
     def checkpoint(self, r: int, step: int) -> None:
         """Evaluate run r and write its weights-only analysis checkpoint (its resume state: `commit`)."""
         m = self.members[r]
         metrics, tok, preds = m.evaluator(m.model)
-        train_loss = m.loss_sum / m.loss_n if m.loss_n else math.nan
+        n = int(self.loss_n[r])
+        train_loss = float(self.loss_sum[r]) / n if n else math.nan
         rid = m.run_id
         m.rows.append({**m.spec.key_dict, "step": step, "sequences": step * self.B, "lr": self.lr(step),
                        "train_loss": train_loss, **metrics, "diverged": m.diverged})
         m.tokens.extend({"run_id": rid, "step": step, "split": split, "k": k + 1, "loss": float(v)}
                         for split, arr in tok.items() for k, v in enumerate(arr))
         m.root.append({"run_id": rid, "step": step, "preds": preds.astype(np.float32)})
-        params, opt = self.params_of(r), self.opt_of(r)
+        params, opt = self.params_of(r), self.opt_of(r, step)
         o = self.t.optimizer
         adam = None if opt is None or "exp_avg_sq" not in opt else {   # SGD: no preconditioner to keep
             "exp_avg_sq": torch.cat([v.reshape(-1) for v in opt["exp_avg_sq"].values()]),
             "step": opt["step"], "beta2": o.betas[1], "eps": o.eps}
         m.manifest[step] = save_torch({"model": params, "model_config": m.model.cfg.to_dict(), "adam": adam,
                                        "spec_hash": m.hash}, checkpoint_path(m.run_dir, step))
-        m.loss_sum, m.loss_n, m.step = 0.0, 0, step
+        self.loss_sum[r], self.loss_n[r], m.step = 0.0, 0, step
 
     def commit(self, step: int) -> None:
         """Every member's resume state at `step` (after the step's analysis checkpoints)."""
         for r, m in enumerate(self.members):
-            save_resume(m, self.params_of(r), self.opt_of(r), step, self.cohort)
+            save_resume(m, self.params_of(r), self.opt_of(r, step), step, self.cohort)
 
     # ---------------------------------------------------------------- one step, in named parts
-    def _backward(self, batches: list[Batch]) -> list[float]:
-        """Every run's gradient of its mean loss over the micro-batches into the stacked .grad; the losses."""
-        xs, ys = torch.stack([b.xs for b in batches]), torch.stack([b.ys for b in batches])
+    def _backward(self, batch: Batch) -> torch.Tensor:
+        """Every run's gradient of its mean loss over the micro-batches into the stacked .grad; the losses (R,)."""
         for g in self.P:
             g.grad.zero_()
-        loss = torch.zeros(len(batches), device=self.device)
+        loss = torch.zeros(len(self.members), device=self.device)
         for i in range(self.n_micro):
             sl = slice(i * self.mb, (i + 1) * self.mb)
-            part = self.loss(self.P, xs[:, sl], ys[:, sl]) / self.n_micro
+            part = self.loss(self.P, batch.xs[:, sl], batch.ys[:, sl]) / self.n_micro
             part.sum().backward()
             loss += part.detach()
-        return loss.tolist()
+        return loss
 
-    def _record_losses(self, step: int, losses: list[float]) -> None:
-        """Add each live run's loss to its interval mean; freeze a run whose loss is not finite or above
-        train.diverge_loss, recording its state at divergence (flagged, nothing dropped)."""
-        for r, (m, v) in enumerate(zip(self.members, losses)):
-            if self.frozen[r]:
-                continue
-            if not math.isfinite(v) or v > self.t.diverge_loss:
-                log.warning("[%s] diverged at step %d: loss %.4g", m.run_id, step, v)
-                m.diverged, self.frozen[r] = True, True
-                if m.rows and m.rows[-1]["step"] == step:
-                    m.rows.pop(), m.root.pop()
-                    m.tokens[:] = [t for t in m.tokens if t["step"] != step]
-                self.checkpoint(r, step)
-                continue
-            m.loss_sum, m.loss_n = m.loss_sum + v, m.loss_n + 1
+    def _record_losses(self, loss: torch.Tensor) -> None:
+        """On the device: freeze a live run whose loss is not finite or above train.diverge_loss (noting the step and
+        the loss), and add each live run's loss to its interval sum. The host records the frozen runs in _look."""
+        new = ~self.frozen & (~torch.isfinite(loss) | (loss > self.t.diverge_loss))
+        self.div_step.copy_(torch.where(new, self.step_t, self.div_step))   # in place: a CUDA graph replays it
+        self.div_loss.copy_(torch.where(new, loss, self.div_loss))
+        self.frozen |= new
+        self.loss_sum += torch.where(self.frozen, 0.0, loss.double())
+        self.loss_n += ~self.frozen
 
-    def _clip(self) -> tuple[list[float], list[float]]:
+    def _looks(self, step: int, stop_after: int | None) -> bool:
+        """The host reads the frozen runs at this step: every LOOK_EVERY steps, before a checkpoint or the last step,
+        whenever a live run's hook acts (a hook never sees a frozen run), and every step on LOOK_ALWAYS devices."""
+        return (self.device.type in LOOK_ALWAYS or step % LOOK_EVERY == 0 or step + 1 in self.ckpt_at
+                or step + 1 in (self.stop, stop_after)
+                or any(h.acts(step) for m, f in zip(self.members, self.known) if not f for h in m.hooks))
+
+    def _look(self) -> bool:
+        """Record the runs frozen since the host last looked, each at its divergence step s, as they were then (a
+        frozen run's parameters and moments stay as at s): flagged, nothing dropped. False once every run is
+        frozen (after their final states are committed, at the step after the last divergence)."""
+        frozen = self.frozen.tolist()
+        new = [r for r, (f, k) in enumerate(zip(frozen, self.known)) if f and not k]
+        at, loss = (self.div_step.tolist(), self.div_loss.tolist()) if new or all(frozen) else ([], [])
+        for r in new:
+            m, s = self.members[r], at[r]
+            log.warning("[%s] diverged at step %d: loss %.4g", m.run_id, s, loss[r])
+            m.diverged = self.known[r] = True
+            if m.rows and m.rows[-1]["step"] == s:
+                m.rows.pop(), m.root.pop()
+                m.tokens[:] = [t for t in m.tokens if t["step"] != s]
+            self.checkpoint(r, s)
+        if all(frozen):
+            self.commit(max(at) + 1)
+            return False
+        return True
+
+    def _clip(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-run gradient-norm clipping to train.grad_clip (frozen runs get a zero gradient); the pre-clip norms
-        and the factors applied."""
+        and the factors applied (R,), on the device."""
         R, clip = len(self.members), self.t.grad_clip
         norms = torch.stack([g.grad.reshape(R, -1).square().sum(1) for g in self.P]).sum(0).sqrt()
         coef = torch.ones(R, device=self.device) if clip is None else (clip / (norms + 1e-6)).clamp(max=1.0)
-        coef = torch.where(self.frozen.to(self.device), torch.zeros_like(coef), coef)
+        coef = torch.where(self.frozen, torch.zeros_like(coef), coef)
         for g in self.P:
             g.grad.mul_(coef.view(R, *[1] * (g.dim() - 1)))
-        return norms.tolist(), coef.tolist()
+        return norms, coef
 
-    def _optimizer_step(self) -> None:
-        """One AdamW step of every run; a frozen run's parameters and state are put back afterwards."""
-        keep = self._freeze()
-        self.opt.step()
-        self._restore(keep)
-
-    def _freeze(self) -> list | None:
-        """Parameters and optimizer state of frozen (diverged) runs, to restore after the shared step."""
-        if not self.frozen.any():
-            return None
-        idx = self.frozen.nonzero().flatten().to(self.device)
-        return [(P.detach()[idx].clone(), {k: v[idx].clone() for k, v in self.opt.state.get(P, {}).items()
-                                           if k != "step"}) for P in self.P]
-
-    def _restore(self, keep: list | None) -> None:
-        if keep is None:
+    def _optimizer_step(self, known: bool = False) -> None:
+        """One AdamW step of every run; a frozen run's parameters and moments are put back afterwards (on the device:
+        the host need not know which runs are frozen). `known`: the host looked this step, so with no run frozen
+        there is nothing to put back."""
+        if known and not any(self.known):
+            self.opt.step()
             return
-        idx = self.frozen.nonzero().flatten().to(self.device)
+        keep = [(P.detach(), P.detach().clone()) for P in self.P]
+        keep += [(v, v.clone()) for P in self.P for k, v in self.opt.state.get(P, {}).items() if k != "step"]
+        self.opt.step()
         with torch.no_grad():
-            for P, (w, st) in zip(self.P, keep):
-                P[idx] = w
-                for k, v in st.items():
-                    self.opt.state[P][k][idx] = v
+            for x, old in keep:
+                torch.where(self.frozen.view(-1, *[1] * (x.dim() - 1)), old, x, out=x)
+
+    def _capture(self, batch: Batch) -> None:
+        """Capture the step's two device parts as CUDA graphs (train.cuda_graphs): backward with the divergence
+        bookkeeping, on copies of the batch; clipping with the optimizer step. The hooks run between their replays.
+        Where capture fails, the log says why and the step stays eager (self.graphed off)."""
+        try:
+            xs, ys = batch.xs.clone(), batch.ys.clone()
+            torch.cuda.synchronize(self.device)
+            g_back, g_update = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g_back):
+                self._record_losses(self._backward(Batch(xs, ys, batch.tasks)))
+            with torch.cuda.graph(g_update, pool=g_back.pool()):
+                norms, coefs = self._clip()
+                self._optimizer_step()
+            self.graphs = (g_back, xs, ys, g_update, norms, coefs)
+            log.info("train.cuda_graphs: the step is captured (%d runs)", len(self.members))
+        except Exception as e:   # noqa: BLE001 - any capture failure falls back, named
+            self.graphed, self.graphs = False, None
+            self.opt.param_groups[0]["lr"] = float(self.opt.param_groups[0]["lr"])
+            log.warning("train.cuda_graphs: capture failed (%s: %s); the step runs eagerly", type(e).__name__, e)
+
+    def _step(self, step: int, stop_after: int | None) -> bool:
+        """Update `step` of every run; False when every run has diverged (nothing left to train)."""
+        members, lr = self.members, self.lr(step)
+        batch = stacked_batch(self.samplers, step, self.B)
+        self.step_t.fill_(step)
+        if self.graphed:
+            self.opt.param_groups[0]["lr"].fill_(lr)
+        else:
+            self.opt.param_groups[0]["lr"] = lr
+        if self.graphs is None and self.graphed and step > self.start:   # AdamW has its state: capture
+            self._capture(batch)
+        if self.graphs:
+            g_back, xs, ys, *_ = self.graphs
+            xs.copy_(batch.xs), ys.copy_(batch.ys)
+            g_back.replay()
+        else:
+            self._record_losses(self._backward(batch))
+        looked = self._looks(step, stop_after)
+        if looked and not self._look():
+            return False
+        live = [r for r, f in enumerate(self.known) if not f]
+        ctxs = {r: StepContext(step, self.total, members[r].model, members[r].adam.state(step),
+                               Batch(batch.xs[r], batch.ys[r], batch.tasks[r]), self.mb, lr, mse_loss,
+                               members[r].heldout.batch) for r in live if members[r].hooks}
+        for r, ctx in ctxs.items():
+            for h in members[r].hooks:
+                h.on_grads(ctx)
+        if self.graphs:
+            *_, g_update, norms, coefs = self.graphs
+            g_update.replay()
+        else:
+            norms, coefs = self._clip()
+            self._optimizer_step(looked)
+        for r, ctx in ctxs.items():
+            ctx.grad_norm, ctx.clip_coef, ctx.live = norms[r], coefs[r], ~self.frozen[r]
+            for h in reversed(members[r].hooks):
+                h.on_update(ctx)
+        if step + 1 in self.ckpt_at:
+            for r in live:
+                self.checkpoint(r, step + 1)
+            self.commit(step + 1)
+        return True
 
     def run(self, progress: bool, stop_after: int | None = None) -> None:
         members = self.members
@@ -309,36 +419,14 @@ class Ensemble:
         bar = tqdm(range(self.start, self.stop), initial=self.start, total=self.stop, desc=desc,
                    disable=not progress, mininterval=1.0, dynamic_ncols=True)
         for step in bar:
-            if self.frozen.all():  # every run diverged: their final states
-                self.commit(step)
+            if stop_after is not None and step >= stop_after or not self._step(step, stop_after):
                 break
-            if stop_after is not None and step >= stop_after:
-                break
-            lr = self.lr(step)
-            self.opt.param_groups[0]["lr"] = lr
-            batches = [m.sampler.batch(step, self.B) for m in members]
-            self._record_losses(step, self._backward(batches))
-            live = [(r, m) for r, m in enumerate(members) if not self.frozen[r]]
-            ctxs = {r: StepContext(step, self.total, m.model, m.adam.state(), batches[r], self.mb, lr, mse_loss,
-                                   m.heldout.batch) for r, m in live}
-            for r, m in live:
-                for h in m.hooks:
-                    h.on_grads(ctxs[r])
-            norms, coefs = self._clip()
-            self._optimizer_step()
-            for r, m in live:
-                ctxs[r].grad_norm, ctxs[r].clip_coef = norms[r], coefs[r]
-                for h in reversed(m.hooks):
-                    h.on_update(ctxs[r])
-                if step + 1 in self.ckpt_at:
-                    self.checkpoint(r, step + 1)
             if step + 1 in self.ckpt_at:
-                self.commit(step + 1)
                 self._log_progress(bar, desc, step + 1)
         bar.close()
 
     def _log_progress(self, bar: tqdm, desc: str, step: int) -> None:
-        live = [m.rows[-1]["ood_loss"] for m, f in zip(self.members, self.frozen) if not f]
+        live = [m.rows[-1]["ood_loss"] for m, f in zip(self.members, self.known) if not f]
         if live:
             bar.set_postfix(ood=f"{np.mean(live):.3f}")
             log.info("%s: step %d/%d, mean OOD loss %.4f over %d live runs", desc, step, self.stop, np.mean(live),

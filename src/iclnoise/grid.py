@@ -133,13 +133,16 @@ def trained_steps(params: dict, batch: int, noise: str = "none") -> int:
     return min(n, params["train"]["budget"].get("stop_at") or n)
 
 
+ENGINE = ("cuda_graphs", "tf32")   # train's switches of how the step runs on CUDA
+
+
 def run_spec(params: dict, run_id: str) -> dict[str, Any]:
     """Everything one run needs, resolved (steps, micro-batch, noise condition, optimizer); JSON-serialisable.
     An sgd_momentum run's train.optimizer is train.sgd_momentum with `kind: sgd_momentum`; an AdamW run's spec is
     what it was before grid.optimizer existed (train.sgd_momentum is not part of it)."""
     keys = parse_run_id(run_id)
-    train = {k: v for k, v in copy.deepcopy(params["train"]).items()
-             if k not in ("ensemble_runs", "sgd_momentum")}                   # how runs are grouped ≠ what they are
+    train = {k: v for k, v in copy.deepcopy(params["train"]).items()   # how runs are grouped ≠ what they are; the
+             if k not in ("ensemble_runs", "sgd_momentum") and (k not in ENGINE or v)}   # engine switches only when on
     if keys.optimizer != OPTIMIZERS[0]:
         train["optimizer"] = {"kind": keys.optimizer, **copy.deepcopy(params["train"][keys.optimizer])}
     train["steps"] = steps_for(params, keys.batch, keys.noise)

@@ -59,14 +59,17 @@ class StepContext:
     lr: float                      # η_t used by this update
     loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
     heldout: Callable[[int, int], Batch]   # heldout(step, size): q_M batch never used for training
-    grad_norm: float | None = None # pre-clip global gradient norm (set by the trainer after on_grads)
-    clip_coef: float = 1.0         # factor clipping applied to the gradient
+    # set by the trainer after on_grads; in an ensemble 0-d device tensors (float() them only on steps that log)
+    grad_norm: float | torch.Tensor | None = None  # pre-clip global gradient norm
+    clip_coef: float | torch.Tensor = 1.0          # factor clipping applied to the gradient
+    live: bool | torch.Tensor = True               # the run did not diverge at this step (a frozen run's step is none)
 
 
 class StepHook(Protocol):
     name: str
     schema: pa.Schema
 
+    def acts(self, step: int) -> bool: ...   # False: this step's calls only count on the device (no host read)
     def on_grads(self, ctx: StepContext) -> None: ...
     def on_update(self, ctx: StepContext) -> None: ...
     def rows(self) -> list[dict]: ...
@@ -195,6 +198,10 @@ class ExposureLogger:
         st.close_measurement()
         return curv, se
 
+    def acts(self, step: int) -> bool:
+        """A row or a diag Ĥ is due; on other steps on_update only counts (clip_frac), on the device."""
+        return self.meter.due(step) or self._refresh_due(step)
+
     def on_grads(self, ctx: StepContext) -> None:
         self._measured = None
         if not self.meter.due(ctx.step):
@@ -216,15 +223,16 @@ class ExposureLogger:
         self._measured = Measured(noise, a, curv, curv_se, upd_var, upd_pred)
 
     def on_update(self, ctx: StepContext) -> None:
-        self._steps += 1
-        self._clipped_steps += ctx.clip_coef < 1.0
+        self._steps += ctx.live
+        self._clipped_steps += ctx.live & (ctx.clip_coef < 1.0)
         if self._measured is None:
             return
-        meas, B, lr = self._measured, self.batch, ctx.lr
+        meas, B, lr, coef = self._measured, self.batch, ctx.lr, float(ctx.clip_coef)
+        clipped, steps = int(self._clipped_steps), int(self._steps)
         noise, a = meas.noise, meas.a
         interval = ctx.step - self._last
         ne_inj, pne_inj, dose_var = self.state.take_interval()
-        cols = pne_columns(lr, self.kappa, B, a, noise.diag, meas.curv, self.floor, ctx.clip_coef,
+        cols = pne_columns(lr, self.kappa, B, a, noise.diag, meas.curv, self.floor, coef,
                            ne_inj / interval, pne_inj / interval)  # exact interval means
         lam, alpha, pr = leading_eigs(noise.factor, a, self.rank)
         self._rows.append({
@@ -233,7 +241,7 @@ class ExposureLogger:
             "groups": noise.factor.shape[0], "group_size": noise.m,
             "grad_norm": float(noise.mean.norm()), "trace_c": noise.trace,
             "b_simple": b_simple(noise, B), "curv": meas.curv, "curv_se": meas.curv_se,
-            "clip_coef": ctx.clip_coef, "clip_frac": self._clipped_steps / max(1, self._steps), **cols,
+            "clip_coef": coef, "clip_frac": clipped / max(1, steps), **cols,
             "pne_injected_var": dose_var,
             "aca_eigs": lam.tolist(), "tail_index": alpha, "participation_ratio": pr})
         self.state.pne_postclip = cols["pne_postclip"]
@@ -244,7 +252,7 @@ class ExposureLogger:
         return self._rows
 
     def state_dict(self) -> dict:
-        return {"rows": list(self._rows), "counts": (self._clipped_steps, self._steps), "last": self._last,
+        return {"rows": list(self._rows), "counts": (int(self._clipped_steps), int(self._steps)), "last": self._last,
                 "state": asdict(self.state)}
 
     def load_state_dict(self, state: dict) -> None:

@@ -136,6 +136,9 @@ class NoiseInjector:
     def _grad_sq(self, ctx: StepContext) -> float:
         return float(torch.stack(torch._foreach_norm([p.grad for p in self._params(ctx)])).square().sum())
 
+    def acts(self, step: int) -> bool:
+        return True   # a row every step
+
     def on_grads(self, ctx: StepContext) -> None:
         if self.meter.due(ctx.step) or self.cov is None:
             self._refresh(ctx)
@@ -166,7 +169,7 @@ class NoiseInjector:
 
     def on_update(self, ctx: StepContext) -> None:
         row, self._pending = self._pending, None
-        c2 = ctx.clip_coef ** 2 if self.source == "grad" else 1.0
+        c2 = float(ctx.clip_coef) ** 2 if self.source == "grad" else 1.0
         pne = c2 * row["ne_injected"] / row["curv"] if row["ne_injected"] > 0 and row["curv"] > 0 else 0.0
         self.realised += pne
         tr, clip = row["trace_injected"], row["clipped_trace"]
@@ -221,6 +224,9 @@ class DoseReference:
         self.c2: list[float] = []
         self._a: torch.Tensor | None = None
 
+    def acts(self, step: int) -> bool:
+        return True
+
     def on_grads(self, ctx: StepContext) -> None:
         self._a = None
         if not (self.inj.start <= ctx.step < self.inj.stop) or (ctx.step - self.inj.start) % self.every:
@@ -241,7 +247,7 @@ class DoseReference:
         row = self.inj.rows()[-1]
         ne = ctx.lr * self.inj.kappa * row["scale"] * float((self._a.square() * self.inj._diag.double()).sum())
         grad = self.inj.source == "grad"
-        c2 = ctx.clip_coef ** 2 if grad else 1.0
+        c2 = float(ctx.clip_coef) ** 2 if grad else 1.0
         free = min(1.0, self.inj.clip ** 2 / self._g2) if grad and self.inj.clip is not None else 1.0
         self.c2.append(c2 / free)   # c² relative to the step without injection
         self.steps.append(ctx.step)

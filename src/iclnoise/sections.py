@@ -382,6 +382,8 @@ class Train(Section):
     diverge_loss: float
     device: str
     steps: int
+    cuda_graphs: bool = False
+    tf32: bool = False
 
     @classmethod
     def from_dict(cls, d: dict | None) -> Train:

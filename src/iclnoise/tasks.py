@@ -119,25 +119,41 @@ class Batch:
         return Batch(self.xs.to(device), self.ys.to(device), self.tasks.to(device))
 
 
+def _fill(gen: torch.Generator, pool: torch.Tensor | None, factor: torch.Tensor | None, tasks: torch.Tensor,
+          xs: torch.Tensor, noise: torch.Tensor) -> None:
+    """One batch's draws from `gen`, in order, into tasks (B, D), xs (B, K, D) and the label noise (B, K): tasks
+    from `pool`, or (None) fresh tasks z Lᵀ with `factor` = Lᵀ (None: z, isotropic)."""
+    if pool is None:
+        torch.randn(tasks.shape, generator=gen, out=tasks)
+        if factor is not None:
+            tasks.copy_(tasks @ factor)
+    else:
+        torch.index_select(pool, 0, torch.randint(0, pool.shape[0], tasks.shape[:1], generator=gen,
+                                                  device=pool.device), out=tasks)
+    torch.randn(xs.shape, generator=gen, out=xs)
+    torch.randn(noise.shape, generator=gen, out=noise)
+
+
+def _labels(xs: torch.Tensor, tasks: torch.Tensor, noise: torch.Tensor, noise_var: float) -> torch.Tensor:
+    """y_k = t·x_k + σ e_k over any leading batch axes."""
+    return torch.einsum("...kd,...d->...k", xs, tasks) + noise_var**0.5 * noise
+
+
 def _draw(gen: torch.Generator, pool: torch.Tensor | None, B: int, K: int, D: int, noise_var: float,
           device: torch.device | str, factor: torch.Tensor | None = None) -> Batch:
     """A batch from `pool`, or (None) from fresh tasks z Lᵀ with `factor` = Lᵀ (None: z, isotropic)."""
-    if pool is None:
-        tasks = torch.randn(B, D, generator=gen, device=device)
-        if factor is not None:
-            tasks = tasks @ factor
-    else:
-        idx = torch.randint(0, pool.shape[0], (B,), generator=gen, device=device)
-        tasks = pool[idx]
-    return sequences(gen, tasks, K, noise_var)
+    tasks, xs, noise = (torch.empty(B, D, device=device), torch.empty(B, K, D, device=device),
+                        torch.empty(B, K, device=device))
+    _fill(gen, pool, factor, tasks, xs, noise)
+    return Batch(xs, _labels(xs, tasks, noise, noise_var), tasks)
 
 
 def sequences(gen: torch.Generator, tasks: torch.Tensor, K: int, noise_var: float) -> Batch:
     """One sequence of each task (B, D): x_k ~ N(0, I_D), y_k = t·x_k + e_k, e_k ~ N(0, σ²) (SPEC §2)."""
     B, D = tasks.shape
     xs = torch.randn(B, K, D, generator=gen, device=tasks.device)
-    ys = torch.einsum("bkd,bd->bk", xs, tasks) + noise_var**0.5 * torch.randn(B, K, generator=gen, device=tasks.device)
-    return Batch(xs, ys, tasks)
+    noise = torch.randn(B, K, generator=gen, device=tasks.device)
+    return Batch(xs, _labels(xs, tasks, noise, noise_var), tasks)
 
 
 class BatchSampler:
@@ -155,9 +171,25 @@ class BatchSampler:
         self.stream = stream  # independent streams from one seed: 0 training, 1 held-out, 2+ probes
         self._gen = torch.Generator(device=device)
 
+    def seeded(self, step: int) -> torch.Generator:
+        """The stream's generator at batch `step`."""
+        return self._gen.manual_seed(_seed_mix(_BATCH, self.stream, self.data_seed, step))
+
     def batch(self, step: int, size: int) -> Batch:
-        self._gen.manual_seed(_seed_mix(_BATCH, self.stream, self.data_seed, step))
-        return _draw(self._gen, self.pool, size, self.K, self.D, self.noise_var, self.device, self.factor)
+        return _draw(self.seeded(step), self.pool, size, self.K, self.D, self.noise_var, self.device, self.factor)
+
+
+def stacked_batch(samplers: list[BatchSampler], step: int, size: int) -> Batch:
+    """Batch `step` of every sampler, stacked: xs (R, size, K, D), ys (R, size, K), tasks (R, size, D). Each run's
+    draws come from its own counter-based stream into its slice (bit-identical to its `batch(step, size)`); the
+    labels of all runs are one batched call. The samplers share K, D, the noise and the device (one data section)."""
+    s0 = samplers[0]
+    R, K, D, dev = len(samplers), s0.K, s0.D, s0.device
+    tasks, xs, noise = (torch.empty(R, size, D, device=dev), torch.empty(R, size, K, D, device=dev),
+                        torch.empty(R, size, K, device=dev))
+    for r, s in enumerate(samplers):
+        _fill(s.seeded(step), s.pool, s.factor, tasks[r], xs[r], noise[r])
+    return Batch(xs, _labels(xs, tasks, noise, s0.noise_var), tasks)
 
 
 def eval_set(kind: str, M: int, n: int, K: int, D: int, noise_var: float, pool_seed: int,
