@@ -244,6 +244,15 @@ def typed(params: dict, path: str) -> Section:
     return TYPED[path].from_dict(_get(params, path))
 
 
+def noise_conditions(params: dict) -> dict[str, dict]:
+    """The noise conditions of a params mapping (`noise.conditions`) by name; a ParamsError where it is absent or
+    not a mapping."""
+    conds = _get(params, "noise.conditions")
+    if not isinstance(conds, dict):
+        raise ParamsError("noise.conditions must map condition names to conditions (as in params.yaml)")
+    return conds
+
+
 def every_at(params: dict, name: str) -> tuple[int, dict | None]:
     """Which checkpoints the probe of section `name` (PROBED) reads: (`every`, llc's `at` or None); the
     probes take every `every`-th checkpoint and the last, or those nearest to `at` (iclnoise.probes.llc_steps)."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import every_at, typed
+from ..config import ParamsError, every_at, noise_conditions, typed
 from ..ed import EVENTS_SCHEMA, FORMS_SCHEMA, MAX_GAP, PCS_SCHEMA, SAMPLING_SCHEMA, VAR_SCHEMA
 from ..io import read_json, write_parquet
 from ..mech import run_summary
@@ -190,9 +190,10 @@ def cnr(argv: list[str]) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None, help="default <run>/cnr.parquet")
     a = ap.parse_args(argv)
-    conditions = sections(a.cfg, "noise")["noise"].get("conditions")
-    if not isinstance(conditions, dict):
-        raise SystemExit("--cfg: the noise section has no conditions mapping (noise.conditions of params.yaml)")
+    try:
+        conditions = noise_conditions(sections(a.cfg, "noise"))
+    except ParamsError as e:
+        raise SystemExit(f"--cfg: {e}") from None
     torch.set_num_threads(a.threads)
     try:
         df = replay_run(a.run, a.counterfactual, conditions, a.probes, a.jac_batch, a.seed)
