@@ -16,7 +16,8 @@ def job_memory(data: Data, model: Model, eval_: Eval, micro_batch: int, Ms: list
     pool   = M·(16D + 196): the training pool M·D·4 plus the evaluator's peak, max(M·D·12 (float64 draw and
              float32 copy), M·D·4 + M·(2D+1)·4 + 3·16·M·4 (dMMSE: pool, its two copies, three buffers)); 0 at M = ∞
     eval   = (2·n_sequences + n_root)·K·(D+1)·4·2 per run (its sets, predictions) + n_sequences·2K·(4d + d_mlp
-             + 2K·h)·4·2 once (one run is evaluated at a time)
+             + 2K·h)·4·2 once (one run is evaluated at a time; on CUDA a chunk of runs of at most R·micro_batch
+             sequences in all, whose activations fit in the train term's, freed while it evaluates)
     train  = micro_batch·2K·L·(10d + 2·d_mlp + 3·2K·h)·4 (activations kept for backward; the runs step together)
     params = 16·P, P = L·(4d² + 2d·d_mlp) (weights, gradients, two Adam moments)
     """
