@@ -32,7 +32,7 @@ configfile: "params.yaml"
 
 
 # Keys that configure how the workflow runs, not what it computes (not part of params.yaml's schema).
-RUN_KEYS = ("train_resources", "train_threads", "confirm_cost")
+RUN_KEYS = ("train_resources", "train_gpu_resources", "train_threads", "confirm_cost")
 # --config key=value. Snakemake reads a mapping's values as strings: the params keys' are read as YAML scalars, as
 # in a file (the run keys keep their words: `confirm_cost=yes` must not read as true).
 CONFIG_ARGS = dict(workflow.config_settings.config)
@@ -42,7 +42,7 @@ try:
     VALUES = merge_params(config, OVERRIDES)
     PARAMS = validate_params({k: v for k, v in VALUES.items() if k not in RUN_KEYS})
     confirmed = switch(VALUES.get("confirm_cost", False), "confirm_cost")
-    TRAIN_THREADS, TRAIN_RESOURCES = run_options(VALUES)
+    TRAIN_THREADS, TRAIN_RESOURCES = run_options(VALUES, PARAMS["train"]["device"])
     COST = check_cost(PARAMS, confirmed=confirmed) if workflow.is_main_process else None
 except ParamsError as err:
     raise WorkflowError(f"{source_names(['params.yaml', *workflow.configfiles], CONFIG_ARGS)}: {err}") from None

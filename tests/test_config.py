@@ -14,8 +14,9 @@ import yaml
 
 from iclnoise import cli as iclnoise_cli
 from iclnoise.config import ParamsError, check_yaml_files, load_params, merge_params, read_yaml, validate_params
-from iclnoise.cost import COST_CONFIRM_CORE_HOURS, check_cost, cost_estimate, job_memory
+from iclnoise.cost import COST_CONFIRM_CORE_HOURS, check_cost, cost_estimate
 from iclnoise.grid import ed_families, expand_grid, parse_run_id, run_spec
+from iclnoise.memory import job_memory
 from iclnoise.sections import Data, Eval, Model, schema
 
 
@@ -626,3 +627,100 @@ def test_snakemake_config_values_arrive_as_numbers(tmp_path):
     assert "stats.transient_tol = 'x' is not allowed; it must be a number" in text, text[-2000:]
     assert "data = nan is not allowed; it must be a mapping" in text and "stats.alpha" not in text, text[-2000:]
     assert "params.yaml + params.yaml" not in text
+
+
+def test_ensemble_runs_auto_on_the_cpu_is_the_default_grouping(monkeypatch):
+    """`train.ensemble_runs: auto` on the CPU (train.device cpu, or auto with no CUDA device visible) gives the
+    default's groups (18 runs per ensemble: CPU_ENSEMBLE_RUNS), and no run's spec hash moves with the key."""
+    import torch
+
+    from iclnoise.grid import CPU_ENSEMBLE_RUNS, ensemble_groups, spec_hash
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    p = load_params("params.yaml")
+    assert p["train"]["ensemble_runs"] == CPU_ENSEMBLE_RUNS == 18
+    p["grid"]["seeds"] = list(range(7))   # 42 runs per (batch, noise): the auto chunks are visible
+    default = ensemble_groups(p)
+    assert [len(r) for r in default.values()] == [18, 18, 6] * 2
+    for device in ("cpu", "auto"):
+        q = copy.deepcopy(p)
+        q["train"].update(ensemble_runs="auto", device=device, gpu_memory_gib=80)
+        assert ensemble_groups(validate_params(q)) == default
+    assert p["train"]["device"] == q["train"]["device"] == "auto"   # q differs from p in the two sizing keys alone
+    assert [spec_hash(run_spec(q, r)) for r in sum(default.values(), [])] == [
+        spec_hash(run_spec(p, r)) for r in sum(default.values(), [])]
+
+
+def test_ensemble_runs_auto_fills_a_planted_gpu_memory():
+    """On a GPU of planted memory G, `auto` packs runs (grid order) while the ensemble's job_memory stays within
+    0.8 G: at one M job_memory = c + R·u, so a GPU of (c + 5u + u/2)/0.8 bytes takes ensembles of 5 runs across
+    seeds; with several M every ensemble fits and would not fit with the next run; the limit is 32 GiB per job."""
+    from iclnoise.grid import ensemble_groups
+    from iclnoise.memory import MAX_JOB_MEMORY, ensemble_memory
+
+    def need(runs):
+        return ensemble_memory(p, 16, [parse_run_id(r).M for r in runs])["total"]
+
+    p = load_params("params.yaml")
+    p["grid"].update(M=[64], seeds=list(range(12)), batch_sizes=[16])
+    p["train"].update(ensemble_runs="auto", device="cuda")
+    ids = [k.run_id for k in expand_grid(p)]
+    one, two = need(ids[:1]), need(ids[:2])
+    u, c = two - one, 2 * one - two
+    p["train"]["gpu_memory_gib"] = (c + 5.5 * u) / 0.8 / 2**30
+    groups = ensemble_groups(validate_params(p))
+    assert [len(r) for r in groups.values()] == [5, 5, 2] and sum(groups.values(), []) == ids
+    p["grid"]["M"] = [1, 1024, 2**20, "inf"]   # pools of very different sizes
+    p["grid"]["seeds"] = [0, 1, 2]
+    sizes = []
+    for gib, limit in ((0.5, 0.8 * 0.5 * 2**30), (1000, MAX_JOB_MEMORY)):
+        p["train"]["gpu_memory_gib"] = gib
+        groups = ensemble_groups(validate_params(p))
+        runs = sum(groups.values(), [])
+        assert runs == [k.run_id for k in expand_grid(p)]
+        for g, members in groups.items():
+            assert need(members) <= limit
+            nxt = runs.index(members[-1]) + 1
+            if nxt < len(runs):
+                assert need(members + [runs[nxt]]) > limit, g
+        sizes.append([len(r) for r in groups.values()])
+    assert sizes == [[7, 1, 4], [12]]
+    p["grid"].update(M=[2**20], seeds=list(range(150)))   # ≈ 250 MiB per run: 150 runs plan more than 32 GiB
+    ids = [k.run_id for k in expand_grid(p)]
+    one, two = need(ids[:1]), need(ids[:2])
+    fit = int((MAX_JOB_MEMORY - (2 * one - two)) // (two - one))
+    assert [len(r) for r in ensemble_groups(validate_params(p)).values()] == [fit, 150 - fit] and 64 < fit < 150
+
+
+def test_ensemble_runs_auto_on_cuda_without_a_gpu_names_the_key(monkeypatch):
+    """Planning `auto` for cuda where no CUDA device is visible and gpu_memory_gib is unset: a ParamsError that
+    names train.gpu_memory_gib; a run too large for the GPU alone is named."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    p = load_params("params.yaml")
+    p["train"].update(ensemble_runs="auto", device="cuda")
+    with pytest.raises(ParamsError, match="train.gpu_memory_gib"):
+        validate_params(p)
+    p["train"]["gpu_memory_gib"] = 1e-6
+    with pytest.raises(ParamsError, match=r"run M1-B16-none-s0 alone plans .* lower grid.M"):
+        validate_params(p)
+
+
+def test_the_slurm_profile_asks_for_a_gpu_only_for_cuda():
+    """slurm/config.yaml's train_gpu_resources join a training job's resources only where train.device is cuda;
+    the CPU profile has none."""
+    from iclnoise.config import run_options
+
+    def profile(name):
+        cfg = yaml.safe_load(Path(name, "config.yaml").read_text())["config"]
+        return {k: yaml.safe_load(v) for k, v in (e.split("=", 1) for e in cfg)}
+
+    gpu = profile("slurm")
+    for device in ("cpu", "auto", "cuda"):
+        assert ("gpu" in run_options(gpu, device)[1]) == (device == "cuda")
+        assert "gpu" not in run_options(profile("slurm-cpu"), device)[1]
+    assert run_options(gpu, "cuda")[1] == {"gpu": 1, "cpus_per_task": 4, "mem_mb": 16000, "runtime": 720,
+                                          "slurm_partition": "gpu"}
+    with pytest.raises(ParamsError, match="train_gpu_resources.gpu=-1"):
+        run_options({"train_gpu_resources": {"gpu": -1}}, "cuda")

@@ -245,3 +245,41 @@ def test_a_run_frozen_between_the_hosts_looks_is_recorded_as_when_it_looks_every
         for a, b in zip(every, other):
             pd.testing.assert_frame_equal(a, b)
         assert_same_states(final_states(dirs["every"]), final_states(dirs[k]))
+
+
+def test_evaluation_in_one_stacked_pass_equals_each_runs_own(tiny, tmp_path, monkeypatch):
+    """Ensemble.evaluate with a chunk of 2 runs (CUDA's choice at R·micro_batch = 2 × the largest eval split): runs
+    of different M (pools, dMMSE_∞ absent) are predicted in stacked passes; every metric, token loss and root
+    prediction equals the run's own Evaluator pass to float32 round-off; a run's numbers do not depend on which
+    other runs are asked for (fixed chunks); at chunk 1 each run takes its own evaluator's pass, bit for bit."""
+    runs = ["M4-B16-none-s0", "M1-B16-none-s1", "Minf-B16-none-s2"]
+    p = copy.deepcopy(tiny)
+    p["eval"].update(n_sequences=12, n_root=8)
+    members = [Member(RunSpec.of(run_spec(p, r)), tmp_path / r, spec_hash(run_spec(p, r)), torch.device("cpu"))
+               for r in runs]
+    for m in members:
+        m.setup()
+    e = ens.Ensemble(members, 0, "test")
+    assert e.eval_chunk == 1   # the CPU: each run its own pass; on CUDA 3 · 8 // 12 = 2
+    e.eval_chunk = 2   # passes over runs [0, 1] and [2]
+    own = [m.evaluator(m.model) for m in e.members]
+    with monkeypatch.context() as mp:
+        mp.setattr(Evaluator, "__call__", lambda *a: pytest.fail("a run took its own pass"))
+        stacked, alone2 = e.evaluate([0, 1, 2]), e.evaluate([2])
+        alone1 = e.evaluate([1])
+    for r, ((metrics, tok, preds), (m0, t0, p0)) in enumerate(zip([stacked[r] for r in range(3)], own)):
+        assert metrics.keys() == m0.keys()
+        for k, v in metrics.items():
+            assert v == pytest.approx(m0[k], rel=1e-5, abs=1e-7, nan_ok=True), (runs[r], k)
+        assert all(np.allclose(tok[s], t0[s], rtol=1e-5, atol=1e-7) for s in t0)
+        np.testing.assert_allclose(preds, p0, rtol=1e-5, atol=1e-6)
+    assert math.isnan(stacked[2][0]["r"]) and not math.isnan(stacked[0][0]["r"])
+    assert same(alone2[2], stacked[2]) and same(alone1[1], stacked[1])
+    e.eval_chunk = 1
+    assert all(same(out, e.members[r].evaluator(e.members[r].model)) for r, out in e.evaluate([0, 1, 2]).items())
+
+
+def same(a: tuple, b: tuple) -> bool:
+    """Two Evaluator outputs (metrics, token losses, root predictions) bit for bit, NaN equal to NaN."""
+    return (a[0].keys() == b[0].keys() and np.array_equal(list(a[0].values()), list(b[0].values()), equal_nan=True)
+            and all(np.array_equal(a[1][s], b[1][s]) for s in b[1]) and np.array_equal(a[2], b[2]))

@@ -57,15 +57,18 @@ def small_grid() -> dict:
     return p
 
 
-@pytest.mark.parametrize("profile, want", [
-    ("slurm", {"gpu": "1", "cpus_per_task": "4", "mem_mb": "16000", "slurm_partition": "gpu"}),
-    ("slurm-cpu", {"cpus_per_task": "1", "mem_mb": "3000", "slurm_partition": "gpu"}),
+@pytest.mark.parametrize("profile, device, want", [
+    ("slurm", "cuda", {"gpu": "1", "cpus_per_task": "4", "mem_mb": "16000", "slurm_partition": "gpu"}),
+    ("slurm", "auto", {"gpu": None, "cpus_per_task": "4", "mem_mb": "16000", "slurm_partition": "gpu"}),
+    ("slurm-cpu", "auto", {"gpu": None, "cpus_per_task": "1", "mem_mb": "3000", "slurm_partition": "gpu"}),
 ])
-def test_profile_asks_for_one_training_jobs_resources(tmp_path, profile, want):
+def test_profile_asks_for_one_training_jobs_resources(tmp_path, profile, device, want):
     """Dry run: every training job (`train`, or `train_ensemble` for a group of runs) is a SLURM job of its
-    own with the resources of one job. Grouping several jobs (group-components: train=8) made Snakemake sum
-    them: 8 GPUs, 32 CPUs and 128 GB for one group."""
-    write_params(tmp_path, small_grid())
+    own with the resources of one job, with a GPU where train.device is cuda. Grouping several jobs
+    (group-components: train=8) made Snakemake sum them: 8 GPUs, 32 CPUs and 128 GB for one group."""
+    p = small_grid()
+    p["train"]["device"] = device
+    write_params(tmp_path, p)
     r = run([sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"), "--directory",
              str(tmp_path), "--profile", str(ROOT / profile), "-n"], cwd=tmp_path)
     out = r.stdout
@@ -75,8 +78,6 @@ def test_profile_asks_for_one_training_jobs_resources(tmp_path, profile, want):
     for _, resources in jobs:
         got = dict(kv.split("=", 1) for kv in resources.split(", "))
         assert {k: got.get(k) for k in want} == want, resources
-        if profile == "slurm-cpu":
-            assert "gpu" not in got
     assert out.count("Group job") in (0, len(jobs)), out[-3000:]  # no group of several training jobs
 
 

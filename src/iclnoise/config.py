@@ -193,22 +193,30 @@ def switch(value: Any, key: str) -> bool:
 RESOURCE_KEY = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
-def run_options(config: dict) -> tuple[int, dict]:
+def run_options(config: dict, device: str = "cpu") -> tuple[int, dict]:
     """The `--config` keys that say how training jobs run (the profiles set them): train_threads, a whole number
-    1-256, and train_resources, a mapping of Snakemake resource names to whole numbers ≥ 0 or words
-    (slurm_partition). Anything else is a ParamsError naming the key and an allowed value."""
+    1-256, train_resources, a mapping of Snakemake resource names to whole numbers ≥ 0 or words (slurm_partition),
+    and train_gpu_resources, the same, added to train_resources only where `device` (train.device) is cuda.
+    Anything else is a ParamsError naming the key and an allowed value."""
     t = config.get("train_threads", 1)
     if isinstance(t, bool) or not (isinstance(t, int) or str(t).strip().isdigit()) or not 1 <= int(t) <= 256:
         raise ParamsError(f"--config train_threads={t!r}: allowed: a whole number 1-256 (threads per training job),"
                           f" e.g. train_threads=4")
-    res = config.get("train_resources") or {}
+    res = _resources(config, "train_resources")
+    gpu = _resources(config, "train_gpu_resources")
+    return int(t), {**res, **gpu} if device == "cuda" else res
+
+
+def _resources(config: dict, key: str) -> dict:
+    """The `--config` mapping `key` of Snakemake resources, checked (run_options)."""
+    res = config.get(key) or {}
     if not isinstance(res, dict):
-        raise ParamsError(f"--config train_resources={res!r}: allowed: a mapping of resources, e.g. "
-                          f"\"train_resources={{mem_mb: 16000, runtime: 720, slurm_partition: gpu}}\"")
+        raise ParamsError(f"--config {key}={res!r}: allowed: a mapping of resources, e.g. "
+                          f"\"{key}={{mem_mb: 16000, runtime: 720, slurm_partition: gpu}}\"")
     out = {}
     for k, v in res.items():
         if not isinstance(k, str) or not RESOURCE_KEY.match(k):
-            raise ParamsError(f"--config train_resources: key {k!r} is not a resource name; allowed: lower-case "
+            raise ParamsError(f"--config {key}: key {k!r} is not a resource name; allowed: lower-case "
                               f"names such as mem_mb, runtime, cpus_per_task, slurm_partition")
         try:
             num = float(v) if not isinstance(v, bool) and v is not None else None
@@ -216,9 +224,9 @@ def run_options(config: dict) -> tuple[int, dict]:
             num = None  # a word, e.g. slurm_partition=gpu
         if isinstance(v, bool) or v is None or not str(v).strip() or (num is not None and (
                 not math.isfinite(num) or num < 0 or num != int(num))):
-            raise ParamsError(f"--config train_resources.{k}={v}: allowed: a whole number >= 0 or a word")
+            raise ParamsError(f"--config {key}.{k}={v}: allowed: a whole number >= 0 or a word")
         out[k] = int(num) if num is not None else str(v)
-    return int(t), out
+    return out
 
 
 TYPED = {c.SECTION: c for c in (Stats, ED, Geometry, Mech, LLCConfig, Stages, Refined)}

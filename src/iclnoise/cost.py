@@ -18,45 +18,14 @@ from .grid import (
     steps_for,
     trained_steps,
 )
-from .sections import Data, Eval, Model, ParamsError
-from .tasks import M_INF
-
-MAX_JOB_MEMORY = 32 * 2**30  # bytes one job may plan to allocate (memory_estimate)
-
-
-def job_memory(data: Data, model: Model, eval_: Eval, micro_batch: int, Ms: list[int]) -> dict[str, int]:
-    """Bytes a training job of len(Ms) runs (an ensemble, run i at task-pool size Ms[i]) plans to allocate (a
-    floor, not a measurement), summed over its runs:
-
-    pool   = M·(16D + 196): the training pool M·D·4 plus the evaluator's peak, max(M·D·12 (float64 draw and
-             float32 copy), M·D·4 + M·(2D+1)·4 + 3·16·M·4 (dMMSE: pool, its two copies, three buffers)); 0 at M = ∞
-    eval   = (2·n_sequences + n_root)·K·(D+1)·4·2 per run (its sets, predictions) + n_sequences·2K·(4d + d_mlp
-             + 2K·h)·4·2 once (one run is evaluated at a time)
-    train  = micro_batch·2K·L·(10d + 2·d_mlp + 3·2K·h)·4 (activations kept for backward; the runs step together)
-    params = 16·P, P = L·(4d² + 2d·d_mlp) (weights, gradients, two Adam moments)
-    """
-    D, K, T = data.D, data.K, 2 * data.K
-    dm, dmlp, L, h = model.d_model, model.d_mlp, model.n_layers, model.n_heads
-    R = len(Ms)
-    est = {
-        "pool": sum(M * (16 * D + 196) for M in Ms if M != M_INF),
-        "eval": R * (2 * eval_.n_sequences + eval_.n_root) * K * (D + 1) * 8
-        + eval_.n_sequences * T * (4 * dm + dmlp + T * h) * 8,
-        "train": R * micro_batch * T * L * (10 * dm + 2 * dmlp + 3 * T * h) * 4,
-        "params": R * 16 * L * (4 * dm * dm + 2 * dm * dmlp),
-    }
-    est["total"] = sum(est.values())
-    return est
+from .memory import MAX_JOB_MEMORY, ensemble_memory
+from .sections import ParamsError
 
 
 def memory_estimate(params: dict) -> dict[str, int]:
     """job_memory of the grid's most demanding training job (iclnoise.grid.ensemble_groups)."""
-    jobs = []
-    for runs in ensemble_groups(params).values():
-        keys = [parse_run_id(r) for r in runs]
-        mb = min(params["train"]["micro_batch"], keys[0].batch)
-        jobs.append(job_memory(Data.from_dict(params["data"]), Model.from_dict(params["model"]),
-                               Eval.from_dict(params["eval"]), mb, [k.M for k in keys]))
+    keys = [[parse_run_id(r) for r in runs] for runs in ensemble_groups(params).values()]
+    jobs = [ensemble_memory(params, ks[0].batch, [k.M for k in ks]) for ks in keys]
     return max(jobs, key=lambda e: e["total"])
 
 

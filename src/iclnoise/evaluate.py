@@ -97,6 +97,11 @@ class Evaluator:
         model.eval()
         preds = {k: model(s.batch.xs, s.batch.ys) for k, s in self.splits.items()}
         model.train(was_training)
+        return self.score(preds)
+
+    def score(self, preds: dict[str, torch.Tensor]) -> tuple[dict[str, float], dict[str, np.ndarray], np.ndarray]:
+        """__call__'s outputs from the run's predictions on each split (its own pass, or its slice of an ensemble's
+        stacked pass: iclnoise.ensemble.Ensemble.evaluate)."""
         tok = {k: token_losses(preds[k], self.splits[k].batch.ys, self.D) for k in ("id", "ood")}
         d = {}
         for split, pre in (("id", ""), ("ood", "ood_")):   # Δ on the q_M set (r reads it) and on new tasks

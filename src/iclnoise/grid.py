@@ -10,7 +10,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .sections import OPTIMIZERS
+from .memory import ensemble_memory, gpu_limit
+from .sections import OPTIMIZERS, ParamsError
 from .tasks import m_label, parse_m
 
 
@@ -134,6 +135,7 @@ def trained_steps(params: dict, batch: int, noise: str = "none") -> int:
 
 
 ENGINE = ("cuda_graphs", "tf32")   # train's switches of how the step runs on CUDA
+SIZING = ("ensemble_runs", "gpu_memory_gib")   # train's keys of how runs are grouped into ensembles
 
 
 def run_spec(params: dict, run_id: str) -> dict[str, Any]:
@@ -142,7 +144,7 @@ def run_spec(params: dict, run_id: str) -> dict[str, Any]:
     what it was before grid.optimizer existed (train.sgd_momentum is not part of it)."""
     keys = parse_run_id(run_id)
     train = {k: v for k, v in copy.deepcopy(params["train"]).items()   # how runs are grouped ≠ what they are; the
-             if k not in ("ensemble_runs", "sgd_momentum") and (k not in ENGINE or v)}   # engine switches only when on
+             if k not in (*SIZING, "sgd_momentum") and (k not in ENGINE or v)}   # engine switches only when on
     if keys.optimizer != OPTIMIZERS[0]:
         train["optimizer"] = {"kind": keys.optimizer, **copy.deepcopy(params["train"][keys.optimizer])}
     train["steps"] = steps_for(params, keys.batch, keys.noise)
@@ -168,21 +170,58 @@ def spec_hash(spec: dict) -> str:
     return hashlib.sha256(json.dumps(same, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
+# `train.ensemble_runs: auto` on the CPU: the default's 18, its two training jobs (36 runs) one per core on 2 cores
+# (209-229 run-steps per job-second; 4 ensembles of 9 ran 201, README "Throughput on the default DAG").
+CPU_ENSEMBLE_RUNS = 18
+
+
 def ensemble_groups(params: dict) -> dict[str, list[str]]:
     """Ensembles: runs trained together in one process (iclnoise.train). Runs of one (batch, noise condition)
-    share model shape, step count and training configuration; each such set is split into chunks of at
-    most `train.ensemble_runs` runs (in grid order). Group id `B{batch}-{noise}` (+ `-{optimizer}` for an optimizer
-    other than AdamW, + `-c{k}` when chunked)."""
-    cap = params["train"]["ensemble_runs"]
+    share model shape, step count and training configuration; each such set is split into consecutive chunks (in
+    grid order) of at most `train.ensemble_runs` runs, or with `auto` of as many runs as fit the GPU's memory
+    (iclnoise.cost.fit_runs), CPU_ENSEMBLE_RUNS on the CPU. Noise conditions never share an ensemble (one noise
+    section per ensemble). Group id `B{batch}-{noise}` (+ `-{optimizer}` for an optimizer other than AdamW,
+    + `-c{k}` when chunked)."""
     by_key: dict[str, list[str]] = {}
     for k in expand_grid(params):
         by_key.setdefault(f"B{k.batch}-{k.noise}{k.label}", []).append(k.run_id)
     groups = {}
     for key, runs in by_key.items():
-        chunks = [runs[i:i + cap] for i in range(0, len(runs), cap)]
+        chunks = _chunks(params, runs)
         for i, c in enumerate(chunks):
             groups[key if len(chunks) == 1 else f"{key}-c{i}"] = c
     return groups
+
+
+def _chunks(params: dict, runs: list[str]) -> list[list[str]]:
+    """One ensemble key's runs split as `train.ensemble_runs` says (ensemble_groups)."""
+    cap = params["train"]["ensemble_runs"]
+    if cap == "auto":
+        limit = gpu_limit(params)
+        if limit is not None:
+            return fit_runs(params, runs, limit)
+        cap = CPU_ENSEMBLE_RUNS
+    return [runs[i:i + cap] for i in range(0, len(runs), cap)]
+
+
+def fit_runs(params: dict, runs: list[str], limit: float) -> list[list[str]]:
+    """`runs` (one ensemble key, grid order) split into consecutive chunks, each as long as its planned memory
+    (iclnoise.memory.ensemble_memory) stays within `limit` bytes; a pool grows with M, so chunks may differ."""
+    def need(ks: list[RunKeys]) -> int:
+        return ensemble_memory(params, ks[0].batch, [k.M for k in ks])["total"]
+
+    keys = [parse_run_id(r) for r in runs]
+    chunks: list[list[RunKeys]] = []
+    for k in keys:
+        if chunks and need(chunks[-1] + [k]) <= limit:
+            chunks[-1].append(k)
+        elif need([k]) <= limit:
+            chunks.append([k])
+        else:
+            raise ParamsError(f"train.ensemble_runs = 'auto': run {k.run_id} alone plans {need([k]) / 2**20:.1f} "
+                              f"MiB, more than the {limit / 2**20:.1f} MiB a job may fill on this GPU; lower "
+                              f"grid.M, eval.n_sequences or train.micro_batch")
+    return [[k.run_id for k in c] for c in chunks]
 
 
 def shared_spec(params: dict, runs: list[str]) -> dict:

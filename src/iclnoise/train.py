@@ -76,8 +76,8 @@ def _check_shared(specs: list[RunSpec]) -> None:
 
 
 def _memory_check(specs: list[RunSpec], device: torch.device) -> None:
-    """Refuse, before training, an ensemble whose planned memory (iclnoise.cost.job_memory) does not fit."""
-    from .cost import job_memory
+    """Refuse, before training, an ensemble whose planned memory (iclnoise.memory.job_memory) does not fit."""
+    from .memory import MEMORY_HEADROOM, job_memory
 
     s = specs[0]
     need = job_memory(s.data, s.model, s.eval, s.train.micro_batch, [x.keys.M for x in specs])["total"]
@@ -86,7 +86,7 @@ def _memory_check(specs: list[RunSpec], device: torch.device) -> None:
     else:
         import os
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if need > 0.8 * free:
+    if need > MEMORY_HEADROOM * free:
         R = len(specs)
         raise MemoryError(f"the ensemble of {R} runs ({', '.join(x.keys.run_id for x in specs[:4])}"
                           f"{', ...' if R > 4 else ''}) needs ≈ {need / 2**30:.1f} GiB but {free / 2**30:.1f} GiB "

@@ -56,6 +56,13 @@ def _switchable(s: dict) -> bool:
     return "enabled" in (s.get("properties") or {})
 
 
+def _option(o: dict) -> str:
+    """One simple anyOf option in words: 'auto', an integer >= 1."""
+    if "const" in o:
+        return repr(o["const"])
+    return _TYPE_WORDS[o["type"]] + (f" >= {o['minimum']}" if "minimum" in o else "")
+
+
 def _describe(err: jsonschema.ValidationError) -> str:
     key = dotted_key(err.absolute_path)
     s = err.schema if isinstance(err.schema, dict) else {}
@@ -77,6 +84,8 @@ def _describe(err: jsonschema.ValidationError) -> str:
         return f"{name} is required; allowed: the keys {', '.join(err.validator_value)}{off}"
     if err.validator == "anyOf" and err.absolute_path and "M" in list(err.absolute_path):
         return f"{key} = {err.instance!r} is not allowed; M must be an integer 1 <= M <= {M_MAX} (2^20) or 'inf'"
+    if err.validator == "anyOf" and all(set(o) <= {"type", "minimum", "const"} for o in err.validator_value):
+        return f"{key} = {err.instance!r} is not allowed; allowed: {' or '.join(map(_option, err.validator_value))}"
     if err.validator == "type":
         types = [err.validator_value] if isinstance(err.validator_value, str) else list(err.validator_value)
         want = " or ".join(_TYPE_WORDS.get(t, t) for t in types)
