@@ -209,6 +209,23 @@ def ggn_curvature(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor, pr
     return Curvature(JtU, JtU, 2 * loss_scale / out.numel())
 
 
+def stacked_ggn_curvature(model: torch.nn.Module, params: dict[str, torch.Tensor], xs: torch.Tensor, ys: torch.Tensor,
+                          probes: int, generators: list[torch.Generator], loss_scale: float = 1.0) -> list[Curvature]:
+    """`ggn_curvature` of R runs in one call: `params` stacked along a leading run axis (R, ...) on a model that
+    stacks runs (iclnoise.model.ICLTransformer), xs (R, N, ...), ys (R, N, ...). Run r's probes are drawn from
+    generators[r] exactly as `ggn_curvature` draws them, and the runs' Jacobians are blocks of one block-diagonal
+    Jacobian, so one vmapped vector-Jacobian product per probe gives every run's Jᵀu_k: run r's samples equal
+    its own `ggn_curvature` to float32 round-off (batched against single matmuls)."""
+    names, R = list(params), xs.shape[0]
+    buffers = {k: v.detach() for k, v in model.named_buffers()}
+    out, vjp_fn = torch.func.vjp(lambda p: functional_call(model, (p, buffers), (xs, ys)),
+                                 {n: p.detach() for n, p in params.items()})
+    U = torch.stack([_rademacher((probes, *out.shape[1:]), g, out) for g in generators], 1)   # (probes, R, ...)
+    JtU = vmap(vjp_fn)(U)[0]
+    flat = torch.cat([JtU[n].transpose(0, 1).reshape(R, probes, -1) for n in names], 2)       # (R, probes, P)
+    return [Curvature(f, f, 2 * loss_scale / out[0].numel()) for f in flat]
+
+
 def kappa(setting: float | str | None, beta1: float, optimizer: str = "adamw") -> float:
     """κ, the long-run diffusion factor of the optimizer's momentum β1 (SPEC §6), unless `setting` (params
     exposure.kappa) is a number: 1 for Adam/AdamW, whose momentum is dampened (m ← β1 m + (1 − β1) g, so one

@@ -28,6 +28,7 @@ from torch import nn
 from .exposure import (
     EXPOSURE_SCHEMA,
     AdamState,
+    Curvature,
     GradNoise,
     b_simple,
     calibrated_kappa,
@@ -63,6 +64,7 @@ class StepContext:
     grad_norm: float | torch.Tensor | None = None  # pre-clip global gradient norm
     clip_coef: float | torch.Tensor = 1.0          # factor clipping applied to the gradient
     live: bool | torch.Tensor = True               # the run did not diverge at this step (a frozen run's step is none)
+    curvature: Curvature | None = None  # diag Ĥ's probes of this step, measured across the ensemble's runs (else None)
 
 
 class StepHook(Protocol):
@@ -181,13 +183,9 @@ class ExposureLogger:
 
     def _measure_curvature(self, ctx: StepContext, a: torch.Tensor | None) -> tuple[float, float]:
         """Hutchinson diag Ĥ on this step's held-out batch, kept in the shared state with its relative standard
-        error at this step's A; adapts the refresh interval to the drift from the previous Ĥ (curvature_tol)."""
-        gen = torch.Generator(device=self.device).manual_seed(_seed_mix(_PROBE, self.keys["seed"], ctx.step))
-        held = ctx.heldout(ctx.step, self.n_heldout)
-        if self.curvature == "ggn":  # the MSE objective: loss_scale 1/D (iclnoise.model.mse_loss)
-            hess = ggn_curvature(ctx.model, held.xs, held.ys, self.probes, gen, 1.0 / self.D)
-        else:
-            hess = hessian_curvature(ctx.model, ctx.loss_fn, held.xs, held.ys, self.probes, gen)
+        error at this step's A (the ensemble's measurement in ctx.curvature, else its own); adapts the refresh
+        interval to the drift from the previous Ĥ (curvature_tol)."""
+        hess = ctx.curvature or self._curvature(ctx)
         st = self.state
         curv, se = hess.at(a)
         rse = se / curv if curv > 0 else math.nan
@@ -198,9 +196,24 @@ class ExposureLogger:
         st.close_measurement()
         return curv, se
 
+    def probe_generator(self, step: int) -> torch.Generator:
+        """The generator of step `step`'s Hutchinson probes (one stream per run and step)."""
+        return torch.Generator(device=self.device).manual_seed(_seed_mix(_PROBE, self.keys["seed"], step))
+
+    def _curvature(self, ctx: StepContext) -> Curvature:
+        """This run's diag Ĥ probes on this step's held-out batch."""
+        gen, held = self.probe_generator(ctx.step), ctx.heldout(ctx.step, self.n_heldout)
+        if self.curvature == "ggn":  # the MSE objective: loss_scale 1/D (iclnoise.model.mse_loss)
+            return ggn_curvature(ctx.model, held.xs, held.ys, self.probes, gen, 1.0 / self.D)
+        return hessian_curvature(ctx.model, ctx.loss_fn, held.xs, held.ys, self.probes, gen)
+
+    def measures_curvature(self, step: int) -> bool:
+        """on_grads measures diag Ĥ at this step: a row or a diag Ĥ alone is due."""
+        return self.meter.due(step) or self._refresh_due(step)
+
     def acts(self, step: int) -> bool:
         """A row or a diag Ĥ is due; on other steps on_update only counts (clip_frac), on the device."""
-        return self.meter.due(step) or self._refresh_due(step)
+        return self.measures_curvature(step)
 
     def on_grads(self, ctx: StepContext) -> None:
         self._measured = None
