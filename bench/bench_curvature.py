@@ -1,10 +1,13 @@
-"""diag Ĥ's Hutchinson probes across an ensemble's runs: one stacked call against one call per run, side by side.
+"""The exposure logger's measurements across an ensemble's runs: one stacked call against one call per run, in
+this process's CPU seconds (one thread: a shared machine's other load does not enter).
 
-  measure : the Gauss–Newton probes of R runs (params' model, exposure.heldout sequences, exposure.curvature_probes
-            probes): R calls of exposure.ggn_curvature against one exposure.stacked_ggn_curvature
-  train   : `--steps` steps of R runs of the `early` closed-loop injecting arm (diag Ĥ measured every
-            exposure.curvature_every steps in its window, rows every `--every`), the ensemble measuring them
-            stacked (Ensemble._curvatures) against each run's logger measuring its own; the arms alternate in rounds
+  probes : the Gauss–Newton diag Ĥ probes of R runs (params' model, exposure.heldout sequences,
+           exposure.curvature_probes probes): R calls of exposure.ggn_curvature against one stacked_ggn_curvature
+  grads  : the group gradients of R runs (batch 64, exposure.groups groups): R calls of exposure.group_grads against
+           one stacked_group_grads
+  train  : `--steps` steps of R runs of the `early` closed-loop injecting arm (diag Ĥ measured every
+           exposure.curvature_every steps in its window, rows every `--every`), the ensemble measuring stacked
+           (Ensemble._measure) against each run's hooks measuring their own; the arms alternate in rounds
 
 Usage: OMP_NUM_THREADS=1 python bench/bench_curvature.py [--runs 2 4 8] [--steps 60] [--every 10] [--rounds 2]
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import time
 
 import torch
 import yaml
@@ -20,47 +24,57 @@ from bench_step import best_of
 
 import iclnoise.ensemble as ens
 from iclnoise.config import validate_params
-from iclnoise.exposure import ggn_curvature, stacked_ggn_curvature
+from iclnoise.exposure import ggn_curvature, group_grads, stacked_ggn_curvature, stacked_group_grads
 from iclnoise.grid import run_spec
-from iclnoise.model import ModelConfig, build_model
+from iclnoise.model import ModelConfig, build_model, mse_loss
 
 
-def measure(params: dict, R: int) -> tuple[float, float]:
-    """Seconds per measurement of R runs' probes: one call per run, one stacked call."""
+def measure(params: dict, R: int) -> list[float]:
+    """Seconds per measurement of R runs' probes and group gradients: one call per run, one stacked call."""
     d, e = params["data"], params["exposure"]
     cfg = ModelConfig(D=d["D"], K=d["K"], **{k: params["model"][k] for k in ("d_model", "d_mlp", "n_layers",
                                                                               "n_heads")})
     models = [build_model(cfg, seed) for seed in range(R)]
     g = torch.Generator().manual_seed(0)
-    n, K = e["heldout"], d["K"]
-    xs, ys = torch.randn(R, n, K, d["D"], generator=g), torch.randn(R, n, K, generator=g)
+    n, K, B = e["heldout"], d["K"], 64
+    xs, ys = torch.randn(R, B, K, d["D"], generator=g), torch.randn(R, B, K, generator=g)
     names = [n for n, _ in models[0].named_parameters()]
     stacked = {n: torch.stack([dict(m.named_parameters())[n].detach() for m in models]) for n in names}
     P = e["curvature_probes"]
 
     def own():
         for r, m in enumerate(models):
-            ggn_curvature(m, xs[r], ys[r], P, torch.Generator().manual_seed(r), 1 / d["D"])
+            ggn_curvature(m, xs[r, :n], ys[r, :n], P, torch.Generator().manual_seed(r), 1 / d["D"])
 
     def one():
-        stacked_ggn_curvature(models[0], stacked, xs, ys, P, [torch.Generator().manual_seed(r) for r in range(R)],
-                              1 / d["D"])
-    return tuple(best_of(own, one, reps=5))
+        stacked_ggn_curvature(models[0], stacked, xs[:, :n], ys[:, :n], P,
+                              [torch.Generator().manual_seed(r) for r in range(R)], 1 / d["D"])
+
+    def own_grads():
+        for r, m in enumerate(models):
+            group_grads(m, mse_loss, xs[r], ys[r], e["groups"])
+
+    def one_grads():
+        stacked_group_grads(models[0], mse_loss, stacked, xs, ys, e["groups"])
+    return best_of(own, one, own_grads, one_grads, reps=5, clock=time.process_time)
 
 
 def train(params: dict, R: int, steps: int, every: int, rounds: int) -> tuple[float, float]:
-    """Seconds per step of R runs of the `early` arm: each logger measuring its own probes, the stacked call."""
+    """CPU seconds per step of R runs of the `early` arm (setup, evaluation and checkpoints included): each run's
+    hooks measuring their own, the stacked calls."""
     p = copy.deepcopy(params)
     p["grid"]["noise"], p["grid"]["batch_sizes"] = ["early"], [64]
     p["exposure"]["every"] = every
     p["train"]["budget"] = {"mode": "steps", "steps": steps}   # the window opens at step 0 of `steps`
     specs = [run_spec(p, r) for r in runs_for(p, R)]
-    stacked, device, out = ens.Ensemble._curvatures, torch.device("cpu"), [[], []]
+    stacked, device, out = ens.Ensemble._measure, torch.device("cpu"), [[], []]
     for _ in range(rounds):
-        for i, fn in enumerate((lambda self, step, ctxs: None, stacked)):
-            ens.Ensemble._curvatures = fn
-            out[i].append(timed(specs, steps, device, together=True) / steps)
-    ens.Ensemble._curvatures = stacked
+        for i, fn in enumerate((lambda self, step, batch, ctxs: None, stacked)):
+            ens.Ensemble._measure = fn
+            t0 = time.process_time()
+            timed(specs, steps, device, together=True)
+            out[i].append((time.process_time() - t0) / steps)
+    ens.Ensemble._measure = stacked
     return min(out[0]), min(out[1])
 
 
@@ -76,12 +90,13 @@ def main() -> None:
     print(f"threads {torch.get_num_threads()}; model d_model {params['model']['d_model']}, "
           f"{params['model']['n_layers']} layers; probes {params['exposure']['curvature_probes']}, "
           f"heldout {params['exposure']['heldout']}")
-    print("runs  measure_own_ms  measure_stacked_ms  ratio  step_own_ms  step_stacked_ms  ratio")
+    print("ms per call, each run's own / stacked (speed-up)")
+    print("runs  probes                  grads                   train step")
     for R in a.runs:
-        m_own, m_one = measure(params, R)
+        p_own, p_one, g_own, g_one = measure(params, R)
         s_own, s_one = train(params, R, a.steps, a.every, a.rounds)
-        print(f"{R:4d}  {1e3 * m_own:14.2f}  {1e3 * m_one:18.2f}  {m_own / m_one:5.2f}  {1e3 * s_own:11.2f}  "
-              f"{1e3 * s_one:15.2f}  {s_own / s_one:5.2f}", flush=True)
+        print(f"{R:4d}" + "".join(f"  {1e3 * x:8.2f} / {1e3 * y:8.2f} ({x / y:4.2f})"
+                                   for x, y in ((p_own, p_one), (g_own, g_one), (s_own, s_one))), flush=True)
 
 
 if __name__ == "__main__":

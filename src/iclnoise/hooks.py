@@ -64,7 +64,9 @@ class StepContext:
     grad_norm: float | torch.Tensor | None = None  # pre-clip global gradient norm
     clip_coef: float | torch.Tensor = 1.0          # factor clipping applied to the gradient
     live: bool | torch.Tensor = True               # the run did not diverge at this step (a frozen run's step is none)
-    curvature: Curvature | None = None  # diag Ĥ's probes of this step, measured across the ensemble's runs (else None)
+    # measured for this run across the ensemble's runs (iclnoise.ensemble), else None: the hooks measure their own
+    group_grads: torch.Tensor | None = None  # the meter's group gradients of this step
+    curvature: Curvature | None = None       # diag Ĥ's probes of this step
 
 
 class StepHook(Protocol):
@@ -137,11 +139,16 @@ class NoiseMeter:
     def due(self, step: int) -> bool:
         return (step + 1) % self.every == 0 or step in self.extra
 
+    def n_groups(self, batch: int) -> int:
+        return batch if self.per_example else min(self.groups, batch)
+
     def measure(self, ctx: StepContext) -> GradNoise:
+        """The step's group gradients (the ensemble's in ctx.group_grads, else its own) and their statistics."""
         if self._step != ctx.step:
             B = len(ctx.batch)
-            K = B if self.per_example else min(self.groups, B)
-            self.G = group_grads(ctx.model, ctx.loss_fn, ctx.batch.xs, ctx.batch.ys, K)
+            K = self.n_groups(B)
+            self.G = (ctx.group_grads if ctx.group_grads is not None else
+                      group_grads(ctx.model, ctx.loss_fn, ctx.batch.xs, ctx.batch.ys, K))
             self._noise, self._step = grad_noise(self.G, B // K), ctx.step
         return self._noise
 
