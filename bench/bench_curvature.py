@@ -5,9 +5,10 @@ this process's CPU seconds (one thread: a shared machine's other load does not e
            exposure.curvature_probes probes): R calls of exposure.ggn_curvature against one stacked_ggn_curvature
   grads  : the group gradients of R runs (batch 64, exposure.groups groups): R calls of exposure.group_grads against
            one stacked_group_grads
-  train  : `--steps` steps of R runs of the `early` closed-loop injecting arm (diag Ĥ measured every
-           exposure.curvature_every steps in its window, rows every `--every`), the ensemble measuring stacked
-           (Ensemble._measure) against each run's hooks measuring their own; the arms alternate in rounds
+  step   : a measuring step (a row or diag Ĥ due, no checkpoint) in `--steps` steps of R runs of the `early`
+           closed-loop injecting arm (diag Ĥ every exposure.curvature_every steps in its window, rows every
+           `--every`), the ensemble measuring stacked (Ensemble._measure) against each run's hooks measuring their
+           own; the arms alternate in rounds
 
 Usage: OMP_NUM_THREADS=1 python bench/bench_curvature.py [--runs 2 4 8] [--steps 60] [--every 10] [--rounds 2]
 """
@@ -60,21 +61,31 @@ def measure(params: dict, R: int) -> list[float]:
 
 
 def train(params: dict, R: int, steps: int, every: int, rounds: int) -> tuple[float, float]:
-    """CPU seconds per step of R runs of the `early` arm (setup, evaluation and checkpoints included): each run's
-    hooks measuring their own, the stacked calls."""
+    """CPU seconds of one measuring step (a live run's logger acts, no checkpoint follows) of R runs of the `early`
+    arm, the best round's mean: each run's hooks measuring their own, the stacked calls."""
     p = copy.deepcopy(params)
     p["grid"]["noise"], p["grid"]["batch_sizes"] = ["early"], [64]
     p["exposure"]["every"] = every
     p["train"]["budget"] = {"mode": "steps", "steps": steps}   # the window opens at step 0 of `steps`
     specs = [run_spec(p, r) for r in runs_for(p, R)]
-    stacked, device, out = ens.Ensemble._measure, torch.device("cpu"), [[], []]
+    stacked, step, device, out = ens.Ensemble._measure, ens.Ensemble._step, torch.device("cpu"), [[], []]
+    spent: list[float] = []
+
+    def timed_step(self, s, stop_after):
+        measuring = s + 1 not in self.ckpt_at and any(h.acts(s) for m in self.members for h in m.hooks
+                                                      if isinstance(h, ens.ExposureLogger))
+        t0 = time.process_time()
+        going = step(self, s, stop_after)
+        if measuring:
+            spent.append(time.process_time() - t0)
+        return going
+    ens.Ensemble._step = timed_step
     for _ in range(rounds):
-        for i, fn in enumerate((lambda self, step, batch, ctxs: None, stacked)):
-            ens.Ensemble._measure = fn
-            t0 = time.process_time()
+        for i, fn in enumerate((lambda self, s, batch, ctxs: None, stacked)):
+            ens.Ensemble._measure, spent[:] = fn, []
             timed(specs, steps, device, together=True)
-            out[i].append((time.process_time() - t0) / steps)
-    ens.Ensemble._measure = stacked
+            out[i].append(sum(spent) / len(spent))
+    ens.Ensemble._measure, ens.Ensemble._step = stacked, step
     return min(out[0]), min(out[1])
 
 
@@ -91,7 +102,7 @@ def main() -> None:
           f"{params['model']['n_layers']} layers; probes {params['exposure']['curvature_probes']}, "
           f"heldout {params['exposure']['heldout']}")
     print("ms per call, each run's own / stacked (speed-up)")
-    print("runs  probes                  grads                   train step")
+    print("runs  probes                  grads                   measuring step")
     for R in a.runs:
         p_own, p_one, g_own, g_one = measure(params, R)
         s_own, s_one = train(params, R, a.steps, a.every, a.rounds)
