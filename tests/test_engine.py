@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import iclnoise.ensemble as ens
+import iclnoise.hooks as hooks
 from iclnoise.ensemble import Member
 from iclnoise.evaluate import Evaluator
 from iclnoise.exposure import AdamState
@@ -90,12 +91,27 @@ def alone(spec: dict, tmp) -> tuple[dict, list, list, dict]:
 STEP0_A = ("ne_postclip", "curv", "ne_injected")
 
 
-def test_the_stacked_ensemble_equals_each_run_trained_alone_through_its_hooks(injecting, tmp_path):
+def test_the_stacked_ensemble_equals_each_run_trained_alone_through_its_hooks(injecting, tmp_path, monkeypatch):
     """60 steps, clipping in most steps, exposure rows every 10 steps and an injecting closed loop: each run's
     parameters, exposure rows, injection rows and final metrics equal the run trained alone the per-run way, to
-    float32 round-off (the two differ in summation order: bmm against F.linear, fused AdamW against foreach)."""
+    float32 round-off (the two differ in summation order: bmm against F.linear, fused AdamW against foreach).
+    The ensemble measured every group gradient and diag Ĥ of its runs in stacked calls (exposure.stacked_group_grads,
+    exposure.stacked_ggn_curvature), none per run."""
+    calls = {"stacked": 0, "own": 0, "stacked_grads": 0, "own_grads": 0}
+
+    def counted(key, f):
+        def call(*a, **k):
+            calls[key] += 1
+            return f(*a, **k)
+        return call
+    monkeypatch.setattr(ens, "stacked_ggn_curvature", counted("stacked", ens.stacked_ggn_curvature))
+    monkeypatch.setattr(ens.ExposureLogger, "_curvature", counted("own", ens.ExposureLogger._curvature))
+    monkeypatch.setattr(ens, "stacked_group_grads", counted("stacked_grads", ens.stacked_group_grads))
+    monkeypatch.setattr(hooks, "group_grads", counted("own_grads", hooks.group_grads))
     specs = [run_spec(injecting, r) for r in RUNS]
     out = train_ensemble(specs, [tmp_path / r for r in RUNS], progress=False)
+    assert calls["stacked"] >= 6 and calls["stacked_grads"] >= 6 and calls["own"] == calls["own_grads"] == 0, calls
+    monkeypatch.undo()   # the runs trained alone measure their own
     for spec, r, metrics in zip(specs, RUNS, out):
         params, exp_rows, inj_rows, final = alone(spec, tmp_path / f"alone-{r}")
         state = torch.load(tmp_path / r / "resume.pt", weights_only=False)

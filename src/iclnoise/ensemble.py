@@ -4,7 +4,8 @@ The runs' parameters are stacked along a leading run axis and one step is one ca
 `ICLTransformer` on the stacked parameters (`functional_call`: its layers run the R runs as batched matmuls).
 AdamW is elementwise, so one AdamW over the stacked tensors is R AdamWs; each run's hooked model aliases its
 slice of the stack, and its hooks read its slice of the optimizer state through `RunAdam`. A step
-(`Ensemble._step`): one stacked draw of every run's batch, backward, freeze runs that diverged, the hooks' `on_grads`,
+(`Ensemble._step`): one stacked draw of every run's batch, backward, freeze runs that diverged, the hooks' `on_grads`
+(the group gradients and diag Ĥ probes of the runs whose loggers measure at this step first, stacked: `_measure`),
 clip per run, the optimizer step (frozen runs restored), the hooks' `on_update` and the due checkpoints.
 
 The step reads nothing from the device on the host (no sync): losses, their interval sums, divergence and freezing,
@@ -33,7 +34,7 @@ from torch.func import functional_call
 from tqdm import tqdm
 
 from .evaluate import Evaluator
-from .exposure import AdamState
+from .exposure import AdamState, stacked_ggn_curvature, stacked_group_grads
 from .hooks import ExposureLogger, ExposureState, NoiseMeter, StepContext, StepHook
 from .injection import NoiseInjector
 from .model import ModelConfig, build_model, mse_loss
@@ -398,6 +399,40 @@ class Ensemble:
             self.opt.param_groups[0]["lr"] = float(self.opt.param_groups[0]["lr"])
             log.warning("train.cuda_graphs: capture failed (%s: %s); the step runs eagerly", type(e).__name__, e)
 
+    def _measure(self, step: int, batch: Batch, ctxs: dict[int, StepContext]) -> None:
+        """The exposure measurements of the runs whose loggers measure at this step, each kind in one stacked call
+        per shape, into their contexts: the group gradients (exposure.stacked_group_grads) and the Gauss–Newton
+        diag Ĥ probes (exposure.stacked_ggn_curvature), each run's own batch, held-out batch and probe draws, its
+        numbers its own measurement's to float32 round-off. A kind fewer than two runs measure: each its own."""
+        grads: dict[int, list[int]] = {}
+        curvs: dict[tuple[int, int], list[tuple[int, ExposureLogger]]] = {}
+        for r in ctxs:
+            for h in self.members[r].hooks:
+                if isinstance(h, ExposureLogger) and h.meter.due(step):
+                    grads.setdefault(h.meter.n_groups(self.B), []).append(r)
+                if isinstance(h, ExposureLogger) and h.curvature == "ggn" and h.measures_curvature(step):
+                    curvs.setdefault((h.n_heldout, h.probes), []).append((r, h))
+        model = self.members[0].model
+        for K, rs in grads.items():
+            if len(rs) > 1:
+                idx = torch.tensor(rs, device=self.device)
+                G = stacked_group_grads(model, mse_loss, self._params(rs), batch.xs[idx], batch.ys[idx], K)
+                for r, g in zip(rs, G):
+                    ctxs[r].group_grads = g
+        for (n, probes), due in curvs.items():
+            if len(due) > 1:
+                rs = [r for r, _ in due]
+                held = stacked_batch([self.members[r].heldout for r in rs], step, n)
+                hess = stacked_ggn_curvature(model, self._params(rs), held.xs, held.ys, probes,
+                                             [h.probe_generator(step) for _, h in due], 1.0 / due[0][1].D)
+                for r, c in zip(rs, hess):
+                    ctxs[r].curvature = c
+
+    def _params(self, rs: list[int]) -> dict[str, torch.Tensor]:
+        """The stacked parameters of runs `rs` (detached copies)."""
+        idx = torch.tensor(rs, device=self.device)
+        return {name: P.detach()[idx] for name, P in zip(self.names, self.P)}
+
     def _step(self, step: int, stop_after: int | None) -> bool:
         """Update `step` of every run; False when every run has diverged (nothing left to train)."""
         members, lr = self.members, self.lr(step)
@@ -422,6 +457,7 @@ class Ensemble:
         ctxs = {r: StepContext(step, self.total, members[r].model, members[r].adam.state(step),
                                Batch(batch.xs[r], batch.ys[r], batch.tasks[r]), self.mb, lr, mse_loss,
                                members[r].heldout.batch) for r in live if members[r].hooks}
+        self._measure(step, batch, ctxs)
         for r, ctx in ctxs.items():
             for h in members[r].hooks:
                 h.on_grads(ctx)

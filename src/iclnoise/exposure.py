@@ -54,6 +54,27 @@ def group_grads(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: t
     return torch.cat([g[n].reshape(groups, -1) for n in names], dim=1)
 
 
+def stacked_group_grads(model: torch.nn.Module, loss_fn: LossFn, params: dict[str, torch.Tensor], xs: torch.Tensor,
+                        ys: torch.Tensor, groups: int) -> torch.Tensor:
+    """(R, groups, P): `group_grads` of R runs in one vmapped pass, `params` stacked along a leading run axis on a
+    model that stacks runs (iclnoise.model.ICLTransformer), xs (R, B, ...), ys (R, B, ...). The gradient of the sum
+    of the runs' losses is every run's own gradient (run r's loss depends on run r's slice alone), so run r's rows
+    equal its own `group_grads` to float32 round-off (batched against single matmuls)."""
+    R, B = xs.shape[:2]
+    if B % groups:
+        raise ValueError(f"batch {B} is not divisible into {groups} gradient groups")
+    buffers = {n: b.detach() for n, b in model.named_buffers()}
+
+    def loss(p, x, y):
+        return loss_fn(lambda a, b: functional_call(model, (p, buffers), (a, b)), x, y).sum()
+
+    m = B // groups
+    g = vmap(grad(loss), in_dims=(None, 1, 1))({n: p.detach() for n, p in params.items()},
+                                               xs.reshape(R, groups, m, *xs.shape[2:]),
+                                               ys.reshape(R, groups, m, *ys.shape[2:]))
+    return torch.cat([g[n].transpose(0, 1).reshape(R, groups, -1) for n in params], dim=2)
+
+
 @dataclass
 class GradNoise:
     """Sample statistics of K group gradients of m sequences each.
@@ -207,6 +228,23 @@ def ggn_curvature(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor, pr
     U = _rademacher((probes, *out.shape), generator, out)
     JtU = vmap(vjp_fn)(U)[0]
     return Curvature(JtU, JtU, 2 * loss_scale / out.numel())
+
+
+def stacked_ggn_curvature(model: torch.nn.Module, params: dict[str, torch.Tensor], xs: torch.Tensor, ys: torch.Tensor,
+                          probes: int, generators: list[torch.Generator], loss_scale: float = 1.0) -> list[Curvature]:
+    """`ggn_curvature` of R runs in one call: `params` stacked along a leading run axis (R, ...) on a model that
+    stacks runs (iclnoise.model.ICLTransformer), xs (R, N, ...), ys (R, N, ...). Run r's probes are drawn from
+    generators[r] exactly as `ggn_curvature` draws them, and the runs' Jacobians are blocks of one block-diagonal
+    Jacobian, so one vmapped vector-Jacobian product per probe gives every run's Jᵀu_k: run r's samples equal
+    its own `ggn_curvature` to float32 round-off (batched against single matmuls)."""
+    names, R = list(params), xs.shape[0]
+    buffers = {k: v.detach() for k, v in model.named_buffers()}
+    out, vjp_fn = torch.func.vjp(lambda p: functional_call(model, (p, buffers), (xs, ys)),
+                                 {n: p.detach() for n, p in params.items()})
+    U = torch.stack([_rademacher((probes, *out.shape[1:]), g, out) for g in generators], 1)   # (probes, R, ...)
+    JtU = vmap(vjp_fn)(U)[0]
+    flat = torch.cat([JtU[n].transpose(0, 1).reshape(R, probes, -1) for n in names], 2)       # (R, probes, P)
+    return [Curvature(f, f, 2 * loss_scale / out[0].numel()) for f in flat]
 
 
 def kappa(setting: float | str | None, beta1: float, optimizer: str = "adamw") -> float:

@@ -28,6 +28,7 @@ from torch import nn
 from .exposure import (
     EXPOSURE_SCHEMA,
     AdamState,
+    Curvature,
     GradNoise,
     b_simple,
     calibrated_kappa,
@@ -63,6 +64,9 @@ class StepContext:
     grad_norm: float | torch.Tensor | None = None  # pre-clip global gradient norm
     clip_coef: float | torch.Tensor = 1.0          # factor clipping applied to the gradient
     live: bool | torch.Tensor = True               # the run did not diverge at this step (a frozen run's step is none)
+    # measured for this run across the ensemble's runs (iclnoise.ensemble), else None: the hooks measure their own
+    group_grads: torch.Tensor | None = None  # the meter's group gradients of this step
+    curvature: Curvature | None = None       # diag Ĥ's probes of this step
 
 
 class StepHook(Protocol):
@@ -135,11 +139,16 @@ class NoiseMeter:
     def due(self, step: int) -> bool:
         return (step + 1) % self.every == 0 or step in self.extra
 
+    def n_groups(self, batch: int) -> int:
+        return batch if self.per_example else min(self.groups, batch)
+
     def measure(self, ctx: StepContext) -> GradNoise:
+        """The step's group gradients (the ensemble's in ctx.group_grads, else its own) and their statistics."""
         if self._step != ctx.step:
             B = len(ctx.batch)
-            K = B if self.per_example else min(self.groups, B)
-            self.G = group_grads(ctx.model, ctx.loss_fn, ctx.batch.xs, ctx.batch.ys, K)
+            K = self.n_groups(B)
+            self.G = (ctx.group_grads if ctx.group_grads is not None else
+                      group_grads(ctx.model, ctx.loss_fn, ctx.batch.xs, ctx.batch.ys, K))
             self._noise, self._step = grad_noise(self.G, B // K), ctx.step
         return self._noise
 
@@ -181,13 +190,9 @@ class ExposureLogger:
 
     def _measure_curvature(self, ctx: StepContext, a: torch.Tensor | None) -> tuple[float, float]:
         """Hutchinson diag Ĥ on this step's held-out batch, kept in the shared state with its relative standard
-        error at this step's A; adapts the refresh interval to the drift from the previous Ĥ (curvature_tol)."""
-        gen = torch.Generator(device=self.device).manual_seed(_seed_mix(_PROBE, self.keys["seed"], ctx.step))
-        held = ctx.heldout(ctx.step, self.n_heldout)
-        if self.curvature == "ggn":  # the MSE objective: loss_scale 1/D (iclnoise.model.mse_loss)
-            hess = ggn_curvature(ctx.model, held.xs, held.ys, self.probes, gen, 1.0 / self.D)
-        else:
-            hess = hessian_curvature(ctx.model, ctx.loss_fn, held.xs, held.ys, self.probes, gen)
+        error at this step's A (the ensemble's measurement in ctx.curvature, else its own); adapts the refresh
+        interval to the drift from the previous Ĥ (curvature_tol)."""
+        hess = ctx.curvature or self._curvature(ctx)
         st = self.state
         curv, se = hess.at(a)
         rse = se / curv if curv > 0 else math.nan
@@ -198,9 +203,24 @@ class ExposureLogger:
         st.close_measurement()
         return curv, se
 
+    def probe_generator(self, step: int) -> torch.Generator:
+        """The generator of step `step`'s Hutchinson probes (one stream per run and step)."""
+        return torch.Generator(device=self.device).manual_seed(_seed_mix(_PROBE, self.keys["seed"], step))
+
+    def _curvature(self, ctx: StepContext) -> Curvature:
+        """This run's diag Ĥ probes on this step's held-out batch."""
+        gen, held = self.probe_generator(ctx.step), ctx.heldout(ctx.step, self.n_heldout)
+        if self.curvature == "ggn":  # the MSE objective: loss_scale 1/D (iclnoise.model.mse_loss)
+            return ggn_curvature(ctx.model, held.xs, held.ys, self.probes, gen, 1.0 / self.D)
+        return hessian_curvature(ctx.model, ctx.loss_fn, held.xs, held.ys, self.probes, gen)
+
+    def measures_curvature(self, step: int) -> bool:
+        """on_grads measures diag Ĥ at this step: a row or a diag Ĥ alone is due."""
+        return self.meter.due(step) or self._refresh_due(step)
+
     def acts(self, step: int) -> bool:
         """A row or a diag Ĥ is due; on other steps on_update only counts (clip_frac), on the device."""
-        return self.meter.due(step) or self._refresh_due(step)
+        return self.measures_curvature(step)
 
     def on_grads(self, ctx: StepContext) -> None:
         self._measured = None
