@@ -81,6 +81,19 @@ class StepHook(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
+class Unrecorded:
+    """A step hook that writes no rows and keeps no resume state (the StepHook protocol's last three calls)."""
+
+    def rows(self) -> list[dict]:
+        return []
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
 @dataclass
 class ExposureState:
     """What the exposure logger measures and the injector reads, and the injector's sums the logger's next

@@ -11,7 +11,7 @@ import pyarrow as pa
 import torch
 
 from .exposure import budget_scale, kappa, ne_unit, preconditioner
-from .hooks import ExposureState, NoiseMeter, StepContext
+from .hooks import ExposureState, NoiseMeter, StepContext, Unrecorded
 from .nap import NAP_SHAPES, NapEstimator
 from .noise import CovModel, PIController, shaped_covariance, target_at, window
 from .sections import RunSpec
@@ -206,7 +206,7 @@ class NoiseInjector:
             self.alignment = state["nap"]["alignment"]
 
 
-class DoseReference:
+class DoseReference(Unrecorded):
     """SPEC §6's injected P-NE*, recomputed independently beside a run (a check of the closed loop's books, not
     used by it): at every `every`-th injecting step, before the injector acts, this step's A (from the live AdamW)
     and the exact Gauss–Newton diagonal (full Jacobian on `n_heldout` held-out sequences at the current weights);
@@ -253,12 +253,3 @@ class DoseReference:
         self.steps.append(ctx.step)
         self.pne.append(c2 * ne / self._curv)
         self.booked.append(row["pne_injected"])
-
-    def rows(self) -> list[dict]:
-        return []
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass

@@ -40,6 +40,7 @@ from .cnr import estimate, metric_terms, propagate
 from .ensemble import Ensemble, Member
 from .exposure import AdamState, grad_noise, group_grads, preconditioner
 from .grid import spec_hash
+from .hooks import Unrecorded
 from .injection import NoiseInjector
 from .io import read_parquet
 from .model import mse_loss
@@ -101,7 +102,7 @@ def counterfactual(text: str, conditions: dict, spec: RunSpec) -> Counterfactual
     return Counterfactual(text, cond, False, k)
 
 
-class Replayer:
+class Replayer(Unrecorded):
     """A step hook (iclnoise.hooks protocol) that carries CNR's paths forward beside the replayed run: every step, the
     previous step's noise draws are added and every path goes through this step's linearised update (module
     docstring); `finish` adds the last draws and returns (first, second) per path group. Put last, so the injector
@@ -154,15 +155,6 @@ class Replayer:
             else:
                 self.delta, self.e = vmap(lambda d, e: propagate(phi, x, d, e))(self.delta, self.e)
         self.pending = now
-
-    def rows(self) -> list[dict]:
-        return []
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
 
     # ------------------------------------------------------------ the linearised step and its noise
     def _phi(self, now: dict):
