@@ -148,6 +148,14 @@ def test_any_deleted_output_is_rebuilt_by_plain_snakemake_and_nothing_else(finis
     assert "Nothing to be done" in snakemake(d, "-n").stdout
 
 
+def _mtime_ns(path):
+    """A file's mtime, or -1 where it vanished since it was listed (Snakemake removes a forced job's outputs)."""
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return -1
+
+
 def test_a_killed_aggregate_is_rerun_by_plain_snakemake(finished):
     """Ctrl-C (SIGINT to the process group) while aggregate writes its tables: its outputs are marked incomplete.
     The workflow profile (profiles/default: rerun-incomplete) is found and applied, so plain `snakemake` reruns
@@ -164,7 +172,7 @@ def test_a_killed_aggregate_is_rerun_by_plain_snakemake(finished):
                             stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
-        while not any(p.stat().st_mtime_ns > start for p in agg.glob("*.parquet")):   # its first new table
+        while not any(_mtime_ns(p) > start for p in agg.glob("*.parquet")):   # its first new table
             assert proc.poll() is None and time.monotonic() < deadline, "aggregate ended or never started"
             time.sleep(0.05)
     finally:
@@ -174,14 +182,16 @@ def test_a_killed_aggregate_is_rerun_by_plain_snakemake(finished):
     # Where the signal lands decides what is left (all three seen on this machine): the outputs marked incomplete
     # (what the profile repairs), or removed by Snakemake on its way out, or the job finished before Snakemake
     # stopped (then aggregate has nothing to redo). In the first two plain snakemake must plan aggregate.
-    bare = snakemake(d, "-n", "--workflow-profile", "none", check=False)
-    killed = bool(bare.returncode) or "aggregate" in {rule for rule, _ in plan(bare.stdout)}
-    if bare.returncode:
-        assert "IncompleteFilesException" in bare.stdout + bare.stderr
-    r = snakemake(d, "-n")
-    assert f"workflow specific profile {ROOT / 'profiles/default'}" in r.stderr
-    assert ("aggregate" in {rule for rule, _ in plan(r.stdout)}) == killed
-    snakemake(d)
+    try:
+        bare = snakemake(d, "-n", "--workflow-profile", "none", check=False)
+        killed = bool(bare.returncode) or "aggregate" in {rule for rule, _ in plan(bare.stdout)}
+        if bare.returncode:
+            assert "IncompleteFilesException" in bare.stdout + bare.stderr
+        r = snakemake(d, "-n")
+        assert f"workflow specific profile {ROOT / 'profiles/default'}" in r.stderr
+        assert ("aggregate" in {rule for rule, _ in plan(r.stdout)}) == killed
+    finally:
+        snakemake(d)   # the shared run is left complete for the tests after this one, whatever failed above
     assert "Nothing to be done" in snakemake(d, "-n").stdout
 
 
