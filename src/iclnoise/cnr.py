@@ -15,7 +15,11 @@ and the second is seed 002's
     Δ E f = ½ Σ_t tr(J_{T←t+1}ᵀ ∇²f J_{T←t+1} (Λ̃_t − Λ_t))  +  ∇f · Σ_s J_{T←s+1} ½ D²Φ_s[ΔC_s],
     ΔC_s = Σ_{t<s} J_{s←t+1} (Λ̃_t − Λ_t) J_{s←t+1}ᵀ  (the change of the state covariance at s).
 
-Every product is a forward-mode JVP (a JVP of a JVP for D²), so no Jacobian or Hessian is formed.
+Every product is a forward-mode JVP (a JVP of a JVP for D²), so no Jacobian or Hessian is formed. A noise that
+enters the update itself (gradient noise through Adam) is an input u of the step, Φ_t(θ, u) with u = 0 on the
+record: `propagate` on the map y = (θ, u) ↦ Φ_t, tangent (δ_t, u_t) and drift tangent (e_t, 0), gives
+δ_{t+1} = J_t δ_t + B_t u_t and e_{t+1} = J_t e_t + ½ D²Φ_t[(δ_t, u_t), (δ_t, u_t)]: the input's own second order
+(for Adam, v's growth by (1 − β2) u²) is in the drift.
 
 Two estimators of the same quantity:
 - `exact_change`: Λ̃_t − Λ_t given by signed factors Σ_i s_i w_i w_iᵀ; one path per (t, i): exact to rounding
@@ -34,8 +38,12 @@ Approximations (what the prediction ignores; seed 002's bound E[(f̂ − f)²] �
    is about: the difference is O(noise) × L;
 3. the two noises are treated as independent (a retraining with the same seeds couples them: its realised change
    scatters less than `sd_draw` says, so the interval is conservative there);
-4. whatever the caller's Φ_t leaves out (for Adam: a frozen preconditioner, clipping held at its recorded factor)
-   is the caller's approximation, stated where Φ_t is built.
+4. whatever the caller's Φ_t leaves out is the caller's approximation, stated where Φ_t is built (for AdamW,
+   iclnoise.replay: the state (θ, m, v), the clip factor held, a sub-sampled gradient Jacobian);
+5. the expansion's range is the map's: for Adam, |δg_i| ≪ √v̂_i on every coordinate, which the early steps
+   (v̂ from one or two batches, a = 1/(√v̂ + ε) up to 1e6 measured) and parameter noise shaped by that a leave at
+   once; past it the tangent map is expansive where AdamW itself renormalises (README, "Counterfactual noise
+   replay", for the measurements).
 """
 from __future__ import annotations
 

@@ -2,24 +2,35 @@
 noise been another, predicted from the run without retraining it. The formulas, and the approximations they make,
 are iclnoise.cnr's; this module builds their inputs from a run and adds its own:
 
-- trajectory: the run is replayed from step 0 by the training engine in a scratch directory (its initialisation,
-  data stream and injection are seeded, so the replay is the run: `replayed` beside `observed` in cnr.parquet shows
-  it). A run keeps only its latest resume state, so step 0 is the nearest state of every step; forward-mode
-  products go the way training goes, so the paths ride along (`Replayer`) and nothing is stored;
-- update map: AdamW's step on the state (θ, m): m' = β1 m + (1 − β1) c_t ∇L_t(θ), θ' = θ(1 − η_t wd) − η_t A_t m' /
-  (1 − β1ⁿ), with A_t = 1/(√v̂ + ε) frozen at the value the step used (v's own response to the perturbation, weight
-  1 − β2 per step, is dropped), c_t the run's clip factor held, and ∇L_t on the first `jac_batch`
-  sequences of the step's batch (a sub-sampled Jacobian: the sub-batch's curvature stands for the batch's);
-- noise: grad source enters m and θ through the step above (ε ~ N(0, s_t R'_t), clipped by c_t); param source
-  η_t A_t ε into θ (isotropic: τ² I, τ² P = η² s Tr(A R' A)); R'_t the injector's at that step;
+- trajectory: the run is replayed by the training engine in a scratch directory, from step 0 or from one of its
+  resume states at t0 (`state`: a windowed replay, the counterfactual noise over [t0, T] only, cost ∝ T − t0); its
+  initialisation, data stream and injection are seeded and its resume is bitwise, so the replay is the run
+  (`replayed` beside `observed` in cnr.parquet shows it). Forward-mode products go the way training goes, so the
+  paths ride along (`Replayer`) and nothing is stored;
+- update map (`adamw_map`): AdamW's step on the whole state x = (θ, m, v), m' = β1 m + (1 − β1) c g,
+  v' = β2 v + (1 − β2) c² g², θ' = θ(1 − η wd) − η a(v') m' / (1 − β1ⁿ), a(v') = 1/(√(v'/(1 − β2ⁿ)) + ε): its
+  tangent map is AdamW's Jacobian in (θ, m, v) (checked against finite differences of torch's AdamW), so a
+  perturbation renormalises through v as AdamW does, to first order. Held: the clip factor c_t (its dependence on
+  ‖g‖ dropped); a = 0 on the round-off coordinates where the step's a is (iclnoise.adam; AdamW moves them by
+  round-off). The gradient is the recorded one (the injected gradient noise in) plus the change of the gradient on
+  the first `jac_batch` sequences of the step's batch (a sub-sampled Jacobian: the sub-batch's curvature stands
+  for the batch's), so the map passes through the recorded state;
+- noise: grad source is an input of the step (ε ~ N(0, s_t R'_t) added to g before the held clip), so its first
+  order and its drift (v's growth by (1 − β2) c² ε², the smaller steps that follow) come from the map; param
+  source η_t A_t ε is added to θ after the step (isotropic: τ² I, τ² P = η² s Tr(A R' A)), with A_t the injector's
+  (before the first update A = 1/(|g_0| + ε) of one batch, v̂_1 = g_0²: the run's own, replayed as it was) and its
+  dependence on the perturbed v dropped (a product of the draw and the perturbation: zero mean, higher order);
+  R'_t the injector's at that step;
 - counterfactuals (`counterfactual`): `none`, `self*k` (the run's own noise, covariance × k), or a noise condition
   of params.yaml (× k) whose level is open loop (emulate_batch): its R' is shaped from the gradient covariance
   measured on the replayed trajectory every exposure.every steps; closed-loop levels (budget, controlled) are
   refused, since their scale depends on the counterfactual run itself; a counterfactual's grad-source noise is
   clipped by the run's own clip factors.
 
-Cost: one training run (the replay) plus, per step, a JVP of a JVP of the gradient on `jac_batch` sequences for
-every path: (1 + counterfactuals) × probes paths, all counterfactuals in one pass.
+Cost: the replay (training from t0) plus, per step, a JVP of a JVP of the gradient on `jac_batch` sequences for
+every path: (1 + counterfactuals) × probes paths, all counterfactuals in one pass. `Replayer.norms` keeps the RMS
+‖δθ‖ of the run's own noise's paths after each step (one realisation's displacement, linearised: the diagnostics
+of where the expansion leaves its range, bench/reproductions/cnr_paths.py).
 """
 from __future__ import annotations
 
@@ -36,7 +47,7 @@ import pyarrow as pa
 import torch
 from torch.func import functional_call, grad, vmap
 
-from .cnr import estimate, metric_terms, propagate
+from .cnr import Map, estimate, metric_terms, propagate
 from .ensemble import Ensemble, Member
 from .exposure import AdamState, grad_noise, group_grads, preconditioner
 from .grid import spec_hash
@@ -46,7 +57,7 @@ from .io import read_parquet
 from .model import mse_loss
 from .noise import shaped_covariance, window
 from .predictors import token_losses
-from .runs import CKPT_DIR, read_spec
+from .runs import CKPT_DIR, load_torch, read_spec
 from .sections import NoiseCondition, RunSpec
 from .tasks import _seed_mix
 
@@ -103,10 +114,12 @@ def counterfactual(text: str, conditions: dict, spec: RunSpec) -> Counterfactual
 
 
 class Replayer(Unrecorded):
-    """A step hook (iclnoise.hooks protocol) that carries CNR's paths forward beside the replayed run: every step, the
-    previous step's noise draws are added and every path goes through this step's linearised update (module
-    docstring); `finish` adds the last draws and returns (first, second) per path group. Put last, so the injector
-    has set this step's covariance before it reads it; it writes nothing into the run."""
+    """A step hook (iclnoise.hooks protocol) that carries CNR's paths forward beside the replayed run. Each step's
+    record (state, gradient, clip factor) is kept at `on_update`; at the next step's `on_grads` (or `finish`), once
+    the injector has written that step's row, every path goes through the step's linearised update (module
+    docstring), gradient-source draws entering it as inputs, and parameter-source draws are added after it. Put
+    last, so the injector has set this step's covariance and gradient noise before it reads them; it writes nothing
+    into the run."""
 
     name, schema = "cnr", pa.schema([pa.field("step", pa.int64())])
 
@@ -116,85 +129,101 @@ class Replayer(Unrecorded):
         self.groups = [None, *cfs]          # group 0: the run's own noise; then one per counterfactual
         self.probes, self.jac_batch, self.seed = probes, jac_batch, seed
         o = spec.train.optimizer
-        self.beta1, self.wd = o.betas[0], o.weight_decay
+        self.betas, self.wd, self.eps = tuple(o.betas), o.weight_decay, o.eps
         self.unflat, theta = _functional(model)
         self.P = theta.numel()
         cov_cf = [c for c in cfs if c.noise is not None and not c.own]
         self.every = spec.exposure.every if cov_cf else None
         self.n_groups = spec.exposure.groups if cov_cf else 0
         self.noise, self.measured, self.covs = None, None, {}
-        self.delta: torch.Tensor | None = None   # (groups · probes, 2P): state (θ, m) perturbations
+        self.delta: torch.Tensor | None = None   # (groups · probes, 3P): state (θ, m, v) perturbations
         self.e: torch.Tensor | None = None
+        self.now: dict | None = None
         self.pending: dict | None = None
+        self.norms: list[tuple[int, float]] = []   # (step, RMS ‖δθ‖ of the run's own noise's paths after it)
         self.windows = [None if c is None or c.noise is None or c.own else
                         window(c.noise.schedule, spec.train.steps, c.noise.window_fraction) for c in self.groups]
 
     # ------------------------------------------------------------ the hook
     def on_grads(self, ctx) -> None:
+        self._advance()
         b, adam = ctx.batch, ctx.adam
         if self.every is not None and (self.measured is None or ctx.step - self.measured >= self.every):
             K = min(self.n_groups, len(b))
             self.noise = grad_noise(group_grads(ctx.model, ctx.loss_fn, b.xs, b.ys, K), len(b) // K)
             self.measured = ctx.step
-        m = (torch.zeros(self.P, device=b.xs.device) if adam.exp_avg is None
-             else torch.cat([v.detach().reshape(-1) for v in adam.exp_avg]))
-        self.now = {"step": ctx.step, "theta": torch.cat([p.detach().reshape(-1) for p in ctx.model.parameters()]),
-                    "m": m.clone(), "a": preconditioner(adam).detach().clone(), "lr": ctx.lr,
-                    "bc1": 1 - self.beta1 ** ((adam.step or 0) + 1), "xs": b.xs[:self.jac_batch],
-                    "ys": b.ys[:self.jac_batch], "cov": None if self.injector is None else self.injector.cov,
-                    "noise": self.noise}
+        flat = lambda ts: torch.cat([t.detach().reshape(-1) for t in ts])  # noqa: E731
+        theta = flat(ctx.model.parameters())
+        zero = torch.zeros_like(theta)
+        self.now = {"step": ctx.step, "theta": theta,
+                    "m": zero if adam.exp_avg is None else flat(adam.exp_avg),
+                    "v": zero if adam.exp_avg_sq is None else flat(adam.exp_avg_sq),
+                    "n": adam.step or 0, "g": flat(p.grad for p in ctx.model.parameters()),  # the injector's noise in
+                    "a": preconditioner(adam).detach().clone(), "lr": ctx.lr,
+                    "xs": b.xs[:self.jac_batch], "ys": b.ys[:self.jac_batch],
+                    "cov": None if self.injector is None else self.injector.cov, "noise": self.noise}
 
     def on_update(self, ctx) -> None:
         now, self.now = self.now, None
-        now["clip"], now["a_step"] = ctx.clip_coef, step_preconditioner(ctx.adam)
-        self._add_noise()
-        if self.delta is not None:
-            x, phi = torch.cat([now["theta"], now["m"]]), self._phi(now)
-            if self.e is None:
-                self.delta, self.e = vmap(lambda d: propagate(phi, x, d, None))(self.delta)
-            else:
-                self.delta, self.e = vmap(lambda d, e: propagate(phi, x, d, e))(self.delta, self.e)
+        now["clip"], now["live"] = float(ctx.clip_coef), step_preconditioner(ctx.adam) > 0
         self.pending = now
 
-    # ------------------------------------------------------------ the linearised step and its noise
-    def _phi(self, now: dict):
-        """AdamW's step on the state (θ, m), A frozen at the value the step used, the clip factor held."""
-        P, b1, lr, wd, a, bc1, c = self.P, self.beta1, now["lr"], self.wd, now["a_step"], now["bc1"], now["clip"]
-        g = grad(lambda th: mse_loss(lambda u, v: functional_call(self.model, self.unflat(th), (u, v)), now["xs"],
-                                     now["ys"]))
-
-        def phi(x: torch.Tensor) -> torch.Tensor:
-            theta, m = x[:P], x[P:]
-            m2 = b1 * m + (1 - b1) * c * g(theta)
-            return torch.cat([theta * (1 - lr * wd) - lr * a * m2 / bc1, m2])
-        return phi
-
-    def _add_noise(self) -> None:
-        """Add the pending step's draws to every path (the injector's row of that step is written by now)."""
-        now = self.pending
+    def _advance(self) -> None:
+        """The pending step: every path through its linearised update, its draws added (the injector's row of that
+        step is written by now)."""
+        now, self.pending = self.pending, None
         if now is None:
             return
         row = self.injector.rows()[-1] if self.injector is not None else None
         draws = [self._draw(g, now, row, k) for g in range(len(self.groups)) for k in range(self.probes)]
-        if all(d is None for d in draws):
-            return
-        zero = torch.zeros(2 * self.P, device=now["a"].device, dtype=now["a"].dtype)
-        w = torch.stack([zero if d is None else d for d in draws])
-        self.delta = w if self.delta is None else self.delta + w
+        P, n = self.P, len(draws)
+        grad_in = any(d is not None and d[0] == "grad" for d in draws)
+        if self.delta is not None or grad_in:
+            phi, x = self._phi(now), torch.cat([now["theta"], now["m"], now["v"]])
+            delta = torch.zeros(n, 3 * P, dtype=x.dtype, device=x.device) if self.delta is None else self.delta
+            if grad_in:   # the gradient noise is an input of the step: (x, u) ↦ Φ(x, u), u = 0 on the record
+                u = torch.stack([d[1] if d is not None and d[0] == "grad" else torch.zeros_like(now["g"])
+                                 for d in draws])
+                x, delta = torch.cat([x, torch.zeros_like(now["g"])]), torch.cat([delta, u], 1)
+                e = None if self.e is None else torch.cat([self.e, torch.zeros_like(u)], 1)
+                step = lambda y: phi(y[:3 * P], y[3 * P:])  # noqa: E731
+            else:
+                e, step = self.e, lambda y: phi(y, None)  # noqa: E731
+            if e is None:
+                self.delta, self.e = vmap(lambda d: propagate(step, x, d, None))(delta)
+            else:
+                self.delta, self.e = vmap(lambda d, ee: propagate(step, x, d, ee))(delta, e)
+        w = [d[1] if d is not None and d[0] == "param" else None for d in draws]
+        if any(d is not None for d in w):
+            zero = torch.zeros(3 * P, dtype=now["theta"].dtype, device=now["theta"].device)
+            add = torch.stack([zero if d is None else torch.cat([d, zero[P:]]) for d in w])
+            self.delta = add if self.delta is None else self.delta + add
+        if self.delta is not None:   # one realisation's displacement, linearised: the expansion's size
+            self.norms.append((now["step"], float(self.delta[:self.probes, :P].norm(dim=1).square().mean().sqrt())))
 
-    def _draw(self, g: int, now: dict, row: dict | None, k: int) -> torch.Tensor | None:
-        """Path k of group g: the step's noise in (θ, m) space, ε from the generator of (seed, step, k) (paired)."""
+    # ------------------------------------------------------------ the linearised step and its noise
+    def _phi(self, now: dict):
+        """AdamW's step on the state (θ, m, v) (`adamw_map`), its gradient at θ the recorded one plus the change
+        of the gradient on the first `jac_batch` sequences, the clip factor held."""
+        g = grad(lambda th: mse_loss(lambda u, v: functional_call(self.model, self.unflat(th), (u, v)), now["xs"],
+                                     now["ys"]))
+        g_rec, g_sub = now["g"], g(now["theta"]).detach()
+        return adamw_map(lambda th: g_rec + (g(th) - g_sub), now["lr"], self.wd, self.betas, self.eps, now["n"],
+                         now["clip"], now["live"])
+
+    def _draw(self, g: int, now: dict, row: dict | None, k: int) -> tuple[str, torch.Tensor] | None:
+        """Path k of group g: the step's noise, ("grad", ε) a gradient input of the step or ("param", w) added to θ
+        after it; ε from the generator of (seed, step, k) (paired)."""
         cf = self.groups[g]
         if cf is None or cf.own:
             if row is None or not row["active"] or row["scale"] <= 0:
                 return None
             cond, cov = self.spec.noise, now["cov"]
             var = row["scale"] * (cf.factor if cf is not None else 1.0)   # s_t (× k)
-            clip = math.sqrt(row["clip_coef"])
         else:
             if cf.noise is None or not (self.windows[g][0] <= now["step"] < self.windows[g][1]):
                 return None
-            cond, var, clip = cf.noise, cf.factor, now["clip"] if cf.noise.source == "grad" else 1.0
+            cond, var = cf.noise, cf.factor
             key = (id(now["noise"]), g)
             if key not in self.covs:
                 coef = 1.0 / cond.emulate_batch - 1.0 / self.spec.keys.batch
@@ -202,21 +231,18 @@ class Replayer(Unrecorded):
                 self.covs[key] = shaped_covariance(now["noise"], coef, cond.shape, cond.rank or 0)[0]
             cov = self.covs[key]
         gen = torch.Generator(device=now["a"].device).manual_seed(_seed_mix(self.seed, now["step"], k))
-        eps, a, lr, zero = cov.sample(gen) * math.sqrt(var), now["a"], now["lr"], torch.zeros_like(now["a"])
-        if cond.source == "grad":   # through the step's AdamW; param noise is shaped by A before it (the injector's)
-            z = (1 - self.beta1) * clip * eps
-            return torch.cat([-lr * now["a_step"] * z / now["bc1"], z])
-        if cond.shape == "isotropic":
+        eps, a, lr = cov.sample(gen) * math.sqrt(var), now["a"], now["lr"]
+        if cond.source == "grad":   # into the step's gradient, before its clip (held)
+            return "grad", eps
+        if cond.shape == "isotropic":   # param noise is shaped by A before the step (the injector's)
             tau2 = lr ** 2 * var * float((a.square() * cov.diag()).sum()) / a.numel()
-            return torch.cat([math.sqrt(tau2) * torch.randn(a.numel(), generator=gen, device=a.device,
-                                                            dtype=a.dtype), zero])
-        return torch.cat([lr * a * eps, zero])
+            return "param", math.sqrt(tau2) * torch.randn(a.numel(), generator=gen, device=a.device, dtype=a.dtype)
+        return "param", lr * a * eps
 
     def finish(self, f, theta_T: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(first, second) per group, each (probes, metrics), after the last step's draws."""
-        self._add_noise()
-        self.pending = None
-        x = torch.cat([theta_T, torch.zeros_like(theta_T)])
+        """(first, second) per group, each (probes, metrics), after the last step and its draws."""
+        self._advance()
+        x = torch.cat([theta_T, torch.zeros(2 * self.P, dtype=theta_T.dtype, device=theta_T.device)])
         fx = lambda y: f(y[:self.P])  # noqa: E731 - the metrics read θ only
         zero = torch.zeros(self.probes, *fx(x).shape, dtype=x.dtype)
         if self.delta is None:
@@ -227,6 +253,28 @@ class Replayer(Unrecorded):
             first, second = vmap(lambda d, e: metric_terms(fx, x, d, e))(self.delta, self.e)
         n = self.probes
         return [(first[g * n:(g + 1) * n], second[g * n:(g + 1) * n]) for g in range(len(self.groups))]
+
+
+def adamw_map(g: Map, lr: float, wd: float, betas: tuple[float, float], eps: float, n: int, clip: float,
+              live: torch.Tensor):
+    """AdamW's update `n` (0-based: bias corrections 1 − βⁿ⁺¹) as a map of the state x = (θ, m, v) and a gradient
+    input u (None: none), the gradient c (g(θ) + u) with c held:
+
+        m' = β1 m + (1 − β1) c (g + u),   v' = β2 v + (1 − β2) c² (g + u)²,
+        θ' = θ (1 − η λ) − η a(v') m' / (1 − β1ⁿ⁺¹),   a(v') = 1 / (√(v' / (1 − β2ⁿ⁺¹)) + ε)   (torch's AdamW);
+
+    `live` masks a to 0 where the recorded step's a is (iclnoise.adam: round-off coordinates), so the map is smooth
+    on every coordinate (its derivative in v, a³-like, would otherwise divide by √v' = 0)."""
+    b1, b2 = betas
+    bc1, bc2 = 1 - b1 ** (n + 1), 1 - b2 ** (n + 1)
+
+    def phi(x: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
+        theta, m, v = x.chunk(3)
+        gt = clip * (g(theta) if u is None else g(theta) + u)
+        m2, v2 = b1 * m + (1 - b1) * gt, b2 * v + (1 - b2) * gt * gt
+        a = torch.where(live, 1.0 / ((torch.where(live, v2, 1.0) / bc2).sqrt() + eps), 0.0)
+        return torch.cat([theta * (1 - lr * wd) - lr * a * m2 / bc1, m2, v2])
+    return phi
 
 
 def step_preconditioner(adam: AdamState) -> torch.Tensor:
@@ -264,32 +312,35 @@ def metric_fn(model: torch.nn.Module, evaluator) -> callable:
     return f
 
 
+def resume_member(m: Member, state: dict, hooks: bool = True) -> int:
+    """Set Member m (set up) to resume from a resume state (iclnoise.ensemble.save_resume) as training does, its
+    hooks' states too unless `hooks` is False (another run's state: its hooks start afresh); the start step."""
+    m.resume, m.step, m.diverged = state, state["step"], state["diverged"]
+    if hooks:
+        m.rows, m.tokens, m.root, m.manifest = state["rows"], state["tokens"], state["root"], state["manifest"]
+        for h, hs in zip(m.hooks, state["hooks"]):
+            h.load_state_dict(hs)
+    return state.get("commit", state["step"])
+
+
 def replay_run(run_dir: str | Path, names: list[str], conditions: dict, probes: int = 16, jac_batch: int = 16,
-               seed: int = 0, device: str = "cpu") -> pd.DataFrame:
-    """CNR_SCHEMA rows: every counterfactual of `names` (see `counterfactual`) × METRICS, for the run in run_dir."""
+               seed: int = 0, device: str = "cpu", state: str | Path | None = None) -> pd.DataFrame:
+    """CNR_SCHEMA rows: every counterfactual of `names` (see `counterfactual`) × METRICS, for the run in run_dir.
+
+    `state`: a resume state of this run (its resume.pt or resume.prev.pt, or a copy kept from an earlier commit)
+    at step t0: the replay starts there, so the counterfactuals change the noise over [t0, T] only (a windowed
+    replay: its cost ∝ T − t0)."""
     run_dir = Path(run_dir)
     raw = {k: v for k, v in read_spec(run_dir).items() if k != "spec_hash"}
     spec = RunSpec.of(raw)
     cfs = [counterfactual(n, conditions, spec) for n in names]   # every name checked before the replay
     observed = read_parquet(run_dir / "metrics.parquet").iloc[-1]
-    need = any(c.noise is not None and not c.own for c in cfs)
-    if need and spec.exposure is None:
-        raise ValueError(f"{run_dir}: the run has no exposure section, which the counterfactual conditions' "
-                         f"covariances are measured with")
+    st = None if state is None else load_torch(state, "cpu")
+    if st is not None and st.get("spec_hash") != spec_hash(raw):
+        raise ValueError(f"{state}: not a resume state of {run_dir}'s run (spec hash {st.get('spec_hash')} against "
+                         f"{spec_hash(raw)}); pass one the run wrote, or no state to replay from step 0")
     t0 = time.time()
-    with tempfile.TemporaryDirectory(prefix="cnr-") as tmp:
-        m = Member(spec, Path(tmp), spec_hash(raw), torch.device(device))
-        m.setup()
-        (Path(tmp) / CKPT_DIR).mkdir()
-        injector = next((h for h in m.hooks if isinstance(h, NoiseInjector)), None)
-        rep = Replayer(spec, m.model, cfs, injector, probes, jac_batch, seed)
-        m.hooks.append(rep)
-        Ensemble([m], 0, "cnr").run(False)
-        m.model.eval()
-        f = metric_fn(m.model, m.evaluator)
-        theta_T = _functional(m.model)[1].clone()
-        paths = rep.finish(f, theta_T)
-        replayed = f(theta_T).detach()
+    paths, replayed, _ = replay_paths(spec, cfs, probes, jac_batch, seed, device, st)
     seconds = time.time() - t0
     out = []
     for cf, (fu, su) in zip(cfs, paths[1:]):
@@ -302,3 +353,26 @@ def replay_run(run_dir: str | Path, names: list[str], conditions: dict, probes: 
                         "sd_draw": float(est.sd_draw[i]), "lo": obs + float(lo[i]), "hi": obs + float(hi[i]),
                         "predicted": obs + float(est.delta[i]), "probes": probes, "seconds": seconds})
     return pd.DataFrame(out, columns=CNR_SCHEMA.names)
+
+
+def replay_paths(spec: RunSpec, cfs: list[Counterfactual], probes: int, jac_batch: int, seed: int, device: str,
+                 state: dict | None = None, stop_after: int | None = None):
+    """Replay the run of `spec` in a scratch directory with the paths of `cfs` beside it (from step 0, or from a
+    resume state), to its end or `stop_after` steps: ((first, second) per path group (Replayer.finish), the
+    metrics on the replayed trajectory, Replayer.norms)."""
+    if any(c.noise is not None and not c.own for c in cfs) and spec.exposure is None:
+        raise ValueError(f"run {spec.keys.run_id} has no exposure section, which the counterfactual conditions' "
+                         f"covariances are measured with")
+    with tempfile.TemporaryDirectory(prefix="cnr-") as tmp:
+        m = Member(spec, Path(tmp), spec_hash(spec.raw), torch.device(device))
+        m.setup()
+        start = 0 if state is None else resume_member(m, state)
+        (Path(tmp) / CKPT_DIR).mkdir()
+        injector = next((h for h in m.hooks if isinstance(h, NoiseInjector)), None)
+        rep = Replayer(spec, m.model, cfs, injector, probes, jac_batch, seed)
+        m.hooks.append(rep)
+        Ensemble([m], start, "cnr").run(False, stop_after)
+        m.model.eval()
+        f = metric_fn(m.model, m.evaluator)
+        theta_T = _functional(m.model)[1].clone()
+        return rep.finish(f, theta_T), f(theta_T).detach(), rep.norms

@@ -31,6 +31,7 @@ from ..probes import (
     stages_for_run,
 )
 from ..replay import CNR_SCHEMA, replay_run
+from ..runs import CorruptFile
 from . import add_cfg, doc, sections
 
 
@@ -187,6 +188,8 @@ def cnr(argv: list[str]) -> None:
     ap.add_argument("--probes", type=int, default=16, help="Hutchinson paths per counterfactual (>= 2)")
     ap.add_argument("--jac-batch", type=int, default=16, help="sequences of each segment's batch in its Jacobian")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--state", default=None, help="a resume state of the run at a step t0 (resume.pt, resume.prev.pt "
+                    "or a copy kept): replay from it, the counterfactual noise over [t0, T] only")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None, help="default <run>/cnr.parquet")
     a = ap.parse_args(argv)
@@ -196,8 +199,8 @@ def cnr(argv: list[str]) -> None:
         raise SystemExit(f"--cfg: {e}") from None
     torch.set_num_threads(a.threads)
     try:
-        df = replay_run(a.run, a.counterfactual, conditions, a.probes, a.jac_batch, a.seed)
-    except ValueError as e:
+        df = replay_run(a.run, a.counterfactual, conditions, a.probes, a.jac_batch, a.seed, state=a.state)
+    except (ValueError, CorruptFile) as e:
         raise SystemExit(str(e)) from None
     write_parquet(df, a.out or Path(a.run) / "cnr.parquet", CNR_SCHEMA)
     print(df[["counterfactual", "metric", "observed", "delta", "se", "sd_draw", "lo", "hi"]].to_string(index=False))
