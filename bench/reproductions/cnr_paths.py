@@ -5,8 +5,9 @@ Base run `param_b16` of cnr_check's tiny setting, counterfactual `param_b4` (the
 the same seeds its draws are √5 times the base's, up to each run measuring its covariance on its own trajectory),
 so ‖θ^b4_t − θ^b16_t‖ / (√5 − 1) is one realisation's displacement, realised (`realised`), at every checkpoint t;
 CNR's (`linear`) is the RMS ‖δθ_t‖ of the paths its replay drives with the run's own noise (Replayer.norms, first
-order). Both from step 0 and, with `--from-step`, over [t0, T] only (retrained and replayed from the base's resume
-state at t0). Prints a table per window and writes it to `--out`.
+order), `drift` the RMS ‖eθ_t‖ of their second-order drift. Both from step 0 and, with `--from-step`, over
+[t0, T] only (retrained and replayed from the base's resume state at t0). Prints a table per window and writes it
+to `--out`.
 
 Usage: python bench/reproductions/cnr_paths.py [--steps 60] [--M 8] [--seed 0] [--probes 6] [--from-step 8]
 """
@@ -45,11 +46,11 @@ def window(p: dict, M: int, seed: int, probes: int, jac_batch: int, from_step: i
         st = None if state is None else load_torch(state)
         t0 = 0 if st is None else st["commit"]
         *_, norms = replay_paths(RunSpec.of(run_spec(p, run)), [], probes, jac_batch, seed, "cpu", st)
-        linear = {s + 1: n for s, n in norms}   # after update s and its draws: θ at checkpoint s + 1
+        linear = {s + 1: (n, e) for s, n, e in norms}   # after update s and its draws: θ at checkpoint s + 1
         steps = sorted(int(s) for s in load_torch(rd / "resume.pt")["manifest"] if int(s) > t0)
         rows = [{"from_step": t0, "step": s, "theta": float(flat(rd, s).norm()),
                  "realised": float((flat(cd, s) - flat(rd, s)).norm()) / (math.sqrt(K) - 1),
-                 "linear": linear[s]} for s in steps]
+                 "linear": linear[s][0], "drift": linear[s][1]} for s in steps]
     df = pd.DataFrame(rows)
     df["ratio"] = df.linear / df.realised
     return df

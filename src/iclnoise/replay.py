@@ -29,8 +29,8 @@ are iclnoise.cnr's; this module builds their inputs from a run and adds its own:
 
 Cost: the replay (training from t0) plus, per step, a JVP of a JVP of the gradient on `jac_batch` sequences for
 every path: (1 + counterfactuals) × probes paths, all counterfactuals in one pass. `Replayer.norms` keeps the RMS
-‖δθ‖ of the run's own noise's paths after each step (one realisation's displacement, linearised: the diagnostics
-of where the expansion leaves its range, bench/reproductions/cnr_paths.py).
+‖δθ‖ and ‖eθ‖ of the run's own noise's paths after each step (one realisation's displacement, linearised, and the
+drift: the diagnostics of where the expansion leaves its range, bench/reproductions/cnr_paths.py).
 """
 from __future__ import annotations
 
@@ -140,7 +140,7 @@ class Replayer(Unrecorded):
         self.e: torch.Tensor | None = None
         self.now: dict | None = None
         self.pending: dict | None = None
-        self.norms: list[tuple[int, float]] = []   # (step, RMS ‖δθ‖ of the run's own noise's paths after it)
+        self.norms: list[tuple[int, float, float]] = []   # (step, RMS ‖δθ‖, RMS ‖eθ‖ of the own noise's paths)
         self.windows = [None if c is None or c.noise is None or c.own else
                         window(c.noise.schedule, spec.train.steps, c.noise.window_fraction) for c in self.groups]
 
@@ -198,8 +198,10 @@ class Replayer(Unrecorded):
             zero = torch.zeros(3 * P, dtype=now["theta"].dtype, device=now["theta"].device)
             add = torch.stack([zero if d is None else torch.cat([d, zero[P:]]) for d in w])
             self.delta = add if self.delta is None else self.delta + add
-        if self.delta is not None:   # one realisation's displacement, linearised: the expansion's size
-            self.norms.append((now["step"], float(self.delta[:self.probes, :P].norm(dim=1).square().mean().sqrt())))
+        if self.delta is not None:   # one realisation's displacement, linearised, and its drift: the expansion's size
+            rms = [float(x[:self.probes, :P].norm(dim=1).square().mean().sqrt()) if x is not None else 0.0
+                   for x in (self.delta, self.e)]
+            self.norms.append((now["step"], *rms))
 
     # ------------------------------------------------------------ the linearised step and its noise
     def _phi(self, now: dict):
