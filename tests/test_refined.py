@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from iclnoise.llc import LLCConfig, estimate_llcs, sgld_chains
+from iclnoise.llc import LLCConfig, estimate_llcs
 from iclnoise.model import ModelConfig, build_model, mse_loss
 from iclnoise.refined import (
     RLLC_SCHEMA,
@@ -21,15 +21,10 @@ from iclnoise.refined import (
     susceptibility,
     tables,
 )
+from iclnoise.sgld import sgld_chains
 from iclnoise.tasks import BatchSampler, task_pool
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def mse(model, x, y):

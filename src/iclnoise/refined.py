@@ -1,5 +1,5 @@
 """Refined LLC and susceptibilities (SPEC §7): λ̂ and χ per component of the network, every component of a
-checkpoint in one batched SGLD pass (iclnoise.llc.sgld_chains with one mask per row group).
+checkpoint in one batched SGLD pass (iclnoise.sgld.sgld_chains with one mask per row group).
 
 Weight-restricted ("refined") LLC of a component C (Wang et al. 2024): SGLD moves C's coordinates only and holds
 the rest at w*, with the ε, γ, nβ, chains and draws of the whole-network estimate,
@@ -38,21 +38,21 @@ from .llc import (
     SAMPLER_FIELDS,
     LLCConfig,
     LLCResult,
-    LossFn,
     full_loss,
     llc_result,
     sampler_columns,
-    sgld_chains,
     stability_ratio,
     top_eigenvalue,
     trivial_loss,
 )
+from .model import LossFn
+from .sgld import sgld_chains
 
 HEAD_PARAMS = ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V")   # sliced at the head on dim 0, as devinterp's
 
 
 def components(model: torch.nn.Module) -> dict[str, dict[str, torch.Tensor | None]]:
-    """Components of an ICLTransformer, name → mask dict (iclnoise.llc.restriction), in this order: per layer i
+    """Components of an ICLTransformer, name → mask dict (iclnoise.sgld.restriction), in this order: per layer i
     every head h "l{i}h{h}" (W_Q, W_K, W_V, W_O, b_Q, b_K, b_V at head h: devinterp's head restriction) and
     "l{i}mlp" (the block's MLP); "embed" (token and positional embedding), "unembed" (readout) and "all" (every
     parameter). Layer norms and the attention output bias b_O, shared by the heads, move only in "all"."""
