@@ -346,14 +346,14 @@ def test_refined_for_run_writes_one_row_per_component(tiny, tmp_path):
     from iclnoise.grid import run_spec
     from iclnoise.io import read_parquet
     from iclnoise.probes import llc_for_run, refined_for_run, sampling_data
-    from iclnoise.runs import checkpoint_steps, load_model, read_spec
+    from iclnoise.runs import load_model, read_spec, saved_steps
     from iclnoise.sections import RunSpec
     from iclnoise.train import train_run
 
     run = tmp_path / "run"
     train_run(run_spec(tiny, "M4-B16-none-s0"), run, progress=False)
     cfg = LLCConfig(seed=0, epsilon=1e-4, gamma=100.0, chains=2, burn_in=2, draws=8, batch=16, n=64)
-    last = checkpoint_steps(run)[-1]
+    last = saved_steps(run)[-1]
     rllc, sus = refined_for_run(run, cfg, [last], n_obs=32)
     comps = list(components(load_model(run, last)))
     assert list(rllc.component) == comps and list(sus.component) == comps and (sus.perturbation == "new_tasks").all()
