@@ -84,14 +84,14 @@ def test_two_steps_equal_the_hand_written_chain(method, masked):
 def test_observers_see_each_step_before_the_move():
     """run_chains hands the observers w_t before the kernel moves it, and the acceptance of w_{t−1} → w_t (None at
     t = 0); the w they see at t + 1 is w_t plus the kernel's step."""
-    from iclnoise.sgld import Execution, Langevin
+    from iclnoise.sgld import Execution, SGLDKernel
 
     gen = torch.Generator().manual_seed(0)
     X = torch.randn(30, 2, generator=gen, dtype=torch.float64)
     Y = torch.tanh(X @ torch.tensor([0.5, -1.0], dtype=torch.float64))
     cfg = LLCConfig(seed=0, epsilon=1e-3, gamma=10.0, nbeta=5.0, chains=2, burn_in=0, draws=3, batch=30, n=30)
     w0 = {"w": torch.tensor([[0.5, -1.0]] * 2, dtype=torch.float64)}
-    kernel = Langevin(cfg, w0)
+    kernel = SGLDKernel(cfg, w0)
     seen: list[SGLDStep] = []
     taken: list = []    # the kernel's last step when the observers see w_t: w_t − w_{t−1}
 

@@ -57,6 +57,19 @@ def full_loss(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: tor
     return tot / xs.shape[0]
 
 
+def center_loss(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: torch.Tensor,
+                center: dict[str, torch.Tensor]) -> float:
+    """L_n(w*): the full-data loss of `model`'s shape at the parameters `center`."""
+    buffers = dict(model.named_buffers())
+    return full_loss(lambda a, b: functional_call(model, (center, buffers), (a, b)), loss_fn, xs, ys)
+
+
+def check_sampling_set(xs: torch.Tensor, cfg: LLCConfig) -> None:
+    """The sampling set holds cfg.n sequences, the n of the posterior (nβ), or a ValueError says both."""
+    if xs.shape[0] != cfg.n:
+        raise ValueError(f"sampling dataset has {xs.shape[0]} sequences, config says n = {cfg.n}")
+
+
 def diagnose(traces: np.ndarray, init_loss: float, nbeta: float, burn_in: int) -> dict:
     """Flags: diverged (non-finite or exploding trace), negative estimate, not levelled off.
 
@@ -103,13 +116,11 @@ def estimate_llcs(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys:
     size n: all chains of all centers in one batched SGLD pass (`sgld_chains`); with `masks` (one per center)
     the restricted λ̂_C of each (center, mask), L(w*) read once per distinct center. Each with its stability
     ratio (λ_max of the Hessian block the chains move, `top_eigenvalue`, unless given per center) and its flags."""
-    if xs.shape[0] != cfg.n:
-        raise ValueError(f"sampling dataset has {xs.shape[0]} sequences, config says n = {cfg.n}")
-    buffers = dict(model.named_buffers())
+    check_sampling_set(xs, cfg)
     inits = {}
     for c in centers:
         if id(c) not in inits:
-            inits[id(c)] = full_loss(lambda a, b, c=c: functional_call(model, (c, buffers), (a, b)), loss_fn, xs, ys)
+            inits[id(c)] = center_loss(model, loss_fn, xs, ys, c)
     lam = lambda_max or [top_eigenvalue(model, loss_fn, xs, ys, c, None if masks is None else masks[j], cfg.seed)
                          for j, c in enumerate(centers)]
     trivial = trivial_loss(loss_fn, xs, ys)

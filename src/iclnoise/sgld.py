@@ -1,7 +1,7 @@
 """Localized SGLD chains (SPEC §7) in three parts, kept apart as devinterp keeps its optimizer, its sampling loop and
 its callbacks:
 
-- the update kernel (`Langevin`): one SGLD or RMSProp-SGLD step of every row, and the MALA acceptance probability of
+- the update kernel (`SGLDKernel`): one SGLD or RMSProp-SGLD step of every row, and the MALA acceptance probability of
   the step before;
 - the execution strategy (`Execution`): every row's mini-batch and its loss and gradient at the row's own
   parameters, in one call of a model that runs stacked parameters (`stacks_runs`, iclnoise.model), a vmap over rows,
@@ -116,7 +116,7 @@ def mala_log_ratio(u_t: torch.Tensor, u_next: torch.Tensor, fwd_sq: torch.Tensor
     return u_t.double() - u_next.double() - rev + fwd_sq
 
 
-class Langevin:
+class SGLDKernel:
     """The update kernel: localized SGLD or RMSProp-SGLD (`cfg.method`) around w0 (the rows' centers), restricted
     to the coordinates `keep` moves (None: all), with the MALA acceptance probability of each transition."""
 
@@ -287,7 +287,7 @@ class FullLosses:
 
 # ---------------------------------------------------------------- the chains
 
-def run_chains(kernel: Langevin, execution: Execution, w: dict, xs: torch.Tensor, ys: torch.Tensor,
+def run_chains(kernel: SGLDKernel, execution: Execution, w: dict, xs: torch.Tensor, ys: torch.Tensor,
                gens: list[torch.Generator], steps: int, observers: list[Callable[[SGLDStep], None]],
                progress: bool = False) -> None:
     """`steps` SGLD steps of every row from w (moved in place): per step the rows' batches and gradients
@@ -322,7 +322,7 @@ def sgld_chains(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: t
     rows, steps = len(chains) * len(centers), cfg.burn_in + cfg.draws
     w0 = {k: torch.stack([c[k].detach() for c in centers]).repeat_interleave(len(chains), 0)
           for k, _ in model.named_parameters()}
-    kernel = Langevin(cfg, w0, None if masks is None else restriction(model, masks, len(chains)))
+    kernel = SGLDKernel(cfg, w0, None if masks is None else restriction(model, masks, len(chains)))
     execution = Execution(model, loss_fn, cfg, rows, xs.shape[0], vectorize)
     gens = [g for _ in centers for g in chain_generators(cfg.seed, chains, xs.device)]
     trace, accept = LossTrace(rows, steps), Acceptance(rows, steps)

@@ -65,7 +65,7 @@ SAMPLER_FLAGS = ("unstable", "escaped")   # λ̂ measures the sampler, not the g
 FLAGS = ("diverged", "negative", "not_levelled", *SAMPLER_FLAGS)
 
 
-def _flagged(df: pd.DataFrame, flags: tuple[str, ...] = FLAGS) -> pd.Series:
+def flagged(df: pd.DataFrame, flags: tuple[str, ...] = FLAGS) -> pd.Series:
     """Estimates a reader must not take at face value (any of `flags` set; default: every SGLD diagnostic)."""
     cols = [c for c in flags if c in df]
     return df[cols].fillna(False).astype(bool).any(axis=1) if cols else pd.Series(False, index=df.index)
@@ -117,7 +117,7 @@ def fig_llc_over_training(llc: pd.DataFrame, stages: pd.DataFrame | None, path: 
 def _llc_run(ax: plt.Axes, r: pd.DataFrame, M, colour, first: bool, stages: pd.DataFrame | None) -> tuple:
     """One run's λ̂ over training on `ax` (`r`: its rows by step; `first`: the batch's first seed, drawn bold with
     its band and stage ticks). Returns whether it drew (hollow flagged, sampler-flagged, stage) markers."""
-    bad = _flagged(r)
+    bad = flagged(r)
     ok = r[~bad]
     few = len(r) <= 40
     se = ok.llc_se if "llc_se" in ok else ok.llc_std
@@ -125,7 +125,7 @@ def _llc_run(ax: plt.Axes, r: pd.DataFrame, M, colour, first: bool, stages: pd.D
             marker="o" if few else None, ms=3, label=style.m_legend_label(M) if first else None)
     if first:
         ax.fill_between(ok.step + 1, ok.llc_mean - se, ok.llc_mean + se, color=colour, alpha=0.15, lw=0)
-    sampler = _flagged(r, SAMPLER_FLAGS)
+    sampler = flagged(r, SAMPLER_FLAGS)
     other = bad & ~sampler
     if other.any():
         ax.scatter(r.step[other] + 1, r.llc_mean[other], s=22, facecolors="none", edgecolors=colour,
@@ -159,7 +159,7 @@ def fig_llc_calibration(table: pd.DataFrame, path: str | Path) -> None:
         sub = table[table.step == step]
         for i, ((g, nb), r) in enumerate(sub.groupby(["gamma", "nbeta"])):
             r = r.sort_values("epsilon")
-            bad = _flagged(r)
+            bad = flagged(r)
             ax.errorbar(r.epsilon, r.llc_mean, yerr=r.llc_se, color=f"C{i}", marker="o", ms=3, capsize=2,
                         label=f"γ={g:g}, nβ={nb:.4g}")
             ax.scatter(r.epsilon[bad], r.llc_mean[bad], marker="x", s=40, color="firebrick", zorder=4)

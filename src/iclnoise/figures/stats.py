@@ -149,7 +149,7 @@ def _dose_column(top: plt.Axes, bottom: plt.Axes, g: pd.DataFrame, key: tuple) -
     pos = g[g.target_dose > 0]
     x0 = pos.realised_dose.min() / 10 ** 0.5
     x = np.where(g.target_dose > 0, g.realised_dose, x0)
-    _dose_thresholds(top, g, x)
+    _plot_dose_mstar(top, g, x)
     r, rlo, rhi = (g[f"r16{s}"].to_numpy() for s in ("", "_lo", "_hi"))
     bottom.errorbar(x, r, yerr=np.nan_to_num(np.vstack([r - rlo, rhi - r]).clip(min=0)), marker="o", color="C2",
                     capsize=3)
@@ -179,7 +179,7 @@ def _dose_column(top: plt.Axes, bottom: plt.Axes, g: pd.DataFrame, key: tuple) -
     return notes
 
 
-def _dose_thresholds(top: plt.Axes, g: pd.DataFrame, x: np.ndarray) -> None:
+def _plot_dose_mstar(top: plt.Axes, g: pd.DataFrame, x: np.ndarray) -> None:
     """M* by r50 and by midpoint at each dose (x: where the doses sit), and where a dose has none of its own the
     ladder's reading: dose 0's M* moved by the ladder's shift (hollow, dashed)."""
     zero = g[g.target_dose == 0]
