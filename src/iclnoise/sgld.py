@@ -157,6 +157,7 @@ class SGLDKernel:
         precond = self.preconditioner(grads)
         step, fwd_sq = {}, torch.zeros(len(gens), dtype=torch.float64, device=u.device)
         for k, v in w.items():
+            # ξ in torch's default dtype (float32) whatever w's; plain SGLD scales it there, RMSProp-SGLD in G's dtype
             noise = torch.stack([torch.randn(v.shape[1:], generator=g, device=v.device) for g in gens])
             if keep is not None:
                 noise = noise.where(keep[k], 0.0)
