@@ -9,7 +9,7 @@ Both arms are the real training path (data, hooks and exposure logging, evaluati
 alternate in rounds so machine noise hits both. Prints aggregate run-steps per second and the ratio.
 
 Usage: python bench/bench_ensemble.py [--runs 12 36] [--steps 100] [--rounds 2] [--device cpu]
-                                      [--override configs/paper.yaml]
+                                      [--override configs/carroll.yaml]
 Also: python bench/bench_ensemble.py --dag results benchmarks   (run-steps per job-second of a finished DAG)
 """
 from __future__ import annotations

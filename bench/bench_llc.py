@@ -19,8 +19,9 @@ import time
 import torch
 from torch import nn
 
-from iclnoise.llc import LLCConfig, estimate_llc, sgld_chains
+from iclnoise.llc import LLCConfig, estimate_llc
 from iclnoise.model import ModelConfig, build_model, mse_loss
+from iclnoise.sgld import sgld_chains
 from iclnoise.tasks import BatchSampler
 
 

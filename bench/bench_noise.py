@@ -16,7 +16,7 @@ issue asks ≤ 1.3x; measured 1.05-1.10x at --every 100, 1.27-1.38x at --every 2
 Usage: python bench/bench_noise.py [--steps 600] [--batch 64] [--every 100] [--rounds 3] [--device cpu]
        python bench/bench_noise.py --variants budget_diagonal budget_lowrank budget_nap sgd_momentum exposure
        python bench/bench_noise.py --runs 12 --every 400 --variants exposure budget_diagonal   (the H2 jobs)
-       python bench/bench_noise.py --override configs/paper.yaml --device cuda --batch 256   (paper scale)
+       python bench/bench_noise.py --override configs/carroll.yaml --device cuda --batch 256   (Carroll et al. scale)
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def deep_update(base: dict, over: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default="params.yaml")
-    ap.add_argument("--override", help="a YAML merged over the params key by key (e.g. configs/paper.yaml)")
+    ap.add_argument("--override", help="a YAML merged over the params key by key (e.g. configs/carroll.yaml)")
     ap.add_argument("--variants", nargs="*", help="only these variants (default: all)")
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch", type=int, default=64)

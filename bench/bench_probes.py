@@ -39,7 +39,7 @@ def main() -> None:
     cfg = LLCConfig(**llc["sampler"])
     spec = runs.read_spec(a.run_dir)
     xs, ys = sampling_data(RunSpec.of(spec), cfg.n)
-    steps = runs.select_steps(runs.checkpoint_steps(a.run_dir), llc["every"])
+    steps = runs.select_steps(runs.saved_steps(a.run_dir), llc["every"])
     models = [runs.load_model(a.run_dir, s) for s in steps]
     centers = [{k: v.detach() for k, v in m.named_parameters()} for m in models]
     times: dict[str, list[float]] = {"one at a time": [], "batched": []}

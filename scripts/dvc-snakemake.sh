@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The command of dvc.yaml's `pipeline` stage: Snakemake on params.yaml, on all local cores, or through a
 # Snakemake profile when SNAKEMAKE_PROFILE is set (`SNAKEMAKE_PROFILE=slurm dvc repro`; `slurm-cpu` for
-# a cluster without GPUs). ICLNOISE_CONFIGFILE adds an override file (`configs/paper.yaml`); DVC does not
+# a cluster without GPUs). ICLNOISE_CONFIGFILE adds an override file (`configs/carroll.yaml`); DVC does not
 # see environment variables, so switching it needs `dvc repro -f` (Snakemake still reruns only what the
 # change affects).
 #

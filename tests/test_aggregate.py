@@ -257,7 +257,7 @@ def test_the_opening_claims_no_passed_gate_where_no_threshold_or_test_ran(tmp_pa
 def test_an_arm_run_at_one_m_is_judged_converged_by_the_batch_noise_runs_at_its_batch():
     """configs/science.yaml's early/late pair runs at M = 16 only: no M = ∞ run of its own. The batch-noise
     M = ∞ runs at the same batch size (same model, data and budget) stand for it, and their failure is named."""
-    from iclnoise.verdicts import _gate_convergence, convergence
+    from iclnoise.verdicts import convergence, gate_convergence
 
     def out(ratio_inf):
         rows = [{"batch": 64, "noise": "none", "M": M, "ood_loss": ratio_inf * 0.4 if M == -1 else 0.6,
@@ -267,9 +267,9 @@ def test_an_arm_run_at_one_m_is_judged_converged_by_the_batch_noise_runs_at_its_
         return pd.DataFrame(rows)
 
     arms = out(1.05)[lambda d: d.noise != "none"]
-    assert _gate_convergence(arms, convergence(out(1.05))) == []
-    assert _gate_convergence(arms, convergence(out(1.3))) == [   # a record: (code, detail)
+    assert gate_convergence(arms, convergence(out(1.05))) == []
+    assert gate_convergence(arms, convergence(out(1.3))) == [   # a record: (code, detail)
         ("unconverged", "early/B64: no M = ∞ run; batch noise's at batch 64 1.30× ridge's, "
                         "late/B64: no M = ∞ run; batch noise's at batch 64 1.30× ridge's")]
     alone = out(1.05)[lambda d: d.noise != "none"]
-    assert "nor batch-noise M = ∞ runs at batch 64" in _gate_convergence(alone, convergence(alone))[0][1]
+    assert "nor batch-noise M = ∞ runs at batch 64" in gate_convergence(alone, convergence(alone))[0][1]

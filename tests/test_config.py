@@ -327,7 +327,7 @@ def test_a_section_switched_off_needs_no_other_keys(tmp_path, name):
 
 
 def test_the_shipped_configs_are_valid_with_their_overrides():
-    for override in ("configs/noise.yaml", "configs/paper.yaml"):
+    for override in ("configs/noise.yaml", "configs/carroll.yaml"):
         p = load_params("params.yaml", [override])
         assert p["data"] == yaml.safe_load(Path(override).read_text()).get("data", p["data"])
     # configs/noise.yaml goes on top of configs/science.yaml: the first science setting (640 000 sequences) plus
@@ -367,7 +367,7 @@ def snakemake_jobs(*configfiles: str) -> int:
 
 
 def test_cost_estimate_counts_the_dag():
-    """Job counts equal Snakemake's own dry-run DAG for params.yaml, configs/noise.yaml and configs/paper.yaml."""
+    """Job counts equal Snakemake's own dry-run DAG for params.yaml, configs/noise.yaml and configs/carroll.yaml."""
     import shutil
     d = Path(__file__).parent / "_dryrun"
     d.mkdir(exist_ok=True)
@@ -377,14 +377,14 @@ def test_cost_estimate_counts_the_dag():
         assert default["jobs"] == snakemake_jobs()
         assert cost_estimate(load_params("params.yaml", ["configs/noise.yaml"]))["jobs"] == snakemake_jobs(
             str(Path("configs/noise.yaml").resolve()))
-        paper = cost_estimate(load_params("params.yaml", ["configs/paper.yaml"]))
-        assert paper["jobs"] == snakemake_jobs(str(Path("configs/paper.yaml").resolve()))
+        carroll = cost_estimate(load_params("params.yaml", ["configs/carroll.yaml"]))
+        assert carroll["jobs"] == snakemake_jobs(str(Path("configs/carroll.yaml").resolve()))
     finally:
         shutil.rmtree(d, ignore_errors=True)
-    assert paper["runs"] == 595
+    assert carroll["runs"] == 595
     # 17 M x 5 seeds x (B64: none; B256, B1024: none + 2 injected) with 76.8M sequences / B steps each
-    assert paper["run_steps"] == 17 * 5 * (76_800_000 // 64 + 3 * 76_800_000 // 256 + 3 * 76_800_000 // 1024)
-    assert default["train_core_hours"] < default["core_hours"] < COST_CONFIRM_CORE_HOURS < paper["core_hours"]
+    assert carroll["run_steps"] == 17 * 5 * (76_800_000 // 64 + 3 * 76_800_000 // 256 + 3 * 76_800_000 // 1024)
+    assert default["train_core_hours"] < default["core_hours"] < COST_CONFIRM_CORE_HOURS < carroll["core_hours"]
 
 
 def test_cost_prices_only_the_injection_windows_steps_at_the_injected_rate():
@@ -418,13 +418,13 @@ def test_probed_checkpoints_match_a_real_run():
 
 def test_confirm_cost_takes_only_true_or_false():
     """Issue 30: `--config confirm_cost=false` (or no, off) confirmed a 330 core-hour grid. A real dry run of the
-    paper grid: the words for no refuse with the cost message, other words are refused naming the key."""
+    Carroll grid: the words for no refuse with the cost message, other words are refused naming the key."""
     import subprocess
     import sys
 
     def dry(value):
         return subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--configfile",
-                               "configs/paper.yaml", "--config", f"confirm_cost={value}"], capture_output=True,
+                               "configs/carroll.yaml", "--config", f"confirm_cost={value}"], capture_output=True,
                               text=True)
     for value in ("false", "False", "0"):
         out = dry(value)
@@ -440,13 +440,13 @@ def test_confirm_cost_takes_only_true_or_false():
 
 def test_check_cost_refuses_a_large_grid_without_confirmation():
     check_cost(load_params("params.yaml"), confirmed=False)
-    paper = load_params("params.yaml", ["configs/paper.yaml"])
+    carroll = load_params("params.yaml", ["configs/carroll.yaml"])
     with pytest.raises(ParamsError) as e:
-        check_cost(paper, confirmed=False)
+        check_cost(carroll, confirmed=False)
     msg = str(e.value)
     for fragment in ("595 runs", "core-hours", "--config confirm_cost=true", "threshold"):
         assert fragment in msg, msg
-    assert check_cost(paper, confirmed=True)["runs"] == 595
+    assert check_cost(carroll, confirmed=True)["runs"] == 595
 
 
 def test_check_command_prints_the_estimate(capsys):
@@ -455,7 +455,7 @@ def test_check_command_prints_the_estimate(capsys):
     out = capsys.readouterr().out
     est = cost_estimate(load_params("params.yaml"))
     assert f"valid; {est['runs']} runs" in out and f"cost estimate: {est['runs']} runs, {est['jobs']} jobs" in out
-    cli(["params.yaml", "--configfile", "configs/paper.yaml"])
+    cli(["params.yaml", "--configfile", "configs/carroll.yaml"])
     assert "above the 2 core-hour threshold" in capsys.readouterr().out
 
 
@@ -515,7 +515,7 @@ def test_overrides_merge_as_snakemake_does_and_are_read_strictly(tmp_path):
     """merge_params against Snakemake's own update_config (the reference: what --configfile does)."""
     update_config = pytest.importorskip("snakemake.utils").update_config
     base = read_yaml("params.yaml")
-    for override in ("configs/paper.yaml", "configs/noise.yaml"):
+    for override in ("configs/carroll.yaml", "configs/noise.yaml"):
         ref = copy.deepcopy(base)
         update_config(ref, read_yaml(override))
         assert merge_params(base, read_yaml(override)) == ref

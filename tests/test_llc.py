@@ -19,20 +19,13 @@ import torch
 from torch import nn
 
 from iclnoise.io import read_parquet
-from iclnoise.llc import LLCConfig, estimate_llc, estimate_llcs, mala_log_ratio, sgld_chains
+from iclnoise.llc import LLCConfig, estimate_llc, estimate_llcs
 from iclnoise.model import ModelConfig, build_model, mse_loss
 from iclnoise.runs import select_steps
+from iclnoise.sgld import mala_log_ratio, sgld_chains
 from iclnoise.tasks import BatchSampler, task_pool
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """This module's small chains run on one thread (more costs more than it gives); the count is restored after,
-    so the rest of the suite keeps the thread count it was started with (make test-float varies it)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def mse(model, x, y):

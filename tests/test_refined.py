@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from iclnoise.llc import LLCConfig, estimate_llcs, sgld_chains
+from iclnoise.llc import LLCConfig, estimate_llcs
 from iclnoise.model import ModelConfig, build_model, mse_loss
 from iclnoise.refined import (
     RLLC_SCHEMA,
@@ -21,15 +21,10 @@ from iclnoise.refined import (
     susceptibility,
     tables,
 )
+from iclnoise.sgld import sgld_chains
 from iclnoise.tasks import BatchSampler, task_pool
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def mse(model, x, y):
@@ -351,14 +346,14 @@ def test_refined_for_run_writes_one_row_per_component(tiny, tmp_path):
     from iclnoise.grid import run_spec
     from iclnoise.io import read_parquet
     from iclnoise.probes import llc_for_run, refined_for_run, sampling_data
-    from iclnoise.runs import checkpoint_steps, load_model, read_spec
+    from iclnoise.runs import load_model, read_spec, saved_steps
     from iclnoise.sections import RunSpec
     from iclnoise.train import train_run
 
     run = tmp_path / "run"
     train_run(run_spec(tiny, "M4-B16-none-s0"), run, progress=False)
     cfg = LLCConfig(seed=0, epsilon=1e-4, gamma=100.0, chains=2, burn_in=2, draws=8, batch=16, n=64)
-    last = checkpoint_steps(run)[-1]
+    last = saved_steps(run)[-1]
     rllc, sus = refined_for_run(run, cfg, [last], n_obs=32)
     comps = list(components(load_model(run, last)))
     assert list(rllc.component) == comps and list(sus.component) == comps and (sus.perturbation == "new_tasks").all()

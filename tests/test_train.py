@@ -13,7 +13,6 @@ from iclnoise.grid import run_spec, spec_hash
 from iclnoise.io import CorruptFileError, read_parquet
 from iclnoise.model import ModelConfig, build_model, mse_loss
 from iclnoise.runs import (
-    CorruptFile,
     ForeignFile,
     RunDirError,
     checkpoint_path,
@@ -272,7 +271,7 @@ def test_corrupt_run_files_name_the_run_directory_never_its_parent(tiny, tmp_pat
     step = max(manifest(rd))
     ckpt = checkpoint_path(rd, step)
     ckpt.write_bytes(ckpt.read_bytes()[:100])
-    with pytest.raises(CorruptFile, match=f"Delete the run directory {rd} and rerun"):
+    with pytest.raises(CorruptFileError, match=f"Delete the run directory {rd} and rerun"):
         load_checkpoint(rd, step)
     man = (rd / "checkpoints.json").read_bytes()
     (rd / "checkpoints.json").write_bytes(man[: len(man) // 2])
@@ -283,7 +282,7 @@ def test_corrupt_run_files_name_the_run_directory_never_its_parent(tiny, tmp_pat
     (rd / "checkpoints.json").write_bytes(man)
     for name in ("resume.pt", "resume.prev.pt"):
         (rd / name).write_bytes((rd / name).read_bytes()[:100])
-    with pytest.raises(CorruptFile, match=f"Delete the run directory {rd} and rerun"):
+    with pytest.raises(CorruptFileError, match=f"Delete the run directory {rd} and rerun"):
         load_torch(rd / "resume.pt")
     with caplog.at_level("WARNING", logger="iclnoise.train"):
         again = train_run(spec, rd, progress=False)
@@ -490,7 +489,7 @@ def test_a_rolled_back_member_resumes_with_its_ensemble_or_is_refused(tiny, tmp_
     (dirs[1] / "resume.pt").write_bytes(old)
     (dirs[1] / "resume.prev.pt").unlink()
     before = files(tmp_path / "again")
-    with pytest.raises(CorruptFile, match=f"{RUNS[1]}: resume state at step 1, behind the rest of its ensemble "
+    with pytest.raises(CorruptFileError, match=f"{RUNS[1]}: resume state at step 1, behind the rest of its ensemble "
                                           f"\\({RUNS[0]}, {RUNS[2]} keep no state .*rolled back or replaced"):
         train_ensemble(specs, dirs, progress=False)
     assert files(tmp_path / "again") == before

@@ -90,7 +90,7 @@ fi
 A="$RUNS/Minf-B256-none-s0"; B="$RUNS/Minf-B256-none-s1"
 
 CAL=$(python3 -c "from iclnoise import runs; from iclnoise.probes import steps_at
-print(*steps_at(runs.checkpoint_steps('$A'), steps=[$(echo $CAL_AT | tr ' ' ,)]))") || exit 1   # nearest checkpoints
+print(*steps_at(runs.saved_steps('$A'), steps=[$(echo $CAL_AT | tr ' ' ,)]))") || exit 1   # nearest checkpoints
 t1=$(date +%s)
 timeout "$(left)" python3 -m iclnoise.cli llc-calibrate --run-dir "$A" --cfg "@$OUT/llc_base.json" --device "$DEV" \
   --threads $THREADS --steps $CAL --epsilons $EPSILONS --gammas $GAMMAS --nbetas $NBETAS > "$OUT/calibrate.log" 2>&1

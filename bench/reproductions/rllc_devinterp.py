@@ -65,7 +65,7 @@ class DevinterpModel(ICLTransformer):
 def default_run(cache: Path) -> Path:
     """The shipped params.yaml's run M16-B64-none-s0, trained once (about a minute on one core)."""
     run_dir = cache / RUN_ID
-    if runs.checkpoint_steps(run_dir) if run_dir.exists() else []:
+    if runs.saved_steps(run_dir) if run_dir.exists() else []:
         return run_dir
     from iclnoise.grid import run_spec
     from iclnoise.train import train_run
@@ -102,7 +102,7 @@ def main() -> None:
     from devinterp.slt.weight_restrictions import create_param_masks
 
     run_dir = a.run_dir or default_run(a.cache)
-    step = a.step if a.step is not None else runs.checkpoint_steps(run_dir)[-1]
+    step = a.step if a.step is not None else runs.saved_steps(run_dir)[-1]
     model = runs.load_model(run_dir, step)
     spec = RunSpec.of(runs.read_spec(run_dir))
     K, D = spec.data.K, spec.data.D

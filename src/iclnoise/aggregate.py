@@ -30,12 +30,12 @@ from .verdicts import (
     GATE_FIELDS,
     GATES,
     TESTS_SCHEMA,
-    _cond,
-    _gate_convergence,
-    _gate_equal_data,
-    _gate_seeds,
+    condition_name,
     convergence,
     gate_columns,
+    gate_convergence,
+    gate_equal_data,
+    gate_seeds,
     hypothesis_tests,
 )
 
@@ -199,10 +199,10 @@ def threshold_table(out: pd.DataFrame, cfg: Stats, conv: pd.DataFrame | None = N
     rows = []
     ok = out[~out.diverged & (out.M != M_INF)]
     for (B, noise), g in ok.groupby(["batch", "noise"]):
-        name = _cond(B, noise)
+        name = condition_name(B, noise)
         mean_r = g.groupby("M").r.mean()
-        unconverged = _gate_convergence(out[(out.batch == B) & (out.noise == noise)], conv)
-        design = _gate_seeds(g, gates["min_seeds"]) + _gate_equal_data(g, gates["data_tol"])
+        unconverged = gate_convergence(out[(out.batch == B) & (out.noise == noise)], conv)
+        design = gate_seeds(g, gates["min_seeds"]) + gate_equal_data(g, gates["data_tol"])
         base = {**_condition_fields(B, noise, g), "r_min": float(mean_r.min()), "r_max": float(mean_r.max())}
         t = traj[traj.run_id.isin(g.run_id)]
         at = {"level": 1 - cfg.alpha, "min_seeds": gates["min_seeds"], "alpha": cfg.alpha}
@@ -227,7 +227,7 @@ def threshold_table(out: pd.DataFrame, cfg: Stats, conv: pd.DataFrame | None = N
     finite = out[out.M != M_INF]
     for (B, noise), g in finite.groupby(["batch", "noise"]):
         if g.diverged.all():   # the condition stays in the table, saying why it has no threshold
-            name = _cond(B, noise)
+            name = condition_name(B, noise)
             rows += [{**_condition_fields(B, noise, g), "method": method, "reason": "no threshold: every run diverged",
                       **gate_columns([(gate, f"{name}: every run with finite M diverged")])}
                      for method, gate in (("r50", "threshold fit"), ("midpoint", "threshold fit"),
@@ -251,7 +251,7 @@ def metrics_summary(th: pd.DataFrame, tests: pd.DataFrame, conv: pd.DataFrame, o
     gates, convergence per condition and the share of flagged LLC estimates."""
     n_llc = out.llc_n_estimates.sum()
     return {
-        **{key: {_cond(r.batch, r.noise): {k: _json_safe(getattr(r, k)) for k in (
+        **{key: {condition_name(r.batch, r.noise): {k: _json_safe(getattr(r, k)) for k in (
             "M_star", "M_star_lo", "M_star_hi", "n_seeds", "reason", "gates_passed", "gate_failures")}
             for r in th[th.method == method].itertuples()}
            for key, method in (("thresholds", "r50"), ("thresholds_midpoint", "midpoint"),
@@ -259,7 +259,7 @@ def metrics_summary(th: pd.DataFrame, tests: pd.DataFrame, conv: pd.DataFrame, o
         "tests": {f"{r.hypothesis} {r.test} [{r.outcome}{', ' + r.term if r.term else ''}]": {
             "verdict": r.verdict or r.status, "estimate": _json_safe(r.estimate), "p_holm": _json_safe(r.p_holm),
             "gates_passed": bool(r.gates_passed), "gate_failures": r.gate_failures} for r in tests.itertuples()},
-        "convergence": {_cond(r.batch, r.noise): {"ood_loss_over_ridge": _json_safe(r.ood_loss_over_ridge),
+        "convergence": {condition_name(r.batch, r.noise): {"ood_loss_over_ridge": _json_safe(r.ood_loss_over_ridge),
                                                   "converged": bool(r.converged)} for r in conv.itertuples()},
         "llc_flagged_share": _json_safe(out.llc_n_flagged.sum() / n_llc) if n_llc else None,
         "llc_final_flagged_share": _json_safe(out.llc_final_flagged.dropna().astype(bool).mean())

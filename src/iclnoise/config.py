@@ -230,7 +230,7 @@ def _resources(config: dict, key: str) -> dict:
 
 
 TYPED = {c.SECTION: c for c in (Stats, ED, Geometry, Mech, LLCConfig, Stages, Refined)}
-PROBED = ("llc", "geometry", "mech")   # the sections that say which checkpoints their probe reads
+CHECKPOINT_PROBES = ("llc", "geometry", "mech")   # the sections that say which checkpoints their probe reads
 
 
 def _get(params: dict, path: str) -> Any:
@@ -262,8 +262,8 @@ def noise_conditions(params: dict) -> dict[str, dict]:
 
 
 def every_at(params: dict, name: str) -> tuple[int, dict | None]:
-    """Which checkpoints the probe of section `name` (PROBED) reads: (`every`, llc's `at` or None); the
+    """Which checkpoints the probe of section `name` (CHECKPOINT_PROBES) reads: (`every`, llc's `at` or None); the
     probes take every `every`-th checkpoint and the last, or those nearest to `at` (iclnoise.probes.llc_steps)."""
-    if name not in PROBED:
-        raise ParamsError(f"{name} names no checkpoints; allowed: {', '.join(PROBED)}")
+    if name not in CHECKPOINT_PROBES:
+        raise ParamsError(f"{name} names no checkpoints; allowed: {', '.join(CHECKPOINT_PROBES)}")
     return _get(params, f"{name}.every"), _get(params, name).get("at")

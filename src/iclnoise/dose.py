@@ -21,7 +21,7 @@ from scipy import stats as sps
 
 from . import stats
 from .tasks import M_INF
-from .thresholds import fit_threshold, logistic, threshold_with_ci
+from .thresholds import fit_threshold, logistic, t_interval, threshold_with_ci
 
 SERIES = ["source", "shape", "batch"]   # one dose series
 DOSE_SCHEMA = pa.schema([   # aggregate/dose.parquet: one row per run of a dose series (dose 0 included)
@@ -252,9 +252,8 @@ def _t_interval(v: pd.Series, level: float) -> tuple[float, float, float]:
     n = len(v)
     if n < 2:
         return (float(v.mean()) if n else math.nan), math.nan, math.nan
-    m, se = float(v.mean()), float(v.std(ddof=1) / math.sqrt(n))
-    h = float(sps.t.ppf(0.5 + level / 2, n - 1)) * se
-    return m, m - h, m + h
+    m, se, t = t_interval(v, level)
+    return m, m - t * se, m + t * se
 
 
 def _fitted(fn, d: pd.DataFrame, alpha: float, res: dict, what: str):
@@ -293,23 +292,7 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
            "left_out": lv[~lv.in_regime & (lv.target_dose > 0)], "r": None, "mstar": {}, "mstar_zero": {},
            "ladder_fit": None,
            "zero": None, "mono": None, "failed": {}}
-    extra = []
-    for d, h in finite.groupby("target_dose"):
-        row = {"target_dose": d}
-        r16 = h[h.M == 16].groupby("seed").r.mean()
-        row["r16"], row["r16_lo"], row["r16_hi"] = _t_interval(r16, level)
-        for point in ("r50", "midpoint"):
-            est = threshold_with_ci(h, level=level, min_seeds=min_seeds, alpha=alpha, point=point)
-            ok_ci = not est["reason"]
-            row.update({f"M_star_{point}": est["M_star"], f"M_star_{point}_lo": est["M_star_lo"],
-                        f"M_star_{point}_hi": est["M_star_hi"]})
-            if ok_ci and (d in set(inside) or d == 0):
-                row[f"_seeds_{point}"] = est["log2_per_seed"]
-        extra.append(row)
-    cols = ["target_dose", "r16", "r16_lo", "r16_hi",
-            *[f"M_star_{p}{k}" for p in ("r50", "midpoint") for k in ("", "_lo", "_hi")]]
-    ex = pd.DataFrame(extra).reindex(columns=[*cols, *(c for r in extra for c in r if c.startswith("_"))])
-    ex = ex.loc[:, ~ex.columns.duplicated()]
+    ex = _dose_thresholds(finite, set(inside), level, alpha, min_seeds)
     res["local"] = local_slope(finite[finite.target_dose == 0], ladder)
     shifts = ladder_shifts(finite[finite.target_dose.isin([0.0, *inside])], ladder, res["local"], level)
     lv = lv.merge(ex.drop(columns=[c for c in ex if c.startswith("_")]), on="target_dose", how="left")
@@ -322,23 +305,7 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
         cells = fit.groupby(["log10_dose", "seed"], as_index=False).r.mean().rename(columns={"r": "y"})
         res["mono"] = monotonicity(cells)
     for point in ("r50", "midpoint"):
-        col = f"_seeds_{point}"
-        have = ex[ex[col].notna()] if col in ex else ex.iloc[:0]
-        zero = have[have.target_dose == 0]
-        have = have[have.target_dose > 0]
-        if len(have) and len(zero):   # the highest dose with its own M* against dose 0's, paired by seed
-            a, b = have[col].iloc[-1], zero[col].iloc[0]
-            common = sorted(set(a) & set(b))
-            if len(common) >= 2:
-                res["mstar_zero"][point] = (stats.paired_test([a[k] for k in common], [b[k] for k in common], alpha),
-                                            float(have.target_dose.iloc[-1]))
-        if len(have) >= 2:
-            x = np.log10(have.target_dose.map(lv.set_index("target_dose").realised_dose))
-            per = pd.DataFrame([{"log10_dose": xi, "seed": s, "log2_M_star": v}
-                                for xi, seeds in zip(x, have[col]) for s, v in seeds.items()])
-            e = _fitted(mstar_slope, per, alpha, res, f"M* ({point})")
-            if e is not None:
-                res["mstar"][point] = (e, len(have))
+        _mstar_tests(ex, lv, point, alpha, res)
     if len(inside) and ladder:
         top = finite[(finite.target_dose == max(inside)) & finite.M.isin(ladder)].set_index(["M", "seed"]).r
         zero = finite[(finite.target_dose == 0) & finite.M.isin(ladder)].set_index(["M", "seed"]).r
@@ -346,6 +313,51 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
         if len(pairs) >= 2:
             res["zero"] = stats.paired_test(pairs.top.to_numpy(), pairs.zero.to_numpy(), alpha)
     return res
+
+
+def _dose_thresholds(finite: pd.DataFrame, inside: set, level: float, alpha: float, min_seeds: int) -> pd.DataFrame:
+    """One row per target dose of `finite` (its runs at finite M with an r): r at M = 16 with its t-interval over
+    seeds, M* by r50 and by midpoint with their intervals, and for dose 0 and the `inside` doses whose M* has an
+    interval, `_seeds_<point>`: the per-seed log2 M* (threshold_with_ci's log2_per_seed)."""
+    extra = []
+    for d, h in finite.groupby("target_dose"):
+        row = {"target_dose": d}
+        r16 = h[h.M == 16].groupby("seed").r.mean()
+        row["r16"], row["r16_lo"], row["r16_hi"] = _t_interval(r16, level)
+        for point in ("r50", "midpoint"):
+            est = threshold_with_ci(h, level=level, min_seeds=min_seeds, alpha=alpha, point=point)
+            ok_ci = not est["reason"]
+            row.update({f"M_star_{point}": est["M_star"], f"M_star_{point}_lo": est["M_star_lo"],
+                        f"M_star_{point}_hi": est["M_star_hi"]})
+            if ok_ci and (d in inside or d == 0):
+                row[f"_seeds_{point}"] = est["log2_per_seed"]
+        extra.append(row)
+    cols = ["target_dose", "r16", "r16_lo", "r16_hi",
+            *[f"M_star_{p}{k}" for p in ("r50", "midpoint") for k in ("", "_lo", "_hi")]]
+    ex = pd.DataFrame(extra).reindex(columns=[*cols, *(c for r in extra for c in r if c.startswith("_"))])
+    return ex.loc[:, ~ex.columns.duplicated()]
+
+
+def _mstar_tests(ex: pd.DataFrame, lv: pd.DataFrame, point: str, alpha: float, res: dict) -> None:
+    """res['mstar_zero'][point] (paired t of log2 M* at the highest dose with a per-seed M* against dose 0's, by
+    seed) and res['mstar'][point] (mstar_slope over the ≥ 2 positive such doses), from `_dose_thresholds`' rows."""
+    col = f"_seeds_{point}"
+    have = ex[ex[col].notna()] if col in ex else ex.iloc[:0]
+    zero = have[have.target_dose == 0]
+    have = have[have.target_dose > 0]
+    if len(have) and len(zero):   # the highest dose with its own M* against dose 0's, paired by seed
+        a, b = have[col].iloc[-1], zero[col].iloc[0]
+        common = sorted(set(a) & set(b))
+        if len(common) >= 2:
+            res["mstar_zero"][point] = (stats.paired_test([a[k] for k in common], [b[k] for k in common], alpha),
+                                        float(have.target_dose.iloc[-1]))
+    if len(have) >= 2:
+        x = np.log10(have.target_dose.map(lv.set_index("target_dose").realised_dose))
+        per = pd.DataFrame([{"log10_dose": xi, "seed": s, "log2_M_star": v}
+                            for xi, seeds in zip(x, have[col]) for s, v in seeds.items()])
+        e = _fitted(mstar_slope, per, alpha, res, f"M* ({point})")
+        if e is not None:
+            res["mstar"][point] = (e, len(have))
 
 
 def levels_table(runs: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> pd.DataFrame:

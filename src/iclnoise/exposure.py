@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import pandas as pd
@@ -30,8 +29,7 @@ from torch.func import functional_call, grad, vmap
 from .adam import precondition
 from .geometry import FlatLoss
 from .io import KEY_FIELDS
-
-LossFn = Callable[[Callable, torch.Tensor, torch.Tensor], torch.Tensor]
+from .model import LossFn
 
 
 def group_grads(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: torch.Tensor,

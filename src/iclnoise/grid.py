@@ -234,8 +234,3 @@ def shared_spec(params: dict, runs: list[str]) -> dict:
 def member_specs(shared: dict, runs: list[str]) -> list[dict]:
     """Each run's full spec from the shared spec; equal to `run_spec(params, run)` for every run of a group."""
     return [{"keys": parse_run_id(r).to_dict(), **copy.deepcopy(shared)} for r in runs]
-
-
-def section(params: dict, name: str) -> dict:
-    """A top-level section (e.g. 'llc') as a plain dict, for rules that pass it to a command."""
-    return copy.deepcopy(params.get(name) or {})

@@ -1,40 +1,11 @@
-"""Local learning coefficient by localized SGLD (SPEC §7), all chains batched with torch.func.
+"""Local learning coefficient (SPEC §7): the estimator over localized SGLD chains (iclnoise.sgld), its diagnostics
+and its calibration.
 
     λ̂(w*) = nβ · (E_w[L_n(w)] − L_n(w*)),   w ~ exp(−U(w)),   U(w) = nβ L_n(w) + (γ/2)‖w − w*‖²
 
-Samplers (`LLCConfig.method`), both per coordinate with a preconditioner G (G = 1 for plain SGLD):
-
-    sgld:          w ← w − (ε/2) (nβ ∇L_batch(w) + γ (w − w*)) + √ε ξ,                 ξ ~ N(0, I)
-    rmsprop_sgld:  V ← α V + (1 − α) ∇L_batch(w)²,   G = 1 / (√V + δ)
-                   w ← w − (ε/2) G (nβ ∇L_batch(w) + γ (w − w*)) + √(ε G) ξ
-
-(the RMSProp rule is devinterp 2.0.1's `rmsprop_sgld`: V accumulates the squared loss gradient, not
-scaled by nβ, updated before it is used; defaults α = 0.99, δ = 0.1).
-
 E_w is the mean mini-batch loss over the post-burn-in draws of every chain (the loss at the
-current w, computed in the same pass as the gradient); L_n(w*) is the full-data loss at w*.
-Each chain owns a generator seeded by (seed, chain), so results do not depend on how many
-chains run together, in which order, or how they are batched: one call of a model that runs stacked
-parameters (`stacks_runs`, iclnoise.model), a vmap over chains, or a Python loop.
-
-MALA diagnostic (as devinterp's `MalaAcceptanceRate`): for every pair of consecutive SGLD steps
-w_t → w_{t+1}, the Metropolis-adjusted acceptance probability that step would have had as a
-Langevin proposal q(w'|w) = N(w − (ε/2) G ∇U(w), ε G):
-
-    a_t = min(1, exp(U(w_t) − U(w_{t+1}) + log q(w_t | w_{t+1}) − log q(w_{t+1} | w_t)))
-
-with U and ∇U read on each step's own mini-batch (no extra pass) and G the preconditioner of
-step t at both ends. Its mean over the draws says how far the discretisation is from exact:
-near 1 the step is small for the target; falling towards 0 the chain is not sampling U.
-
-Weight restriction (SPEC §7, refined LLC; iclnoise.refined): with a 0/1 mask m per coordinate a chain moves
-only the coordinates with m = 1 and holds the others at w* exactly,
-
-    w ← w + m ⊙ step,
-
-which samples the posterior of the restricted coordinates given the others at w*; U, the noise term Σξ²/2 and
-the reverse proposal term of the MALA ratio sum over the moving coordinates only. The noise is drawn for every
-coordinate all the same, so a chain sees the same random numbers with or without a mask.
+current w, computed in the same pass as the gradient); L_n(w*) is the full-data loss at w*. The samplers
+(`LLCConfig.method`: sgld, rmsprop_sgld), the MALA diagnostic and the weight restriction: iclnoise.sgld.
 
 When λ̂ measures the sampler, not the geometry (SPEC §7): each estimate records the stability ratio
 ε (nβ λ_max + γ) / 4 of SGLD's drift on the localized quadratic (λ_max: the top eigenvalue of the Hessian of
@@ -45,35 +16,19 @@ adds the run-level test against the other checkpoints' levels).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import pyarrow as pa
 import torch
-from torch.func import functional_call, grad_and_value, vmap
-from tqdm import tqdm
+from torch.func import functional_call
 
 from .geometry import FlatLoss, lanczos_top, preconditioned
 from .io import KEY_FIELDS
+from .model import LossFn
 from .sections import LLCConfig  # the typed llc.sampler section, importable from here
-
-LossFn = Callable[[Callable, torch.Tensor, torch.Tensor], torch.Tensor]
-log = logging.getLogger(__name__)
-
-# thin re-exports for modules that still import them from here (use iclnoise.runs)
-
-
-@dataclass
-class Chains:
-    """What the chains leave behind: mini-batch losses (chains, steps), MALA acceptance
-    probabilities (chains, steps − 1) of the transitions t → t + 1, and the full-set losses of the
-    `observe` datasets at every post-burn-in w_t (datasets, chains, draws), None without them."""
-    loss: np.ndarray
-    accept: np.ndarray
-    obs: np.ndarray | None = None
+from .sgld import restriction, sgld_chains
 
 
 @dataclass
@@ -93,172 +48,6 @@ class LLCResult:
     trivial_loss: float = float("nan")  # L_n of the predictor that outputs 0
 
 
-def _chain_generators(seed: int, chains: list[int], device) -> list[torch.Generator]:
-    gens = []
-    for c in chains:
-        g = torch.Generator(device=device)
-        g.manual_seed(int(np.random.SeedSequence([seed, c, 0x5C1D]).generate_state(1)[0]))
-        gens.append(g)
-    return gens
-
-
-def mala_log_ratio(u_t: torch.Tensor, u_next: torch.Tensor, fwd_sq: torch.Tensor, step: dict, g_next: dict,
-                   precond: dict | None, epsilon: float, keep: dict | None = None) -> torch.Tensor:
-    """log of the MALA acceptance ratio of the transition w_t → w_{t+1} = w_t + step, per chain.
-
-    u_t, u_next: U at both ends, (C,); fwd_sq: Σ ξ²/2 of the noise that made the step (= −log q
-    forward up to the shared constant); g_next: ∇U(w_{t+1}); precond: G of step t (None = 1);
-    keep: the moving coordinates (bool, like step; None = all), the only ones the sum runs over.
-    log q(w_t | w_{t+1}) = −Σ (−step + (ε/2) G ∇U(w_{t+1}))² / (2 ε G).
-    """
-    rev = torch.zeros_like(u_t, dtype=torch.float64)
-    for k, s in step.items():
-        g = 1.0 if precond is None else precond[k]
-        r = -s + 0.5 * epsilon * g * g_next[k]
-        if keep is not None:
-            r = r.where(keep[k], 0.0)
-        rev += (r.square() / g).reshape(r.shape[0], -1).double().sum(1) / (2 * epsilon)
-    return u_t.double() - u_next.double() - rev + fwd_sq
-
-
-def restriction(model: torch.nn.Module, masks: list[dict[str, torch.Tensor | None]], rows: int) -> dict:
-    """Stacked bool masks (groups·rows, *shape) per parameter, group-major: a parameter a mask dict does not
-    name is held (0), one it maps to None moves whole, a 0/1 tensor of its shape moves where it is 1."""
-    names = dict(model.named_parameters())
-    if unknown := {k for g in masks for k in g} - set(names):
-        raise KeyError(f"masks name parameters the model does not have: {sorted(unknown)}")
-    out = {}
-    for k, p in names.items():
-        m = [torch.zeros(p.shape, dtype=torch.bool, device=p.device) if k not in g else
-             torch.ones(p.shape, dtype=torch.bool, device=p.device) if g[k] is None else
-             g[k].to(p.device).bool().expand(p.shape) for g in masks]
-        out[k] = torch.stack(m).repeat_interleave(rows, 0)
-    return out
-
-
-def sgld_chains(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: torch.Tensor,
-                cfg: LLCConfig, chains: list[int] | None = None, vectorize: bool = True,
-                progress: bool = False, centers: list[dict[str, torch.Tensor]] | None = None,
-                masks: list[dict[str, torch.Tensor | None]] | None = None,
-                observe: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Chains:
-    """Run localized SGLD (or RMSProp-SGLD) chains from the model's parameters, or from each of
-    `centers` (several w*, e.g. the checkpoints of a run, sampled in one batched pass).
-
-    Rows are center-major: row j·C + c is chain c around centers[j], with the generator chain c has
-    alone, so one call over many centers equals separate calls up to float summation order.
-    `masks` (one per center, `restriction`) restricts group j's chains to the coordinates its mask
-    moves: a center repeated with different masks samples all components of one w* in one pass
-    (iclnoise.refined). `observe`: datasets (x, y) whose full-set loss is read at every post-burn-in w_t."""
-    chains = list(range(cfg.chains)) if chains is None else chains
-    centers = centers or [{k: v.detach() for k, v in model.named_parameters()}]
-    if masks is not None and len(masks) != len(centers):
-        raise ValueError(f"{len(masks)} masks for {len(centers)} centers: one mask per center")
-    Cc, steps, n = len(chains), cfg.burn_in + cfg.draws, xs.shape[0]
-    C = Cc * len(centers)
-    nbeta, eps, gamma = cfg.resolved_nbeta(), cfg.epsilon, cfg.gamma
-    rms = cfg.method == "rmsprop_sgld"
-    full_batch = cfg.batch >= n     # the whole sampling set every step; otherwise batches with replacement
-    w0 = {k: torch.stack([c[k].detach() for c in centers]).repeat_interleave(Cc, 0)
-          for k, _ in model.named_parameters()}
-    buffers = {k: v.detach() for k, v in model.named_buffers()}
-    w = {k: v.clone() for k, v in w0.items()}
-    sq_avg = {k: torch.zeros_like(v) for k, v in w.items()} if rms else None
-    gens = [g for _ in centers for g in _chain_generators(cfg.seed, chains, xs.device)]
-    keep = None if masks is None else restriction(model, masks, Cc)
-
-    def loss_at(params, x, y):
-        return loss_fn(lambda a, b: functional_call(model, (params, buffers), (a, b)), x, y)
-
-    def grad_loss(params, x, y):
-        if cfg.micro_batches == 1:
-            return grad_and_value(loss_at)(params, x, y)
-        g_tot, l_tot = None, 0.0
-        for xm, ym in zip(x.chunk(cfg.micro_batches), y.chunk(cfg.micro_batches)):
-            g, l_ = grad_and_value(loss_at)(params, xm, ym)
-            wgt = xm.shape[0] / x.shape[0]
-            g_tot = {k: v * wgt for k, v in g.items()} if g_tot is None else {k: g_tot[k] + v * wgt
-                                                                              for k, v in g.items()}
-            l_tot = l_tot + l_ * wgt
-        return g_tot, l_tot
-
-    def stacked_grad(params, x, y):  # every chain in one call: the model runs stacked parameters (C, ...)
-        with torch.enable_grad():
-            leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
-            if full_batch:
-                x, y = x.expand(C, *x.shape), y.expand(C, *y.shape)
-            loss = loss_at(leaves, x, y)
-            return dict(zip(leaves, torch.autograd.grad(loss.sum(), list(leaves.values())))), loss.detach()
-
-    if not vectorize:
-        batched = None
-    elif getattr(model, "stacks_runs", False) and cfg.micro_batches == 1:
-        batched = stacked_grad
-    else:
-        batched = vmap(grad_loss, in_dims=(0, None, None)) if full_batch else vmap(grad_loss)
-    def rows_loss(x, y):  # full-set loss of every row at the current w, in chunks of the SGLD batch size
-        tot = 0.0
-        for xc, yc in zip(x.split(cfg.batch), y.split(cfg.batch)):
-            if not vectorize:
-                l_ = torch.stack([loss_at({k: v[c] for k, v in w.items()}, xc, yc) for c in range(C)])
-            elif batched is stacked_grad:
-                l_ = loss_at(w, xc.expand(C, *xc.shape), yc.expand(C, *yc.shape))
-            else:
-                l_ = vmap(loss_at, in_dims=(0, None, None))(w, xc, yc)
-            tot = tot + l_.double() * (xc.shape[0] / x.shape[0])
-        return tot.cpu()
-
-    losses = torch.empty(C, steps, dtype=torch.float64)
-    accept = torch.empty(C, max(steps - 1, 0), dtype=torch.float64)
-    obs = torch.empty(len(observe), C, cfg.draws, dtype=torch.float64) if observe else None
-    prev = None   # (U_t, Σξ²/2, step, G) of the last transition, for the MALA ratio
-    for t in tqdm(range(steps), disable=not progress, desc="SGLD", mininterval=5):
-        if full_batch:    # one copy of the data shared by every chain
-            bx, by = xs, ys
-        else:
-            idx = torch.stack([torch.randint(0, n, (cfg.batch,), generator=g, device=xs.device) for g in gens])
-            bx, by = xs[idx], ys[idx]
-        if vectorize:
-            grads, loss = batched(w, bx, by)
-        else:
-            outs = [grad_loss({k: v[c] for k, v in w.items()}, bx if full_batch else bx[c], by if full_batch else by[c])
-                    for c in range(C)]
-            grads = {k: torch.stack([o[0][k] for o in outs]) for k in w}
-            loss = torch.stack([o[1] for o in outs])
-        losses[:, t] = loss.detach().double().cpu()
-        with torch.no_grad():
-            if obs is not None and t >= cfg.burn_in:
-                for i, (ox, oy) in enumerate(observe):
-                    obs[i, :, t - cfg.burn_in] = rows_loss(ox, oy)
-            dist = {k: v - w0[k] for k, v in w.items()}
-            drift = {k: grads[k] * nbeta + gamma * dist[k] for k in w}                 # ∇U(w_t)
-            u = nbeta * loss.double() + 0.5 * gamma * sum(d.reshape(C, -1).double().square().sum(1)
-                                                          for d in dist.values())
-            if prev is not None:
-                accept[:, t - 1] = mala_log_ratio(prev[0], u, prev[1], prev[2], drift, prev[3], eps, keep) \
-                    .clamp(max=0.0).exp().cpu()
-            if rms:
-                for k in w:
-                    sq_avg[k].mul_(cfg.rmsprop_alpha).addcmul_(grads[k], grads[k], value=1 - cfg.rmsprop_alpha)
-                precond = {k: 1.0 / (sq_avg[k].sqrt() + cfg.rmsprop_eps) for k in w}
-            else:
-                precond = None
-            step, fwd_sq = {}, torch.zeros(C, dtype=torch.float64, device=u.device)
-            for k, v in w.items():
-                noise = torch.stack([torch.randn(v.shape[1:], generator=g, device=v.device) for g in gens])
-                if keep is not None:
-                    noise = noise.where(keep[k], 0.0)
-                fwd_sq += 0.5 * noise.reshape(C, -1).double().square().sum(1)
-                if precond is None:
-                    step[k] = drift[k] * (-0.5 * eps) + noise * math.sqrt(eps)
-                else:
-                    step[k] = precond[k] * drift[k] * (-0.5 * eps) + (precond[k] * eps).sqrt() * noise
-                if keep is not None:   # held coordinates stay at w* exactly, whatever the drift (even NaN)
-                    step[k] = step[k].where(keep[k], 0.0)
-                v.add_(step[k])
-            prev = (u, fwd_sq, step, precond)
-    return Chains(losses.numpy(), accept.numpy(), None if obs is None else obs.numpy())
-
-
 @torch.no_grad()
 def full_loss(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: torch.Tensor,
               chunk: int = 4096) -> float:
@@ -266,6 +55,19 @@ def full_loss(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: tor
     for s in range(0, xs.shape[0], chunk):
         tot += float(loss_fn(model, xs[s:s + chunk], ys[s:s + chunk])) * xs[s:s + chunk].shape[0]
     return tot / xs.shape[0]
+
+
+def center_loss(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: torch.Tensor,
+                center: dict[str, torch.Tensor]) -> float:
+    """L_n(w*): the full-data loss of `model`'s shape at the parameters `center`."""
+    buffers = dict(model.named_buffers())
+    return full_loss(lambda a, b: functional_call(model, (center, buffers), (a, b)), loss_fn, xs, ys)
+
+
+def check_sampling_set(xs: torch.Tensor, cfg: LLCConfig) -> None:
+    """The sampling set holds cfg.n sequences, the n of the posterior (nβ), or a ValueError says both."""
+    if xs.shape[0] != cfg.n:
+        raise ValueError(f"sampling dataset has {xs.shape[0]} sequences, config says n = {cfg.n}")
 
 
 def diagnose(traces: np.ndarray, init_loss: float, nbeta: float, burn_in: int) -> dict:
@@ -314,13 +116,11 @@ def estimate_llcs(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys:
     size n: all chains of all centers in one batched SGLD pass (`sgld_chains`); with `masks` (one per center)
     the restricted λ̂_C of each (center, mask), L(w*) read once per distinct center. Each with its stability
     ratio (λ_max of the Hessian block the chains move, `top_eigenvalue`, unless given per center) and its flags."""
-    if xs.shape[0] != cfg.n:
-        raise ValueError(f"sampling dataset has {xs.shape[0]} sequences, config says n = {cfg.n}")
-    buffers = dict(model.named_buffers())
+    check_sampling_set(xs, cfg)
     inits = {}
     for c in centers:
         if id(c) not in inits:
-            inits[id(c)] = full_loss(lambda a, b, c=c: functional_call(model, (c, buffers), (a, b)), loss_fn, xs, ys)
+            inits[id(c)] = center_loss(model, loss_fn, xs, ys, c)
     lam = lambda_max or [top_eigenvalue(model, loss_fn, xs, ys, c, None if masks is None else masks[j], cfg.seed)
                          for j, c in enumerate(centers)]
     trivial = trivial_loss(loss_fn, xs, ys)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -217,6 +218,9 @@ def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu")
         torch.manual_seed(seed)
         model = ICLTransformer(cfg)
     return model.to(device)
+
+
+LossFn = Callable[[Callable, torch.Tensor, torch.Tensor], torch.Tensor]   # (model, xs, ys) → loss, as mse_loss
 
 
 def mse_loss(model: nn.Module, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .exposure import LossFn, group_grads
+from .exposure import group_grads
+from .model import LossFn
 from .noise import CovModel
 from .tasks import Batch, _seed_mix, sequences
 

@@ -249,14 +249,14 @@ def paper(reference: Path, out: Path) -> list[Path]:
     prov = verify(reference)
     final, tmp = _writable(out, "report.md")
     try:
-        pngs = [final / "figures" / p.name for p in _draw(reference, tmp, prov)]
+        pngs = [final / "figures" / p.name for p in _render(reference, tmp, prov)]
         replace_dir(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return pngs
 
 
-def _draw(reference: Path, out: Path, prov: dict) -> list[Path]:
+def _render(reference: Path, out: Path, prov: dict) -> list[Path]:
     from .aggregate import aggregate
     from .config import typed
     from .figures.aggregate import aggregate_figures

@@ -41,6 +41,7 @@ from .llc import (
     LLC_SCHEMA,
     TRACE_SCHEMA,
     LLCConfig,
+    LLCResult,
     calibration_sweep,
     choose_setting,
     estimate_llcs,
@@ -104,17 +105,10 @@ def llc_for_run(run_dir: str | Path, cfg: LLCConfig, every: int = 1, progress: b
     show = _on_terminal() if progress is None else progress
     spec = RunSpec.of(runs.read_spec(run_dir))
     xs, ys = sampling_data(spec, cfg.n, device)
-    rows, traces = [], []
     chosen = llc_steps(run_dir, every, at)
     part = {k: run_dir / f"llc{k}.partial.parquet" for k in ("", "_traces")}
-    key = {"sampler": dataclasses.asdict(cfg),
-           "sha256": {str(s): h for s, h in runs.manifest(run_dir).items() if s in chosen}}
     marker = run_dir / "llc.partial.json"
-    if marker.exists() and all(f.exists() for f in part.values()) and read_json(marker) == key:
-        rows = read_parquet(part[""]).to_dict("records")
-        traces = read_parquet(part["_traces"]).to_dict("records")
-        log.info("resuming: %d of %d checkpoints already estimated", len(rows), len(chosen))
-    write_json(key, marker)
+    rows, traces = _llc_partial(run_dir, cfg, chosen, part, marker)
     todo = [s for s in chosen if s not in {r["step"] for r in rows}]
     launch = LAUNCH_SEQUENCES.get(torch.device(device).type, LAUNCH_SEQUENCES["cpu"])
     per = max(1, launch // (cfg.chains * min(cfg.batch, cfg.n)))  # checkpoints per batched pass
@@ -127,20 +121,9 @@ def llc_for_run(run_dir: str | Path, cfg: LLCConfig, every: int = 1, progress: b
         results = estimate_llcs(models[0], mse_loss, xs, ys, cfg, centers)
         log.info("steps %s: %d chains each, one batched pass, %.1f s", steps, cfg.chains, time.perf_counter() - t0)
         for step, r in zip(steps, results):
-            log.info("step %d: λ̂ = %.3f ± %.3f, MALA acceptance %.3f, stability ratio %.3f (λ_max %.3g), E[L] %.4f vs "
-                     "trivial %.4f", step, r.llc_mean, r.llc_std, r.mala_accept, r.stability_ratio, r.lambda_max,
-                     r.mean_loss, r.trivial_loss)
-            rows.append({**spec.key_dict, "step": step, "llc_mean": r.llc_mean, "llc_std": r.llc_std,
-                         "llc_se": r.llc_std / math.sqrt(cfg.chains), "llc_per_chain": r.llc_per_chain.tolist(),
-                         "init_loss": r.init_loss, "mala_accept": r.mala_accept, **sampler_columns(r),
-                         **r.flags, "method": cfg.method,
-                         "epsilon": cfg.epsilon, "gamma": cfg.gamma, "nbeta": r.nbeta,
-                         "chains": cfg.chains, "burn_in": cfg.burn_in, "draws": cfg.draws, "batch_size": cfg.batch,
-                         "n": cfg.n})
-            keep = np.unique(np.linspace(0, r.traces.shape[1] - 1,
-                                         min(cfg.trace_points, r.traces.shape[1])).astype(int))
-            traces += [{"run_id": spec.keys.run_id, "step": step, "chain": c, "sgld_step": int(t),
-                        "loss": float(r.traces[c, t])} for c in range(cfg.chains) for t in keep]
+            row, trace = _llc_rows(spec, step, r, cfg)
+            rows.append(row)
+            traces += trace
         write_parquet(pd.DataFrame(traces), part["_traces"], TRACE_SCHEMA)
         write_parquet(pd.DataFrame(rows), part[""], LLC_SCHEMA)
     flag_shared_levels(rows)
@@ -153,16 +136,50 @@ def llc_for_run(run_dir: str | Path, cfg: LLCConfig, every: int = 1, progress: b
     return df
 
 
+def _llc_partial(run_dir: Path, cfg: LLCConfig, chosen: list[int], part: dict[str, Path],
+                 marker: Path) -> tuple[list[dict], list[dict]]:
+    """The rows and trace rows a killed job left in the `part` tables, where `marker` says they were written with
+    these sampler settings and these checkpoints' sha256 (else none); the marker then records the current ones."""
+    key = {"sampler": dataclasses.asdict(cfg),
+           "sha256": {str(s): h for s, h in runs.manifest(run_dir).items() if s in chosen}}
+    rows, traces = [], []
+    if marker.exists() and all(f.exists() for f in part.values()) and read_json(marker) == key:
+        rows = read_parquet(part[""]).to_dict("records")
+        traces = read_parquet(part["_traces"]).to_dict("records")
+        log.info("resuming: %d of %d checkpoints already estimated", len(rows), len(chosen))
+    write_json(key, marker)
+    return rows, traces
+
+
+def _llc_rows(spec: RunSpec, step: int, r: LLCResult, cfg: LLCConfig) -> tuple[dict, list[dict]]:
+    """The LLC_SCHEMA row of one checkpoint's estimate, and its TRACE_SCHEMA rows (cfg.trace_points evenly spaced
+    SGLD steps of every chain)."""
+    log.info("step %d: λ̂ = %.3f ± %.3f, MALA acceptance %.3f, stability ratio %.3f (λ_max %.3g), E[L] %.4f vs "
+             "trivial %.4f", step, r.llc_mean, r.llc_std, r.mala_accept, r.stability_ratio, r.lambda_max,
+             r.mean_loss, r.trivial_loss)
+    row = {**spec.key_dict, "step": step, "llc_mean": r.llc_mean, "llc_std": r.llc_std,
+           "llc_se": r.llc_std / math.sqrt(cfg.chains), "llc_per_chain": r.llc_per_chain.tolist(),
+           "init_loss": r.init_loss, "mala_accept": r.mala_accept, **sampler_columns(r),
+           **r.flags, "method": cfg.method,
+           "epsilon": cfg.epsilon, "gamma": cfg.gamma, "nbeta": r.nbeta,
+           "chains": cfg.chains, "burn_in": cfg.burn_in, "draws": cfg.draws, "batch_size": cfg.batch,
+           "n": cfg.n}
+    keep = np.unique(np.linspace(0, r.traces.shape[1] - 1, min(cfg.trace_points, r.traces.shape[1])).astype(int))
+    trace = [{"run_id": spec.keys.run_id, "step": step, "chain": c, "sgld_step": int(t),
+              "loss": float(r.traces[c, t])} for c in range(cfg.chains) for t in keep]
+    return row, trace
+
+
 def geometry_for_run(run_dir: str | Path, cfg: Geometry, every: int = 1) -> pd.DataFrame:
     """Geometry probes at every `every`-th analysis checkpoint (and the last) on held-out q_M batches
     of the named stream "geometry" (never trained on). No wall-clock column: reruns are byte-identical."""
     from .runs import (
         checkpoint_precond,
-        checkpoint_steps,
         load_checkpoint,
         model_from_checkpoint,
         read_spec,
         sampler,
+        saved_steps,
         select_steps,
     )
 
@@ -171,7 +188,7 @@ def geometry_for_run(run_dir: str | Path, cfg: Geometry, every: int = 1) -> pd.D
     held = sampler(spec, "geometry")
     batches = [held.batch(i, cfg.n_heldout) for i in range(cfg.sam_batches)]
     rows = []
-    for step in select_steps(checkpoint_steps(run_dir), every):
+    for step in select_steps(saved_steps(run_dir), every):
         state = load_checkpoint(run_dir, step)
         model = model_from_checkpoint(state)
         rows.append({**spec.key_dict, "step": step,
@@ -183,7 +200,7 @@ def geometry_for_run(run_dir: str | Path, cfg: Geometry, every: int = 1) -> pd.D
 
 def mech_for_run(run_dir: str | Path, cfg: Mech, every: int = 1) -> pd.DataFrame:
     """Mechanistic probes at every `every`-th analysis checkpoint (and the last) of a run."""
-    from .runs import checkpoint_steps, load_model, read_spec, sampler, select_steps
+    from .runs import load_model, read_spec, sampler, saved_steps, select_steps
     from .tasks import eval_set
 
     run_dir = Path(run_dir)
@@ -193,7 +210,7 @@ def mech_for_run(run_dir: str | Path, cfg: Mech, every: int = 1) -> pd.DataFrame
                    d.task_prior)
     probe_batch = sampler(spec, "mech").batch(0, cfg.n_probe)
     rows = []
-    for step in select_steps(checkpoint_steps(run_dir), every):
+    for step in select_steps(saved_steps(run_dir), every):
         model = load_model(run_dir, step).eval()
         rows += [{**spec.key_dict, "step": step, **r} for r in mech_at(model, ood, probe_batch, d, e, cfg)]
     df = pd.DataFrame(rows, columns=MECH_SCHEMA.names)
@@ -267,7 +284,7 @@ def refined_steps(llc_steps: Sequence[int], n: int) -> list[int]:
 
 def llc_steps(run_dir: str | Path, every: int, at: dict | None = None) -> list[int]:
     """The checkpoints llc_for_run estimates: every `every`-th and the last, or those nearest to `at`."""
-    avail = runs.checkpoint_steps(run_dir)
+    avail = runs.saved_steps(run_dir)
     return steps_at(avail, **at) if at else runs.select_steps(avail, every)
 
 

@@ -1,5 +1,5 @@
 """Refined LLC and susceptibilities (SPEC §7): λ̂ and χ per component of the network, every component of a
-checkpoint in one batched SGLD pass (iclnoise.llc.sgld_chains with one mask per row group).
+checkpoint in one batched SGLD pass (iclnoise.sgld.sgld_chains with one mask per row group).
 
 Weight-restricted ("refined") LLC of a component C (Wang et al. 2024): SGLD moves C's coordinates only and holds
 the rest at w*, with the ε, γ, nβ, chains and draws of the whole-network estimate,
@@ -31,28 +31,28 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 import torch
-from torch.func import functional_call
 
 from .io import KEY_FIELDS
 from .llc import (
     SAMPLER_FIELDS,
     LLCConfig,
     LLCResult,
-    LossFn,
-    full_loss,
+    center_loss,
+    check_sampling_set,
     llc_result,
     sampler_columns,
-    sgld_chains,
     stability_ratio,
     top_eigenvalue,
     trivial_loss,
 )
+from .model import LossFn
+from .sgld import sgld_chains
 
 HEAD_PARAMS = ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V")   # sliced at the head on dim 0, as devinterp's
 
 
 def components(model: torch.nn.Module) -> dict[str, dict[str, torch.Tensor | None]]:
-    """Components of an ICLTransformer, name → mask dict (iclnoise.llc.restriction), in this order: per layer i
+    """Components of an ICLTransformer, name → mask dict (iclnoise.sgld.restriction), in this order: per layer i
     every head h "l{i}h{h}" (W_Q, W_K, W_V, W_O, b_Q, b_K, b_V at head h: devinterp's head restriction) and
     "l{i}mlp" (the block's MLP); "embed" (token and positional embedding), "unembed" (readout) and "all" (every
     parameter). Layer norms and the attention output bias b_O, shared by the heads, move only in "all"."""
@@ -104,7 +104,7 @@ def susceptibility(phi: np.ndarray, delta: np.ndarray, n: int) -> np.ndarray:
 
 
 @dataclass
-class Refined:
+class RefinedResult:
     llc: dict[str, LLCResult]                   # component → restricted λ̂
     chi: dict[tuple[str, str], np.ndarray]      # (component, perturbation) → χ per chain
     n_params: dict[str, int]                    # component → coordinates it moves
@@ -131,20 +131,18 @@ def block_eigenvalues(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor,
 def refined_llcs(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: torch.Tensor, cfg: LLCConfig,
                  comps: dict[str, dict] | None = None, center: dict[str, torch.Tensor] | None = None,
                  perturbations: dict[str, tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]]
-                 | None = None, vectorize: bool = True, progress: bool = False) -> Refined:
+                 | None = None, vectorize: bool = True, progress: bool = False) -> RefinedResult:
     """λ̂_C for each of `comps` (default `components(model)`) at `center` (default: the model's parameters) on the
     sampling set (xs, ys) of size n, and χ_C for each perturbation name → ((x_q, y_q), (x_q', y_q')), all in one
     batched SGLD pass: rows component-major, chain c of every component with the generator chain c has alone."""
-    if xs.shape[0] != cfg.n:
-        raise ValueError(f"sampling dataset has {xs.shape[0]} sequences, config says n = {cfg.n}")
+    check_sampling_set(xs, cfg)
     comps = components(model) if comps is None else comps
     center = center or {k: v.detach() for k, v in model.named_parameters()}
     perturbations = perturbations or {}
     for name, (q, q2) in perturbations.items():
         if q[0].shape[0] != q2[0].shape[0]:
             raise ValueError(f"perturbation {name}: q has {q[0].shape[0]} sequences, q' {q2[0].shape[0]}")
-    buffers = dict(model.named_buffers())
-    init = full_loss(lambda a, b: functional_call(model, (center, buffers), (a, b)), loss_fn, xs, ys)
+    init = center_loss(model, loss_fn, xs, ys, center)
     trivial = trivial_loss(loss_fn, xs, ys)
     lam, bound = block_eigenvalues(model, loss_fn, xs, ys, cfg, comps, center)
     observe = [d for q, q2 in perturbations.values() for d in (q, q2)]
@@ -157,7 +155,7 @@ def refined_llcs(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: 
         for i, pert in enumerate(perturbations):
             lq, lq2 = ch.obs[2 * i, rows], ch.obs[2 * i + 1, rows]
             chi[name, pert] = susceptibility(lq, lq2 - lq, cfg.n)
-    return Refined(llcs, chi, {k: n_moving(model, m) for k, m in comps.items()}, bound)
+    return RefinedResult(llcs, chi, {k: n_moving(model, m) for k, m in comps.items()}, bound)
 
 
 # ---------------------------------------------------------------- per-run tables
@@ -181,8 +179,8 @@ SUSCEPTIBILITY_SCHEMA = pa.schema(KEY_FIELDS + [
 ])
 
 
-def tables(keys: dict, step: int, data: str, r: Refined, cfg: LLCConfig) -> tuple[list[dict], list[dict]]:
-    """RLLC_SCHEMA and SUSCEPTIBILITY_SCHEMA rows of one checkpoint's `Refined`."""
+def tables(keys: dict, step: int, data: str, r: RefinedResult, cfg: LLCConfig) -> tuple[list[dict], list[dict]]:
+    """RLLC_SCHEMA and SUSCEPTIBILITY_SCHEMA rows of one checkpoint's `RefinedResult`."""
     base = {"chains": cfg.chains, "draws": cfg.draws}
     rllc = [{**keys, "step": step, "component": c, "layer": layer_head(c)[0], "head": layer_head(c)[1],
              "data": data, "n_params": r.n_params[c], "llc_mean": x.llc_mean, "llc_std": x.llc_std,

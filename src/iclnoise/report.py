@@ -12,7 +12,7 @@ import yaml
 
 from . import __version__
 from .io import read_parquet
-from .verdicts import GATES, NO_MANIPULATION, _cond, convergence
+from .verdicts import GATES, NO_MANIPULATION, condition_name, convergence
 
 FIGURES = [
     ("fig01_ood_loss", "1. OOD loss over training per M (t_crit circles; dotted: dMMSE_M, dashed: ridge)"),
@@ -86,11 +86,11 @@ def _threshold_sentence(t) -> str:
 def _convergence(conv) -> tuple[list[str], list[str]]:
     """(each condition's part of the convergence sentence, the unconverged ones as the convergence gate names
     them) from a verdicts.convergence table. A condition without M = ∞ runs is judged by batch noise's at its
-    batch size (verdicts._gate_convergence); M = ∞ runs that diverged are said to have diverged."""
+    batch size (verdicts.gate_convergence); M = ∞ runs that diverged are said to have diverged."""
     c = conv.set_index(["batch", "noise"])
     parts, bad = [], []
-    for r in sorted(conv.itertuples(), key=lambda r: _cond(r.batch, r.noise)):   # metrics.json's order
-        name = _cond(r.batch, r.noise)
+    for r in sorted(conv.itertuples(), key=lambda r: condition_name(r.batch, r.noise)):   # metrics.json's order
+        name = condition_name(r.batch, r.noise)
         ref = (r.batch, "none")
         if r.n_inf_runs:
             parts.append(f"{name} M = ∞ runs diverged" if r.ood_loss_over_ridge == math.inf

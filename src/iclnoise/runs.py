@@ -53,11 +53,7 @@ SAFE_GLOBALS = [np.dtype, np.ndarray, np._core.multiarray.scalar, np._core.multi
 STREAMS = {"train": 0, "heldout": 1, "llc": 2, "geometry": 3, "mech": 4}
 
 
-class CorruptFile(RuntimeError):
-    """A file the pipeline needs is unreadable or does not match its manifest; the message says what to do."""
-
-
-class ForeignFile(CorruptFile):
+class ForeignFile(CorruptFileError):
     """A .pt file holding objects the pipeline never writes (it was planted or replaced): refused, never loaded."""
 
 
@@ -145,23 +141,23 @@ def load_torch(path: str | Path, device: str | torch.device = "cpu", expect_sha:
     run_dir = path.parent.parent if path.parent.name == CKPT_DIR else path.parent  # a checkpoint, or resume.pt
     retrain = f"Delete the run directory {run_dir} and rerun snakemake to retrain the run."
     if expect_sha is not None and path.exists() and sha256(path) != expect_sha:
-        raise CorruptFile(f"{path} does not match its manifest (sha256 differs): the file is corrupt. {retrain}")
+        raise CorruptFileError(f"{path} does not match its manifest (sha256 differs): the file is corrupt. {retrain}")
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             return torch.load(path, map_location=device, weights_only=True)
     except FileNotFoundError:
-        raise CorruptFile(f"{path} is missing. {retrain}")
+        raise CorruptFileError(f"{path} is missing. {retrain}")
     except pickle.UnpicklingError as err:
         if "Weights only load failed" not in str(err):
-            raise CorruptFile(f"{path} cannot be read (UnpicklingError: {err}): the file is truncated or corrupt. "
-                              f"{retrain}") from None
+            raise CorruptFileError(f"{path} cannot be read (UnpicklingError: {err}): the file is truncated or corrupt. "
+                                   f"{retrain}") from None
         what = next((ln.strip() for ln in str(err).splitlines() if "GLOBAL" in ln), "objects outside the allowed set")
         raise ForeignFile(f"{path} holds objects the pipeline never writes ({what}): it was not written by iclnoise "
                           f"(planted or replaced) and was not loaded, since loading it could run code. Delete it "
                           f"(rm {path}); {retrain}") from None
     except Exception as err:  # noqa: BLE001 - any unpickling error means the same thing to the user
-        raise CorruptFile(f"{path} cannot be read ({type(err).__name__}: {err}): the file is truncated or "
-                          f"corrupt. {retrain}") from None
+        raise CorruptFileError(f"{path} cannot be read ({type(err).__name__}: {err}): the file is truncated or "
+                               f"corrupt. {retrain}") from None
 
 
 def manifest(run_dir: str | Path) -> dict[int, str]:
@@ -186,7 +182,7 @@ def missing_checkpoints(run_dir: str | Path, steps: set[int] = frozenset()) -> l
     return [checkpoint_path(run_dir, s) for s in sorted(listed) if not checkpoint_path(run_dir, s).exists()]
 
 
-def checkpoint_steps(run_dir: str | Path) -> list[int]:
+def saved_steps(run_dir: str | Path) -> list[int]:
     """The steps of the run's analysis checkpoints, from the manifest (or the files, before it exists)."""
     m = manifest(run_dir)
     if m:

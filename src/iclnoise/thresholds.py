@@ -84,43 +84,60 @@ def fit_threshold(M: np.ndarray, r: np.ndarray, alpha: float | None = 0.05) -> d
     span, step = ux[-1] - ux[0], np.diff(ux).min()
     lo = np.array([-0.5, -0.5, ux[0] - 2, 0.1 * step])
     hi = np.array([1.5, 1.5, ux[-1] + 2, span])
-    p0 = _profile_start(x, y, np.linspace(lo[2], hi[2], 41), np.geomspace(lo[3], hi[3], 16))
-    p0 = np.clip(p0, lo + 1e-6 * (hi - lo), hi - 1e-6 * (hi - lo))
-    try:
-        res = optimize.least_squares(lambda p: logistic4(x, *p) - y, p0, jac=lambda p: _logistic4_jac(p, x),
-                                     bounds=(lo, hi), method="trf", x_scale=hi - lo)
-    except (ValueError, np.linalg.LinAlgError):
+    res = _fit_logistic4(x, y, lo, hi)
+    if res is None:
         return {**out, "reason": "fit failed"}
     f, c, x0, s = (float(v) for v in res.x)
-    rss, tss = float((res.fun ** 2).sum()), float(((y - y.mean()) ** 2).sum())
-    if tss <= 0:
-        p_rise = 1.0
-    elif rss <= 1e-15 * tss:
-        p_rise = 0.0
-    else:
-        p_rise = float(stats.f.sf((tss - rss) / 3 / (rss / (n - 4)), 3, n - 4)) if n > 4 else math.nan
+    p_rise = _p_rise(float((res.fun ** 2).sum()), float(((y - y.mean()) ** 2).sum()), n)
     xs = crossing(f, c, x0, s)
     out.update(floor=f, ceiling=c, x0=x0, scale=s, p_rise=p_rise, log2_M_star=xs, M_star=2.0 ** xs,
                in_range=bool(ux[0] <= xs <= ux[-1]) if np.isfinite(xs) else False)
     near = np.abs(res.x - lo) < 1e-4 * (hi - lo), np.abs(res.x - hi) < 1e-4 * (hi - lo)
     at_bound = [name for name, a, b in zip(("floor", "ceiling", "location", "scale"), *near) if a or b]
-    if not res.success:
-        reason = "fit failed"
-    elif alpha is not None and not p_rise < alpha:
-        reason = f"flat (no significant rise: F-test p = {p_rise:.2g})"
-    elif c <= f:
-        reason = "no rise (r falls with M)"
-    elif at_bound:
-        reason = f"fit at bound ({', '.join(at_bound)})"
-    elif not np.isfinite(xs):
-        reason = f"r does not cross 0.5 (fitted floor {f:.2f}, ceiling {c:.2f})"
-    elif not out["in_range"]:
-        reason = f"crossing outside the grid (extrapolated M* = {2.0 ** xs:.3g})"
-    else:
-        reason = ""
+    reason = _why_no_threshold(res.success, p_rise, alpha, at_bound, out)
     if reason:
         out.update(M_star=math.nan, log2_M_star=math.nan, in_range=False)
     return {**out, "reason": reason}
+
+
+def _fit_logistic4(x: np.ndarray, y: np.ndarray, lo: np.ndarray, hi: np.ndarray):
+    """Bounded least squares of logistic4 on (x, y) from the best point of a (location, scale) grid spanning the
+    bounds (`_profile_start`): scipy's OptimizeResult, None where least squares raised."""
+    p0 = _profile_start(x, y, np.linspace(lo[2], hi[2], 41), np.geomspace(lo[3], hi[3], 16))
+    p0 = np.clip(p0, lo + 1e-6 * (hi - lo), hi - 1e-6 * (hi - lo))
+    try:
+        return optimize.least_squares(lambda p: logistic4(x, *p) - y, p0, jac=lambda p: _logistic4_jac(p, x),
+                                      bounds=(lo, hi), method="trf", x_scale=hi - lo)
+    except (ValueError, np.linalg.LinAlgError):
+        return None
+
+
+def _p_rise(rss: float, tss: float, n: int) -> float:
+    """p of the F-test of logistic4 (4 parameters, residual sum of squares rss) against a constant (tss) on n
+    points: F = ((tss − rss) / 3) / (rss / (n − 4)) on (3, n − 4) degrees of freedom."""
+    if tss <= 0:
+        return 1.0
+    if rss <= 1e-15 * tss:
+        return 0.0
+    return float(stats.f.sf((tss - rss) / 3 / (rss / (n - 4)), 3, n - 4)) if n > 4 else math.nan
+
+
+def _why_no_threshold(success: bool, p_rise: float, alpha: float | None, at_bound: list[str], fit: dict) -> str:
+    """fit_threshold's `reason` after a fit, '' when the fitted crossing is an M* (the order in its docstring)."""
+    f, c, xs = fit["floor"], fit["ceiling"], fit["log2_M_star"]
+    if not success:
+        return "fit failed"
+    if alpha is not None and not p_rise < alpha:
+        return f"flat (no significant rise: F-test p = {p_rise:.2g})"
+    if c <= f:
+        return "no rise (r falls with M)"
+    if at_bound:
+        return f"fit at bound ({', '.join(at_bound)})"
+    if not np.isfinite(xs):
+        return f"r does not cross 0.5 (fitted floor {f:.2f}, ceiling {c:.2f})"
+    if not fit["in_range"]:
+        return f"crossing outside the grid (extrapolated M* = {2.0 ** xs:.3g})"
+    return ""
 
 
 def midpoint(fit: dict, grid: np.ndarray) -> dict:
@@ -183,11 +200,16 @@ def threshold_with_ci(df: pd.DataFrame, level: float = 0.95, min_seeds: int = 3,
         return out
     v = np.array([per[s]["log2_M_star"] for s in seeds])
     k = len(v)
-    mean, se = float(v.mean()), float(v.std(ddof=1) / math.sqrt(k))
-    tq = float(stats.t.ppf(0.5 + level / 2, k - 1))
+    mean, se, tq = t_interval(v, level)
     return {**out, "M_star": 2.0 ** mean, "log2_M_star": mean, "M_star_lo": 2.0 ** (mean - tq * se),
             "M_star_hi": 2.0 ** (mean + tq * se), "log2_se": se, "interval": f"t-interval over {k} per-seed fits",
             "reason": "", "log2_per_seed": dict(zip(seeds, v.tolist()))}
+
+
+def t_interval(v: np.ndarray, level: float) -> tuple[float, float, float]:
+    """(mean, se, t) of values over seeds: se = sd / √n (ddof 1), t the two-sided `level` quantile of Student's t
+    with n − 1 degrees of freedom; the interval is mean ± t · se."""
+    return float(v.mean()), float(v.std(ddof=1) / math.sqrt(len(v))), float(stats.t.ppf(0.5 + level / 2, len(v) - 1))
 
 
 def pull_slopes(traj: pd.DataFrame, late: float = 0.5, min_points: int = 3) -> pd.DataFrame:
@@ -283,31 +305,40 @@ def crossover_threshold(slopes: pd.DataFrame, level: float = 0.95, min_seeds: in
     xbar, why = sign_change(mean.index.to_numpy(), mean.to_numpy())
     if why:
         return {**out, "reason": f"no threshold: {why}"}
-    per_seed = b.groupby("seed")
-    u = per_seed.apply(lambda g: g.slope[g.x < xbar].mean()).dropna()
-    v = per_seed.apply(lambda g: g.slope[g.x > xbar].mean()).dropna()
-    p_u = stats.ttest_1samp(u, 0.0, alternative="greater").pvalue if len(u) > 1 else math.nan
-    p_v = stats.ttest_1samp(v, 0.0, alternative="less").pvalue if len(v) > 1 else math.nan
-    p = float(max(p_u, p_v)) if np.isfinite([p_u, p_v]).all() else math.nan
+    p = _sign_change_p(b, xbar)
     out.update(p_sign=p, M_star=2.0 ** xbar, log2_M_star=xbar, in_range=True)
     if not p < alpha:
         return {**out, "M_star": math.nan, "log2_M_star": math.nan, "in_range": False,
                 "reason": f"no threshold: no significant sign change of the pull (p = {p:.2g})"}
-    per = {s: sign_change(g.x.to_numpy(), g.slope.to_numpy()) for s, g in per_seed}
+    per = {s: sign_change(g.x.to_numpy(), g.slope.to_numpy()) for s, g in b.groupby("seed")}
     failed = {s: why for s, (_, why) in per.items() if why}
     out.update(n_seeds_fit=len(per) - len(failed), seeds_failed=" | ".join(f"seed {s}: {w}" for s, w in failed.items()))
     if len(seeds) < min_seeds:
         return {**out, "reason": f"no interval: insufficient seeds ({len(seeds)} < {min_seeds})"}
     if failed:
         return {**out, "reason": f"no interval: a seed's pull does not change sign ({out['seeds_failed']})"}
-    xs = np.array([per[s][0] for s in seeds])
+    return {**out, **_crossover_interval(np.array([per[s][0] for s in seeds]), np.sort(b.x.unique()), level)}
+
+
+def _sign_change_p(b: pd.DataFrame, xbar: float) -> float:
+    """p of the sign change at xbar over seeds (`b`: seed, x = log2 M, slope): per seed u_s = mean β below xbar and
+    v_s = mean β above it; the larger p of the one-sided t-tests u > 0 and v < 0 (NaN with < 2 seeds on a side)."""
+    per_seed = b.groupby("seed")
+    u = per_seed.apply(lambda g: g.slope[g.x < xbar].mean()).dropna()
+    v = per_seed.apply(lambda g: g.slope[g.x > xbar].mean()).dropna()
+    p_u = stats.ttest_1samp(u, 0.0, alternative="greater").pvalue if len(u) > 1 else math.nan
+    p_v = stats.ttest_1samp(v, 0.0, alternative="less").pvalue if len(v) > 1 else math.nan
+    return float(max(p_u, p_v)) if np.isfinite([p_u, p_v]).all() else math.nan
+
+
+def _crossover_interval(xs: np.ndarray, grid: np.ndarray, level: float) -> dict:
+    """M* and its interval from the per-seed crossings xs (log2 M): the t-interval widened in quadrature by
+    GAP_SHARE × the width of the grid gap holding the mean (crossover_threshold)."""
     k = len(xs)
-    m, se = float(xs.mean()), float(xs.std(ddof=1) / math.sqrt(k))
-    tq = float(stats.t.ppf(0.5 + level / 2, k - 1))
-    grid = np.sort(b.x.unique())
+    m, se, tq = t_interval(xs, level)
     j = int(np.clip(np.searchsorted(grid, m), 1, len(grid) - 1))
     half = math.hypot(tq * se, GAP_SHARE * (grid[j] - grid[j - 1]))
-    return {**out, "M_star": 2.0 ** m, "log2_M_star": m, "M_star_lo": 2.0 ** (m - half),
+    return {"M_star": 2.0 ** m, "log2_M_star": m, "M_star_lo": 2.0 ** (m - half),
             "M_star_hi": 2.0 ** (m + half), "log2_se": se,
             "interval": f"t-interval over {k} per-seed crossings, widened by {GAP_SHARE} × the grid gap", "reason": ""}
 

@@ -39,7 +39,6 @@ from .io import CorruptFileError, repair_advice, write_json, write_parquet
 from .runs import (
     CKPT_DIR,
     MANIFEST,
-    CorruptFile,
     ForeignFile,
     clear_run_dir,
     load_torch,
@@ -118,7 +117,7 @@ def _resume_states(m: Member) -> list[tuple[Path, dict]]:
             state = load_torch(path, "cpu")
         except ForeignFile:
             raise
-        except CorruptFile:  # the previous state, or training from step 0, replaces it
+        except CorruptFileError:  # the previous state, or training from step 0, replaces it
             log.warning("%s: %s is truncated or corrupt; not resuming from it", m.run_id, path)
             continue
         if not isinstance(state, dict) or state.get("spec_hash") != m.hash:
@@ -138,7 +137,7 @@ def _choose_resume(members: list[Member]) -> None:
     """Set each member's resume state (None: it starts at step 0). The members of one cohort resume from one
     commit, the newest that all of them have: a kill while the ensemble wrote its states leaves some a commit
     ahead, and they step back to their previous state (resume.pt, newer, is removed). A member without that commit
-    (its state rolled back or replaced) would split the ensemble: refused (CorruptFile), naming the files."""
+    (its state rolled back or replaced) would split the ensemble: refused (CorruptFileError), naming the files."""
     cohorts = defaultdict(list)
     for m in members:
         states = _resume_states(m)
@@ -152,11 +151,12 @@ def _choose_resume(members: list[Member]) -> None:
             behind = [m.run_id for m, states in group if states[0][1]["commit"] == at]
             have = "; ".join(f"{p} at step {st['commit']}" for _, ss in group for p, st in ss)
             files = " ".join(str(m.run_dir / n) for m, _ in group for n in (RESUME, RESUME_PREV))
-            raise CorruptFile(f"{', '.join(behind)}: resume state at step {at}, behind the rest of its ensemble "
-                              f"({', '.join(lacking)} keep no state at that step; {have}): a resume state was rolled "
-                              f"back or replaced, and resuming would split the ensemble. Restore the file, or delete "
-                              f"the ensemble's resume states (rm -f {files}) and rerun to train these runs again from "
-                              f"step 0.")
+            raise CorruptFileError(
+                f"{', '.join(behind)}: resume state at step {at}, behind the rest of its ensemble "
+                f"({', '.join(lacking)} keep no state at that step; {have}): a resume state was rolled "
+                f"back or replaced, and resuming would split the ensemble. Restore the file, or delete "
+                f"the ensemble's resume states (rm -f {files}) and rerun to train these runs again from "
+                f"step 0.")
     for c, group in cohorts.items():
         for m, states in group:
             path, m.resume = next((p, st) for p, st in states if st["commit"] == ats[c])

@@ -75,7 +75,8 @@ def gate_columns(fails) -> dict:
             "gate_records": [{"code": c, "detail": d} for c, d in fails]}
 
 
-def _cond(batch, noise) -> str:
+def condition_name(batch, noise) -> str:
+    """A (batch, noise) condition's name in metrics.json and the report: 'noise/B64'."""
     return f"{noise}/B{int(batch)}"
 
 
@@ -93,7 +94,7 @@ def convergence(out: pd.DataFrame, tol: float = GATES["convergence_tol"]) -> pd.
     return pd.DataFrame(rows, columns=CONVERGENCE_SCHEMA.names)
 
 
-def _gate_convergence(runs: pd.DataFrame, conv: pd.DataFrame) -> list[Fail]:
+def gate_convergence(runs: pd.DataFrame, conv: pd.DataFrame) -> list[Fail]:
     """A condition converged when its M = ∞ runs did. A condition run at some M only (noise.conditions.<c>.M,
     e.g. an early/late pair at one M) has no M = ∞ run of its own: the batch-noise runs at its batch size, the
     same model, data and budget without injection, stand for it."""
@@ -105,21 +106,22 @@ def _gate_convergence(runs: pd.DataFrame, conv: pd.DataFrame) -> list[Fail]:
             ref = (key[0], "none")
             row = c.loc[ref] if ref in c.index and c.loc[ref].n_inf_runs else None
             if row is None:
-                bad.append(f"{_cond(*key)}: no M = ∞ run, nor batch-noise M = ∞ runs at batch {key[0]}")
+                bad.append(f"{condition_name(*key)}: no M = ∞ run, nor batch-noise M = ∞ runs at batch {key[0]}")
             elif not row.converged:
-                bad.append(f"{_cond(*key)}: no M = ∞ run; batch noise's at batch {key[0]} "
+                bad.append(f"{condition_name(*key)}: no M = ∞ run; batch noise's at batch {key[0]} "
                            f"{row.ood_loss_over_ridge:.2f}× ridge's")
         elif not row.converged:
-            bad.append(f"{_cond(*key)}: M = ∞ OOD loss {row.ood_loss_over_ridge:.2f}× ridge's")
+            bad.append(f"{condition_name(*key)}: M = ∞ OOD loss {row.ood_loss_over_ridge:.2f}× ridge's")
     return [("unconverged", ", ".join(bad))] if bad else []
 
 
-def _gate_seeds(runs: pd.DataFrame, min_seeds: int) -> list[Fail]:
+def gate_seeds(runs: pd.DataFrame, min_seeds: int) -> list[Fail]:
+    """A condition needs at least `min_seeds` seeds."""
     k = runs.seed.nunique()
     return [("insufficient seeds", f"{k} < {min_seeds}")] if k < min_seeds else []
 
 
-def _gate_equal_data(runs: pd.DataFrame, tol: float, strata: list[str] | None = None) -> list[Fail]:
+def gate_equal_data(runs: pd.DataFrame, tol: float, strata: list[str] | None = None) -> list[Fail]:
     """Compared arms must have seen the same number of training sequences (within each stratum)."""
     groups = runs.groupby(strata) if strata else [(None, runs)]
     for _, g in groups:
@@ -234,8 +236,8 @@ def hypothesis_tests(out: pd.DataFrame, cfg: Stats, conv: pd.DataFrame | None = 
     fin = every[every.steps_as_batch.fillna(0) == 0].copy()
 
     def common(runs, strata=None):
-        return (_gate_convergence(runs, conv) + _gate_seeds(runs, gates["min_seeds"])
-                + _gate_equal_data(runs, gates["data_tol"], strata))
+        return (gate_convergence(runs, conv) + gate_seeds(runs, gates["min_seeds"])
+                + gate_equal_data(runs, gates["data_tol"], strata))
 
     exposure = "integrated_pne" if fin.integrated_pne.notna().all() and len(fin) else "integrated_lr_over_b"
     fin["log_exposure"] = np.log(fin[exposure])
@@ -350,8 +352,8 @@ def h3_rows(every: pd.DataFrame, fin: pd.DataFrame, cfg: Stats, conv: pd.DataFra
         a, c = bat[bat.set_index(["M", "seed"]).index.isin(keys)], inj[inj.set_index(["M", "seed"]).index.isin(keys)]
         used = pd.concat([a, c])
         at_steps = bool((inj.steps_as_batch == b).all())
-        fails = (_gate_convergence(used, conv) + _gate_seeds(used, gates["min_seeds"])
-                 + (_gate_equal_steps(used) if at_steps else _gate_equal_data(used, gates["data_tol"]))
+        fails = (gate_convergence(used, conv) + gate_seeds(used, gates["min_seeds"])
+                 + (_gate_equal_steps(used) if at_steps else gate_equal_data(used, gates["data_tol"]))
                  + _gate_matched_exposure(a, c, (f"batch {b}", cond), gates["h3_exposure_tol"]))
         man = batch_effect(plain, b, B, alpha, keys)
         if man is None:
@@ -459,7 +461,7 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
         where = f"doses {', '.join(f'{d:.3g}' for d in res['doses'])}" + (f" (left out: {left})" if left else "")
         used = out[out.run_id.isin(g.run_id[g.target_dose.isin([0.0, *res["doses"]]) & (g.M != M_INF)])]
         zero = res["levels"][res["levels"].target_dose == 0]
-        fails = _gate_seeds(used, GATES["min_seeds"]) + _gate_equal_data(used, GATES["data_tol"])
+        fails = gate_seeds(used, GATES["min_seeds"]) + gate_equal_data(used, GATES["data_tol"])
         if not len(zero) or not zero.in_regime.iloc[0]:
             fails.append(("unconverged", f"{name} dose 0: " + (zero.regime.iloc[0] if len(zero) else "no runs")))
         at = {"name": name, "src": src, "where": where, "m_at": ", ".join(map(str, res["ladder"])) or "none",

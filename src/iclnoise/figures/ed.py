@@ -70,11 +70,7 @@ def fig_forms(pcs: pd.DataFrame, forms: pd.DataFrame, events: pd.DataFrame, cfg:
     vertices, cusps, forms (black X, on the curve at the form's time); below, PCs against log-step
     with forms dashed and the end margins shaded. Says "no forms" on the figure when there are none."""
     style.setup()
-    runs = pcs[pcs.kind == "run"]
-    if run_id is None:  # the run with the most forms, ties to the largest finite M
-        order = runs.groupby("run_id").M.first().map(lambda m: m if m > 0 else 0).rename("M").to_frame()
-        order["forms"] = forms.run_id.value_counts().reindex(order.index).fillna(0)
-        run_id = order.sort_values(["forms", "M"]).index[-1]
+    run_id = _most_forms(pcs, forms) if run_id is None else run_id
     steps, c = _curve(pcs, run_id)
     tau = log_time(steps)
     grid, (sm, d1, d2) = smooth_curve(tau, c, cfg.bandwidth, derivatives=True)
@@ -85,39 +81,10 @@ def fig_forms(pcs: pd.DataFrame, forms: pd.DataFrame, events: pd.DataFrame, cfg:
     inner = (grid >= grid[0] + cfg.margin) & (grid <= grid[-1] - cfg.margin)
     fig = plt.figure(figsize=(4.2 * len(pairs), 7.5))
     gs = fig.add_gridspec(2, len(pairs), height_ratios=[1.3, 1])
-    at = lambda t: int(np.abs(grid - t).argmin())  # noqa: E731
     for p, (i, j) in enumerate(pairs):
-        ax = fig.add_subplot(gs[0, p])
-        g = curvature(sm[:, i], sm[:, j], d1[:, i], d1[:, j], d2[:, i], d2[:, j])   # as detect_events
-        ax.plot(sm[:, i], sm[:, j], color="0.75", lw=1, zorder=1)
-        sc = ax.scatter(sm[inner, i], sm[inner, j], c=grid[inner], cmap="viridis", s=4, zorder=2)
-        ax.scatter(c[:, i], c[:, j], s=8, color="black", marker=".", zorder=2, label="checkpoints")
-        lim = np.array([ax.get_xlim(), ax.get_ylim()])
-        ok = inner & np.isfinite(g["ex"]) & np.isfinite(g["ey"])
-        ax.plot(np.where(ok, g["ex"], np.nan), np.where(ok, g["ey"], np.nan), color="C1", lw=0.8, alpha=0.7)
-        for _, e in ev_run[(ev_run.pc_i == i + 1) & (ev_run.pc_j == j + 1)].iterrows():
-            k = at(e.log_step)
-            if e.kind == "vertex" and np.isfinite(g["ex"][k]):
-                ax.add_patch(plt.Circle((g["ex"][k], g["ey"][k]), 1 / abs(g["kappa"][k]), fill=False, color="grey",
-                                        lw=0.6, alpha=0.7))
-            ax.scatter(sm[k, i], sm[k, j], marker="^" if e.kind == "cusp" else "o", s=30,
-                       color="C3" if e.kind == "cusp" else "C2", zorder=4)
-        for t in f_tau:
-            ax.scatter(sm[at(t), i], sm[at(t), j], marker="X", s=110, color="black", zorder=5)
-        pad = 0.15 * np.ptp(lim, axis=1)
-        ax.set_xlim(lim[0] + [-pad[0], pad[0]])
-        ax.set_ylim(lim[1] + [-pad[1], pad[1]])
-        ax.set_aspect("equal", adjustable="datalim")
-        ax.set_xlabel(f"PC{i + 1}")
-        ax.set_ylabel(f"PC{j + 1}")
+        sc = _form_plane(fig.add_subplot(gs[0, p]), i, j, grid, sm, d1, d2, c, inner, ev_run, f_tau)
     fig.colorbar(sc, ax=fig.axes[len(pairs) - 1], label="log(step + 1)", shrink=0.8)
-    handles = [plt.Line2D([], [], color="0.6", label="trajectory (smoothed)"),
-               plt.Line2D([], [], marker=".", ls="", color="black", label="checkpoints (raw)"),
-               plt.Line2D([], [], color="C1", label="evolute"),
-               plt.Line2D([], [], marker="o", ls="", color="C2", label="vertex (osculating circle)"),
-               plt.Line2D([], [], marker="^", ls="", color="C3", label="cusp"),
-               plt.Line2D([], [], marker="X", ls="", color="black", label="form")]
-    fig.axes[0].legend(handles=handles, fontsize=7, loc="best")
+    fig.axes[0].legend(handles=_form_legend(), fontsize=7, loc="best")
     ax = fig.add_subplot(gs[1, :])
     for k in range(n):
         ax.plot(grid, sm[:, k], lw=1.5, color=f"C{k}", label=f"PC{k + 1}")
@@ -138,6 +105,55 @@ def fig_forms(pcs: pd.DataFrame, forms: pd.DataFrame, events: pd.DataFrame, cfg:
                  f"vertex or cusp within ±{cfg.tolerance} log-step (bandwidth {cfg.bandwidth})")
     fig.tight_layout()
     style.save_figure(fig, path, pcs[pcs.run_id == run_id])
+
+
+def _most_forms(pcs: pd.DataFrame, forms: pd.DataFrame) -> str:
+    """The run with the most forms, ties to the largest finite M."""
+    runs = pcs[pcs.kind == "run"]
+    order = runs.groupby("run_id").M.first().map(lambda m: m if m > 0 else 0).rename("M").to_frame()
+    order["forms"] = forms.run_id.value_counts().reindex(order.index).fillna(0)
+    return order.sort_values(["forms", "M"]).index[-1]
+
+
+def _form_legend() -> list:
+    """The legend of figure 5's planes."""
+    return [plt.Line2D([], [], color="0.6", label="trajectory (smoothed)"),
+            plt.Line2D([], [], marker=".", ls="", color="black", label="checkpoints (raw)"),
+            plt.Line2D([], [], color="C1", label="evolute"),
+            plt.Line2D([], [], marker="o", ls="", color="C2", label="vertex (osculating circle)"),
+            plt.Line2D([], [], marker="^", ls="", color="C3", label="cusp"),
+            plt.Line2D([], [], marker="X", ls="", color="black", label="form")]
+
+
+def _form_plane(ax: plt.Axes, i: int, j: int, grid: np.ndarray, sm: np.ndarray, d1: np.ndarray, d2: np.ndarray,
+                c: np.ndarray, inner: np.ndarray, ev_run: pd.DataFrame, f_tau: np.ndarray):
+    """The (PC i, PC j) plane: the smoothed curve (colour = log-step inside the margins), the raw checkpoints `c`,
+    the evolute, an osculating circle at each kept vertex, cusps, and the forms at `f_tau`. Returns the colour
+    scatter (for the colour bar)."""
+    at = lambda t: int(np.abs(grid - t).argmin())  # noqa: E731
+    g = curvature(sm[:, i], sm[:, j], d1[:, i], d1[:, j], d2[:, i], d2[:, j])   # as detect_events
+    ax.plot(sm[:, i], sm[:, j], color="0.75", lw=1, zorder=1)
+    sc = ax.scatter(sm[inner, i], sm[inner, j], c=grid[inner], cmap="viridis", s=4, zorder=2)
+    ax.scatter(c[:, i], c[:, j], s=8, color="black", marker=".", zorder=2, label="checkpoints")
+    lim = np.array([ax.get_xlim(), ax.get_ylim()])
+    ok = inner & np.isfinite(g["ex"]) & np.isfinite(g["ey"])
+    ax.plot(np.where(ok, g["ex"], np.nan), np.where(ok, g["ey"], np.nan), color="C1", lw=0.8, alpha=0.7)
+    for _, e in ev_run[(ev_run.pc_i == i + 1) & (ev_run.pc_j == j + 1)].iterrows():
+        k = at(e.log_step)
+        if e.kind == "vertex" and np.isfinite(g["ex"][k]):
+            ax.add_patch(plt.Circle((g["ex"][k], g["ey"][k]), 1 / abs(g["kappa"][k]), fill=False, color="grey",
+                                    lw=0.6, alpha=0.7))
+        ax.scatter(sm[k, i], sm[k, j], marker="^" if e.kind == "cusp" else "o", s=30,
+                   color="C3" if e.kind == "cusp" else "C2", zorder=4)
+    for t in f_tau:
+        ax.scatter(sm[at(t), i], sm[at(t), j], marker="X", s=110, color="black", zorder=5)
+    pad = 0.15 * np.ptp(lim, axis=1)
+    ax.set_xlim(lim[0] + [-pad[0], pad[0]])
+    ax.set_ylim(lim[1] + [-pad[1], pad[1]])
+    ax.set_aspect("equal", adjustable="datalim")
+    ax.set_xlabel(f"PC{i + 1}")
+    ax.set_ylabel(f"PC{j + 1}")
+    return sc
 
 
 def ed_figures(run_dirs: list, family: str, ed: Path, figs: Path, cfg: ED) -> None:

@@ -65,7 +65,7 @@ SAMPLER_FLAGS = ("unstable", "escaped")   # λ̂ measures the sampler, not the g
 FLAGS = ("diverged", "negative", "not_levelled", *SAMPLER_FLAGS)
 
 
-def _flagged(df: pd.DataFrame, flags: tuple[str, ...] = FLAGS) -> pd.Series:
+def flagged(df: pd.DataFrame, flags: tuple[str, ...] = FLAGS) -> pd.Series:
     """Estimates a reader must not take at face value (any of `flags` set; default: every SGLD diagnostic)."""
     cols = [c for c in flags if c in df]
     return df[cols].fillna(False).astype(bool).any(axis=1) if cols else pd.Series(False, index=df.index)
@@ -84,43 +84,20 @@ def fig_llc_over_training(llc: pd.DataFrame, stages: pd.DataFrame | None, path: 
     pal = style.m_palette(llc.M)
     batches = sorted(llc.batch.unique())
     fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 3.8), squeeze=False, sharey=True)
-    any_flagged = any_sampler = any_stage = False
+    drew = [False, False, False]   # hollow-flagged, sampler-flagged, stage markers anywhere
     for j, B in enumerate(batches):
         ax = axes[0, j]
         sub = llc[llc.batch == B]
         seed0 = sub.seed.min()
         for M in style.m_order(sub.M):
             for seed, r in sub[sub.M == M].groupby("seed"):
-                r = r.sort_values("step")
-                bad = _flagged(r)
-                ok = r[~bad]
-                first = seed == seed0
-                few = len(r) <= 40
-                se = ok.llc_se if "llc_se" in ok else ok.llc_std
-                ax.plot(ok.step + 1, ok.llc_mean, color=pal[M], lw=1.6 if first else 0.7, alpha=1 if first else 0.4,
-                        marker="o" if few else None, ms=3, label=style.m_legend_label(M) if first else None)
-                if first:
-                    ax.fill_between(ok.step + 1, ok.llc_mean - se, ok.llc_mean + se, color=pal[M], alpha=0.15, lw=0)
-                sampler = _flagged(r, SAMPLER_FLAGS)
-                other = bad & ~sampler
-                if other.any():
-                    any_flagged = True
-                    ax.scatter(r.step[other] + 1, r.llc_mean[other], s=22, facecolors="none", edgecolors=pal[M],
-                               linewidths=0.9, alpha=0.8 if first else 0.35, zorder=3)
-                if sampler.any():
-                    any_sampler = True
-                    ax.scatter(r.step[sampler] + 1, r.llc_mean[sampler], s=26, marker="x", color=pal[M],
-                               linewidths=1.0, alpha=0.8 if first else 0.35, zorder=3)
-                if stages is not None and first:
-                    st = stages[(stages.run_id == r.run_id.iloc[0]) & (stages.kind != "end")]
-                    if len(st):
-                        any_stage = True
-                        ax.scatter(st.step + 1, np.ones(len(st)), transform=ax.get_xaxis_transform(), marker="v",
-                                   s=36, color=pal[M], clip_on=False, zorder=4)
+                drew = [a or b for a, b in zip(drew, _llc_run(ax, r.sort_values("step"), M, pal[M], seed == seed0,
+                                                             stages))]
         ax.set_xscale("log")
         ax.set_title(f"batch {B}", pad=14)
         ax.set_xlabel("training step + 1")
     axes[0, 0].set_ylabel("LLC λ̂ (band: ± s.e. over chains)")
+    any_flagged, any_sampler, any_stage = drew
     handles, labels = axes[0, -1].get_legend_handles_labels()
     if any_flagged:
         handles.append(plt.Line2D([], [], ls="", marker="o", mfc="none", mec="grey"))
@@ -135,6 +112,32 @@ def fig_llc_over_training(llc: pd.DataFrame, stages: pd.DataFrame | None, path: 
     fig.suptitle("Local learning coefficient over training", y=1.02)
     fig.tight_layout()
     style.save_figure(fig, path, llc.drop(columns=["llc_per_chain"], errors="ignore"))
+
+
+def _llc_run(ax: plt.Axes, r: pd.DataFrame, M, colour, first: bool, stages: pd.DataFrame | None) -> tuple:
+    """One run's λ̂ over training on `ax` (`r`: its rows by step; `first`: the batch's first seed, drawn bold with
+    its band and stage ticks). Returns whether it drew (hollow flagged, sampler-flagged, stage) markers."""
+    bad = flagged(r)
+    ok = r[~bad]
+    few = len(r) <= 40
+    se = ok.llc_se if "llc_se" in ok else ok.llc_std
+    ax.plot(ok.step + 1, ok.llc_mean, color=colour, lw=1.6 if first else 0.7, alpha=1 if first else 0.4,
+            marker="o" if few else None, ms=3, label=style.m_legend_label(M) if first else None)
+    if first:
+        ax.fill_between(ok.step + 1, ok.llc_mean - se, ok.llc_mean + se, color=colour, alpha=0.15, lw=0)
+    sampler = flagged(r, SAMPLER_FLAGS)
+    other = bad & ~sampler
+    if other.any():
+        ax.scatter(r.step[other] + 1, r.llc_mean[other], s=22, facecolors="none", edgecolors=colour,
+                   linewidths=0.9, alpha=0.8 if first else 0.35, zorder=3)
+    if sampler.any():
+        ax.scatter(r.step[sampler] + 1, r.llc_mean[sampler], s=26, marker="x", color=colour,
+                   linewidths=1.0, alpha=0.8 if first else 0.35, zorder=3)
+    st = stages[(stages.run_id == r.run_id.iloc[0]) & (stages.kind != "end")] if stages is not None and first else []
+    if len(st):
+        ax.scatter(st.step + 1, np.ones(len(st)), transform=ax.get_xaxis_transform(), marker="v",
+                   s=36, color=colour, clip_on=False, zorder=4)
+    return bool(other.any()), bool(sampler.any()), bool(len(st))
 
 
 def llc_figures(summary: str | Path, llc_files: list, stages_files: list, out: Path) -> list[Path]:
@@ -156,7 +159,7 @@ def fig_llc_calibration(table: pd.DataFrame, path: str | Path) -> None:
         sub = table[table.step == step]
         for i, ((g, nb), r) in enumerate(sub.groupby(["gamma", "nbeta"])):
             r = r.sort_values("epsilon")
-            bad = _flagged(r)
+            bad = flagged(r)
             ax.errorbar(r.epsilon, r.llc_mean, yerr=r.llc_se, color=f"C{i}", marker="o", ms=3, capsize=2,
                         label=f"γ={g:g}, nβ={nb:.4g}")
             ax.scatter(r.epsilon[bad], r.llc_mean[bad], marker="x", s=40, color="firebrick", zorder=4)

@@ -12,7 +12,7 @@ import seaborn as sns
 
 from ..io import read_parquet
 from . import style
-from .llc import _flagged
+from .llc import flagged
 
 
 def _arms(df: pd.DataFrame) -> list[tuple[int, str]]:
@@ -49,7 +49,7 @@ def fig_rllc_over_training(rllc: pd.DataFrame, path: str | Path) -> None:
             sub = seed0[(seed0.batch == B) & (seed0.noise == noise) & (seed0.M == M)]
             for comp, r in sub.groupby("component", sort=True):
                 r = r.sort_values("step")
-                bad = _flagged(r)
+                bad = flagged(r)
                 ok = r[~bad]
                 ax.plot(ok.step + 1, ok.llc_mean, color=pal[comp], marker="o", ms=3, lw=1.4, label=comp)
                 ax.fill_between(ok.step + 1, ok.llc_mean - ok.llc_se, ok.llc_mean + ok.llc_se, color=pal[comp],

@@ -30,36 +30,13 @@ def fig_threshold_vs_noise(th: pd.DataFrame, path: str | Path) -> None:
     fig, ax = plt.subplots(figsize=(5.5, 4))
     # one line for batch noise across batch sizes, one per injected condition (source, shape)
     df["series"] = np.where(df.noise_source == "batch", "batch noise", "injected: " + df.noise.astype(str))
-    colour = {label: f"C{i}" for i, label in enumerate(sorted(df.series.unique()))}
-    for (label, method), g in df.groupby(["series", "method"]):
-        g = g.sort_values("level")
-        x = g.level * {"crossover": 1.06, "midpoint": 0.94}.get(method, 1.0)   # side by side where several exist
-        mk, ls = {"crossover": ("s", "--"), "midpoint": ("^", ":")}.get(method, ("o", "-"))
-        yerr = np.vstack([g.M_star - g.M_star_lo, g.M_star_hi - g.M_star]).clip(min=0)
-        ax.errorbar(x, g.M_star, yerr=np.nan_to_num(yerr), marker=mk, ls=ls, capsize=4, lw=1.5,
-                    color=colour[label], label=f"{label} ({method})")
-        bad = ~g.gates_passed.astype(bool) & np.isfinite(g.M_star)
-        ax.scatter(x[bad], g.M_star[bad], s=40, marker=mk, facecolor="white", edgecolor=colour[label], zorder=4,
-                   lw=1.5)
-    missing = df[~np.isfinite(df.M_star)]
-    no_ci = df[np.isfinite(df.M_star) & ~np.isfinite(df.M_star_lo)]
-    notes = [f"no M* ({r.method}): {r.noise}, B{r.batch}: {r.reason}" for r in missing.itertuples()]
-    notes += [f"no interval ({r.method}): {r.noise}, B{r.batch}: {r.reason.removeprefix('no interval: ')}"
-              for r in no_ci.itertuples()]
-    note = "\n".join(textwrap.fill(n, 100) for n in notes) if notes and np.isfinite(df.M_star).any() else ""
+    _threshold_lines(ax, df)
+    note = _no_threshold_notes(df)
     if note:  # below the axes, where it hides no data
         fig.set_figheight(4 + 0.12 * (note.count("\n") + 1))
         fig.text(0.01, 0.01, note, fontsize=6, color="dimgrey", va="bottom")
     if np.isfinite(df.M_star).any():
-        ax.set_xscale("log")
-        vals = df[["M_star", "M_star_lo", "M_star_hi"]].to_numpy(float)
-        vals = vals[np.isfinite(vals) & (vals > 0)]
-        if vals.max() / vals.min() > 8:  # log2 axis only when it spans several octaves: else it shows no ticks
-            ax.set_yscale("log", base=2)
-            ax.yaxis.set_major_formatter(ScalarFormatter())
-        xs = np.sort(df.level.unique())
-        ax.set_xticks(xs, [f"1/{1 / x:.0f}" for x in xs])
-        ax.xaxis.set_minor_formatter(NullFormatter())
+        _threshold_axes(ax, df)
     else:
         reasons = sorted({f"{r.method}, {r.noise}, B{r.batch}: {r.reason.removeprefix('no threshold: ')}"
                           for r in df.itertuples()}) or ["no condition in the grid"]
@@ -78,6 +55,45 @@ def fig_threshold_vs_noise(th: pd.DataFrame, path: str | Path) -> None:
         ax.legend(handles=handles, fontsize=8, loc="lower right")
     fig.tight_layout(rect=(0, 0.03 * (note.count("\n") + 1) if note else 0, 1, 1))
     style.save_figure(fig, path, df)
+
+
+def _threshold_lines(ax: plt.Axes, df: pd.DataFrame) -> None:
+    """Figure 6's M* with intervals, a line per (series, method), side by side; hollow where a gate failed."""
+    colour = {label: f"C{i}" for i, label in enumerate(sorted(df.series.unique()))}
+    for (label, method), g in df.groupby(["series", "method"]):
+        g = g.sort_values("level")
+        x = g.level * {"crossover": 1.06, "midpoint": 0.94}.get(method, 1.0)   # side by side where several exist
+        mk, ls = {"crossover": ("s", "--"), "midpoint": ("^", ":")}.get(method, ("o", "-"))
+        yerr = np.vstack([g.M_star - g.M_star_lo, g.M_star_hi - g.M_star]).clip(min=0)
+        ax.errorbar(x, g.M_star, yerr=np.nan_to_num(yerr), marker=mk, ls=ls, capsize=4, lw=1.5,
+                    color=colour[label], label=f"{label} ({method})")
+        bad = ~g.gates_passed.astype(bool) & np.isfinite(g.M_star)
+        ax.scatter(x[bad], g.M_star[bad], s=40, marker=mk, facecolor="white", edgecolor=colour[label], zorder=4,
+                   lw=1.5)
+
+
+def _no_threshold_notes(df: pd.DataFrame) -> str:
+    """The conditions without an M* or without an interval, with their reasons, wrapped; '' when none, or when no
+    condition has an M* (the axes then say so)."""
+    missing = df[~np.isfinite(df.M_star)]
+    no_ci = df[np.isfinite(df.M_star) & ~np.isfinite(df.M_star_lo)]
+    notes = [f"no M* ({r.method}): {r.noise}, B{r.batch}: {r.reason}" for r in missing.itertuples()]
+    notes += [f"no interval ({r.method}): {r.noise}, B{r.batch}: {r.reason.removeprefix('no interval: ')}"
+              for r in no_ci.itertuples()]
+    return "\n".join(textwrap.fill(n, 100) for n in notes) if notes and np.isfinite(df.M_star).any() else ""
+
+
+def _threshold_axes(ax: plt.Axes, df: pd.DataFrame) -> None:
+    """Log noise level with 1/B ticks; M* on a log2 axis where it spans more than 3 octaves."""
+    ax.set_xscale("log")
+    vals = df[["M_star", "M_star_lo", "M_star_hi"]].to_numpy(float)
+    vals = vals[np.isfinite(vals) & (vals > 0)]
+    if vals.max() / vals.min() > 8:  # log2 axis only when it spans several octaves: else it shows no ticks
+        ax.set_yscale("log", base=2)
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+    xs = np.sort(df.level.unique())
+    ax.set_xticks(xs, [f"1/{1 / x:.0f}" for x in xs])
+    ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def fig_icl_vs_exposure(out: pd.DataFrame, path: str | Path) -> None:
@@ -118,54 +134,66 @@ def fig_dose(levels: pd.DataFrame, path: str | Path) -> None:
     notes = []
     for j, key in enumerate(keys):
         g = lv[(lv.source == key[0]) & (lv["shape"] == key[1]) & (lv.batch == key[2])].sort_values("target_dose")
-        pos = g[g.target_dose > 0]
-        x0 = pos.realised_dose.min() / 10 ** 0.5
-        x = np.where(g.target_dose > 0, g.realised_dose, x0)
-        top, bottom = axes[0, j], axes[1, j]
-        zero = g[g.target_dose == 0]
-        for k, (point, mk, ls) in enumerate((("r50", "o", "-"), ("midpoint", "^", ":"))):
-            m, lo, hi = (g[f"M_star_{point}{s}"].to_numpy() for s in ("", "_lo", "_hi"))
-            xk = x * (0.94 if point == "midpoint" else 1.0)
-            top.errorbar(xk, m, yerr=np.nan_to_num(np.vstack([m - lo, hi - m]).clip(min=0)), marker=mk, ls=ls,
-                         color=f"C{k}", capsize=3, label=f"M* ({point})")
-            base = float(zero[f"M_star_{point}"].iloc[0]) if len(zero) else np.nan
-            own = np.isfinite(m)
-            lad = base * 2.0 ** g.ladder_shift.to_numpy()
-            ok = ~own & np.isfinite(lad)
-            if ok.any():
-                err = np.vstack([lad - base * 2.0 ** g.ladder_shift_lo.to_numpy(),
-                                 base * 2.0 ** g.ladder_shift_hi.to_numpy() - lad])[:, ok]
-                top.errorbar(xk[ok], lad[ok], yerr=np.nan_to_num(err).clip(min=0), marker=mk, ls="--", mfc="white",
-                             color=f"C{k}", capsize=3, label=f"M* ({point}) read from the ladder")
-        r, rlo, rhi = (g[f"r16{s}"].to_numpy() for s in ("", "_lo", "_hi"))
-        bottom.errorbar(x, r, yerr=np.nan_to_num(np.vstack([r - rlo, rhi - r]).clip(min=0)), marker="o", color="C2",
-                        capsize=3)
-        inside = g[g.in_regime & (g.target_dose > 0)]
-        outside = g[~g.in_regime.astype(bool)]
-        for ax in (top, bottom):
-            ax.set_xscale("log")
-            if len(inside):
-                ax.axvspan(x0 / 1.5, inside.realised_dose.max() * 1.2, color="green", alpha=0.07, lw=0)
-            for d in outside.itertuples():
-                xd = d.realised_dose if d.target_dose > 0 else x0
-                ax.axvspan(xd / 1.2, xd * 1.2, color="grey", alpha=0.25, lw=0)
-        notes += [f"{key[0]} dose {d.target_dose:.3g}: outside the regime ({d.regime})" for d in outside.itertuples()]
-        if any(np.isfinite(line.get_ydata()).any() for line in top.get_lines()):
-            top.set_yscale("log", base=2)
-            top.yaxis.set_major_formatter(ScalarFormatter())
-        else:
-            top.text(0.5, 0.5, "no M* at any dose", transform=top.transAxes, ha="center", color="grey")
-        top.set_title(f"{key[0]} ({key[1]}), batch {key[2]}", fontsize=10)
-        top.set_ylabel("task-diversity threshold M* (95 % CI)")
-        bottom.set_ylabel("r at M = 16 (95 % CI over seeds)")
-        bottom.set_xlabel("realised injected dose: integrated P-NE* (0: none)")
-        ticks = [x0, *pos.realised_dose]
-        bottom.set_xticks(ticks, ["0", *[f"{v:.2g}" for v in pos.realised_dose]])
-        bottom.xaxis.set_minor_formatter(NullFormatter())
-        top.legend(fontsize=7, loc="best")
+        notes += _dose_column(axes[0, j], axes[1, j], g, key)
     fig.suptitle("ICL against the injected noise dose (green: operating regime; grey: outside)", y=1.0)
     note = "\n".join(textwrap.fill(n, 110) for n in notes)
     if note:
         fig.text(0.01, 0.0, note, fontsize=6, color="dimgrey", va="top")
     fig.tight_layout()
     style.save_figure(fig, path, lv)
+
+
+def _dose_column(top: plt.Axes, bottom: plt.Axes, g: pd.DataFrame, key: tuple) -> list[str]:
+    """One series' column of the dose figure (`g`: its dose_levels rows by dose): M* above, r at M = 16 below, the
+    regime shaded; returns the notes on the doses outside the regime."""
+    pos = g[g.target_dose > 0]
+    x0 = pos.realised_dose.min() / 10 ** 0.5
+    x = np.where(g.target_dose > 0, g.realised_dose, x0)
+    _plot_dose_mstar(top, g, x)
+    r, rlo, rhi = (g[f"r16{s}"].to_numpy() for s in ("", "_lo", "_hi"))
+    bottom.errorbar(x, r, yerr=np.nan_to_num(np.vstack([r - rlo, rhi - r]).clip(min=0)), marker="o", color="C2",
+                    capsize=3)
+    inside = g[g.in_regime & (g.target_dose > 0)]
+    outside = g[~g.in_regime.astype(bool)]
+    for ax in (top, bottom):
+        ax.set_xscale("log")
+        if len(inside):
+            ax.axvspan(x0 / 1.5, inside.realised_dose.max() * 1.2, color="green", alpha=0.07, lw=0)
+        for d in outside.itertuples():
+            xd = d.realised_dose if d.target_dose > 0 else x0
+            ax.axvspan(xd / 1.2, xd * 1.2, color="grey", alpha=0.25, lw=0)
+    notes = [f"{key[0]} dose {d.target_dose:.3g}: outside the regime ({d.regime})" for d in outside.itertuples()]
+    if any(np.isfinite(line.get_ydata()).any() for line in top.get_lines()):
+        top.set_yscale("log", base=2)
+        top.yaxis.set_major_formatter(ScalarFormatter())
+    else:
+        top.text(0.5, 0.5, "no M* at any dose", transform=top.transAxes, ha="center", color="grey")
+    top.set_title(f"{key[0]} ({key[1]}), batch {key[2]}", fontsize=10)
+    top.set_ylabel("task-diversity threshold M* (95 % CI)")
+    bottom.set_ylabel("r at M = 16 (95 % CI over seeds)")
+    bottom.set_xlabel("realised injected dose: integrated P-NE* (0: none)")
+    ticks = [x0, *pos.realised_dose]
+    bottom.set_xticks(ticks, ["0", *[f"{v:.2g}" for v in pos.realised_dose]])
+    bottom.xaxis.set_minor_formatter(NullFormatter())
+    top.legend(fontsize=7, loc="best")
+    return notes
+
+
+def _plot_dose_mstar(top: plt.Axes, g: pd.DataFrame, x: np.ndarray) -> None:
+    """M* by r50 and by midpoint at each dose (x: where the doses sit), and where a dose has none of its own the
+    ladder's reading: dose 0's M* moved by the ladder's shift (hollow, dashed)."""
+    zero = g[g.target_dose == 0]
+    for k, (point, mk, ls) in enumerate((("r50", "o", "-"), ("midpoint", "^", ":"))):
+        m, lo, hi = (g[f"M_star_{point}{s}"].to_numpy() for s in ("", "_lo", "_hi"))
+        xk = x * (0.94 if point == "midpoint" else 1.0)
+        top.errorbar(xk, m, yerr=np.nan_to_num(np.vstack([m - lo, hi - m]).clip(min=0)), marker=mk, ls=ls,
+                     color=f"C{k}", capsize=3, label=f"M* ({point})")
+        base = float(zero[f"M_star_{point}"].iloc[0]) if len(zero) else np.nan
+        own = np.isfinite(m)
+        lad = base * 2.0 ** g.ladder_shift.to_numpy()
+        ok = ~own & np.isfinite(lad)
+        if ok.any():
+            err = np.vstack([lad - base * 2.0 ** g.ladder_shift_lo.to_numpy(),
+                             base * 2.0 ** g.ladder_shift_hi.to_numpy() - lad])[:, ok]
+            top.errorbar(xk[ok], lad[ok], yerr=np.nan_to_num(err).clip(min=0), marker=mk, ls="--", mfc="white",
+                         color=f"C{k}", capsize=3, label=f"M* ({point}) read from the ladder")
