@@ -57,8 +57,10 @@ from torch.func import functional_call, grad_and_value, vmap
 from tqdm import tqdm
 
 from .geometry import FlatLoss, lanczos_top, preconditioned
-from .io import KEY_FIELDS
-from .sections import LLCConfig  # the typed llc.sampler section, importable from here
+from .sections import (
+    KEY_FIELDS,
+    LLCConfig,  # the typed llc.sampler section, importable from here
+)
 
 LossFn = Callable[[Callable, torch.Tensor, torch.Tensor], torch.Tensor]
 log = logging.getLogger(__name__)

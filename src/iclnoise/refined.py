@@ -33,7 +33,6 @@ import pyarrow as pa
 import torch
 from torch.func import functional_call
 
-from .io import KEY_FIELDS
 from .llc import (
     SAMPLER_FIELDS,
     LLCConfig,
@@ -47,6 +46,7 @@ from .llc import (
     top_eigenvalue,
     trivial_loss,
 )
+from .sections import KEY_FIELDS
 
 HEAD_PARAMS = ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V")   # sliced at the head on dim 0, as devinterp's
 

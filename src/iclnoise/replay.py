@@ -44,7 +44,7 @@ from .hooks import Unrecorded
 from .injection import NoiseInjector
 from .io import read_parquet
 from .model import mse_loss
-from .noise import shaped_covariance, window
+from .noise import shaped_covariance
 from .predictors import token_losses
 from .runs import CKPT_DIR, read_spec
 from .sections import NoiseCondition, RunSpec
@@ -127,7 +127,7 @@ class Replayer(Unrecorded):
         self.e: torch.Tensor | None = None
         self.pending: dict | None = None
         self.windows = [None if c is None or c.noise is None or c.own else
-                        window(c.noise.schedule, spec.train.steps, c.noise.window_fraction) for c in self.groups]
+                        c.noise.window(spec.train.steps) for c in self.groups]
 
     # ------------------------------------------------------------ the hook
     def on_grads(self, ctx) -> None:

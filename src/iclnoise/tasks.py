@@ -14,26 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .sections import ParamsError, TaskPrior
-
-M_INF = -1  # the documented encoding of M = ∞ in every table
-
-
-def m_label(M: int) -> str:
-    """'inf' for M_INF, else the decimal number."""
-    return "inf" if M == M_INF else str(M)
-
-
-def parse_m(value: int | str | float) -> int:
-    """Accept 'inf', '∞', float('inf') or -1 as M_INF; positive integers as themselves."""
-    if isinstance(value, str) and value.strip().lower() in ("inf", "∞", "infinity", "-1"):
-        return M_INF
-    if isinstance(value, float) and np.isinf(value):
-        return M_INF
-    m = int(value)
-    if m != M_INF and m < 1:
-        raise ValueError(f"M must be a positive integer or 'inf', got {value!r}")
-    return m
+from .sections import M_INF, ParamsError, TaskPrior, m_label, parse_m  # noqa: F401 (M's encoding: sections)
 
 
 def _seed_mix(*keys: int) -> int:
