@@ -7,13 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from .grid import (
-    ed_families,
     ensemble_groups,
     expand_grid,
     job_cfg,
     jobs,
     parse_run_id,
-    probe_sections,
     refined_covers,
     shared_spec,
     typed_spec,
@@ -274,24 +272,19 @@ def rerun_plan(old: dict, new: dict) -> dict[str, list[str]]:
     run's training and probe sections' job_cfg; an ED family (and its figures) its runs' training and probe jobs and
     job_cfg ed; the training, LLC and refined figures their jobs' inputs; aggregate its inputs and stats; aggregate
     figures aggregate; the report any change. A job new to the grid counts as a rerun."""
-    old_groups = {tuple(r): g for g, r in ensemble_groups(old).items()}
-    train = [g for g, runs in ensemble_groups(new).items()
+    was, now = jobs(old), jobs(new)
+    old_groups = {tuple(runs) for runs in was["train"].values()}
+    train = [g for g, runs in now["train"].items()
              if tuple(runs) not in old_groups or shared_spec(old, runs) != shared_spec(new, runs)]
-    retrained = {r for g in train for r in ensemble_groups(new)[g]}
-    old_runs = {k.run_id: k for k in expand_grid(old)}
+    retrained = {r for g in train for r in now["train"][g]}
     probe = []
-    for k in expand_grid(new):
-        secs = probe_sections(new, k)
-        if not secs:
-            continue
-        before = probe_sections(old, old_runs[k.run_id]) if k.run_id in old_runs else None
+    for r, secs in now["probe"].items():
         cfg = sorted({"refined": "llc"}.get(x, x) for x in secs)
-        if k.run_id in retrained or before != secs or job_cfg(old, *cfg) != job_cfg(new, *cfg):
-            probe.append(k.run_id)
+        if r in retrained or was["probe"].get(r) != secs or job_cfg(old, *cfg) != job_cfg(new, *cfg):
+            probe.append(r)
     reprobed = set(probe) if new["llc"]["enabled"] else set()
-    old_fams = ed_families(old)
-    ed = [f for f, runs in ed_families(new).items()
-          if old_fams.get(f) != runs or job_cfg(old, "ed") != job_cfg(new, "ed")
+    ed = [f for f, runs in now["ed"].items()
+          if was["ed"].get(f) != runs or job_cfg(old, "ed") != job_cfg(new, "ed")
           or any(r in retrained or r in reprobed for r in runs)]
     other = ["training_figures"] * bool(train) + ["llc_figures", "refined_figures"] * bool(probe)
     if train or probe or job_cfg(old, "stats") != job_cfg(new, "stats"):
@@ -305,10 +298,9 @@ def format_rerun(old: dict, new: dict) -> str:
     keys = changed_keys(old, new)
     if not keys:
         return "no parameter changed since the results were made: nothing reruns for a parameter"
-    plan = rerun_plan(old, new)
-    groups, probes = ensemble_groups(new), jobs(new)["probe"]
-    train_s = sum(train_seconds(new, groups[g]) for g in plan["train"])
-    probe_s = sum(probe_job_seconds(new, r, probes[r]) for r in plan["probe"])
+    plan, now = rerun_plan(old, new), jobs(new)
+    train_s = sum(train_seconds(new, now["train"][g]) for g in plan["train"])
+    probe_s = sum(probe_job_seconds(new, r, now["probe"][r]) for r in plan["probe"])
     other_s = (2 * len(plan["ed"]) + len(plan["other"])) * JOB_START_S
     shown = ", ".join(keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
     what = (f"{len(plan['train'])} training job(s){': ' + ', '.join(plan['train']) if plan['train'] else ''}; "
