@@ -21,8 +21,7 @@ from iclnoise.config import (
 from iclnoise.cost import PARAMS_RECORD, check_cost, format_cost, rerun_note
 from iclnoise.dose import has_series as has_dose_series
 from iclnoise.io import write_json
-from iclnoise.grid import ed_families, ensemble_groups, expand_grid, job_cfg, parse_run_id, refined_covers, shared_spec
-from iclnoise.grid import probe_sections as probe_sections_of
+from iclnoise.grid import ed_families, expand_grid, job_cfg, jobs, shared_spec, typed_spec
 from iclnoise.runs import missing_checkpoints
 
 min_version("9.0")
@@ -53,7 +52,8 @@ if COST:
         logger.info(NOTE)
 
 RUNS = [k.run_id for k in expand_grid(PARAMS)]
-GROUPS = ensemble_groups(PARAMS)
+JOBS = jobs(PARAMS)   # the jobs of the DAG, by kind (iclnoise.grid.jobs, which iclnoise.cost counts)
+GROUPS = JOBS["train"]
 RES = "results"
 
 
@@ -80,11 +80,11 @@ rule all:
     input:
         [f for r in RUNS for f in train_outputs(r)],
         list(CKPT_MISSING.values()),
-        [f for r in RUNS for f in probe_outputs(r, probe_sections(r))],
+        [f for r, secs in JOBS["probe"].items() for f in probe_outputs(r, secs)],
         expand(rules.ed.output, family=list(ED_FAMILIES)),
         expand(rules.ed_figures.output, family=list(ED_FAMILIES)),
         rules.training_figures.output,
-        rules.llc_figures.output if PARAMS["llc"]["enabled"] else [],
+        rules.llc_figures.output if "llc_figures" in JOBS["single"] else [],
         rules.refined_figures.output if REFINED else [],
         rules.aggregate.output,
         rules.aggregate_figures.output,

@@ -412,8 +412,11 @@ def test_probed_checkpoints_match_a_real_run():
     and 2 mech checkpoints of 24 (checked against llc.parquet, geometry.parquet and mech.parquet of
     M16-B64-none-s0 in a default DAG run of 9baea51)."""
     from iclnoise.cost import probed_checkpoints
+    from iclnoise.grid import typed_spec
     p = load_params("params.yaml")
-    assert [probed_checkpoints(p, 64, s) for s in ("llc", "geometry", "mech")] == [7, 5, 2]
+    spec = typed_spec(p, "M16-B64-none-s0")
+    assert len(spec.train.checkpoints_planned) == 25   # step 0 and 24 after it
+    assert [probed_checkpoints(p, spec, s) for s in ("llc", "geometry", "mech")] == [7, 5, 2]
 
 
 def test_confirm_cost_takes_only_true_or_false():

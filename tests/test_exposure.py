@@ -277,7 +277,7 @@ def test_update_variance_matches_real_adamw_steps_and_calibrates_kappa_to_one(be
             m2.w.grad = g.clone()
             o2.step()
             real.append((m2.w - model.w).detach())
-        v = update_innovation_variance(AdamState.of_torch(opt), G, 64)
+        v = update_innovation_variance(AdamState.of_torch(opt), G, 64, 1e-3)
         assert v == pytest.approx(float(torch.stack(real).var(0).sum()), rel=1e-6)
         a = preconditioner(AdamState.of_torch(opt), fallback_grads=False)
         noise = grad_noise(G, 4)

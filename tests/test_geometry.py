@@ -191,7 +191,7 @@ def test_precond_trace_float32_error_below_se(tiny):
 def test_geometry_for_run_on_a_checkpoint_fixture(tmp_path):
     m, opt, _ = train_tiny(20)
     run = tmp_path / "run"
-    keys = {"run_id": "r", "M": 4, "seed": 0, "batch": 32, "noise": "none"}
+    keys = {"run_id": "M4-B32-none-s0", "M": 4, "seed": 0, "batch": 32, "noise": "none"}
     spec = {**run_spec(load_params("params.yaml"), "M4-B32-none-s0"), "keys": keys,   # a full spec, our data
             "data": {"D": 2, "K": 3, "noise_var": 0.125, "pool_seed": 0}}
     write_json(spec, run / "run.json")

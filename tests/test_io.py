@@ -9,7 +9,6 @@ import pyarrow as pa
 import pytest
 
 from iclnoise.io import (
-    KEY_FIELDS,
     CorruptFileError,
     atomic_path,
     content_hash,
@@ -20,6 +19,7 @@ from iclnoise.io import (
     write_parquet,
     write_text,
 )
+from iclnoise.sections import KEY_FIELDS
 
 SCHEMA = pa.schema([*KEY_FIELDS, pa.field("step", pa.int64()), pa.field("loss", pa.float64())])
 

@@ -169,7 +169,7 @@ def test_layernorm_collapse_counts_small_weights():
 def test_mech_for_run_uses_the_metrics_ood_set_and_is_finite_at_m1(tmp_path):
     m, _ = model_and_batch(1)
     run = tmp_path / "run"
-    keys = {"run_id": "r", "M": 1, "seed": 0, "batch": 8, "noise": "none"}
+    keys = {"run_id": "M1-B8-none-s0", "M": 1, "seed": 0, "batch": 8, "noise": "none"}
     spec = {**run_spec(load_params("params.yaml"), "M1-B8-none-s0"), "keys": keys,   # a full spec, our data
             "data": {"D": 3, "K": 5, "noise_var": 0.125, "pool_seed": 0},
             "eval": {"n_sequences": 48, "n_root": 8, "eval_seed": 7, "icl_tokens": [1, 5]}}

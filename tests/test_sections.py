@@ -254,3 +254,78 @@ def test_build_hooks_reads_the_typed_sections_and_names_a_missing_key():
     del spec["exposure"]["heldout"]
     with pytest.raises(ValueError, match="exposure.heldout is missing"):
         RunSpec.of(spec)
+
+
+def test_run_spec_decides_hooks_window_checkpoints_and_outputs():
+    """A run's derived facts, each read from RunSpec (the workflow's train outputs, the trainer's hooks, the
+    injector's window): batch noise with exposure logged; the same with exposure off; a late injected arm."""
+    import dataclasses
+
+    from iclnoise.grid import run_spec, typed_spec
+
+    p = validate_params(read_yaml("params.yaml"))
+    plain, late = typed_spec(p, "M4-B64-none-s0"), typed_spec(p, "M4-B64-late-s0")
+    base = ["metrics.parquet", "token_losses.parquet", "root_preds.parquet", "checkpoints.json"]
+    assert (plain.hooks, plain.window, plain.outputs) == (("exposure",), None, base + ["exposure.parquet"])
+    off = {**p, "exposure": {**p["exposure"], "enabled": False}}
+    assert typed_spec(off, "M4-B64-none-s0").hooks == () and typed_spec(off, "M4-B64-none-s0").outputs == base
+    T, f = late.train.steps, p["noise"]["conditions"]["late"]["fraction"]
+    assert late.hooks == ("exposure", "injection") and late.window == (T - round(f * T), T)
+    assert late.outputs == base + ["exposure.parquet", "injection.parquet"]
+    assert typed_spec(off, "M4-B64-late-s0").hooks == late.hooks   # injection logs exposure whatever `enabled` says
+    early = dataclasses.replace(late.noise, schedule="early")
+    assert early.window(T) == (0, round(f * T)) and dataclasses.replace(late.noise, schedule="constant").window(T) \
+        == (0, T)
+    ckpts = plain.train.checkpoints_planned
+    assert ckpts[0] == 0 and ckpts[-1] == plain.train.last_step == plain.train.steps
+    stopped = run_spec({**p, "train": {**p["train"], "budget": {**p["train"]["budget"], "stop_at": 100}}},
+                       "M4-B64-none-s0")
+    assert RunSpec.of(stopped).train.checkpoints_planned == [s for s in ckpts if s < 100] + [100]
+
+
+def test_the_learning_rate_schedule_is_built_once_in_the_typed_section():
+    """Train.lr(step) = optimizer.lr × the schedule's factor (warmup then cosine to min_lr_frac); lr_sum is its sum
+    over the steps trained, which aggregate's η/B proxy reads."""
+    import math
+
+    from iclnoise.grid import typed_spec
+
+    p = validate_params(read_yaml("params.yaml"))
+    t = typed_spec(p, "M4-B64-none-s0").train
+    s, lr, T = t.lr_schedule, t.optimizer.lr, t.steps
+    warm = max(1, round(s.warmup_frac * T))
+    assert s.kind == "warmup_cosine" and t.lr(0) == pytest.approx(lr / warm) and t.lr(warm - 1) == pytest.approx(lr)
+    mid = warm + (T - warm) // 2
+    cos = s.min_lr_frac + (1 - s.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * (mid - warm) / (T - warm)))
+    assert t.lr(mid) == pytest.approx(lr * cos) and t.lr(T) == pytest.approx(lr * s.min_lr_frac)
+    assert t.lr_sum() == pytest.approx(sum(t.lr(i) for i in range(T)), rel=1e-12)
+
+
+def test_run_keys_are_one_description():
+    """RunKeys is a spec's `keys`, a table's leading columns (KEY_FIELDS) and the run id, both ways; RunSpec.of
+    refuses a spec whose run_id its keys do not name."""
+    from iclnoise.grid import run_spec
+    from iclnoise.sections import KEY_FIELDS, RunKeys, parse_run_id
+
+    k = parse_run_id("Minf-B16-none-sgd_momentum-s2")
+    assert k == RunKeys(-1, 16, "none", 2, "sgd_momentum") and k.run_id == "Minf-B16-none-sgd_momentum-s2"
+    assert list(k.to_dict()) == [f.name for f in KEY_FIELDS] and k.to_dict()["M"] == -1
+    spec = run_spec(validate_params(read_yaml("params.yaml")), "M4-B64-none-s0")
+    assert RunSpec.of(spec).key_dict == spec["keys"]
+    with pytest.raises(ValueError, match="keys.run_id is 'M8-B64-none-s0'.*name run 'M4-B64-none-s0'"):
+        RunSpec.of({**spec, "keys": {**spec["keys"], "run_id": "M8-B64-none-s0"}})
+
+
+def test_jobs_are_the_workflows_and_the_cost_models():
+    """grid.jobs: one training job per ensemble, one probe job per probed run with its sections, an ED family's two
+    jobs, the one-off jobs; cost_estimate's count is theirs (and Snakemake's: test_config's dry runs)."""
+    from iclnoise.cost import cost_estimate
+    from iclnoise.grid import ensemble_groups, jobs
+
+    p = validate_params(read_yaml("params.yaml"))
+    j = jobs(p)
+    assert j["train"] == ensemble_groups(p) and all(k.endswith("-s0") for k in j["probe"])
+    assert set(j["probe"]["M16-B64-none-s0"]) == {"llc", "geometry", "mech", "refined"}
+    assert "refined" not in j["probe"]["M4-B64-none-s0"] and "refined_figures" in j["single"]
+    n = len(j["train"]) + len(j["probe"]) + 2 * len(j["ed"]) + len(j["single"])
+    assert cost_estimate(p)["jobs"] == n

@@ -11,11 +11,11 @@ from iclnoise.tasks import (
     _BATCH,
     _EVAL,
     BatchSampler,
-    _seed_mix,
     eval_set,
     prior_cov,
     prior_factor,
     prior_spectrum,
+    seed_mix,
     task_pool,
 )
 
@@ -47,11 +47,11 @@ def test_isotropic_prior_draws_todays_tasks_bit_for_bit():
     assert _h(task_pool(3, 50, 5)) == "3fe171b29704bd66"
     for pool in (None, task_pool(3, 9, 5)):
         b = BatchSampler(pool, 6, 5, 0.125, data_seed=2).batch(7, 32)
-        ref = _draw_756de2e(torch.Generator().manual_seed(_seed_mix(_BATCH, 0, 2, 7)), pool, 32, 6, 5, 0.125)
+        ref = _draw_756de2e(torch.Generator().manual_seed(seed_mix(_BATCH, 0, 2, 7)), pool, 32, 6, 5, 0.125)
         assert all(torch.equal(x, y) for x, y in zip((b.xs, b.ys, b.tasks), ref))
     for kind, code, pool in (("id", 1, task_pool(3, 9, 5)), ("ood", 2, None), ("root", 3, task_pool(3, 1, 5))):
         b = eval_set(kind, 9, 16, 6, 5, 0.125, 3, 4)
-        gen = torch.Generator().manual_seed(_seed_mix(_EVAL, 4, code, 9 if kind == "id" else 0))
+        gen = torch.Generator().manual_seed(seed_mix(_EVAL, 4, code, 9 if kind == "id" else 0))
         assert all(torch.equal(x, y) for x, y in zip((b.xs, b.ys, b.tasks), _draw_756de2e(gen, pool, 16, 6, 5, 0.125)))
     d = Data.from_dict({"D": 5, "K": 6, "noise_var": 0.125, "pool_seed": 3})   # absent key: None, the isotropic prior
     assert d.task_prior is None and torch.equal(task_pool(3, 50, 5, d.task_prior), task_pool(3, 50, 5))

@@ -21,10 +21,9 @@ import pyarrow as pa
 from . import thresholds
 from .dose import DOSE_SCHEMA, LEVELS_SCHEMA, dose_runs, levels_table
 from .geometry import GEOMETRY_COLUMNS
-from .io import KEY_FIELDS, read_json, read_parquet, write_json, write_parquet, write_text
+from .io import read_json, read_parquet, write_json, write_parquet, write_text
 from .mech import CIRCUIT_COLUMNS
-from .schedules import lr_lambda
-from .sections import RunSpec, Stats
+from .sections import KEY_FIELDS, RunSpec, Stats
 from .tasks import M_INF, m_label
 from .verdicts import (
     GATE_FIELDS,
@@ -92,10 +91,8 @@ TRAJECTORY_COLUMNS = ["run_id", "M", "seed", "batch", "noise", "sequences", "ood
 
 def integrated_lr_over_b(spec: RunSpec) -> float:
     """Σ_t η_t / B over the steps trained (to `train.budget.stop_at` where set): the η/B noise-temperature
-    proxy (Smith & Le), exact from the schedule."""
-    t, s = spec.train, spec.train.lr_schedule
-    f = lr_lambda(s.kind, t.steps, s.warmup_frac, s.min_lr_frac)
-    return t.optimizer.lr * sum(f(i) for i in range(t.last_step)) / spec.keys.batch
+    proxy (Smith & Le), from the run's schedule (Train.lr_sum: the η_t it trained with)."""
+    return spec.train.lr_sum() / spec.keys.batch
 
 
 def _noise_fields(spec: RunSpec) -> dict:

@@ -7,19 +7,17 @@ from pathlib import Path
 from typing import Any
 
 from .grid import (
-    ed_families,
     ensemble_groups,
     expand_grid,
     job_cfg,
+    jobs,
     parse_run_id,
-    probe_sections,
     refined_covers,
     shared_spec,
-    steps_for,
-    trained_steps,
+    typed_spec,
 )
 from .memory import MAX_JOB_MEMORY, ensemble_memory
-from .sections import ParamsError
+from .sections import ParamsError, RunSpec
 
 
 def memory_estimate(params: dict) -> dict[str, int]:
@@ -141,19 +139,16 @@ def step_ms(params: dict, batch: int, source: str = "none", runs: int = 1, injec
 JOB_START_S = 2.5  # CPU seconds to start one `iclnoise` job (python + torch + package imports; measured 2.1–4.2 s)
 
 
-def probed_checkpoints(params: dict, batch: int, section: str, noise: str = "none") -> int:
-    """How many checkpoints of a run at `batch` a probe section (llc, geometry, mech) analyses."""
+def probed_checkpoints(params: dict, spec: RunSpec, section: str) -> int:
+    """How many checkpoints of a run a probe section (llc, geometry, mech) analyses."""
     from .probes import steps_at
     from .runs import select_steps
-    from .schedules import checkpoints_until
-    c = params["train"]["checkpoints"]
-    steps = checkpoints_until(steps_for(params, batch, noise), c["linear"], c["log"],
-                              trained_steps(params, batch, noise))
+    steps = spec.train.checkpoints_planned
     at = params[section].get("at") if section == "llc" else None
     return len(steps_at(steps, **at) if at else select_steps(steps, params[section]["every"]))
 
 
-def probe_seconds(params: dict, batch: int, section: str, noise: str = "none") -> float:
+def probe_seconds(params: dict, spec: RunSpec, section: str) -> float:
     """Estimated CPU seconds of one probe section in a run's probe job (without the job's start-up), counted
     in training-step equivalents (step_ms) per checkpoint:
     llc: chains · (burn_in + draws) SGLD steps at sampler.batch; geometry: (2·probes + lanczos_iters + 2)
@@ -169,7 +164,7 @@ def probe_seconds(params: dict, batch: int, section: str, noise: str = "none") -
     else:
         heads = m["n_layers"] * m["n_heads"]
         per = ((heads + 2) * step_ms(params, params["eval"]["n_sequences"]) + step_ms(params, g["n_probe"])) / 3
-    return probed_checkpoints(params, batch, section, noise) * per / 1000
+    return probed_checkpoints(params, spec, section) * per / 1000
 
 
 # measured / modelled CPU seconds of the refined probe (refined_seconds) on the default run M16-B64-none-s0 (`iclnoise
@@ -178,20 +173,17 @@ def probe_seconds(params: dict, batch: int, section: str, noise: str = "none") -
 REFINED_FACTOR = 0.6
 
 
-def refined_seconds(params: dict, batch: int, noise: str = "none") -> float:
+def refined_seconds(params: dict, spec: RunSpec) -> float:
     """Estimated CPU seconds of llc.refined in a run's probe job: at each of its checkpoints (refined_steps of the
     LLC's) one SGLD pass of components · chains rows (components = n_layers · (n_heads + 1) + 3), each row
     (burn_in + draws) steps at sampler.batch (step_ms) and at every draw two forward passes (⅓ step) over n_obs
     sequences; × REFINED_FACTOR (measured on one default run, see params.yaml)."""
     from .probes import refined_steps, steps_at
     from .runs import select_steps
-    from .schedules import checkpoints_until
 
     llc, m = params["llc"], params["model"]
     r, sm = llc["refined"], llc["sampler"]
-    c = params["train"]["checkpoints"]
-    steps = checkpoints_until(steps_for(params, batch, noise), c["linear"], c["log"],
-                              trained_steps(params, batch, noise))
+    steps = spec.train.checkpoints_planned
     chosen = steps_at(steps, **llc["at"]) if llc.get("at") else select_steps(steps, llc["every"])
     n_ckpt = len(refined_steps(chosen, r["checkpoints"]))
     rows = (m["n_layers"] * (m["n_heads"] + 1) + 3) * (sm["chains"] if r["chains"] is None else r["chains"])
@@ -201,39 +193,33 @@ def refined_seconds(params: dict, batch: int, noise: str = "none") -> float:
     return REFINED_FACTOR * n_ckpt * per / 1000
 
 
+def train_seconds(params: dict, runs: list[str]) -> float:
+    """Estimated CPU seconds of one training job, the ensemble of `runs` (step_ms over the steps it trains, its
+    injection window's share at the injected rate), with its start-up."""
+    spec = typed_spec(params, runs[0])
+    start, stop = spec.window or (0, 0)
+    injecting = (stop - start) / spec.train.steps
+    return JOB_START_S + spec.train.last_step * step_ms(params, spec.keys.batch, spec.noise.source, len(runs),
+                                                        injecting) / 1000
+
+
+def probe_job_seconds(params: dict, run_id: str, sections: list[str]) -> float:
+    """Estimated CPU seconds of one run's probe job: its sections (probe_seconds, refined_seconds) and start-up."""
+    spec = typed_spec(params, run_id)
+    return JOB_START_S + sum(refined_seconds(params, spec) if s == "refined" else probe_seconds(params, spec, s)
+                             for s in sections)
+
+
 def cost_estimate(params: dict) -> dict[str, Any]:
-    """Jobs of the DAG, training steps summed over runs, and estimated core-hours: training (step_ms), the
-    llc / geometry / mech probes (probe_seconds) and JOB_START_S for every other job."""
-    runs = expand_grid(params)
-    conds = params["noise"]["conditions"]
-    probes = {}
-    for name in ("llc", "geometry", "mech"):
-        sec = params.get(name) or {}
-        seeds = sec.get("seeds")
-        probes[name] = [k for k in runs if seeds is None or k.seed in seeds] if sec.get("enabled") else []
-    families = len(ed_families(params))
-    groups = ensemble_groups(params)
-    # one probe job per probed run (llc with its stages and refined LLC, geometry, mech in one process); llc
-    # figures, refined figures, ed families (analysis + figures), training figures, aggregate, aggregate figures,
-    # report, all
-    probed = {k for ks in probes.values() for k in ks}
-    covered = [k for k in runs if refined_covers(params, k)]
-    refined = bool(covered)
-    other = (1 if probes["llc"] else 0) + (1 if refined else 0) + 2 * families + 5
-    jobs = len(groups) + len(probed) + other
-    run_steps = sum(trained_steps(params, k.batch, k.noise) for k in runs)
-    train_s = 0.0
-    for members in groups.values():
-        k = parse_run_id(members[0])
-        cond = conds[k.noise]
-        window = cond.get("fraction") if cond.get("schedule") in ("early", "late") else 1.0
-        steps = trained_steps(params, k.batch, k.noise)
-        train_s += JOB_START_S + steps * step_ms(params, k.batch, cond["source"], len(members), window) / 1000
-    probe_s = (len(probed) * JOB_START_S
-               + sum(probe_seconds(params, k.batch, name, k.noise) for name, ks in probes.items() for k in ks)
-               + sum(refined_seconds(params, k.batch, k.noise) for k in covered))
-    return {"runs": len(runs), "jobs": jobs, "run_steps": run_steps, "train_core_hours": train_s / 3600,
-            "core_hours": (train_s + probe_s + other * JOB_START_S) / 3600,
+    """Jobs of the DAG (iclnoise.grid.jobs), training steps summed over runs, and estimated core-hours: training
+    (train_seconds), probe jobs (probe_job_seconds) and JOB_START_S for every other job."""
+    runs, plan = expand_grid(params), jobs(params)
+    other = 2 * len(plan["ed"]) + len(plan["single"])
+    train_s = sum(train_seconds(params, members) for members in plan["train"].values())
+    probe_s = sum(probe_job_seconds(params, r, secs) for r, secs in plan["probe"].items())
+    return {"runs": len(runs), "jobs": len(plan["train"]) + len(plan["probe"]) + other,
+            "run_steps": sum(typed_spec(params, k.run_id).train.last_step for k in runs),
+            "train_core_hours": train_s / 3600, "core_hours": (train_s + probe_s + other * JOB_START_S) / 3600,
             "peak_job_memory": memory_estimate(params)["total"], "threshold_core_hours": COST_CONFIRM_CORE_HOURS}
 
 
@@ -286,24 +272,19 @@ def rerun_plan(old: dict, new: dict) -> dict[str, list[str]]:
     run's training and probe sections' job_cfg; an ED family (and its figures) its runs' training and probe jobs and
     job_cfg ed; the training, LLC and refined figures their jobs' inputs; aggregate its inputs and stats; aggregate
     figures aggregate; the report any change. A job new to the grid counts as a rerun."""
-    old_groups = {tuple(r): g for g, r in ensemble_groups(old).items()}
-    train = [g for g, runs in ensemble_groups(new).items()
+    was, now = jobs(old), jobs(new)
+    old_groups = {tuple(runs) for runs in was["train"].values()}
+    train = [g for g, runs in now["train"].items()
              if tuple(runs) not in old_groups or shared_spec(old, runs) != shared_spec(new, runs)]
-    retrained = {r for g in train for r in ensemble_groups(new)[g]}
-    old_runs = {k.run_id: k for k in expand_grid(old)}
+    retrained = {r for g in train for r in now["train"][g]}
     probe = []
-    for k in expand_grid(new):
-        secs = probe_sections(new, k)
-        if not secs:
-            continue
-        before = probe_sections(old, old_runs[k.run_id]) if k.run_id in old_runs else None
+    for r, secs in now["probe"].items():
         cfg = sorted({"refined": "llc"}.get(x, x) for x in secs)
-        if k.run_id in retrained or before != secs or job_cfg(old, *cfg) != job_cfg(new, *cfg):
-            probe.append(k.run_id)
+        if r in retrained or was["probe"].get(r) != secs or job_cfg(old, *cfg) != job_cfg(new, *cfg):
+            probe.append(r)
     reprobed = set(probe) if new["llc"]["enabled"] else set()
-    old_fams = ed_families(old)
-    ed = [f for f, runs in ed_families(new).items()
-          if old_fams.get(f) != runs or job_cfg(old, "ed") != job_cfg(new, "ed")
+    ed = [f for f, runs in now["ed"].items()
+          if was["ed"].get(f) != runs or job_cfg(old, "ed") != job_cfg(new, "ed")
           or any(r in retrained or r in reprobed for r in runs)]
     other = ["training_figures"] * bool(train) + ["llc_figures", "refined_figures"] * bool(probe)
     if train or probe or job_cfg(old, "stats") != job_cfg(new, "stats"):
@@ -317,27 +298,14 @@ def format_rerun(old: dict, new: dict) -> str:
     keys = changed_keys(old, new)
     if not keys:
         return "no parameter changed since the results were made: nothing reruns for a parameter"
-    plan = rerun_plan(old, new)
-    groups = ensemble_groups(new)
-    conds = new["noise"]["conditions"]
-    train_s = 0.0
-    for g in plan["train"]:
-        k = parse_run_id(groups[g][0])
-        cond = conds[k.noise]
-        window = cond.get("fraction") if cond.get("schedule") in ("early", "late") else 1.0
-        train_s += JOB_START_S + trained_steps(new, k.batch, k.noise) * step_ms(
-            new, k.batch, cond["source"], len(groups[g]), window) / 1000
-    probe_s = 0.0
-    for r in plan["probe"]:
-        k = parse_run_id(r)
-        secs = probe_sections(new, k)
-        probe_s += JOB_START_S + sum(probe_seconds(new, k.batch, s, k.noise) for s in secs if s != "refined")
-        probe_s += refined_seconds(new, k.batch, k.noise) if "refined" in secs else 0.0
+    plan, now = rerun_plan(old, new), jobs(new)
+    train_s = sum(train_seconds(new, now["train"][g]) for g in plan["train"])
+    probe_s = sum(probe_job_seconds(new, r, now["probe"][r]) for r in plan["probe"])
     other_s = (2 * len(plan["ed"]) + len(plan["other"])) * JOB_START_S
     shown = ", ".join(keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
-    jobs = (f"{len(plan['train'])} training job(s){': ' + ', '.join(plan['train']) if plan['train'] else ''}; "
+    what = (f"{len(plan['train'])} training job(s){': ' + ', '.join(plan['train']) if plan['train'] else ''}; "
             f"{len(plan['probe'])} probe job(s) (every probe of a run reruns together: llc, refined LLC, geometry, "
             f"mech); {len(plan['ed'])} ED famil{'y' if len(plan['ed']) == 1 else 'ies'} (analysis and figures); "
             f"{', '.join(plan['other']) or 'no other job'}")
-    return (f"changed since the results were made: {shown}; this reruns {jobs}: ≈ "
+    return (f"changed since the results were made: {shown}; this reruns {what}: ≈ "
             f"{(train_s + probe_s + other_s) / 3600:,.2f} CPU core-hours")

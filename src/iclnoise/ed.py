@@ -56,9 +56,8 @@ from itertools import combinations
 import numpy as np
 import pyarrow as pa
 
-from .io import KEY_FIELDS
 from .predictors import dmmse, ridge
-from .sections import ED, Data, Eval
+from .sections import ED, KEY_FIELDS, Data, Eval
 from .tasks import M_INF, eval_set, prior_cov, task_pool
 
 MAX_GAP = 1.5  # largest checkpoint gap inside the margins, in bandwidths, for a run to be analysable

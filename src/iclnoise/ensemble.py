@@ -38,9 +38,7 @@ from .exposure import AdamState, stacked_ggn_curvature, stacked_group_grads
 from .hooks import ExposureLogger, ExposureState, NoiseMeter, StepContext, StepHook
 from .injection import NoiseInjector
 from .model import ModelConfig, build_model, mse_loss
-from .noise import window
 from .runs import checkpoint_path, sampler, save_torch
-from .schedules import checkpoints_until, lr_lambda
 from .sections import RunSpec
 from .tasks import Batch, stacked_batch
 
@@ -51,22 +49,14 @@ LOOK_ALWAYS = ("cpu",)  # devices where the host reads them every step (free the
 
 
 def build_hooks(spec: RunSpec, device: torch.device) -> list[StepHook]:
-    """The step hooks of one run, [exposure logger, injector] (either may be absent); injected noise
-    needs the exposure section, which measures the covariance it is shaped from (validated)."""
-    noise = spec.noise
-    log_exposure = spec.exposure is not None and spec.exposure.enabled
-    if noise.source == "none" and not log_exposure:
+    """The step hooks RunSpec.hooks names, in its order: the exposure logger and the injector, sharing one noise
+    meter and exposure state (injected noise is shaped from the covariance the logger measures)."""
+    if not spec.hooks:
         return []
-    total = spec.train.steps
-    bounds = window(noise.schedule, total, noise.window_fraction) if noise.source != "none" else ()
-    meter, state = NoiseMeter(spec.exposure, total, tuple(bounds)), ExposureState()
-    injector = NoiseInjector(spec, meter, state, device) if noise.source != "none" else None
-    hooks: list[StepHook] = []
-    if log_exposure or injector is not None:  # injection needs Curv and the covariance: the logger measures
-        hooks.append(ExposureLogger(spec, meter, state, tuple(bounds) or None, device))
-    if injector is not None:
-        hooks.append(injector)
-    return hooks
+    meter, state = NoiseMeter(spec.exposure, spec.train.steps, spec.window or ()), ExposureState()
+    injector = NoiseInjector(spec, meter, state, device) if "injection" in spec.hooks else None
+    logger = ExposureLogger(spec, meter, state, device)   # RunSpec.hooks: a run with hooks logs exposure
+    return [logger] + ([injector] if injector is not None else [])
 
 
 @dataclass
@@ -131,7 +121,7 @@ class RunAdam:
         """The state before update `step` (AdamW has made `step` updates once it has a state: no device read)."""
         g = self.opt.param_groups[0]
         if "momentum" in g:   # SGD with momentum: no preconditioner (A = I), β its momentum
-            return AdamState(g["lr"], g["momentum"], 0.0, 0.0, self.grads, identity=True)
+            return AdamState(g["momentum"], 0.0, 0.0, self.grads, identity=True)
         sts = [self.opt.state.get(P) for P in self.stacked]
         key = tuple(id(st) if st else 0 for st in sts)  # an empty state (not yet filled) is 0
         if key != self._key:
@@ -140,8 +130,7 @@ class RunAdam:
             self._slices = (([st["exp_avg"][self.r] for st in sts],
                              [st["exp_avg_sq"][self.r] for st in sts]) if full else (None, None))
         m, v = self._slices
-        return AdamState(g["lr"], g["betas"][0], g["betas"][1], g["eps"], self.grads, None if m is None else step,
-                         m, v)
+        return AdamState(g["betas"][0], g["betas"][1], g["eps"], self.grads, None if m is None else step, m, v)
 
 
 class Ensemble:
@@ -159,47 +148,15 @@ class Ensemble:
         base = members[0].model
         self.names = [n for n, _ in base.named_parameters()]
         self.buffers = {k: v for k, v in base.named_buffers()}
-        for m in members:
-            if m.resume is not None:
-                m.model.load_state_dict({**m.model.state_dict(), **m.resume["params"]})
-        self.P = [torch.stack([dict(m.model.named_parameters())[n].detach() for m in members]).requires_grad_()
-                  for n in self.names]
-        o = t.optimizer
-        fused = self.device.type in ("cpu", "cuda")
+        self.P = self._stack()
         self.graphed = self._engine()
-        if o.KIND == "sgd_momentum":   # undampened heavy ball: v ← β v + g + λ w, w ← w − η v (κ = 1/(1 − β)²)
-            if self.graphed:
-                log.info("train.cuda_graphs: not for sgd_momentum (its momentum buffers appear at the first step); "
-                         "the step runs as without it")
-                self.graphed = False
-            self.opt = torch.optim.SGD(self.P, lr=o.lr, momentum=o.momentum, dampening=0.0,
-                                       weight_decay=o.weight_decay, nesterov=False)
-        else:
-            lr = torch.tensor(o.lr, device=self.device) if self.graphed else o.lr   # a graph reads lr from the tensor
-            self.opt = torch.optim.AdamW(self.P, lr=lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
-                                         eps=o.eps, fused=fused, capturable=self.graphed)
+        self.opt = self._optimizer()
         if start > 0 and members[0].resume["opt"] is not None:
-            saved = members[0].resume["opt"]
-            for i, P in enumerate(self.P):
-                n = self.names[i]
-                self.opt.state[P] = {k: torch.stack([m.resume["opt"][k][n] for m in members]).to(self.device)
-                                     for k in saved if k != "step"}
-                if "step" in saved:
-                    self.opt.state[P]["step"] = torch.tensor(float(saved["step"]), dtype=torch.float32,
-                                                             device=self.device if fused else "cpu")
+            self._load_opt_state()
         for g in self.P:
             g.grad = torch.zeros_like(g)
-        for r, m in enumerate(members):  # each run's hooked model now aliases its slice of the stack
-            for (n, P) in zip(self.names, self.P):
-                mod, _, leaf = n.rpartition(".")
-                owner = m.model.get_submodule(mod) if mod else m.model
-                p = nn.Parameter(P.detach()[r])
-                p.grad = P.grad[r]
-                owner._parameters[leaf] = p
-            m.adam = RunAdam(self.opt, self.P, r)
-        s = t.lr_schedule
-        self.lr_at = lr_lambda(s.kind, self.total, s.warmup_frac, s.min_lr_frac)
-        self.ckpt_at = set(checkpoints_until(self.total, t.checkpoints["linear"], t.checkpoints["log"], self.stop))
+        self._alias()
+        self.ckpt_at = set(t.checkpoints_planned)
         R = len(members)
         self.samplers = [m.sampler for m in members]
         # divergence on the device (self.frozen, the step and loss it happened at); the host's view, self.known,
@@ -218,6 +175,51 @@ class Ensemble:
         # the default at batch 64, chunk 2, 4.4 s against 3.3-4.2 s one run at a time, one loaded thread)
         e = spec.eval
         self.eval_chunk = R * self.mb // max(e.n_sequences, e.n_root) if self.device.type == "cuda" else 1
+
+    def _stack(self) -> list[torch.Tensor]:
+        """The members' parameters (their resume states' where they resume) stacked along the run axis."""
+        for m in self.members:
+            if m.resume is not None:
+                m.model.load_state_dict({**m.model.state_dict(), **m.resume["params"]})
+        return [torch.stack([dict(m.model.named_parameters())[n].detach() for m in self.members]).requires_grad_()
+                for n in self.names]
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        """One optimizer over the stacked parameters: train.optimizer's AdamW, or SGD with undampened heavy-ball
+        momentum (v ← β v + g + λ w, w ← w − η v; κ = 1/(1 − β)²). Its lr is Train.lr, set again every step."""
+        o, lr = self.t.optimizer, self.t.lr(self.start)
+        if o.KIND == "sgd_momentum":
+            if self.graphed:
+                log.info("train.cuda_graphs: not for sgd_momentum (its momentum buffers appear at the first step); "
+                         "the step runs as without it")
+                self.graphed = False
+            return torch.optim.SGD(self.P, lr=lr, momentum=o.momentum, dampening=0.0,
+                                   weight_decay=o.weight_decay, nesterov=False)
+        lr = torch.tensor(lr, device=self.device) if self.graphed else lr   # a graph reads lr from the tensor
+        return torch.optim.AdamW(self.P, lr=lr, betas=tuple(o.betas), weight_decay=o.weight_decay, eps=o.eps,
+                                 fused=self.device.type in ("cpu", "cuda"), capturable=self.graphed)
+
+    def _load_opt_state(self) -> None:
+        """The optimizer state of the members' resume states, stacked (every member resumes at one commit)."""
+        saved = self.members[0].resume["opt"]
+        fused = self.device.type in ("cpu", "cuda")
+        for n, P in zip(self.names, self.P):
+            self.opt.state[P] = {k: torch.stack([m.resume["opt"][k][n] for m in self.members]).to(self.device)
+                                 for k in saved if k != "step"}
+            if "step" in saved:
+                self.opt.state[P]["step"] = torch.tensor(float(saved["step"]), dtype=torch.float32,
+                                                         device=self.device if fused else "cpu")
+
+    def _alias(self) -> None:
+        """Each run's hooked model now aliases its slice of the stack (and of its .grad); its RunAdam views."""
+        for r, m in enumerate(self.members):
+            for (n, P) in zip(self.names, self.P):
+                mod, _, leaf = n.rpartition(".")
+                owner = m.model.get_submodule(mod) if mod else m.model
+                p = nn.Parameter(P.detach()[r])
+                p.grad = P.grad[r]
+                owner._parameters[leaf] = p
+            m.adam = RunAdam(self.opt, self.P, r)
 
     def _engine(self) -> bool:
         """Apply train.tf32 and say whether train.cuda_graphs is to be tried; on another device, log that they do
@@ -238,9 +240,6 @@ class Ensemble:
     def predict(self, params: list[torch.Tensor], xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
         """The predictions of the runs whose stacked parameters (r, ...) are `params`, each on its own xs, ys."""
         return functional_call(self.members[0].model, (dict(zip(self.names, params)), self.buffers), (xs, ys))
-
-    def lr(self, step: int) -> float:
-        return self.t.optimizer.lr * self.lr_at(step)
 
     # ---------------------------------------------------------------- per-run state
     def params_of(self, r: int) -> dict[str, torch.Tensor]:
@@ -285,7 +284,7 @@ class Ensemble:
         n = int(self.loss_n[r])
         train_loss = float(self.loss_sum[r]) / n if n else math.nan
         rid = m.run_id
-        m.rows.append({**m.spec.key_dict, "step": step, "sequences": step * self.B, "lr": self.lr(step),
+        m.rows.append({**m.spec.key_dict, "step": step, "sequences": step * self.B, "lr": self.t.lr(step),
                        "train_loss": train_loss, **metrics, "diverged": m.diverged})
         m.tokens.extend({"run_id": rid, "step": step, "split": split, "k": k + 1, "loss": float(v)}
                         for split, arr in tok.items() for k, v in enumerate(arr))
@@ -435,7 +434,7 @@ class Ensemble:
 
     def _step(self, step: int, stop_after: int | None) -> bool:
         """Update `step` of every run; False when every run has diverged (nothing left to train)."""
-        members, lr = self.members, self.lr(step)
+        members, lr = self.members, self.t.lr(step)
         batch = stacked_batch(self.samplers, step, self.B)
         self.step_t.fill_(step)
         if self.graphed:

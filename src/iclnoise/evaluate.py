@@ -12,9 +12,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from .io import KEY_FIELDS
 from .predictors import delta, dmmse, icl_score, ridge, ridge_likeness, token_losses
-from .sections import RunSpec, TaskPrior
+from .sections import KEY_FIELDS, RunSpec, TaskPrior
 from .tasks import M_INF, Batch, eval_set, pool_for, prior_cov
 
 METRICS_SCHEMA = pa.schema(KEY_FIELDS + [

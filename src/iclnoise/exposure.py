@@ -28,8 +28,8 @@ from torch.func import functional_call, grad, vmap
 
 from .adam import precondition
 from .geometry import FlatLoss
-from .io import KEY_FIELDS
 from .model import LossFn
+from .sections import KEY_FIELDS
 
 
 def group_grads(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys: torch.Tensor,
@@ -131,9 +131,9 @@ def leading_eigs(factor: torch.Tensor, a: torch.Tensor | None, r: int) -> tuple[
 class AdamState:
     """One run's AdamW as the exposure formulas read it: settings and per-parameter tensors, in parameter order.
     `step`, `exp_avg`, `exp_avg_sq` are None before the first update; `eps` may differ per parameter (one value
-    per parameter group in torch). An ensemble run's tensors are views of its slice of the stacked state."""
+    per parameter group in torch). An ensemble run's tensors are views of its slice of the stacked state. The
+    learning rate is not here: a step's η_t is StepContext.lr (iclnoise.sections.Train.lr)."""
 
-    lr: float
     beta1: float
     beta2: float
     eps: float | list[float]
@@ -150,7 +150,7 @@ class AdamState:
         eps = [g["eps"] for g in opt.param_groups for _ in g["params"]]
         g0, sts = opt.param_groups[0], [opt.state.get(p) or {} for p in params]
         have = all("exp_avg_sq" in st for st in sts)
-        return cls(g0["lr"], g0["betas"][0], g0["betas"][1], eps if len(set(eps)) > 1 else eps[0],
+        return cls(g0["betas"][0], g0["betas"][1], eps if len(set(eps)) > 1 else eps[0],
                    [p.grad for p in params], int(sts[0]["step"]) if have else None,
                    [st["exp_avg"] for st in sts] if have else None, [st["exp_avg_sq"] for st in sts] if have else None)
 
@@ -321,15 +321,15 @@ def injected_dose_se(steps_curv: np.ndarray, pne_se: np.ndarray) -> float:
     return float(np.sqrt(np.nansum(per ** 2)))
 
 
-def update_innovation_variance(adam: AdamState, G: torch.Tensor, batch: int) -> float:
-    """Σ_i Var(Δw_i) of one AdamW update from the current state, for batch-B gradient noise.
+def update_innovation_variance(adam: AdamState, G: torch.Tensor, batch: int, lr: float) -> float:
+    """Σ_i Var(Δw_i) of one AdamW update at learning rate `lr` from the current state, for batch-B gradient noise.
 
     The K group gradients (rows of G, means over m = B/K sequences, noise C/m) are first shrunk towards
     their mean, ḡ + (g_k − ḡ)·√(m/B), so each carries batch-B noise C/B; the AdamW update rule
     (bias-corrected moments, the v update included) is applied to each from the same state and the
     variance across them taken. Shrinking before the update, not after, keeps Adam's nonlinearity
     (g² enters v) at the batch's noise level. NaN before step 1."""
-    b1, b2, lr = adam.beta1, adam.beta2, adam.lr
+    b1, b2 = adam.beta1, adam.beta2
     eps = adam.eps[0] if isinstance(adam.eps, list) else adam.eps
     if adam.exp_avg is None:
         return math.nan

@@ -26,8 +26,7 @@ from scipy import stats
 from torch.func import functional_call, grad, jvp
 
 from .adam import adam_a, adam_preconditioner  # noqa: F401  (re-exported: exposure and its tests use them here)
-from .io import KEY_FIELDS
-from .sections import Geometry
+from .sections import KEY_FIELDS, Geometry
 
 HVP = Callable[[torch.Tensor], torch.Tensor]
 

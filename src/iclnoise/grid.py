@@ -6,47 +6,10 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import re
-from dataclasses import dataclass
 from typing import Any
 
 from .memory import ensemble_memory, gpu_limit
-from .sections import OPTIMIZERS, ParamsError
-from .tasks import m_label, parse_m
-
-
-@dataclass(frozen=True, order=True)
-class RunKeys:
-    """A run's place in the grid. The optimizer (grid.optimizer) is in the run id only where it is not AdamW, so
-    AdamW's run ids, specs and tables are those of grids without the axis; the run id alone carries it."""
-    M: int
-    batch: int
-    noise: str
-    seed: int
-    optimizer: str = OPTIMIZERS[0]
-
-    @property
-    def label(self) -> str:
-        """`-{optimizer}` for a run that does not train with AdamW, else empty."""
-        return "" if self.optimizer == OPTIMIZERS[0] else f"-{self.optimizer}"
-
-    @property
-    def run_id(self) -> str:
-        return f"M{m_label(self.M)}-B{self.batch}-{self.noise}{self.label}-s{self.seed}"
-
-    def to_dict(self) -> dict:
-        return {"run_id": self.run_id, "M": self.M, "seed": self.seed, "batch": self.batch, "noise": self.noise}
-
-
-_RUN_RE = re.compile(r"^M(?P<M>inf|\d+)-B(?P<batch>\d+)-(?P<noise>[a-z0-9_]+)"
-                     rf"(?:-(?P<opt>{'|'.join(OPTIMIZERS[1:])}))?-s(?P<seed>\d+)$")
-
-
-def parse_run_id(run_id: str) -> RunKeys:
-    m = _RUN_RE.match(run_id)
-    if not m:
-        raise ValueError(f"not a run id: {run_id!r} (expected e.g. M64-B128-none-s0 or M64-B128-none-sgd_momentum-s0)")
-    return RunKeys(parse_m(m["M"]), int(m["batch"]), m["noise"], int(m["seed"]), m["opt"] or OPTIMIZERS[0])
+from .sections import OPTIMIZERS, ParamsError, RunKeys, RunSpec, m_label, parse_m, parse_run_id
 
 
 def refined_covers(params: dict, keys: RunKeys) -> bool:
@@ -128,12 +91,6 @@ def steps_for(params: dict, batch: int, noise: str = "none") -> int:
     return b["steps"] if b["mode"] == "steps" else max(1, b["sequences"] // per)
 
 
-def trained_steps(params: dict, batch: int, noise: str = "none") -> int:
-    """The steps a run trains: its schedule, or up to `train.budget.stop_at` where that comes first."""
-    n = steps_for(params, batch, noise)
-    return min(n, params["train"]["budget"].get("stop_at") or n)
-
-
 ENGINE = ("cuda_graphs", "tf32")   # train's switches of how the step runs on CUDA
 SIZING = ("ensemble_runs", "gpu_memory_gib")   # train's keys of how runs are grouped into ensembles
 
@@ -160,6 +117,11 @@ def run_spec(params: dict, run_id: str) -> dict[str, Any]:
         "exposure": copy.deepcopy(params.get("exposure")),
     }
     return spec
+
+
+def typed_spec(params: dict, run_id: str) -> RunSpec:
+    """run_spec, typed: where a run's derived facts (hooks, injection window, checkpoints, outputs) are read."""
+    return RunSpec.of(run_spec(params, run_id))
 
 
 def spec_hash(spec: dict) -> str:
@@ -234,3 +196,16 @@ def shared_spec(params: dict, runs: list[str]) -> dict:
 def member_specs(shared: dict, runs: list[str]) -> list[dict]:
     """Each run's full spec from the shared spec; equal to `run_spec(params, run)` for every run of a group."""
     return [{"keys": parse_run_id(r).to_dict(), **copy.deepcopy(shared)} for r in runs]
+
+
+def jobs(params: dict) -> dict[str, Any]:
+    """The workflow's jobs (workflow/rules), by kind; the Snakefile makes its rules from this and iclnoise.cost
+    counts it. `train`: ensemble → its runs (ensemble_groups); `probe`: run id → its probe sections
+    (probe_sections; a run with none has no probe job); `ed`: family → its runs (ed_families), an analysis and a
+    figures job each; `single`: the one-off jobs (llc_figures where llc is enabled, refined_figures where
+    llc.refined covers a run)."""
+    probe = {k.run_id: secs for k in expand_grid(params) if (secs := probe_sections(params, k))}
+    single = ["training_figures", *["llc_figures"] * bool((params.get("llc") or {}).get("enabled")),
+              *["refined_figures"] * any("refined" in s for s in probe.values()),
+              "aggregate", "aggregate_figures", "report", "all"]
+    return {"train": ensemble_groups(params), "probe": probe, "ed": ed_families(params), "single": single}

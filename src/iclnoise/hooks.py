@@ -44,7 +44,7 @@ from .exposure import (
     update_innovation_variance,
 )
 from .sections import Exposure, RunSpec
-from .tasks import Batch, _seed_mix
+from .tasks import Batch, seed_mix
 
 _PROBE = 0xC0A7
 
@@ -177,8 +177,7 @@ class ExposureLogger:
 
     name, schema = "exposure", EXPOSURE_SCHEMA
 
-    def __init__(self, spec: RunSpec, meter: NoiseMeter, state: ExposureState, window: tuple[int, int] | None,
-                 device: torch.device):
+    def __init__(self, spec: RunSpec, meter: NoiseMeter, state: ExposureState, device: torch.device):
         cfg = spec.exposure
         self.keys, self.batch, self.total = spec.key_dict, spec.keys.batch, spec.train.steps
         self.beta1 = spec.train.optimizer.momentum
@@ -187,7 +186,7 @@ class ExposureLogger:
         self.floor, self.rank = cfg.floor, cfg.eig_rank
         self.curvature, self.curv_every, self.D = cfg.curvature, cfg.curvature_every, spec.data.D
         self.curv_tol = cfg.curvature_tol
-        self.meter, self.state, self.window, self.device = meter, state, window, device
+        self.meter, self.state, self.window, self.device = meter, state, spec.window, device
         self._rows: list[dict] = []
         self._measured: Measured | None = None
         self._last, self._clipped_steps, self._steps = -1, 0, 0
@@ -218,7 +217,7 @@ class ExposureLogger:
 
     def probe_generator(self, step: int) -> torch.Generator:
         """The generator of step `step`'s Hutchinson probes (one stream per run and step)."""
-        return torch.Generator(device=self.device).manual_seed(_seed_mix(_PROBE, self.keys["seed"], step))
+        return torch.Generator(device=self.device).manual_seed(seed_mix(_PROBE, self.keys["seed"], step))
 
     def _curvature(self, ctx: StepContext) -> Curvature:
         """This run's diag Ĥ probes on this step's held-out batch."""
@@ -243,7 +242,7 @@ class ExposureLogger:
             return
         noise = self.meter.measure(ctx)
         a = preconditioner(ctx.adam)
-        upd_var = update_innovation_variance(ctx.adam, self.meter.G, self.batch)
+        upd_var = update_innovation_variance(ctx.adam, self.meter.G, self.batch, ctx.lr)
         a_state = preconditioner(ctx.adam, fallback_grads=False)
         upd_pred = (ctx.lr ** 2 * float((a_state.square() * noise.diag).sum()) / self.batch
                     if a_state is not None else math.nan)

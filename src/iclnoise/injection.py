@@ -13,9 +13,9 @@ import torch
 from .exposure import budget_scale, kappa, ne_unit, preconditioner
 from .hooks import ExposureState, NoiseMeter, StepContext, Unrecorded
 from .nap import NAP_SHAPES, NapEstimator
-from .noise import CovModel, PIController, shaped_covariance, target_at, window
+from .noise import CovModel, PIController, shaped_covariance, target_at
 from .sections import RunSpec
-from .tasks import _seed_mix
+from .tasks import seed_mix
 
 _NOISE = 0x7015E
 MAX_LOG_SCALE = 30.0  # bounds the controller's log-scale
@@ -57,7 +57,7 @@ class NoiseInjector:
         self.run_id, self.seed = spec.keys.run_id, spec.keys.seed
         self.batch, self.total, self.clip = spec.keys.batch, t.steps, t.grad_clip
         self.source, self.shape, self.rank, self.schedule = n.source, n.shape, n.rank, n.schedule
-        self.start, self.stop = window(self.schedule, self.total, n.window_fraction)
+        self.start, self.stop = spec.window
         self.emulate = n.emulate_batch
         self.coef = (1.0 / self.emulate - 1.0 / self.batch) if self.emulate else 1.0
         self.budget = n.budget
@@ -154,7 +154,7 @@ class NoiseInjector:
         self._eps = None
         if s <= 0:
             return
-        gen = torch.Generator(device=self.device).manual_seed(_seed_mix(_NOISE, self.seed, ctx.step))
+        gen = torch.Generator(device=self.device).manual_seed(seed_mix(_NOISE, self.seed, ctx.step))
         eps = self.cov.sample(gen) * math.sqrt(s)
         params = self._params(ctx)
         if self.source == "grad":

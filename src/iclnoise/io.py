@@ -224,12 +224,3 @@ def read_json(path: str | os.PathLike) -> Any:
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise CorruptFileError(f"{path}: unreadable JSON file, truncated or corrupt ({e}); "
                                f"{repair_advice(path)}") from None
-
-
-KEY_FIELDS = [
-    pa.field("run_id", pa.string()),
-    pa.field("M", pa.int64()),       # M_INF = -1 encodes M = ∞
-    pa.field("seed", pa.int64()),
-    pa.field("batch", pa.int64()),
-    pa.field("noise", pa.string()),
-]

@@ -25,9 +25,8 @@ import torch
 from torch.func import functional_call
 
 from .geometry import FlatLoss, lanczos_top, preconditioned
-from .io import KEY_FIELDS
 from .model import LossFn
-from .sections import LLCConfig  # the typed llc.sampler section, importable from here
+from .sections import KEY_FIELDS, LLCConfig  # LLCConfig: the typed llc.sampler section, importable from here
 from .sgld import restriction, sgld_chains
 
 

@@ -26,8 +26,7 @@ import pandas as pd
 import pyarrow as pa
 import torch
 
-from .io import KEY_FIELDS
-from .sections import Data, Eval, Mech
+from .sections import KEY_FIELDS, Data, Eval, Mech
 
 CIRCUIT_COLUMNS = ["attn_to_y_excess", "icl_drop_max", "probe_ridge_r2_max"]   # run_summary keys H4 tests
 MECH_SCHEMA = pa.schema(KEY_FIELDS + [

@@ -35,7 +35,7 @@ import torch
 from .exposure import group_grads
 from .model import LossFn
 from .noise import CovModel
-from .tasks import Batch, _seed_mix, sequences
+from .tasks import Batch, seed_mix, sequences
 
 _PROBE, _BASIS = 0x7A5C, 0xB0A5
 
@@ -198,7 +198,7 @@ class NapEstimator:
         """(R', its alignment with the PSD part of this refresh's Σ̂_b); a batch of one task has no between-task
         covariance: R' = 0 (nothing is injected) and NaN."""
         tasks = distinct_tasks(batch_tasks, self.J)
-        gen = torch.Generator(device=batch_tasks.device).manual_seed(_seed_mix(_PROBE, self.seed, step))
+        gen = torch.Generator(device=batch_tasks.device).manual_seed(seed_mix(_PROBE, self.seed, step))
         probe = task_probe(tasks, self.m, self.K, self.noise_var, gen)
         if len(tasks) < 2:
             P = sum(p.numel() for p in model.parameters())
@@ -213,7 +213,7 @@ class NapEstimator:
         if self.shape == "nap_within_task":
             self.within.update(Fw, ww, OVERSAMPLE * self.rank, self.memory)
         if self.shape == "nap_misaligned" and self._basis is None:
-            self._basis = random_orthonormal(P, self.rank, _seed_mix(_BASIS, self.seed), G.device, G.dtype)
+            self._basis = random_orthonormal(P, self.rank, seed_mix(_BASIS, self.seed), G.device, G.dtype)
         cov = nap_covariance(self.shape, self.between, self.within, self._basis, self.rank)
         Ue, ev = positive(*factor_eig(Fb, wb))
         return cov, alignment(cov, CovModel(Ue, ev, torch.zeros_like(cov.d)))

@@ -125,12 +125,6 @@ def shaped_covariance(noise: GradNoise, coef: float, shape: str, rank: int = 8) 
 SCHEDULES = ("constant", "early", "late", "controlled")
 
 
-def window(schedule: str, total: int, fraction: float) -> tuple[int, int]:
-    """[start, stop) of the steps that receive noise."""
-    w = max(1, int(round(fraction * total)))
-    return {"early": (0, w), "late": (total - w, total)}.get(schedule, (0, total))
-
-
 def target_at(target: float | list, progress: float) -> float:
     """A constant target, or a trajectory [[fraction of training, P-NE*], ...] interpolated in log P-NE*."""
     if isinstance(target, (int, float)):
@@ -157,4 +151,4 @@ class PIController:
         return math.exp(self.log_s)
 
 
-__all__ = ["CovModel", "psd_clip", "shaped_covariance", "window", "target_at", "PIController", "SHAPES", "SCHEDULES"]
+__all__ = ["CovModel", "psd_clip", "shaped_covariance", "target_at", "PIController", "SHAPES", "SCHEDULES"]

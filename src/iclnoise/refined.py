@@ -32,7 +32,6 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from .io import KEY_FIELDS
 from .llc import (
     SAMPLER_FIELDS,
     LLCConfig,
@@ -46,6 +45,7 @@ from .llc import (
     trivial_loss,
 )
 from .model import LossFn
+from .sections import KEY_FIELDS
 from .sgld import sgld_chains
 
 HEAD_PARAMS = ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V")   # sliced at the head on dim 0, as devinterp's

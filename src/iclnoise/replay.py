@@ -55,11 +55,11 @@ from .hooks import Unrecorded
 from .injection import NoiseInjector
 from .io import read_parquet
 from .model import mse_loss
-from .noise import shaped_covariance, window
+from .noise import shaped_covariance
 from .predictors import token_losses
 from .runs import CKPT_DIR, load_torch, read_spec
 from .sections import NoiseCondition, RunSpec
-from .tasks import _seed_mix
+from .tasks import seed_mix
 
 METRICS = ("ood_loss", "r", "delta_dmmse", "delta_ridge", "ood_delta_dmmse", "ood_delta_ridge")
 CNR_SCHEMA = pa.schema([
@@ -142,7 +142,7 @@ class Replayer(Unrecorded):
         self.pending: dict | None = None
         self.norms: list[tuple[int, float, float]] = []   # (step, RMS ‖δθ‖, RMS ‖eθ‖ of the own noise's paths)
         self.windows = [None if c is None or c.noise is None or c.own else
-                        window(c.noise.schedule, spec.train.steps, c.noise.window_fraction) for c in self.groups]
+                        c.noise.window(spec.train.steps) for c in self.groups]
 
     # ------------------------------------------------------------ the hook
     def on_grads(self, ctx) -> None:
@@ -232,7 +232,7 @@ class Replayer(Unrecorded):
                 self.covs = {kk: v for kk, v in self.covs.items() if kk[0] == key[0]}
                 self.covs[key] = shaped_covariance(now["noise"], coef, cond.shape, cond.rank or 0)[0]
             cov = self.covs[key]
-        gen = torch.Generator(device=now["a"].device).manual_seed(_seed_mix(self.seed, now["step"], k))
+        gen = torch.Generator(device=now["a"].device).manual_seed(seed_mix(self.seed, now["step"], k))
         eps, a, lr = cov.sample(gen) * math.sqrt(var), now["a"], now["lr"]
         if cond.source == "grad":   # into the step's gradient, before its clip (held)
             return "grad", eps

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from .io import KEY_FIELDS
+from .sections import KEY_FIELDS
 
 STAGES_SCHEMA = pa.schema(KEY_FIELDS + [
     pa.field("stage", pa.int64()), pa.field("type", pa.string()),

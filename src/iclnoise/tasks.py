@@ -14,29 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .sections import ParamsError, TaskPrior
-
-M_INF = -1  # the documented encoding of M = ∞ in every table
+from .sections import M_INF, ParamsError, TaskPrior, m_label, parse_m  # noqa: F401 (M's encoding: sections)
 
 
-def m_label(M: int) -> str:
-    """'inf' for M_INF, else the decimal number."""
-    return "inf" if M == M_INF else str(M)
-
-
-def parse_m(value: int | str | float) -> int:
-    """Accept 'inf', '∞', float('inf') or -1 as M_INF; positive integers as themselves."""
-    if isinstance(value, str) and value.strip().lower() in ("inf", "∞", "infinity", "-1"):
-        return M_INF
-    if isinstance(value, float) and np.isinf(value):
-        return M_INF
-    m = int(value)
-    if m != M_INF and m < 1:
-        raise ValueError(f"M must be a positive integer or 'inf', got {value!r}")
-    return m
-
-
-def _seed_mix(*keys: int) -> int:
+def seed_mix(*keys: int) -> int:
     """A 63-bit seed from integer keys (SeedSequence hashing, stable across platforms)."""
     return int(np.random.SeedSequence([int(k) & 0xFFFFFFFF for k in keys]).generate_state(2, np.uint64)[0] >> 1)
 
@@ -58,7 +39,7 @@ def prior_spectrum(prior: TaskPrior, D: int) -> np.ndarray:
 def random_basis(seed: int, D: int) -> np.ndarray:
     """A random orthonormal U (D, D), float64, Haar distributed: Q of the QR of a seeded Gaussian, columns
     signed so that diag(R) > 0 (which makes Q unique)."""
-    rng = np.random.Generator(np.random.PCG64(_seed_mix(_BASIS, seed)))
+    rng = np.random.Generator(np.random.PCG64(seed_mix(_BASIS, seed)))
     q, r = np.linalg.qr(rng.standard_normal((D, D)))
     return q * np.sign(np.diag(r))
 
@@ -85,7 +66,7 @@ def task_pool(pool_seed: int, M: int, D: int, prior: TaskPrior | None = None) ->
     """
     if M == M_INF:
         raise ValueError("M = inf has no finite pool; sample fresh tasks instead")
-    rng = np.random.Generator(np.random.PCG64(_seed_mix(_POOL, pool_seed)))
+    rng = np.random.Generator(np.random.PCG64(seed_mix(_POOL, pool_seed)))
     z = rng.standard_normal((M, D))
     return torch.from_numpy(z if prior is None else z @ prior_factor(prior, D).T).float()
 
@@ -173,7 +154,7 @@ class BatchSampler:
 
     def seeded(self, step: int) -> torch.Generator:
         """The stream's generator at batch `step`."""
-        return self._gen.manual_seed(_seed_mix(_BATCH, self.stream, self.data_seed, step))
+        return self._gen.manual_seed(seed_mix(_BATCH, self.stream, self.data_seed, step))
 
     def batch(self, step: int, size: int) -> Batch:
         return _draw(self.seeded(step), self.pool, size, self.K, self.D, self.noise_var, self.device, self.factor)
@@ -206,5 +187,5 @@ def eval_set(kind: str, M: int, n: int, K: int, D: int, noise_var: float, pool_s
         kind = "ood"
     pool = {"id": lambda: task_pool(pool_seed, M, D, prior), "root": lambda: task_pool(pool_seed, 1, D, prior),
             "ood": lambda: None}[kind]()
-    gen = torch.Generator().manual_seed(_seed_mix(_EVAL, eval_seed, kinds[kind], M if kind == "id" else 0))
+    gen = torch.Generator().manual_seed(seed_mix(_EVAL, eval_seed, kinds[kind], M if kind == "id" else 0))
     return _draw(gen, pool, n, K, D, noise_var, "cpu", _factor(prior, D, "cpu"))

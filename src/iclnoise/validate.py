@@ -12,7 +12,7 @@ from typing import Any
 import jsonschema
 
 from .cost import check_memory
-from .grid import expand_grid, grid_ms, steps_for, trained_steps
+from .grid import expand_grid, grid_ms, run_spec
 from .sections import (
     ED,
     Exposure,
@@ -27,6 +27,7 @@ from .sections import (
     Stages,
     Stats,
     TaskPrior,
+    Train,
     enabled,
     schema,
 )
@@ -187,9 +188,9 @@ def _cross_checks(p: dict) -> None:
         raise ParamsError(f"grid.M has duplicates: {p['grid']['M']}")
     _prior_checks(d)
     _seed_checks(p)
-    _ed_checks(p)
     _noise_checks(p)
     _optimizer_checks(p)
+    _ed_checks(p)   # after the noise and optimizer checks: it resolves every run's spec
     check_memory(p)
     try:  # the typed sections (iclnoise.sections) build from what the schema let through
         all_sections(p)
@@ -236,11 +237,8 @@ MAX_CHECKPOINTS = 2000  # per run: each is a file, a row, and for the probes an 
 def _ed_checks(p: dict) -> None:
     """Checkpoint counts the probes can use, and the ED section's own consistency. (A grid where some or all
     families would hold one run is allowed: the workflow names those families in its log.)"""
-    from .schedules import checkpoints_until
-
     c = p["train"]["checkpoints"]
-    n = [len(checkpoints_until(steps_for(p, k.batch, k.noise), c["linear"], c["log"],
-                               trained_steps(p, k.batch, k.noise))) for k in expand_grid(p)]
+    n = [len(Train.from_dict(run_spec(p, k.run_id)["train"]).checkpoints_planned) for k in expand_grid(p)]
     if max(n) > MAX_CHECKPOINTS:
         raise ParamsError(f"train.checkpoints = {c}: {max(n)} checkpoints per run; allowed: at most "
                           f"{MAX_CHECKPOINTS} (lower linear or log)")

@@ -3,8 +3,7 @@
 
 CNR = PARAMS.get("cnr", {})
 CNR_RUNS = [r for r in RUNS if CNR.get("enabled")
-            and PARAMS["noise"]["conditions"][parse_run_id(r).noise]["source"] != "none"
-            and parse_run_id(r).seed in CNR.get("seeds", [parse_run_id(r).seed])]
+            and SPECS[r].injects and SPECS[r].keys.seed in CNR.get("seeds", [SPECS[r].keys.seed])]
 
 
 rule cnr_run:

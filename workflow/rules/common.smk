@@ -2,12 +2,9 @@ def run_files(name):
     return expand(f"{RES}/runs/{{run}}/{name}", run=RUNS)
 
 
-EXPOSURE = PARAMS["exposure"]["enabled"]
-
-
 def probe_runs(section):
-    """The runs a probe section (llc, geometry, mech) covers (iclnoise.grid.probe_sections)."""
-    return [r for r in RUNS if section in probe_sections_of(PARAMS, parse_run_id(r))]
+    """The runs a probe section (llc, geometry, mech) covers (iclnoise.grid.jobs)."""
+    return [r for r, secs in JOBS["probe"].items() if section in secs]
 
 
 def probe_files(section, name):
@@ -15,16 +12,8 @@ def probe_files(section, name):
     return expand(f"{RES}/runs/{{run}}/{name}", run=probe_runs(section))
 
 
-PROBED = {s: set(probe_runs(s)) for s in ("llc", "geometry", "mech")}
-
-
-REFINED_RUNS = [r for r in RUNS if refined_covers(PARAMS, parse_run_id(r))]   # llc.seeds and llc.refined.M
-REFINED = bool(REFINED_RUNS)
-
-
-def probe_sections(run):
-    """The probe sections a run gets: llc, geometry, mech, and refined (llc.refined, where it covers the run)."""
-    return probe_sections_of(PARAMS, parse_run_id(run))
+REFINED_RUNS = probe_runs("refined")   # llc.seeds and llc.refined.M
+REFINED = "refined_figures" in JOBS["single"]
 
 
 CONDA_ENV = "../envs/iclnoise.yaml"
@@ -58,13 +47,12 @@ if workflow.is_main_process:
         logger.warning(f"{_r}: checkpoints {_gone} are missing: its training job trains the run again")
 
 
+SPECS = {r: typed_spec(PARAMS, r) for r in RUNS}   # each run's typed spec: its hooks, window and outputs
+
+
 def train_outputs(run):
-    keys = parse_run_id(run)
-    cond = PARAMS["noise"]["conditions"][keys.noise]
-    names = ["metrics.parquet", "token_losses.parquet", "root_preds.parquet", "checkpoints.json"]
-    names += ["exposure.parquet"] if EXPOSURE or cond["source"] != "none" else []
-    names += ["injection.parquet"] if cond["source"] != "none" else []
-    return [f"{RES}/runs/{run}/{n}" for n in names]
+    """What a run's training job writes: its files and its hooks' tables (iclnoise.sections.RunSpec.outputs)."""
+    return [f"{RES}/runs/{run}/{n}" for n in SPECS[run].outputs]
 
 
 def cfg(*names):

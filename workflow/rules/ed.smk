@@ -1,4 +1,4 @@
-ED_FAMILIES = ed_families(PARAMS)
+ED_FAMILIES = JOBS["ed"]
 if ed_families(PARAMS, single=True):
     logger.info(f"ed: no family for {', '.join(ed_families(PARAMS, single=True))} (one run each: a condition at "
                 f"one M, or a grid with one M): essential dynamics needs two runs")

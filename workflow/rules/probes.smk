@@ -2,7 +2,7 @@
 # checkpoints: llc.refined), geometry and mechanistic probes run in one
 # process (`iclnoise each`), so a run pays the interpreter, torch and transformer_lens start-up (~4 s) once,
 # not once per probe: 18 jobs instead of 72 on the default grid. Which probes a run gets: each section's
-# `enabled` and `seeds` (common.smk, probe_sections). Rules are generated per run, named probe_<run>.
+# `enabled` and `seeds` (iclnoise.grid.jobs). Rules are generated per run, named probe_<run>.
 
 
 def probe_command(run, sections):
@@ -31,11 +31,7 @@ def probe_outputs(run, sections):
     return [f for s in sections for f in out[s]]
 
 
-for _run in RUNS:
-    _sections = probe_sections(_run)
-    if not _sections:
-        continue
-
+for _run, _sections in JOBS["probe"].items():
     rule:
         name:
             f"probe_{_run}".replace("-", "_")

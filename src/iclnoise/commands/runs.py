@@ -45,7 +45,7 @@ def train(argv: list[str]) -> None:
 def check(argv: list[str]) -> None:
     from ..config import ParamsError, load_params, source_names
     from ..cost import COST_CONFIRM_CORE_HOURS, PARAMS_RECORD, cost_estimate, format_cost, rerun_note
-    from ..grid import expand_grid, steps_for, trained_steps
+    from ..grid import expand_grid, typed_spec
 
     ap = argparse.ArgumentParser(prog="iclnoise check",
                                  description="Validate a params file, list its runs and print the cost estimate.")
@@ -61,7 +61,8 @@ def check(argv: list[str]) -> None:
     runs = expand_grid(params)
     print(f"{source_names([a.params, *a.configfile])}: valid; {len(runs)} runs")
     for k in runs:
-        n, stop = steps_for(params, k.batch, k.noise), trained_steps(params, k.batch, k.noise)
+        t = typed_spec(params, k.run_id).train
+        n, stop = t.steps, t.last_step
         print(f"  {k.run_id}  ({n} steps{f', stopping at {stop}' if stop < n else ''})")
     est = cost_estimate(params)
     print(f"cost estimate: {format_cost(est)}")

@@ -9,7 +9,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from ..io import KEY_FIELDS, read_parquet, write_parquet, write_text
+from ..io import read_parquet, write_parquet, write_text
+from ..sections import KEY_FIELDS
 from ..tasks import m_label
 from . import style
 
