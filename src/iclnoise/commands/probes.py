@@ -17,7 +17,7 @@ import torch
 
 from ..config import ParamsError, every_at, noise_conditions, typed
 from ..ed import EVENTS_SCHEMA, FORMS_SCHEMA, MAX_GAP, PCS_SCHEMA, SAMPLING_SCHEMA, VAR_SCHEMA
-from ..io import read_json, write_parquet
+from ..io import CorruptFileError, read_json, write_parquet
 from ..mech import run_summary
 from ..probes import (
     calibrate_for_run,
@@ -31,7 +31,6 @@ from ..probes import (
     stages_for_run,
 )
 from ..replay import CNR_SCHEMA, replay_run
-from ..runs import CorruptFile
 from . import add_cfg, doc, sections
 
 
@@ -200,7 +199,7 @@ def cnr(argv: list[str]) -> None:
     torch.set_num_threads(a.threads)
     try:
         df = replay_run(a.run, a.counterfactual, conditions, a.probes, a.jac_batch, a.seed, state=a.state)
-    except (ValueError, CorruptFile) as e:
+    except (ValueError, CorruptFileError) as e:
         raise SystemExit(str(e)) from None
     write_parquet(df, a.out or Path(a.run) / "cnr.parquet", CNR_SCHEMA)
     print(df[["counterfactual", "metric", "observed", "delta", "se", "sd_draw", "lo", "hi"]].to_string(index=False))
