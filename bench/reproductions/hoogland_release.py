@@ -85,6 +85,37 @@ def summary(df: pd.DataFrame, who: str) -> None:
           f"{df[df.unstable].step.min() if df.unstable.any() else '-'}), escaped {int(df.escaped.sum())} of {len(df)}")
 
 
+def peaks(df: pd.DataFrame, who: str) -> None:
+    """Per seed: the step of the largest λ̂ (up to 40k) and λ̂ there."""
+    for s, g in df.groupby("seed"):
+        i = g.llc.idxmax()
+        print(f"  {who} seed {s}: peak λ̂ {g.llc[i]:.1f} at step {g.step[i]}; λ̂ at the last step "
+              f"{g.llc.iloc[-1]:.1f} ({g.step.iloc[-1]})")
+
+
+def figure(theirs: pd.DataFrame, ours: pd.DataFrame, st: pd.DataFrame, out: Path) -> None:
+    """λ̂ against step (log axis), theirs and ours on their own scales, milestones marked: shapes, not levels."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
+    for ax, (who, df) in zip(axes, (("theirs (release, their sampler)", theirs), ("ours (calibrated sampler)", ours))):
+        for s, g in df.groupby("seed"):
+            line, = ax.plot(g.step + 1, g.llc, marker=".", ms=3, lw=1, label=f"seed {s}")
+            mark = st[st.run_id == f"{who.split()[0]} s{s}"]
+            for step in mark[mark.kind != "end"].step:
+                ax.axvline(step + 1, color=line.get_color(), ls=":", lw=1)
+            bad = g[g.unstable | g.escaped]
+            ax.plot(bad.step + 1, bad.llc, "x", color="k", ms=4, label="_")
+        ax.set(xscale="log", xlabel="step + 1", ylabel="λ̂", title=who)
+        ax.legend(fontsize=7, ncol=2)
+    axes[1].annotate("x: unstable or escaped; dotted: stage boundaries", (0.02, 0.02), xycoords="axes fraction",
+                     fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=130)
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--release", help="folder with their llcs.pt, hessian_stats.pt, evals_over_time.pt (without it: "
@@ -92,6 +123,7 @@ def main() -> None:
     ap.add_argument("--runs", nargs="*", default=[], help="our run dirs (llc.parquet) to set beside theirs")
     ap.add_argument("--csv", default=str(HERE / "hoogland_release.csv"))
     ap.add_argument("--ours-csv", default=str(HERE / "hoogland_calibrated.csv"))
+    ap.add_argument("--figure", default=str(HERE / "hoogland_calibrated.png"))
     ap.add_argument("--sigma", type=float, help="stage smoothing in decades (default: configs/hoogland.yaml's)")
     a = ap.parse_args()
     cfg = load_params(ROOT / "params.yaml", [ROOT / "configs/hoogland.yaml"])["llc"]["stages"]
@@ -109,13 +141,17 @@ def main() -> None:
     print(f"ours at their sampler (hoogland.csv): level per D {o.mean_sampling_loss.min():.4f}-"
           f"{o.mean_sampling_loss.max():.4f}; escaped at steps {sorted(set(o[esc].step))} of {sorted(set(o.step))}")
     st = [stage_rows(theirs, "theirs", cfg)]
+    peaks(theirs, "theirs")
     if a.runs:
         ours = ours_table(a.runs)
         ours.to_csv(a.ours_csv, index=False)
         summary(ours, "ours")
+        peaks(ours, "ours")
         st.append(stage_rows(ours, "ours", cfg))
     cols = ["run_id", "stage", "type", "start_step", "end_step", "kind", "llc_start", "llc_end"]
     print(pd.concat(st)[cols].to_string(index=False, float_format="%.1f"))
+    if a.runs:
+        figure(theirs, ours, pd.concat(st), Path(a.figure))
 
 
 if __name__ == "__main__":
