@@ -207,22 +207,25 @@ def test_planted_clean_transition_passes_every_gate_and_recovers_m_star(tmp_path
 
 
 def test_figure_1_has_one_panel_per_trained_condition(tmp_path, monkeypatch):
-    """Batch noise at batches 8 and 16, injection only at 16: three panels in one row, no empty slot."""
+    """Batch noise at batches 8 and 16, injection only at 16, and batch 16's batch noise under SGD with momentum too:
+    four panels in one row (the optimizers apart: each panel's mean is one optimizer's runs), no empty slot."""
     from iclnoise.figures import style, training
     assert training.panel_grid(3) == (1, 3) and training.panel_grid(6) == (2, 3) and training.panel_grid(7) == (3, 3)
     rows = []
-    for noise, B in (("none", 8), ("none", 16), ("inj", 16)):
+    for noise, B, opt in (("none", 8, "adamw"), ("none", 16, "adamw"), ("inj", 16, "adamw"),
+                          ("none", 16, "sgd_momentum")):
         for M in (1, 4, -1):
             for step in (0, 10, 100):
-                rows.append({"run_id": f"{noise}{B}M{M}", "M": M, "seed": 0, "batch": B, "noise": noise, "step": step,
-                             "ood_loss": 1.0 / (1 + step), "ood_loss_dmmse": 0.5 if M != -1 else np.nan,
-                             "ood_loss_ridge": 0.4})
+                rows.append({"run_id": RunKeys(M, B, noise, 0, opt).run_id, "M": M, "seed": 0, "batch": B,
+                             "noise": noise, "step": step, "ood_loss": 1.0 / (1 + step),
+                             "ood_loss_dmmse": 0.5 if M != -1 else np.nan, "ood_loss_ridge": 0.4})
     shown = {}
     real_save = style.save_figure
     monkeypatch.setattr(style, "save_figure", lambda fig, path, data=None: (
         shown.update(titles=[ax.get_title() for ax in fig.axes]), real_save(fig, path, data)))
     training.fig_ood_loss(pd.DataFrame(rows), tmp_path / "fig01")
-    assert shown["titles"] == ["noise: none, batch 8", "noise: none, batch 16", "noise: inj, batch 16"]
+    assert shown["titles"] == ["noise: none, batch 8", "noise: none, batch 16", "noise: none, batch 16 (sgd_momentum)",
+                               "noise: inj, batch 16"]
     assert (tmp_path / "fig01.png").stat().st_size > 5_000
 
 

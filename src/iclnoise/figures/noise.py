@@ -7,7 +7,6 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from ..sections import parse_run_id
 from ..tasks import M_INF
 from ..verdicts import optimizer_note
 from . import style
@@ -62,9 +61,8 @@ def fig_exposure_series(exposure: pd.DataFrame, path: str | Path) -> None:
         _empty(ax, "no exposure logs (exposure.enabled: false)")
         style.save_figure(fig, path, exposure)
         return
-    df = exposure.copy()
+    df = style.with_optimizer(exposure)
     df["pne_batch"] = df["ne"] * df.clip_coef ** 2 / df.curv.clip(lower=1e-12)
-    df["optimizer"] = df.run_id.map(lambda r: parse_run_id(r).optimizer)   # exposure logs key runs by id alone
     panels = sorted(df.groupby(["noise", "batch", "optimizer"]).groups)
     n = len(panels)
     cols = min(n, 3)

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from ..io import atomic_path  # noqa: E402
-from ..sections import OPTIMIZERS  # noqa: E402
+from ..sections import OPTIMIZERS, parse_run_id  # noqa: E402
 from ..tasks import M_INF, m_label  # noqa: E402
 from ..verdicts import optimizer_note  # noqa: E402
 
@@ -45,6 +45,12 @@ def m_palette(ms) -> dict[int, tuple]:
 
 def m_legend_label(M: int) -> str:
     return "M = ∞" if M == M_INF else f"M = {m_label(M)}"
+
+
+def with_optimizer(df: pd.DataFrame) -> pd.DataFrame:
+    """A per-run table (keyed by the KEY_FIELDS, which leave the optimizer out) with each run's optimizer, read from
+    its run id, so a figure keeps grid.optimizer's arms apart."""
+    return df.assign(optimizer=[parse_run_id(r).optimizer for r in df.run_id])
 
 
 def arm_markers(out: pd.DataFrame) -> dict[tuple[int, str, str], str]:
