@@ -14,21 +14,23 @@ from iclnoise.evaluate import METRICS_SCHEMA
 from iclnoise.grid import run_spec
 from iclnoise.io import read_parquet, write_json, write_parquet
 from iclnoise.llc import LLC_SCHEMA
+from iclnoise.sections import RunKeys
 from iclnoise.thresholds import logistic
 
 STATS = json.dumps({"stats": {"alpha": 0.05, "equivalence_fraction": 0.5, "equivalence_margin": None,
                               "transient_tol": 0.05}})  # params.yaml
 
 PARAMS = load_params("params.yaml")
+SGD = {**PARAMS, "train": {**PARAMS["train"], "sgd_momentum": {"lr": 0.01, "momentum": 0.9, "weight_decay": 0.0}}}
 
 
 def fake_run(root, M, B, seed, r_end, diverged=False, llc=None, ood_end=0.8, steps=1000, ridge=0.4, llc_flags=False,
-             pull=0.0):
+             pull=0.0, optimizer="adamw"):
     """A finished run; `pull` = the slope of ln Δ_ood(f, ridge) − ln Δ_ood(f, dMMSE_M) against ln sequences."""
-    rid = f"M{'inf' if M == -1 else M}-B{B}-none-s{seed}"
+    rid = RunKeys(M, B, "none", seed, optimizer).run_id
     d = root / rid
     keys = {"run_id": rid, "M": M, "seed": seed, "batch": B, "noise": "none"}
-    spec = {**run_spec(PARAMS, rid), "keys": keys}
+    spec = {**run_spec(PARAMS if optimizer == "adamw" else SGD, rid), "keys": keys}
     spec["train"].update(steps=steps, budget={"mode": "steps", "steps": steps}, lr_schedule={"kind": "constant"})
     spec["train"]["optimizer"]["lr"] = 0.01
     write_json(spec, d / "run.json")
@@ -115,6 +117,66 @@ def test_aggregate_outcomes_thresholds_tests_and_report(runs):
     assert "none/B16 2.00×, none/B64 2.00×; not every condition converged" in shows
 
 
+def two_optimizers(root, optimizers=("adamw", "sgd_momentum")):
+    """Condition none/B16 under each of `optimizers`, 3 seeds: r crosses 0.5 at M* = 16 under AdamW and at 64 under
+    SGD with momentum (logistic in log2 M, slope 0.7, run noise sd 0.02); M = ∞ at 2× ridge's OOD loss."""
+    rng = np.random.default_rng(1)   # AdamW's runs draw first: the same runs whether SGD's follow or not
+
+    def r(M, x0):
+        return float(np.clip(logistic(np.log2(M), x0, 0.7) + 0.02 * rng.standard_normal(), 0, 1)) if M != -1 else 0.5
+
+    return [fake_run(root, M, 16, seed, r(M, x0), pull=np.tanh(x0 - np.log2(abs(M))), optimizer=o)
+            for o, x0 in (("adamw", 4.0), ("sgd_momentum", 6.0)) if o in optimizers
+            for seed in range(3) for M in (1, 4, 8, 16, 32, 64, 256, 1024, -1)]
+
+
+def test_two_optimizers_of_one_condition_are_kept_apart(tmp_path):
+    """Issue 45: runs of one noise condition under AdamW and SGD with momentum are two arms. Each gets its own
+    thresholds (M* 16 and 64, not one pooled M* near 32), convergence row, metrics.json entry and tests."""
+    out = tmp_path / "aggregate"
+    aggregate_cli([str(d) for d in two_optimizers(tmp_path / "runs")] + ["--out", str(out), "--cfg", STATS])
+    th = read_parquet(out / "thresholds.parquet")
+    r50 = sorted(th[th.method == "r50"].M_star)   # pooled, the old aggregate found one M* near 32
+    assert len(r50) == 2 and r50 == [pytest.approx(16, rel=0.25), pytest.approx(64, rel=0.25)], r50
+    o = read_parquet(out / "outcomes.parquet")
+    assert (o.optimizer == np.where(o.run_id.str.contains("-sgd_momentum-"), "sgd_momentum", "adamw")).all()
+    assert sorted(zip(th.optimizer, th.method)) == sorted((opt, m) for opt in ("adamw", "sgd_momentum")
+                                                          for m in ("r50", "midpoint", "crossover"))
+    th = th.set_index(["optimizer", "method"])
+    for method in ("r50", "midpoint", "crossover"):
+        assert th.loc[("adamw", method)].M_star == pytest.approx(16, rel=0.25), method
+        assert th.loc[("sgd_momentum", method)].M_star == pytest.approx(64, rel=0.25), method
+        assert th.loc[("adamw", method)].n_seeds == th.loc[("sgd_momentum", method)].n_seeds == 3
+    tests = read_parquet(out / "tests.parquet")
+    assert set(tests.optimizer) == {"adamw", "sgd_momentum"}
+    assert len(tests[tests.optimizer == "adamw"]) == len(tests[tests.optimizer == "sgd_momentum"])
+    m = json.loads((out / "metrics.json").read_text())
+    assert set(m["convergence"]) == set(m["thresholds"]) == {"none/B16", "none/B16/sgd_momentum"}
+    assert m["thresholds"]["none/B16/sgd_momentum"]["M_star"] == pytest.approx(64, rel=0.25)
+    assert len(m["tests"]) == len(tests)   # no two rows share a key
+    aggregate_figures_cli(["--aggregate", str(out), "--out-dir", str(tmp_path / "figures")])
+    report_cli(["--results", str(tmp_path), "--cfg", '{"grid": {"M": [1]}}', "--out", str(tmp_path / "report.md")])
+    text = (tmp_path / "report.md").read_text()
+    assert "r50, noise none, batch 16 (sgd_momentum): M* = " in text and "r50, noise none, batch 16: M* = " in text
+
+
+def test_an_optimizers_tables_are_those_of_its_runs_alone(tmp_path):
+    """A one-optimizer grid's tables are the per-condition tables of before plus the `optimizer` column, and adding
+    another optimizer's runs of the same condition changes none of its rows (outcomes, thresholds, tests; the tests
+    here are all gated, so outside the Holm family, whose size the other optimizer's rows would change)."""
+    alone, both = tmp_path / "alone", tmp_path / "both"
+    aggregate_cli([str(d) for d in two_optimizers(tmp_path / "runs", ("adamw",))] + ["--out", str(alone),
+                                                                                     "--cfg", STATS])
+    aggregate_cli([str(d) for d in two_optimizers(tmp_path / "runs")] + ["--out", str(both), "--cfg", STATS])
+    for name in ("outcomes", "thresholds", "tests"):
+        a, b = read_parquet(alone / f"{name}.parquet"), read_parquet(both / f"{name}.parquet")
+        assert (a.optimizer == "adamw").all(), name
+        pd.testing.assert_frame_equal(a, b[b.optimizer == "adamw"].reset_index(drop=True), obj=name)
+    assert not read_parquet(alone / "tests.parquet").in_family.any()
+    m = json.loads((alone / "metrics.json").read_text())
+    assert set(m["thresholds"]) == {"none/B16"} and not any(k.endswith(")") for k in m["tests"])
+
+
 def test_planted_clean_transition_passes_every_gate_and_recovers_m_star(tmp_path):
     """Converged (M = ∞ OOD loss 5 % above ridge), equal data, 3 seeds, r from 0.02 to 0.98 around a planted
     M* = 2^5 = 32 with seed-to-seed sd 0.3 octave: every gate passes and the interval covers 32."""
@@ -145,22 +207,25 @@ def test_planted_clean_transition_passes_every_gate_and_recovers_m_star(tmp_path
 
 
 def test_figure_1_has_one_panel_per_trained_condition(tmp_path, monkeypatch):
-    """Batch noise at batches 8 and 16, injection only at 16: three panels in one row, no empty slot."""
+    """Batch noise at batches 8 and 16, injection only at 16, and batch 16's batch noise under SGD with momentum too:
+    four panels in one row (the optimizers apart: each panel's mean is one optimizer's runs), no empty slot."""
     from iclnoise.figures import style, training
     assert training.panel_grid(3) == (1, 3) and training.panel_grid(6) == (2, 3) and training.panel_grid(7) == (3, 3)
     rows = []
-    for noise, B in (("none", 8), ("none", 16), ("inj", 16)):
+    for noise, B, opt in (("none", 8, "adamw"), ("none", 16, "adamw"), ("inj", 16, "adamw"),
+                          ("none", 16, "sgd_momentum")):
         for M in (1, 4, -1):
             for step in (0, 10, 100):
-                rows.append({"run_id": f"{noise}{B}M{M}", "M": M, "seed": 0, "batch": B, "noise": noise, "step": step,
-                             "ood_loss": 1.0 / (1 + step), "ood_loss_dmmse": 0.5 if M != -1 else np.nan,
-                             "ood_loss_ridge": 0.4})
+                rows.append({"run_id": RunKeys(M, B, noise, 0, opt).run_id, "M": M, "seed": 0, "batch": B,
+                             "noise": noise, "step": step, "ood_loss": 1.0 / (1 + step),
+                             "ood_loss_dmmse": 0.5 if M != -1 else np.nan, "ood_loss_ridge": 0.4})
     shown = {}
     real_save = style.save_figure
     monkeypatch.setattr(style, "save_figure", lambda fig, path, data=None: (
         shown.update(titles=[ax.get_title() for ax in fig.axes]), real_save(fig, path, data)))
     training.fig_ood_loss(pd.DataFrame(rows), tmp_path / "fig01")
-    assert shown["titles"] == ["noise: none, batch 8", "noise: none, batch 16", "noise: inj, batch 16"]
+    assert shown["titles"] == ["noise: none, batch 8", "noise: none, batch 16", "noise: none, batch 16 (sgd_momentum)",
+                               "noise: inj, batch 16"]
     assert (tmp_path / "fig01.png").stat().st_size > 5_000
 
 
@@ -264,7 +329,7 @@ def test_an_arm_run_at_one_m_is_judged_converged_by_the_batch_noise_runs_at_its_
                  "ood_loss_ridge": 0.4, "diverged": False} for M in (1, 16, -1)]
         rows += [{"batch": 64, "noise": arm, "M": 16, "ood_loss": 0.6, "ood_loss_ridge": 0.4, "diverged": False}
                  for arm in ("early", "late")]
-        return pd.DataFrame(rows)
+        return pd.DataFrame(rows).assign(optimizer="adamw")
 
     arms = out(1.05)[lambda d: d.noise != "none"]
     assert gate_convergence(arms, convergence(out(1.05))) == []

@@ -214,7 +214,8 @@ def test_no_delta_logged_is_a_reason_not_a_crash():
                              "ood_delta_dmmse": None, "ood_delta_ridge": None})
     for traj in (empty, unlogged):
         assert crossover_threshold(pull_slopes(traj))["reason"] == "no threshold: no pull (Δ on new tasks not logged)"
-    out = pd.DataFrame([{"run_id": f"{M}-{s}", "M": M, "seed": s, "batch": 16, "noise": "none", "diverged": False,
+    out = pd.DataFrame([{"run_id": f"{M}-{s}", "M": M, "seed": s, "batch": 16, "noise": "none", "optimizer": "adamw",
+                         "diverged": False,
                          "r": 0.1 + 0.8 * (M > 8), "ood_loss": 0.42, "ood_loss_ridge": 0.4, "sequences": 1000,
                          "noise_source": "batch", "noise_schedule": "none", "emulate_batch": 0, "noise_level": 1 / 16}
                         for M in (1, 2, 4, 8, 16, 32, -1) for s in range(3)])

@@ -230,3 +230,22 @@ def test_figure_6_against_dose_and_the_report_opening_with_the_answer(tmp_path):
     assert text.index("## The answer: ICL against the injected noise dose") < text.index("## What this run shows")
     assert "operating regime: doses 0.01–0.3 (4 doses, 1.5 decades); outside: dose 1 (M = ∞ 1.2× ridge's" in text
     assert "threshold ladder" in text and "fig06_threshold_vs_noise_dose.png" in text
+
+
+def test_a_series_under_two_optimizers_is_two_series_each_with_its_own_dose_zero():
+    """grid.optimizer (issue 45): a dose series trained under AdamW and SGD with momentum is two series; each takes
+    dose 0 from its own optimizer's batch-noise runs, and AdamW's levels are those of its runs alone (SGD's planted
+    slope does not leak into them)."""
+    a = planted(np.random.default_rng(0))
+    b = planted(np.random.default_rng(1), slope=0.2).assign(optimizer="sgd_momentum")
+    both = pd.concat([a, b.assign(run_id=b.run_id + "-sgd_momentum")], ignore_index=True)
+    runs = dose.dose_runs(both, GATES["regime_tol"])
+    series = dose.series(runs)
+    assert [k for k, _ in series] == [("param", "diagonal", 64, "adamw"), ("param", "diagonal", 64, "sgd_momentum")]
+    for (*_, opt), g in series:
+        zero = runs[(runs.source == "none") & (runs.optimizer == opt)]
+        assert (g.optimizer == opt).all() and len(zero)
+        assert g[g.target_dose == 0].run_id.tolist() == zero.run_id.tolist()
+    lv = dose.levels_table(runs, 0.05, GATES["dose_tol"], 3)
+    alone = dose.levels_table(dose.dose_runs(a, GATES["regime_tol"]), 0.05, GATES["dose_tol"], 3)
+    pd.testing.assert_frame_equal(alone, lv[lv.optimizer == "adamw"].reset_index(drop=True))

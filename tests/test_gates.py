@@ -15,7 +15,7 @@ DERIVED = Stats(alpha=0.05, equivalence_fraction=0.5, equivalence_margin=None, t
 def table(rows: list[dict]) -> pd.DataFrame:
     """Outcome rows completed to the full outcomes schema: converged, equal data, no probes unless given."""
     defaults = {"diverged": False, "id_loss": 0.5, "ood_loss_ridge": 0.4, "ood_loss_dmmse": 0.9, "sequences": 64_000,
-                "noise_shape": "isotropic", "noise_level": 1.0}
+                "noise_shape": "isotropic", "noise_level": 1.0, "optimizer": "adamw"}
     df = pd.DataFrame([{**defaults, **r} for r in rows])
     for c in OUTCOMES_SCHEMA.names:
         if c not in df:

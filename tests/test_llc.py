@@ -577,7 +577,7 @@ def test_figure_4_marks_estimates_that_measure_the_sampler(tmp_path, monkeypatch
     from iclnoise.figures import style
 
     steps = [0, 10, 100, 1000]
-    df = pd.DataFrame([{"run_id": "a", "M": 4, "seed": 0, "batch": 16, "noise": "none", "step": s,
+    df = pd.DataFrame([{"run_id": "M4-B16-none-s0", "M": 4, "seed": 0, "batch": 16, "noise": "none", "step": s,
                         "llc_mean": 1.0 + i, "llc_se": 0.1, "diverged": False, "negative": i == 0,
                         "not_levelled": False, "unstable": i == 2, "escaped": i == 3} for i, s in enumerate(steps)])
     shown = {}

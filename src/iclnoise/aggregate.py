@@ -26,6 +26,7 @@ from .mech import CIRCUIT_COLUMNS
 from .sections import KEY_FIELDS, RunSpec, Stats
 from .tasks import M_INF, m_label
 from .verdicts import (
+    CONDITION,
     GATE_FIELDS,
     GATES,
     TESTS_SCHEMA,
@@ -36,11 +37,13 @@ from .verdicts import (
     gate_equal_data,
     gate_seeds,
     hypothesis_tests,
+    optimizer_note,
 )
 
 log = logging.getLogger(__name__)
 
 OUTCOME_FIELDS = KEY_FIELDS + [
+    pa.field("optimizer", pa.string()),   # grid.optimizer (RunKeys.optimizer): part of every condition's key
     pa.field("steps", pa.int64()), pa.field("sequences", pa.int64()), pa.field("diverged", pa.bool_()),
     pa.field("ood_loss", pa.float64()), pa.field("id_loss", pa.float64()), pa.field("r", pa.float64()),
     pa.field("ood_loss_ridge", pa.float64()), pa.field("ood_loss_dmmse", pa.float64()),
@@ -66,8 +69,9 @@ OPTIONAL_FIELDS = ([pa.field(c, pa.float64()) for c in LLC_COLUMNS] + [pa.field(
                    + [pa.field(c, pa.bool_()) for c in LLC_FLAGS]
                    + [pa.field(c, pa.float64()) for c in EXPOSURE_COLUMNS + GEOMETRY_COLUMNS + CIRCUIT_COLUMNS])
 OUTCOMES_SCHEMA = pa.schema(OUTCOME_FIELDS + OPTIONAL_FIELDS)
-THRESHOLD_SCHEMA = pa.schema([   # one row per (batch, noise, method)
-    pa.field("batch", pa.int64()), pa.field("noise", pa.string()), pa.field("noise_source", pa.string()),
+THRESHOLD_SCHEMA = pa.schema([   # one row per (batch, noise, optimizer, method)
+    pa.field("batch", pa.int64()), pa.field("noise", pa.string()), pa.field("optimizer", pa.string()),
+    pa.field("noise_source", pa.string()),
     pa.field("noise_schedule", pa.string()), pa.field("emulate_batch", pa.int64()),
     pa.field("noise_level", pa.float64()),
     pa.field("method", pa.string()),   # r50: r crosses 0.5 (thresholds.threshold_with_ci); midpoint: half-way between
@@ -120,7 +124,7 @@ def run_outcomes(run_dir: Path, transient_tol: float) -> dict:
         log.warning("%s: no checkpoint after step 0 (diverged at its first update): no t_crit", run_dir.name)
     at = (metrics[metrics.step == w["t_crit"]].iloc[0] if w["t_crit"] >= 0
           else pd.Series(math.nan, index=metrics.columns))
-    row = {**spec.key_dict, "steps": int(end.step), "sequences": int(end.sequences),
+    row = {**spec.key_dict, "optimizer": spec.keys.optimizer, "steps": int(end.step), "sequences": int(end.sequences),
            "diverged": bool(metrics.diverged.any()),
            **{k: float(end[k]) for k in ("ood_loss", "id_loss", "r", "ood_loss_ridge", "ood_loss_dmmse",
                                          "delta_dmmse", "delta_ridge", "icl_score")},
@@ -177,30 +181,30 @@ def trajectories(run_dirs: list[Path]) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=TRAJECTORY_COLUMNS)
 
 
-def _condition_fields(B: int, noise: str, g: pd.DataFrame) -> dict:
-    """A thresholds row's condition columns, from the condition's outcome rows."""
-    return {"batch": B, "noise": noise, "noise_source": g.noise_source.iloc[0],
+def _condition_fields(key: tuple, g: pd.DataFrame) -> dict:
+    """A thresholds row's condition columns, from the condition's key (verdicts.CONDITION) and outcome rows."""
+    return {**dict(zip(CONDITION, key)), "noise_source": g.noise_source.iloc[0],
             "noise_schedule": g.noise_schedule.iloc[0], "emulate_batch": int(g.emulate_batch.iloc[0]),
             "noise_level": float(g.noise_level.iloc[0])}
 
 
 def threshold_table(out: pd.DataFrame, cfg: Stats, conv: pd.DataFrame | None = None,
                traj: pd.DataFrame | None = None) -> pd.DataFrame:
-    """M* per (batch, noise) condition by both methods, each with its validity gates: convergence, a threshold that
-    exists inside the grid with every per-seed estimate successful, ≥ min_seeds seeds and equal data across the
-    condition's runs; r50 (thresholds.threshold_with_ci) also needs r spanning low to high. crossover
+    """M* per (batch, noise, optimizer) condition by each method, each with its validity gates: convergence, a
+    threshold that exists inside the grid with every per-seed estimate successful, ≥ min_seeds seeds and equal data
+    across the condition's runs; r50 (thresholds.threshold_with_ci) also needs r spanning low to high. crossover
     (thresholds.crossover_threshold) reads `traj` (trajectories(); None: not logged)."""
     gates = GATES
     conv = convergence(out, gates["convergence_tol"]) if conv is None else conv
     traj = pd.DataFrame(columns=TRAJECTORY_COLUMNS) if traj is None else traj
     rows = []
     ok = out[~out.diverged & (out.M != M_INF)]
-    for (B, noise), g in ok.groupby(["batch", "noise"]):
-        name = condition_name(B, noise)
+    for key, g in ok.groupby(CONDITION):
+        name = condition_name(*key)
         mean_r = g.groupby("M").r.mean()
-        unconverged = gate_convergence(out[(out.batch == B) & (out.noise == noise)], conv)
+        unconverged = gate_convergence(g, conv)
         design = gate_seeds(g, gates["min_seeds"]) + gate_equal_data(g, gates["data_tol"])
-        base = {**_condition_fields(B, noise, g), "r_min": float(mean_r.min()), "r_max": float(mean_r.max())}
+        base = {**_condition_fields(key, g), "r_min": float(mean_r.min()), "r_max": float(mean_r.max())}
         t = traj[traj.run_id.isin(g.run_id)]
         at = {"level": 1 - cfg.alpha, "min_seeds": gates["min_seeds"], "alpha": cfg.alpha}
         ests = {"r50": thresholds.threshold_with_ci(g, **at),
@@ -222,10 +226,10 @@ def threshold_table(out: pd.DataFrame, cfg: Stats, conv: pd.DataFrame | None = N
                               f"{mean_r.max():.2f}, needs ≤ {gates['r_low']} and ≥ {gates['r_high']}"))
             rows.append({**base, **est, "method": method, **gate_columns(unconverged + fails + design)})
     finite = out[out.M != M_INF]
-    for (B, noise), g in finite.groupby(["batch", "noise"]):
+    for key, g in finite.groupby(CONDITION):
         if g.diverged.all():   # the condition stays in the table, saying why it has no threshold
-            name = condition_name(B, noise)
-            rows += [{**_condition_fields(B, noise, g), "method": method, "reason": "no threshold: every run diverged",
+            name = condition_name(*key)
+            rows += [{**_condition_fields(key, g), "method": method, "reason": "no threshold: every run diverged",
                       **gate_columns([(gate, f"{name}: every run with finite M diverged")])}
                      for method, gate in (("r50", "threshold fit"), ("midpoint", "threshold fit"),
                                           ("crossover", "crossover fit"))]
@@ -243,21 +247,23 @@ def _json_safe(v):
 
 
 def metrics_summary(th: pd.DataFrame, tests: pd.DataFrame, conv: pd.DataFrame, out: pd.DataFrame) -> dict:
-    """Small machine-readable summary for `dvc metrics show`: M* per condition (thresholds: r50,
-    thresholds_midpoint: the logistic's midpoint, thresholds_crossover: the anchor's crossover), verdicts with their
-    gates, convergence per condition and the share of flagged LLC estimates."""
+    """Small machine-readable summary for `dvc metrics show`: M* per condition (verdicts.condition_name;
+    thresholds: r50, thresholds_midpoint: the logistic's midpoint, thresholds_crossover: the anchor's crossover),
+    verdicts with their gates, convergence per condition and the share of flagged LLC estimates."""
     n_llc = out.llc_n_estimates.sum()
     return {
-        **{key: {condition_name(r.batch, r.noise): {k: _json_safe(getattr(r, k)) for k in (
+        **{key: {condition_name(r.batch, r.noise, r.optimizer): {k: _json_safe(getattr(r, k)) for k in (
             "M_star", "M_star_lo", "M_star_hi", "n_seeds", "reason", "gates_passed", "gate_failures")}
             for r in th[th.method == method].itertuples()}
            for key, method in (("thresholds", "r50"), ("thresholds_midpoint", "midpoint"),
                                ("thresholds_crossover", "crossover"))},
-        "tests": {f"{r.hypothesis} {r.test} [{r.outcome}{', ' + r.term if r.term else ''}]": {
+        "tests": {f"{r.hypothesis} {r.test} [{r.outcome}{', ' + r.term if r.term else ''}]"
+                  f"{optimizer_note(r.optimizer)}": {
             "verdict": r.verdict or r.status, "estimate": _json_safe(r.estimate), "p_holm": _json_safe(r.p_holm),
             "gates_passed": bool(r.gates_passed), "gate_failures": r.gate_failures} for r in tests.itertuples()},
-        "convergence": {condition_name(r.batch, r.noise): {"ood_loss_over_ridge": _json_safe(r.ood_loss_over_ridge),
-                                                  "converged": bool(r.converged)} for r in conv.itertuples()},
+        "convergence": {condition_name(r.batch, r.noise, r.optimizer): {
+            "ood_loss_over_ridge": _json_safe(r.ood_loss_over_ridge), "converged": bool(r.converged)}
+            for r in conv.itertuples()},
         "llc_flagged_share": _json_safe(out.llc_n_flagged.sum() / n_llc) if n_llc else None,
         "llc_final_flagged_share": _json_safe(out.llc_final_flagged.dropna().astype(bool).mean())
         if out.llc_final_flagged.notna().any() else None,

@@ -23,10 +23,11 @@ from . import stats
 from .tasks import M_INF
 from .thresholds import fit_threshold, logistic, t_interval, threshold_with_ci
 
-SERIES = ["source", "shape", "batch"]   # one dose series
+SERIES = ["source", "shape", "batch", "optimizer"]   # one dose series (grid.optimizer: each optimizer its own)
 DOSE_SCHEMA = pa.schema([   # aggregate/dose.parquet: one row per run of a dose series (dose 0 included)
     pa.field("run_id", pa.string()), pa.field("source", pa.string()),   # source: grad | param; 'none' at dose 0
-    pa.field("shape", pa.string()), pa.field("batch", pa.int64()), pa.field("noise", pa.string()),
+    pa.field("shape", pa.string()), pa.field("batch", pa.int64()), pa.field("optimizer", pa.string()),
+    pa.field("noise", pa.string()),
     pa.field("target_dose", pa.float64()),     # the condition's budget: integrated injected P-NE*; 0 at dose 0
     pa.field("realised_dose", pa.float64()),   # the run's booked integrated injected P-NE* (exposure.parquet)
     pa.field("realised_dose_se", pa.float64()),   # its SE from diag Ĥ's Hutchinson error (null: not booked)
@@ -35,7 +36,8 @@ DOSE_SCHEMA = pa.schema([   # aggregate/dose.parquet: one row per run of a dose 
     pa.field("converged", pa.bool_()),   # M = ∞ only (OOD loss ≤ (1 + regime_tol) × ridge's); null at finite M
 ])
 LEVELS_SCHEMA = pa.schema([   # aggregate/dose_levels.parquet: one row per (series, target dose), dose 0 included
-    *[pa.field(c, t) for c, t in (("source", pa.string()), ("shape", pa.string()), ("batch", pa.int64()))],
+    *[pa.field(c, t) for c, t in (("source", pa.string()), ("shape", pa.string()), ("batch", pa.int64()),
+                                  ("optimizer", pa.string()))],
     pa.field("noise", pa.string()), pa.field("target_dose", pa.float64()), pa.field("realised_dose", pa.float64()),
     pa.field("n_runs", pa.int64()), pa.field("n_seeds", pa.int64()),
     pa.field("ood_loss_over_ridge", pa.float64()),   # the worst M = ∞ run's (NaN: no M = ∞ run at this dose)
@@ -56,7 +58,9 @@ def dose_runs(out: pd.DataFrame, regime_tol: float) -> pd.DataFrame:
     inj = inj.assign(source=inj.noise_source, shape=inj.noise_shape)
     n_doses = inj.groupby(SERIES).noise_level.transform("nunique")
     inj = inj[n_doses >= 2]
-    zero = out[(out.noise_source == "batch") & (out.steps_as_batch.fillna(0) == 0) & out.batch.isin(inj.batch)]
+    at = pd.MultiIndex.from_frame(inj[["batch", "optimizer"]])   # dose 0: batch noise at a series' batch and optimizer
+    zero = out[(out.noise_source == "batch") & (out.steps_as_batch.fillna(0) == 0)
+               & pd.MultiIndex.from_frame(out[["batch", "optimizer"]]).isin(at)]
     rows = pd.concat([inj.assign(target_dose=inj.noise_level.astype(float)),
                       zero.assign(source="none", shape="none", target_dose=0.0)], ignore_index=True)
     if not len(inj):
@@ -66,14 +70,15 @@ def dose_runs(out: pd.DataFrame, regime_tol: float) -> pd.DataFrame:
     realised = rows.integrated_pne_injected.astype(float).where(rows.target_dose > 0, 0.0)
     df = rows.assign(realised_dose=realised, realised_dose_se=rows.integrated_pne_injected_se.astype(float),
                      converged=conv.astype(object).where(rows.M == M_INF, None))
-    return df.reindex(columns=DOSE_SCHEMA.names).sort_values(["source", "shape", "batch", "target_dose", "M", "seed"],
-                                                             ignore_index=True)
+    return df.reindex(columns=DOSE_SCHEMA.names).sort_values([*SERIES, "target_dose", "M", "seed"], ignore_index=True)
 
 
 def series(runs: pd.DataFrame) -> list[tuple[tuple, pd.DataFrame]]:
-    """(source, shape, batch) and the series' runs with its dose-0 runs (source 'none' at its batch) appended."""
+    """(source, shape, batch, optimizer) and the series' runs with its dose-0 runs (source 'none' at its batch and
+    optimizer) appended."""
     inj = runs[runs.source != "none"]
-    return [(key, pd.concat([g, runs[(runs.source == "none") & (runs.batch == key[2])]], ignore_index=True))
+    zero = runs[runs.source == "none"]
+    return [(key, pd.concat([g, zero[(zero.batch == key[2]) & (zero.optimizer == key[3])]], ignore_index=True))
             for key, g in inj.groupby(SERIES)]
 
 
@@ -362,7 +367,7 @@ def _mstar_tests(ex: pd.DataFrame, lv: pd.DataFrame, point: str, alpha: float, r
 
 def levels_table(runs: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> pd.DataFrame:
     """aggregate/dose_levels.parquet: `analyse`'s levels of every series (LEVELS_SCHEMA)."""
-    frames = [analyse(g, alpha, dose_tol, min_seeds)["levels"].assign(source=k[0], shape=k[1], batch=k[2])
+    frames = [analyse(g, alpha, dose_tol, min_seeds)["levels"].assign(**dict(zip(SERIES, k)))
               for k, g in series(runs)]
     return pd.concat(frames, ignore_index=True).reindex(columns=LEVELS_SCHEMA.names) if frames else \
         pd.DataFrame(columns=LEVELS_SCHEMA.names)

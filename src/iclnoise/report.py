@@ -11,8 +11,9 @@ import numpy as np
 import yaml
 
 from . import __version__
+from .dose import SERIES
 from .io import read_parquet
-from .verdicts import GATES, NO_MANIPULATION, condition_name, convergence
+from .verdicts import CONDITION, GATES, NO_MANIPULATION, condition_name, convergence, optimizer_note
 
 FIGURES = [
     ("fig01_ood_loss", "1. OOD loss over training per M (t_crit circles; dotted: dMMSE_M, dashed: ridge)"),
@@ -74,7 +75,7 @@ def _fmt_m(v: float) -> str:
 
 
 def _threshold_sentence(t) -> str:
-    cond = f"{t.method}, noise {t.noise}, batch {t.batch}"
+    cond = f"{t.method}, noise {t.noise}, batch {t.batch}{optimizer_note(t.optimizer)}"
     if not t.M_star == t.M_star:
         return f"{cond}: no M* ({t.reason.removeprefix('no threshold: ')})"
     ci = (f"[{_fmt_m(t.M_star_lo)}, {_fmt_m(t.M_star_hi)}]" if t.M_star_lo == t.M_star_lo
@@ -87,11 +88,11 @@ def _convergence(conv) -> tuple[list[str], list[str]]:
     """(each condition's part of the convergence sentence, the unconverged ones as the convergence gate names
     them) from a verdicts.convergence table. A condition without M = ∞ runs is judged by batch noise's at its
     batch size (verdicts.gate_convergence); M = ∞ runs that diverged are said to have diverged."""
-    c = conv.set_index(["batch", "noise"])
+    c = conv.set_index(CONDITION)
     parts, bad = [], []
-    for r in sorted(conv.itertuples(), key=lambda r: condition_name(r.batch, r.noise)):   # metrics.json's order
-        name = condition_name(r.batch, r.noise)
-        ref = (r.batch, "none")
+    for r in sorted(conv.itertuples(), key=lambda r: condition_name(r.batch, r.noise, r.optimizer)):   # metrics.json's
+        name = condition_name(r.batch, r.noise, r.optimizer)
+        ref = (r.batch, "none", r.optimizer)
         if r.n_inf_runs:
             parts.append(f"{name} M = ∞ runs diverged" if r.ood_loss_over_ridge == math.inf
                          else f"{name} {r.ood_loss_over_ridge:.2f}×")
@@ -132,7 +133,7 @@ def what_this_run_shows(th, tests, conv=None) -> list[str]:
                   "else it reads 'inconclusive'):", ""]
         for t in tests.itertuples():
             what = t.verdict if t.status == "run" else t.status
-            lines.append(f"- {t.hypothesis}, {t.test} [{t.outcome}]: {what}.")
+            lines.append(f"- {t.hypothesis}{optimizer_note(t.optimizer)}, {t.test} [{t.outcome}]: {what}.")
         lines.append("")
     for df in (th, tests):
         if df is not None and len(df):
@@ -169,7 +170,7 @@ def dose_answer(tests, levels) -> list[str]:
              "over the positive doses inside the operating regime (M = ∞ within "
              f"{1 + GATES['regime_tol']:.2f}× ridge's OOD loss, realised dose within {GATES['dose_tol']:.0%} of its "
              "target, no run diverged); dose 0 (no injection) is the reference arm.", ""]
-    for (src, shape, batch), g in levels.groupby(["source", "shape", "batch"]):
+    for (src, shape, batch, opt), g in levels.groupby(SERIES):
         name = f"{src} ({shape}), batch {batch}"
         inside = g[g.in_regime.astype(bool) & (g.target_dose > 0)].realised_dose
         out = g[~g.in_regime.astype(bool)]
@@ -178,8 +179,9 @@ def dose_answer(tests, levels) -> list[str]:
                 f"{len(inside)} positive dose(s) inside")
         outside = "; ".join(f"{'dose 0' if d.target_dose == 0 else f'dose {d.target_dose:.3g}'} ({d.regime})"
                             for d in out.itertuples())
-        lines += [f"**{name}** — operating regime: {span}" + (f"; outside: {outside}" if outside else "") + ".", ""]
-        for t in tests[tests.test.str.startswith(f"dose-response {name}:")].itertuples():
+        lines += [f"**{name}{optimizer_note(opt)}** — operating regime: {span}"
+                  + (f"; outside: {outside}" if outside else "") + ".", ""]
+        for t in tests[tests.test.str.startswith(f"dose-response {name}:") & (tests.optimizer == opt)].itertuples():
             what = t.test.split(": ", 1)[1]
             if t.status != "run":
                 lines.append(f"- {what} [{t.outcome}]: {t.status}.")
@@ -199,15 +201,16 @@ def exposure_section(results: Path) -> list[str]:
         return []
     kappas = sorted({round(float(k), 4) for f in logs for k in read_parquet(f).kappa.unique()})
     out = read_parquet(out_path)
-    g = out.groupby(["noise", "batch"]).agg(runs=("run_id", "size"), sequences=("sequences", "median"),
+    g = out.groupby(["noise", "batch", "optimizer"]).agg(runs=("run_id", "size"), sequences=("sequences", "median"),
                                             pne=("integrated_pne", "median"),
                                             injected=("integrated_pne_injected", "median")).reset_index()
-    rows = [f"| {r.noise} | {r.batch} | {r.runs} | {r.sequences:,.0f} | {r.pne:.3g} | {r.injected:.3g} |"
-            for r in g.itertuples()]
+    rows = [f"| {r.noise} | {r.batch} | {r.optimizer} | {r.runs} | {r.sequences:,.0f} | {r.pne:.3g} "
+            f"| {r.injected:.3g} |" for r in g.itertuples()]
     return ["## Exposure", "",
             f"κ (momentum diffusion factor) in use: {', '.join(map(str, kappas))} — 1 is AdamW's value (SPEC §6). "
             "Realised integrated exposure after gradient clipping, median over the runs of each condition:", "",
-            "| noise | batch | runs | sequences seen | Σ P-NE* | Σ injected P-NE* |", "|---|---|---|---|---|---|",
+            "| noise | batch | optimizer | runs | sequences seen | Σ P-NE* | Σ injected P-NE* |",
+            "|---|---|---|---|---|---|---|",
             *rows, ""]
 
 
@@ -215,7 +218,7 @@ def _verdict_line(t) -> str:
     """One test row in words: estimate, CI, effect size, the mde of its design, H3's margin beside the
     manipulation's effect, and the verdict."""
     if t.status != "run":
-        return f"- **{t.hypothesis}** — {t.test}, {t.outcome}: {t.status}."
+        return f"- **{t.hypothesis}**{optimizer_note(t.optimizer)} — {t.test}, {t.outcome}: {t.status}."
     nan = float("nan")
     mde, margin, man = (getattr(t, k, nan) for k in ("mde", "margin", "manipulation_effect"))
     power = f", mde (80 % power) {mde:.2g}" if mde == mde else ""
@@ -225,7 +228,8 @@ def _verdict_line(t) -> str:
                   + (f"{man:+.3g} [{t.manipulation_ci_lo:+.3g}, {t.manipulation_ci_hi:+.3g}]" if man == man
                      else "(not measured)"))
     gates = " (all validity gates passed)" if t.gates_passed else ""
-    return (f"- **{t.hypothesis}** — {t.test}, {t.outcome}: estimate {t.estimate:.3g} [{t.ci_lo:.3g}, {t.ci_hi:.3g}], "
+    return (f"- **{t.hypothesis}**{optimizer_note(t.optimizer)} — {t.test}, {t.outcome}: "
+            f"estimate {t.estimate:.3g} [{t.ci_lo:.3g}, {t.ci_hi:.3g}], "
             f"effect size {t.effect_size:.3g}{power}, n = {t.n}{beside}. {t.verdict}{gates}.")
 
 
@@ -241,6 +245,7 @@ def verdict_section(tests) -> list[str]:
         fam = tests[tests.in_family.fillna(False).astype(bool)]
         lines += [f"Holm family ({len(fam)} tests): "
                   + ("; ".join(f"{t.hypothesis} {t.test} [{t.outcome}{', ' + t.term if t.term else ''}]"
+                               f"{optimizer_note(t.optimizer)}"
                                for t in fam.itertuples()) or "none") + ".", ""]
     return lines
 

@@ -355,7 +355,3 @@ def _optimizer_checks(p: dict) -> None:
     if k is not None and len(opts) > 1:
         raise ParamsError(f"exposure.kappa = {k} would give every optimizer of grid.optimizer = {opts} the same κ; "
                           f"allowed: null (each optimizer's own: 1 for adamw, 1/(1 − β)² for sgd_momentum)")
-    if len(opts) > 1:
-        warnings.warn(f"grid.optimizer = {opts}: training and the per-run tables keep the optimizers apart (run ids), "
-                      f"but the aggregate's per-condition tables group by (batch, noise) and would pool them; "
-                      f"aggregate each optimizer's runs on their own")

@@ -19,14 +19,16 @@ import pyarrow as pa
 from . import dose, stats
 from .geometry import GEOMETRY_COLUMNS
 from .mech import CIRCUIT_COLUMNS
-from .sections import Stats
+from .sections import OPTIMIZERS, Stats
 from .tasks import M_INF
 
 GATE_RECORD = pa.struct([pa.field("code", pa.string()), pa.field("detail", pa.string())])
 GATE_FIELDS = [pa.field("gates_passed", pa.bool_()), pa.field("gate_failures", pa.string()),
                pa.field("gate_records", pa.list_(GATE_RECORD))]
 TESTS_SCHEMA = pa.schema([
-    pa.field("hypothesis", pa.string()), pa.field("test", pa.string()), pa.field("outcome", pa.string()),
+    pa.field("hypothesis", pa.string()),
+    pa.field("optimizer", pa.string()),   # grid.optimizer: each optimizer's runs are tested on their own
+    pa.field("test", pa.string()), pa.field("outcome", pa.string()),
     pa.field("term", pa.string()), pa.field("estimate", pa.float64()), pa.field("ci_lo", pa.float64()),
     pa.field("ci_hi", pa.float64()), pa.field("p", pa.float64()), pa.field("p_holm", pa.float64()),
     pa.field("in_family", pa.bool_()),          # in the Holm family: ran, passed its gates, not a sensitivity row
@@ -38,8 +40,10 @@ TESTS_SCHEMA = pa.schema([
     pa.field("n", pa.int64()), pa.field("status", pa.string()),
     pa.field("verdict", pa.string()), *GATE_FIELDS,
 ])
+CONDITION = ["batch", "noise", "optimizer"]   # a condition: its runs differ in M and seed only (SPEC §13)
 CONVERGENCE_SCHEMA = pa.schema([
-    pa.field("batch", pa.int64()), pa.field("noise", pa.string()), pa.field("n_inf_runs", pa.int64()),
+    pa.field("batch", pa.int64()), pa.field("noise", pa.string()), pa.field("optimizer", pa.string()),
+    pa.field("n_inf_runs", pa.int64()),
     pa.field("ood_loss_over_ridge", pa.float64()), pa.field("converged", pa.bool_()),
 ])
 # Validity gates (issue 13): thresholds every verdict must pass before it may read as a finding.
@@ -75,21 +79,28 @@ def gate_columns(fails) -> dict:
             "gate_records": [{"code": c, "detail": d} for c, d in fails]}
 
 
-def condition_name(batch, noise) -> str:
-    """A (batch, noise) condition's name in metrics.json and the report: 'noise/B64'."""
-    return f"{noise}/B{int(batch)}"
+def condition_name(batch, noise, optimizer=OPTIMIZERS[0]) -> str:
+    """A (batch, noise, optimizer) condition's name in metrics.json and the report: 'noise/B64', with
+    '/sgd_momentum' for an optimizer other than AdamW (as in run ids)."""
+    return f"{noise}/B{int(batch)}" + ("" if optimizer == OPTIMIZERS[0] else f"/{optimizer}")
+
+
+def optimizer_note(optimizer) -> str:
+    """' (sgd_momentum)' after the name of a test or condition whose runs did not train with AdamW, '' for AdamW
+    (as in run ids), so a one-optimizer grid reads as before grid.optimizer."""
+    return "" if optimizer == OPTIMIZERS[0] else f" ({optimizer})"
 
 
 def convergence(out: pd.DataFrame, tol: float = GATES["convergence_tol"]) -> pd.DataFrame:
-    """Per (batch, noise) condition: the worst M = ∞ run's final OOD loss over ridge's (diverged runs count as
-    ∞); converged when it is ≤ 1 + tol (issue 13: the transformer must reach the Bayes predictor for q∞)."""
+    """Per (batch, noise, optimizer) condition: the worst M = ∞ run's final OOD loss over ridge's (diverged runs
+    count as ∞); converged when it is ≤ 1 + tol (issue 13: the transformer must reach the Bayes predictor for q∞)."""
     rows = []
-    for (B, noise), g in out.groupby(["batch", "noise"]):
+    for (B, noise, opt), g in out.groupby(CONDITION):
         inf = g[g.M == M_INF]
         ratio = np.array(inf.ood_loss / inf.ood_loss_ridge, dtype=float)
         ratio[inf.diverged.to_numpy(bool) | inf.ood_loss.isna().to_numpy()] = np.inf
         worst = float(np.nanmax(ratio)) if np.isfinite(ratio).any() or np.isinf(ratio).any() else math.nan
-        rows.append({"batch": B, "noise": noise, "n_inf_runs": len(inf), "ood_loss_over_ridge": worst,
+        rows.append({"batch": B, "noise": noise, "optimizer": opt, "n_inf_runs": len(inf), "ood_loss_over_ridge": worst,
                      "converged": bool(worst <= 1 + tol)})
     return pd.DataFrame(rows, columns=CONVERGENCE_SCHEMA.names)
 
@@ -97,13 +108,13 @@ def convergence(out: pd.DataFrame, tol: float = GATES["convergence_tol"]) -> pd.
 def gate_convergence(runs: pd.DataFrame, conv: pd.DataFrame) -> list[Fail]:
     """A condition converged when its M = ∞ runs did. A condition run at some M only (noise.conditions.<c>.M,
     e.g. an early/late pair at one M) has no M = ∞ run of its own: the batch-noise runs at its batch size, the
-    same model, data and budget without injection, stand for it."""
-    c = conv.set_index(["batch", "noise"])
+    same model, data, budget and optimizer without injection, stand for it."""
+    c = conv.set_index(CONDITION)
     bad = []
-    for key in sorted({(int(b), n) for b, n in zip(runs.batch, runs.noise)}):
+    for key in sorted({(int(b), n, o) for b, n, o in zip(runs.batch, runs.noise, runs.optimizer)}):
         row = c.loc[key] if key in c.index else None
         if row is None or not row.n_inf_runs:
-            ref = (key[0], "none")
+            ref = (key[0], "none", key[2])
             row = c.loc[ref] if ref in c.index and c.loc[ref].n_inf_runs else None
             if row is None:
                 bad.append(f"{condition_name(*key)}: no M = ∞ run, nor batch-noise M = ∞ runs at batch {key[0]}")
@@ -181,7 +192,8 @@ def _row(h, test, outcome, term="", status="run", n=0, words=("", ""), fails=(),
     base = {k: math.nan for k in ("estimate", "ci_lo", "ci_hi", "p", "p_holm", "effect_size", "mde", "margin",
                                   "manipulation_effect", "manipulation_ci_lo", "manipulation_ci_hi")}
     base.update({k: v for k, v in vals.items() if k in base})
-    return {"hypothesis": h, "test": test, "outcome": outcome, "term": term, **base, "n": n, "status": status,
+    return {"hypothesis": h, "optimizer": OPTIMIZERS[0],   # hypothesis_tests sets the runs' own
+            "test": test, "outcome": outcome, "term": term, **base, "n": n, "status": status,
             "verdict": "", "_fails": list(fails), "_words": words, "_family": family, "_power": power}
 
 
@@ -226,9 +238,17 @@ def _paired(a: pd.DataFrame, b: pd.DataFrame, on=("M", "seed")) -> pd.DataFrame:
 
 
 def hypothesis_tests(out: pd.DataFrame, cfg: Stats, conv: pd.DataFrame | None = None) -> pd.DataFrame:
+    """H1–H4 on each optimizer's runs apart (grid.optimizer, SPEC §13: runs under another optimizer are another
+    arm, so no test pools them; rows carry their optimizer), with one Holm family over all of them."""
+    conv = convergence(out, GATES["convergence_tol"]) if conv is None else conv
+    groups = list(out.groupby("optimizer")) or [(OPTIMIZERS[0], out)]
+    return _verdicts([{**r, "optimizer": opt} for opt, o in groups for r in _tests(o, cfg, conv)], cfg.alpha)
+
+
+def _tests(out: pd.DataFrame, cfg: Stats, conv: pd.DataFrame) -> list[dict]:
+    """The rows of H1–H4 on `out`, runs of one optimizer, before Holm (_verdicts)."""
     alpha = cfg.alpha
     gates = GATES
-    conv = convergence(out, gates["convergence_tol"]) if conv is None else conv
     every = out[(out.M != M_INF) & ~out.diverged].copy()
     every["log2M"] = np.log2(every.M)
     # H1, H2 and H4 compare runs at the sequence budget; an arm that trains another batch's steps
@@ -265,7 +285,7 @@ def hypothesis_tests(out: pd.DataFrame, cfg: Stats, conv: pd.DataFrame | None = 
                                                "negatively associated"), "no evidence of association")))
         else:
             rows.append(_row("H4", "Spearman correlation", col, status=f"not run: no {col} column"))
-    return _verdicts(rows, alpha)
+    return rows
 
 
 def h1_exposure(plain: pd.DataFrame, exposure: str, alpha: float, common) -> list[dict]:
@@ -454,7 +474,7 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
       phase; the dose is the manipulation).
     Gates: seeds, equal data, dose 0 inside the regime. No rows at all when the grid has no dose series."""
     rows = []
-    for (src, shape, batch), g in dose.series(dose.dose_runs(out, GATES["regime_tol"])):
+    for (src, shape, batch, _), g in dose.series(dose.dose_runs(out, GATES["regime_tol"])):
         res = dose.analyse(g, cfg.alpha, GATES["dose_tol"], GATES["min_seeds"])
         name = f"{src} ({shape}), batch {batch}"
         left = "; ".join(f"{d:.3g}: {w}" for d, w in zip(res["left_out"].target_dose, res["left_out"].regime))

@@ -10,6 +10,7 @@ import pandas as pd
 
 from ..io import read_parquet
 from ..tasks import M_INF, m_label
+from ..verdicts import optimizer_note
 from . import style
 
 
@@ -26,13 +27,13 @@ def fig_llc_vs_m(summary: pd.DataFrame, llc: pd.DataFrame, path: str | Path) -> 
     """Figure 3: end-of-training OOD/ID loss (transformer vs dMMSE_M, ridge) and final LLC against M."""
     style.setup()
     last = llc.sort_values("step").groupby("run_id").tail(1)[["run_id", "llc_mean", "llc_std"]]
-    df = summary.merge(last, on="run_id", how="left")
+    df = style.with_optimizer(summary.merge(last, on="run_id", how="left"))
     pos = _m_positions(df.M)
     df["x"] = df.M.map(pos)
-    batches = sorted(df.batch.unique())
+    batches = sorted({(int(b), o) for b, o in zip(df.batch, df.optimizer)})   # a column per (batch, optimizer)
     fig, axes = plt.subplots(2, len(batches), figsize=(5 * len(batches), 7), squeeze=False, sharex=True)
-    for j, B in enumerate(batches):
-        sub = df[df.batch == B]
+    for j, (B, opt) in enumerate(batches):
+        sub = df[(df.batch == B) & (df.optimizer == opt)]
         ax = axes[0, j]
         for col, lab, kw in (("ood_loss", "transformer, OOD", dict(color="C0", marker="o")),
                              ("id_loss", "transformer, in-distribution", dict(color="C0", marker="o", ls="--",
@@ -41,7 +42,7 @@ def fig_llc_vs_m(summary: pd.DataFrame, llc: pd.DataFrame, path: str | Path) -> 
                              ("ood_loss_ridge", "ridge, OOD", dict(color="black", ls="-", lw=1))):
             g = sub.groupby("x")[col].agg(["mean", "std"]).reset_index()
             ax.errorbar(g.x, g["mean"], yerr=g["std"].fillna(0), label=lab, capsize=2, **kw)
-        ax.set_title(f"batch {B}: end-of-training loss")
+        ax.set_title(f"batch {B}{optimizer_note(opt)}: end-of-training loss")
         ax.set_ylabel("loss / D")
         ax = axes[1, j]
         g = sub.groupby("x").llc_mean.agg(["mean", "std", "count"]).reset_index()
@@ -58,7 +59,7 @@ def fig_llc_vs_m(summary: pd.DataFrame, llc: pd.DataFrame, path: str | Path) -> 
     axes[1, 0].legend(fontsize=8)
     fig.suptitle("End of training against task diversity", y=1.0)
     fig.tight_layout()
-    style.save_figure(fig, path, df.drop(columns=["x"]))
+    style.save_figure(fig, path, df.drop(columns=["x", "optimizer"]))
 
 
 SAMPLER_FLAGS = ("unstable", "escaped")   # λ̂ measures the sampler, not the geometry (SPEC §7)
@@ -82,19 +83,20 @@ def fig_llc_over_training(llc: pd.DataFrame, stages: pd.DataFrame | None, path: 
     """
     style.setup()
     pal = style.m_palette(llc.M)
-    batches = sorted(llc.batch.unique())
+    llc = style.with_optimizer(llc)
+    batches = sorted({(int(b), o) for b, o in zip(llc.batch, llc.optimizer)})   # a panel per (batch, optimizer)
     fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 3.8), squeeze=False, sharey=True)
     drew = [False, False, False]   # hollow-flagged, sampler-flagged, stage markers anywhere
-    for j, B in enumerate(batches):
+    for j, (B, opt) in enumerate(batches):
         ax = axes[0, j]
-        sub = llc[llc.batch == B]
+        sub = llc[(llc.batch == B) & (llc.optimizer == opt)]
         seed0 = sub.seed.min()
         for M in style.m_order(sub.M):
             for seed, r in sub[sub.M == M].groupby("seed"):
                 drew = [a or b for a, b in zip(drew, _llc_run(ax, r.sort_values("step"), M, pal[M], seed == seed0,
                                                              stages))]
         ax.set_xscale("log")
-        ax.set_title(f"batch {B}", pad=14)
+        ax.set_title(f"batch {B}{optimizer_note(opt)}", pad=14)
         ax.set_xlabel("training step + 1")
     axes[0, 0].set_ylabel("LLC λ̂ (band: ± s.e. over chains)")
     any_flagged, any_sampler, any_stage = drew
@@ -111,7 +113,7 @@ def fig_llc_over_training(llc: pd.DataFrame, stages: pd.DataFrame | None, path: 
     axes[0, -1].legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     fig.suptitle("Local learning coefficient over training", y=1.02)
     fig.tight_layout()
-    style.save_figure(fig, path, llc.drop(columns=["llc_per_chain"], errors="ignore"))
+    style.save_figure(fig, path, llc.drop(columns=["llc_per_chain", "optimizer"], errors="ignore"))
 
 
 def _llc_run(ax: plt.Axes, r: pd.DataFrame, M, colour, first: bool, stages: pd.DataFrame | None) -> tuple:

@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 
 from ..tasks import M_INF
+from ..verdicts import optimizer_note
 from . import style
 
 
@@ -24,13 +25,15 @@ def fig_schedules(out: pd.DataFrame, path: str | Path) -> None:
     injected exposure by construction (noise.budget), shown in the title."""
     style.setup()
     fin = out[(out.M != M_INF) & ~out.diverged]
-    pairs = fin[fin.noise_schedule.isin(["early", "late"])].pivot_table(
-        index=["M", "seed", "batch"], columns="noise_schedule", values="r").dropna().reset_index()
+    pairs = fin[fin.noise_schedule.isin(["early", "late"])].pivot_table(   # an optimizer's runs pair among themselves
+        index=["M", "seed", "batch", "optimizer"], columns="noise_schedule", values="r").dropna().reset_index()
     fig, ax = plt.subplots(figsize=(5, 4.5))
     if {"early", "late"} <= set(pairs.columns) and len(pairs):
         pal = style.m_palette(pairs.M)
-        for M, g in pairs.groupby("M"):
-            ax.scatter(g.early, g.late, color=pal[M], s=40, edgecolor="black", lw=0.4, label=style.m_legend_label(M))
+        marks = dict(zip(sorted(pairs.optimizer.unique()), "osD^"))
+        for (M, o), g in pairs.groupby(["M", "optimizer"]):
+            ax.scatter(g.early, g.late, color=pal[M], marker=marks[o], s=40, edgecolor="black", lw=0.4,
+                       label=style.m_legend_label(M) + optimizer_note(o))
         lo, hi = np.nanmin(pairs[["early", "late"]].to_numpy()), np.nanmax(pairs[["early", "late"]].to_numpy())
         pad = 0.05 * (hi - lo + 1e-9)
         ax.plot([lo - pad, hi + pad], [lo - pad, hi + pad], color="grey", ls="--", lw=1, label="late = early")
@@ -50,24 +53,24 @@ def fig_schedules(out: pd.DataFrame, path: str | Path) -> None:
 
 
 def fig_exposure_series(exposure: pd.DataFrame, path: str | Path) -> None:
-    """P-NE* (after clipping) over training, one panel per (noise condition, batch), one line per M (mean over
-    seeds); the batch-noise part NE/Curv dashed where noise is injected."""
+    """P-NE* (after clipping) over training, one panel per (noise condition, batch, optimizer), one line per M (mean
+    over seeds); the batch-noise part NE/Curv dashed where noise is injected."""
     style.setup()
     if exposure.empty:
         fig, ax = plt.subplots(figsize=(5, 3))
         _empty(ax, "no exposure logs (exposure.enabled: false)")
         style.save_figure(fig, path, exposure)
         return
-    df = exposure.copy()
+    df = style.with_optimizer(exposure)
     df["pne_batch"] = df["ne"] * df.clip_coef ** 2 / df.curv.clip(lower=1e-12)
-    panels = sorted(df.groupby(["noise", "batch"]).groups)
+    panels = sorted(df.groupby(["noise", "batch", "optimizer"]).groups)
     n = len(panels)
     cols = min(n, 3)
     rows = int(np.ceil(n / cols))
     fig, axes = plt.subplots(rows, cols, figsize=(4.3 * cols, 3.3 * rows), squeeze=False, sharey=True)
     pal = style.m_palette(df.M)
-    for ax, (noise, B) in zip(axes.flat, panels):
-        g = df[(df.noise == noise) & (df.batch == B)]
+    for ax, (noise, B, opt) in zip(axes.flat, panels):
+        g = df[(df.noise == noise) & (df.batch == B) & (df.optimizer == opt)]
         mean = g.groupby(["M", "step"], as_index=False)[["pne_postclip", "pne_batch", "ne_injected"]].mean()
         for M in style.m_order(mean.M):
             h = mean[mean.M == M]
@@ -75,7 +78,7 @@ def fig_exposure_series(exposure: pd.DataFrame, path: str | Path) -> None:
             if (h.ne_injected > 0).any():
                 ax.plot(h.step, h.pne_batch, color=pal[M], lw=0.9, ls="--")
         ax.set_yscale("log")
-        ax.set_title(f"{noise}, batch {B}", fontsize=9)
+        ax.set_title(f"{noise}, batch {B}{optimizer_note(opt)}", fontsize=9)
         ax.set_xlabel("step")
     for ax in axes[:, 0]:
         ax.set_ylabel("P-NE* (post-clip)")

@@ -56,8 +56,8 @@ def fig_geometry(out: pd.DataFrame, path: str | Path) -> None:
     marks = style.arm_markers(out)
     fig, axes = plt.subplots(2, len(cols), figsize=(4.2 * len(cols), 7), squeeze=False)
     for j, c in enumerate(cols):
-        for (M, b, n), g in out.groupby(["M", "batch", "noise"]):
-            kw = dict(color=pal[M], marker=marks[(int(b), str(n))], s=30, edgecolor="white", lw=0.5)
+        for (M, b, n, o), g in out.groupby(["M", "batch", "noise", "optimizer"]):
+            kw = dict(color=pal[M], marker=marks[(int(b), str(n), str(o))], s=30, edgecolor="white", lw=0.5)
             axes[0, j].scatter(g[xcol], g[c], **kw)
             if M != -1:
                 axes[1, j].scatter(g.r, g[c], **kw)

@@ -10,7 +10,9 @@ import pandas as pd
 from matplotlib.lines import Line2D
 from matplotlib.ticker import NullFormatter, ScalarFormatter
 
+from ..dose import SERIES
 from ..tasks import M_INF
+from ..verdicts import optimizer_note
 from . import style
 
 
@@ -29,7 +31,8 @@ def fig_threshold_vs_noise(th: pd.DataFrame, path: str | Path) -> None:
     df["level"] = df.noise_level
     fig, ax = plt.subplots(figsize=(5.5, 4))
     # one line for batch noise across batch sizes, one per injected condition (source, shape)
-    df["series"] = np.where(df.noise_source == "batch", "batch noise", "injected: " + df.noise.astype(str))
+    df["series"] = (np.where(df.noise_source == "batch", "batch noise", "injected: " + df.noise.astype(str))
+                    + df.optimizer.map(optimizer_note))   # grid.optimizer: a line per optimizer
     _threshold_lines(ax, df)
     note = _no_threshold_notes(df)
     if note:  # below the axes, where it hides no data
@@ -77,8 +80,10 @@ def _no_threshold_notes(df: pd.DataFrame) -> str:
     condition has an M* (the axes then say so)."""
     missing = df[~np.isfinite(df.M_star)]
     no_ci = df[np.isfinite(df.M_star) & ~np.isfinite(df.M_star_lo)]
-    notes = [f"no M* ({r.method}): {r.noise}, B{r.batch}: {r.reason}" for r in missing.itertuples()]
-    notes += [f"no interval ({r.method}): {r.noise}, B{r.batch}: {r.reason.removeprefix('no interval: ')}"
+    notes = [f"no M* ({r.method}): {r.noise}, B{r.batch}{optimizer_note(r.optimizer)}: {r.reason}"
+             for r in missing.itertuples()]
+    notes += [f"no interval ({r.method}): {r.noise}, B{r.batch}{optimizer_note(r.optimizer)}: "
+              f"{r.reason.removeprefix('no interval: ')}"
               for r in no_ci.itertuples()]
     return "\n".join(textwrap.fill(n, 100) for n in notes) if notes and np.isfinite(df.M_star).any() else ""
 
@@ -104,11 +109,12 @@ def fig_icl_vs_exposure(out: pd.DataFrame, path: str | Path) -> None:
     pal = style.m_palette(out.M)
     marks = style.arm_markers(out)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for (M, b, n), g in out.groupby(["M", "batch", "noise"]):
+    for (M, b, n, o), g in out.groupby(["M", "batch", "noise", "optimizer"]):
         for ax, y in zip(axes, ("r", "ood_loss")):
             if y == "r" and M == M_INF:
                 continue
-            ax.scatter(g[col], g[y], color=pal[M], marker=marks[(int(b), str(n))], s=30, edgecolor="white", lw=0.5)
+            ax.scatter(g[col], g[y], color=pal[M], marker=marks[(int(b), str(n), str(o))], s=30, edgecolor="white",
+                       lw=0.5)
     for ax, y in zip(axes, ("ridge-likeness r (end of training)", "OOD loss / D (end of training)")):
         ax.set_xscale("log")
         ax.set_xlabel(style.axis_label(col))
@@ -129,11 +135,11 @@ def fig_dose(levels: pd.DataFrame, path: str | Path) -> None:
     shaded green, the doses outside it grey with the reason listed below the axes."""
     style.setup()
     lv = levels.astype({c: float for c in levels.columns if c.startswith(("M_star", "ladder", "r16", "realised"))})
-    keys = sorted(lv.groupby(["source", "shape", "batch"]).groups)
+    keys = sorted(lv.groupby(SERIES).groups)
     fig, axes = plt.subplots(2, len(keys), figsize=(5 * len(keys), 7), squeeze=False, sharex="col")
     notes = []
     for j, key in enumerate(keys):
-        g = lv[(lv.source == key[0]) & (lv["shape"] == key[1]) & (lv.batch == key[2])].sort_values("target_dose")
+        g = lv.groupby(SERIES).get_group(key).sort_values("target_dose")
         notes += _dose_column(axes[0, j], axes[1, j], g, key)
     fig.suptitle("ICL against the injected noise dose (green: operating regime; grey: outside)", y=1.0)
     note = "\n".join(textwrap.fill(n, 110) for n in notes)
@@ -168,7 +174,7 @@ def _dose_column(top: plt.Axes, bottom: plt.Axes, g: pd.DataFrame, key: tuple) -
         top.yaxis.set_major_formatter(ScalarFormatter())
     else:
         top.text(0.5, 0.5, "no M* at any dose", transform=top.transAxes, ha="center", color="grey")
-    top.set_title(f"{key[0]} ({key[1]}), batch {key[2]}", fontsize=10)
+    top.set_title(f"{key[0]} ({key[1]}), batch {key[2]}{optimizer_note(key[3])}", fontsize=10)
     top.set_ylabel("task-diversity threshold M* (95 % CI)")
     bottom.set_ylabel("r at M = 16 (95 % CI over seeds)")
     bottom.set_xlabel("realised injected dose: integrated P-NE* (0: none)")

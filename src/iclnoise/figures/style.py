@@ -15,7 +15,9 @@ import pyarrow.parquet as pq  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from ..io import atomic_path  # noqa: E402
+from ..sections import OPTIMIZERS, parse_run_id  # noqa: E402
 from ..tasks import M_INF, m_label  # noqa: E402
+from ..verdicts import optimizer_note  # noqa: E402
 
 
 def setup() -> None:
@@ -45,17 +47,25 @@ def m_legend_label(M: int) -> str:
     return "M = ∞" if M == M_INF else f"M = {m_label(M)}"
 
 
-def arm_markers(out: pd.DataFrame) -> dict[tuple[int, str], str]:
-    """A marker per compared arm (batch size, noise condition) of a per-run table (markers repeat past 10 arms)."""
-    arms = sorted({(int(b), str(n)) for b, n in zip(out.batch, out.noise)})
+def with_optimizer(df: pd.DataFrame) -> pd.DataFrame:
+    """A per-run table (keyed by the KEY_FIELDS, which leave the optimizer out) with each run's optimizer, read from
+    its run id, so a figure keeps grid.optimizer's arms apart."""
+    return df.assign(optimizer=[parse_run_id(r).optimizer for r in df.run_id])
+
+
+def arm_markers(out: pd.DataFrame) -> dict[tuple[int, str, str], str]:
+    """A marker per compared arm (batch size, noise condition, optimizer) of a per-run table (markers repeat past 10
+    arms)."""
+    arms = sorted({(int(b), str(n), str(o)) for b, n, o in zip(out.batch, out.noise, out.optimizer)})
     return dict(zip(arms, itertools.cycle("osD^vP*X<>")))
 
 
-def arm_label(batch: int, noise: str) -> str:
-    return f"batch {batch}" if noise == "none" else f"batch {batch}, {noise}"
+def arm_label(batch: int, noise: str, optimizer: str = OPTIMIZERS[0]) -> str:
+    """'batch 64, grad_b16', with ' (sgd_momentum)' for an optimizer other than AdamW."""
+    return (f"batch {batch}" if noise == "none" else f"batch {batch}, {noise}") + optimizer_note(optimizer)
 
 
-def m_arm_legend(ms, pal: dict, marks: dict[tuple[int, str], str]) -> list:
+def m_arm_legend(ms, pal: dict, marks: dict[tuple[int, str, str], str]) -> list:
     """Legend handles: one colour per M, then one grey marker per arm ("batch 64, grad_b16")."""
     handles = [plt.Line2D([], [], marker="o", ls="", color=pal[M], label=m_legend_label(M)) for M in m_order(ms)]
     return handles + [plt.Line2D([], [], marker=mk, ls="", color="grey", label=arm_label(*arm))

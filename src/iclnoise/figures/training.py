@@ -12,6 +12,7 @@ import pyarrow as pa
 from ..io import read_parquet, write_parquet, write_text
 from ..sections import KEY_FIELDS
 from ..tasks import m_label
+from ..verdicts import optimizer_note
 from . import style
 
 SUMMARY_SCHEMA = pa.schema(KEY_FIELDS + [
@@ -41,7 +42,7 @@ def summary(metrics: pd.DataFrame) -> pd.DataFrame:
     last = metrics.sort_values("step").groupby("run_id").tail(1).rename(columns={"step": "steps"})
     last = last.merge(t_crit(metrics), on="run_id", how="left")
     last["diverged"] = metrics.groupby("run_id").diverged.any().reindex(last.run_id).to_numpy()
-    return last[SUMMARY_SCHEMA.names].sort_values(["noise", "batch", "M", "seed"],
+    return last[SUMMARY_SCHEMA.names].sort_values(["noise", "batch", "M", "seed", "run_id"],   # run_id: optimizers
                                                   key=lambda s: s.where(s != -1, 1 << 40) if s.name == "M" else s)
 
 
@@ -55,20 +56,21 @@ def panel_grid(n: int) -> tuple[int, int]:
 
 
 def fig_ood_loss(metrics: pd.DataFrame, path: str | Path) -> None:
-    """Figure 1: OOD loss/D over training per M; one panel per (noise condition, batch size) that was trained, so a
-    condition run at only some batch sizes leaves no empty slot."""
+    """Figure 1: OOD loss/D over training per M; one panel per (noise condition, batch size, optimizer) that was
+    trained, so a condition run at only some batch sizes leaves no empty slot."""
     style.setup()
-    pairs = sorted({(int(b), n) for b, n in zip(metrics.batch, metrics.noise)},
-                   key=lambda p: (p[1] != "none", p[1], p[0]))   # batch noise first, then by condition and batch
+    metrics = style.with_optimizer(metrics)
+    pairs = sorted({(int(b), n, o) for b, n, o in zip(metrics.batch, metrics.noise, metrics.optimizer)},
+                   key=lambda p: (p[1] != "none", p[1], p[0], p[2]))   # batch noise first, then condition, batch
     nrows, ncols = panel_grid(len(pairs))
     pal = style.m_palette(metrics.M)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.6 * nrows), squeeze=False, sharex=True, sharey=True)
     for ax in axes.flat[len(pairs):]:
         fig.delaxes(ax)
     tc = t_crit(metrics).set_index("run_id")
-    for k, (B, noise) in enumerate(pairs):
+    for k, (B, noise, opt) in enumerate(pairs):
         ax = axes.flat[k]
-        sub = metrics[(metrics.batch == B) & (metrics.noise == noise)]
+        sub = metrics[(metrics.batch == B) & (metrics.noise == noise) & (metrics.optimizer == opt)]
         for M in style.m_order(sub.M):
             runs = sub[sub.M == M]
             mean = runs.groupby("step").ood_loss.mean()
@@ -83,7 +85,7 @@ def fig_ood_loss(metrics: pd.DataFrame, path: str | Path) -> None:
                 ax.axhline(dm, color=pal[M], ls=":", lw=1, alpha=0.8)
         ax.axhline(sub.ood_loss_ridge.iloc[0], color="black", ls="--", lw=1.2, label="ridge (Bayes for q∞)")
         ax.set_xscale("log")
-        ax.set_title(f"noise: {noise}, batch {B}")
+        ax.set_title(f"noise: {noise}, batch {B}{optimizer_note(opt)}")
         if k + ncols >= len(pairs):      # lowest panel of its column
             ax.set_xlabel("training step + 1")
             ax.xaxis.set_tick_params(labelbottom=True)
