@@ -43,9 +43,13 @@ def run(cmd, cwd, check=True):
     return r
 
 
+def snakemake_cmd(workdir, *args) -> list[str]:
+    return [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"), "--directory", str(workdir),
+            "--cores", "2", *args]
+
+
 def snakemake(workdir, *args, check=True):
-    return run([sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"), "--directory",
-                str(workdir), "--cores", "2", *args], cwd=workdir, check=check)
+    return run(snakemake_cmd(workdir, *args), cwd=workdir, check=check)
 
 
 @pytest.fixture(scope="module")
@@ -312,50 +316,68 @@ def test_a_killed_aggregate_leaves_no_partial_file_and_reruns_to_the_same_tables
         pd.testing.assert_frame_equal(read_parquet(out / f.name), read_parquet(f))   # same code path, same machine
 
 
-def test_invalid_params_stop_before_any_job(tmp_path):
-    p = tiny_params()
-    p["train"]["lr_schedule"]["kind"] = "cyclic"
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(p))
-    r = snakemake(tmp_path, check=False)
+BAD_RUN_OPTIONS = {
+    "train_threads=abc": "--config train_threads='abc': allowed: a whole number 1-256",
+    "train_threads=0": "--config train_threads=0: allowed: a whole number 1-256",
+    "train_resources=5": "--config train_resources=5: allowed: a mapping of resources",
+    "train_resources={mem_mb: -1}": "--config train_resources.mem_mb=-1: allowed: a whole number >= 0",
+}
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory) -> dict:
+    """Plain snakemake on each bad input of the tests below (an invalid params.yaml; each bad run option on a valid
+    one), all started at once, each in its own directory: {case: (directory, its CompletedProcess)}. They stop at
+    parse time and share nothing, so two cores run them side by side instead of five start-ups end to end."""
+    bad = tiny_params()
+    bad["train"]["lr_schedule"]["kind"] = "cyclic"
+    cases = {"invalid params": (bad, []), **{o: (tiny_params(), ["--config", o]) for o in BAD_RUN_OPTIONS}}
+    started = {}
+    for case, (p, args) in cases.items():
+        d = tmp_path_factory.mktemp("refused")
+        (d / "params.yaml").write_text(yaml.safe_dump(p))
+        cmd = snakemake_cmd(d, *args)
+        started[case] = d, cmd, subprocess.Popen(cmd, cwd=d, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                 text=True)
+    done = {}
+    for case, (d, cmd, proc) in started.items():
+        out, err = proc.communicate()
+        done[case] = d, subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return done
+
+
+def test_invalid_params_stop_before_any_job(refused):
+    d, r = refused["invalid params"]
     assert r.returncode != 0
     out = r.stdout + r.stderr
     assert "train.lr_schedule.kind" in out and "warmup_cosine" in out
-    assert not (tmp_path / "results").exists()
+    assert not (d / "results").exists()
 
 
-@pytest.mark.parametrize("override, expect", [
-    ("train_threads=abc", "--config train_threads='abc': allowed: a whole number 1-256"),
-    ("train_threads=0", "--config train_threads=0: allowed: a whole number 1-256"),
-    ("train_resources=5", "--config train_resources=5: allowed: a mapping of resources"),
-    ("train_resources={mem_mb: -1}", "--config train_resources.mem_mb=-1: allowed: a whole number >= 0"),
-])
-def test_bad_run_options_stop_before_any_job_naming_the_key(tmp_path, override, expect):
+@pytest.mark.parametrize("override, expect", BAD_RUN_OPTIONS.items())
+def test_bad_run_options_stop_before_any_job_naming_the_key(refused, override, expect):
     """The `--config` keys the profiles set (train_threads, train_resources) are checked with params.yaml."""
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny_params()))
-    r = snakemake(tmp_path, "--config", override, check=False)
+    d, r = refused[override]
     assert r.returncode != 0 and expect in r.stdout + r.stderr, (r.stdout + r.stderr)[-2000:]
-    assert not (tmp_path / "results").exists()
+    assert not (d / "results").exists()
 
 
-def test_a_deleted_checkpoint_is_named_and_planned_by_a_dry_run(tmp_path):
-    """Issue 48 (15): one ensemble trained as its job would, then one of its checkpoints deleted: `snakemake -n` names
-    the checkpoint and plans the ensemble's training job (which trains the run again: test_train) and the probe."""
-    import json
-
-    from iclnoise.config import validate_params
-    from iclnoise.grid import ensemble_groups, shared_spec
+def test_a_deleted_checkpoint_is_named_and_planned_by_a_dry_run(finished, tmp_path):
+    """Issue 48 (15): a checkpoint of a run that its ensemble's training job trained deleted: `snakemake -n` names
+    the checkpoint and plans the ensemble's training job (which trains the run again: test_train) and the probe.
+    (The shared run's ensemble, not one trained here for the test: the checkpoint is put back afterwards.)"""
     from iclnoise.runs import checkpoint_path, manifest
 
-    p = tiny_params(Ms=(1,))
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(p))
-    runs = ensemble_groups(validate_params(p))["B8-none"]
-    run([str(Path(BIN) / "iclnoise"), "train", "--spec", json.dumps(shared_spec(validate_params(p), runs)), "--runs",
-         ",".join(runs), "--results", "results", "--no-progress"], cwd=tmp_path)
-    rd = tmp_path / "results/runs" / runs[0]
+    d = finished
+    run_id = "M1-B8-none-s0"
+    rd = d / "results/runs" / run_id
     gone = checkpoint_path(rd, sorted(manifest(rd))[2])
-    gone.unlink()
-    r = snakemake(tmp_path, "-n")
+    os.replace(gone, tmp_path / gone.name)
+    try:
+        r = snakemake(d, "-n")
+    finally:
+        os.replace(tmp_path / gone.name, gone)   # a rename keeps the file's mtime: the results are as before
     jobs = dict(plan(r.stdout))
-    assert f"{runs[0]}: checkpoints {gone.relative_to(tmp_path)} are missing" in r.stdout + r.stderr
+    assert f"{run_id}: checkpoints {gone.relative_to(d)} are missing" in r.stdout + r.stderr
     assert "checkpoints.missing." in jobs["train_B8_none"], jobs
-    assert f"probe_{runs[0]}".replace("-", "_") in jobs
+    assert f"probe_{run_id}".replace("-", "_") in jobs
