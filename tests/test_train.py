@@ -323,12 +323,6 @@ def test_killed_process_resumes_to_the_same_numbers(tiny, tmp_path):
     p["exposure"]["enabled"] = False  # resume of the hooks' state is covered in test_noise
     runs = ["M4-B16-none-s0", "M1-B16-none-s0"]
     spec = json.dumps(shared_spec(p, runs))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # what `iclnoise train` uses: the same reduction order
-    try:
-        clean = train_ensemble([run_spec(p, r) for r in runs], [tmp_path / "clean" / r for r in runs], progress=False)
-    finally:
-        torch.set_num_threads(threads)
     cmd = [str(Path(sys.executable).parent / "iclnoise"), "train", "--spec", spec, "--runs", ",".join(runs),
            "--results", str(tmp_path / "killed"), "--no-progress"]
     ck = tmp_path / "killed/runs" / runs[0] / "checkpoints"
@@ -339,7 +333,17 @@ def test_killed_process_resumes_to_the_same_numbers(tiny, tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (ck.parent / "metrics.parquet").exists(), "the run finished before it could be killed"
-    subprocess.run(cmd, check=True)
+    resumed = subprocess.Popen(cmd)   # the clean run trains here meanwhile, on the other core
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # what `iclnoise train` uses: the same reduction order
+    try:
+        clean = train_ensemble([run_spec(p, r) for r in runs], [tmp_path / "clean" / r for r in runs], progress=False)
+    except BaseException:
+        resumed.kill()
+        raise
+    finally:
+        torch.set_num_threads(threads)
+    assert resumed.wait() == 0
     for r, c in zip(runs, clean):
         # to round-off: this reference ran in the test process after other tests (one CI run differed from the
         # subprocess in the last bits of train_loss); bitwise equality of resumes is tested in-process above
