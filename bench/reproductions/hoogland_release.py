@@ -151,6 +151,8 @@ def main() -> None:
     cols = ["run_id", "stage", "type", "start_step", "end_step", "kind", "llc_start", "llc_end"]
     print(pd.concat(st)[cols].to_string(index=False, float_format="%.1f"))
     if a.runs:
+        ours_csv = Path(a.ours_csv)
+        pd.concat(st)[cols].to_csv(ours_csv.with_name(f"{ours_csv.stem}_stages.csv"), index=False)
         figure(theirs, ours, pd.concat(st), Path(a.figure))
 
 
