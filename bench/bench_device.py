@@ -13,12 +13,13 @@ Usage: PYTHONPATH=src python bench/bench_device.py [--devices cuda cpu] [--threa
 --science (issue 41): the step of configs/science.yaml's model (D = 5, K = 8) at R = 18, 72 and 288 runs, batch 16 and
 64, exposure logging off and on, and a closed-loop injecting arm (its `early` condition: budget, window open), on
 every device given (CPU rows on 1 thread each, in parallel processes after the GPU's), into --csv (columns device,
-model, runs, batch, exposure, injecting, run_steps_per_s, step_ms, commit). A row times `Ensemble._step` itself:
+model, engine, runs, batch, exposure, injecting, run_steps_per_s, step_ms, commit). A row times `Ensemble._step` itself:
 the steps after a warm-up, and with exposure on the logging step (every `exposure.every`-th) apart, weighted 1 in
 `every`. --science-train S then trains configs/science.yaml's ensembles (ensemble_groups) on the first device for
 at most S seconds and writes --science-csv: each group's steps done, seconds, and its time at that pace to the end
 (measured when it finished, else projected from the steps done: the early log-spaced checkpoints make that an
-over-estimate).
+over-estimate). --engine sets train.cuda_graphs / train.tf32 for the GPU rows and the training (named in the
+`engine` column; the CPU ignores both: its rows read eager).
 """
 from __future__ import annotations
 
@@ -81,7 +82,10 @@ def llc_rate(params: dict, run: str, sgld_steps: int, device: str) -> float:
     return cfg.chains * sgld_steps / (time.perf_counter() - t0)
 
 
-COLUMNS = ["device", "model", "runs", "batch", "exposure", "injecting", "run_steps_per_s", "step_ms", "commit"]
+COLUMNS = ["device", "model", "engine", "runs", "batch", "exposure", "injecting", "run_steps_per_s", "step_ms",
+           "commit"]
+ENGINES = {"eager": {}, "cuda_graphs": {"cuda_graphs": True}, "tf32": {"tf32": True},
+           "cuda_graphs+tf32": {"cuda_graphs": True, "tf32": True}}   # --engine: train's CUDA switches
 
 
 def commit() -> str:
@@ -100,6 +104,13 @@ def device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
     return f"cpu ({torch.get_num_threads()} thread{'s' * (torch.get_num_threads() > 1)})"
+
+
+def engine_name(params: dict) -> str:
+    """The ENGINES key of params' train switches (the CPU ignores them, so there it is always eager)."""
+    t = params["train"]
+    on = {k: True for k in ("cuda_graphs", "tf32") if t.get(k) and t.get("device") == "cuda"}
+    return next(k for k, v in ENGINES.items() if v == on)
 
 
 def science_runs(params: dict, runs: int, batch: int, noise: str) -> list[str]:
@@ -146,7 +157,8 @@ def step_row(params: dict, runs: int, batch: int, exposure: bool, injecting: boo
         every = p["exposure"]["every"]
         if exposure and every > warm + quiet:
             ms = (ms * (every - 1) + timed(range(every - 1, every))) / every
-    return {"device": device_name(device), "model": "science", "runs": runs, "batch": batch, "exposure": exposure,
+    return {"device": device_name(device), "model": "science", "engine": engine_name(p), "runs": runs, "batch": batch,
+            "exposure": exposure,
             "injecting": injecting, "run_steps_per_s": round(runs * 1e3 / ms, 1), "step_ms": round(ms, 3),
             "commit": commit()}
 
@@ -206,7 +218,8 @@ def train_science(params: dict, device: str, budget_s: float, first: int = 200) 
                 if done >= steps or not reach:
                     break
                 target = reach[-1]
-        rows.append({"device": device_name(device), "group": g, "runs": len(ss), "steps": steps, "steps_done": done,
+        rows.append({"device": device_name(device), "engine": engine_name(p), "group": g, "runs": len(ss),
+                     "steps": steps, "steps_done": done,
                      "seconds": round(secs, 1), "total_s": round(secs + (steps - done) * pace, 1),
                      "finished": done >= steps, "commit": commit()})
         print(rows[-1], flush=True)
@@ -225,6 +238,7 @@ def write_csv(rows: list[dict], path: str) -> None:
 
 def science_main(a: argparse.Namespace) -> None:
     params = load_params("params.yaml", ["configs/science.yaml"])
+    params["train"].update(ENGINES[a.engine])
     print(f"torch {torch.__version__}; GPU: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}; "
           f"commit {commit()}", flush=True)
     if not a.train_only:
@@ -254,6 +268,8 @@ def main() -> None:
                     help="--science: also train configs/science.yaml for at most S seconds")
     ap.add_argument("--science-csv", default="bench/results/device_science.csv")
     ap.add_argument("--train-only", action="store_true", help="--science: only --science-train (no rows)")
+    ap.add_argument("--engine", choices=list(ENGINES), default="eager",
+                    help="--science: train.cuda_graphs / train.tf32 on the GPU rows and training (the CPU: eager)")
     ap.add_argument("--first-stop", type=int, default=200, help="--science-train: steps before the first stop")
     a = ap.parse_args()
     if a.science:
