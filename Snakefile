@@ -19,9 +19,8 @@ from iclnoise.config import (
     validate_params,
 )
 from iclnoise.cost import PARAMS_RECORD, check_cost, format_cost, rerun_note
-from iclnoise.dose import has_series as has_dose_series
 from iclnoise.io import write_json
-from iclnoise.grid import ed_families, expand_grid, job_cfg, jobs, shared_spec, typed_spec
+from iclnoise.grid import ed_families, expand_grid, has_dose_series, job_cfg, jobs, shared_spec, typed_spec
 from iclnoise.runs import missing_checkpoints
 
 min_version("9.0")

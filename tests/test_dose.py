@@ -7,6 +7,7 @@ import pandas as pd
 from test_gates import table
 
 from iclnoise import dose
+from iclnoise.grid import has_dose_series
 from iclnoise.sections import Stats
 from iclnoise.tasks import M_INF
 from iclnoise.thresholds import logistic4
@@ -175,18 +176,18 @@ def test_reference_sets_have_no_dose_series_and_their_tests_are_unchanged():
     for ref in ("science", "noise"):
         out = read_outcomes(f"reference/{ref}/aggregate/outcomes.parquet")
         params = json.load(open(f"reference/{ref}/provenance.json"))["params"]
-        assert not len(dose.dose_runs(out, GATES["regime_tol"])) and not dose.has_series(params)
+        assert not len(dose.dose_runs(out, GATES["regime_tol"])) and not has_dose_series(params)
         pd.testing.assert_frame_equal(hypothesis_tests(out, typed(params, "stats")),
                                       read_parquet(f"reference/{ref}/aggregate/tests.parquet"))
 
 
-def test_has_series_reads_the_grid_as_dose_runs_reads_the_outcomes():
+def test_has_dose_series_reads_the_grid_as_dose_runs_reads_the_outcomes():
     from iclnoise.config import load_params
 
-    assert not dose.has_series(load_params("params.yaml"))
-    assert not dose.has_series(load_params("params.yaml", ["configs/noise.yaml"]))
-    assert dose.has_series(load_params("params.yaml", ["configs/science.yaml", "configs/dose_scan.yaml"]))
-    assert dose.has_series(load_params("params.yaml", ["configs/science.yaml", "configs/dose.yaml"]))
+    assert not has_dose_series(load_params("params.yaml"))
+    assert not has_dose_series(load_params("params.yaml", ["configs/noise.yaml"]))
+    assert has_dose_series(load_params("params.yaml", ["configs/science.yaml", "configs/dose_scan.yaml"]))
+    assert has_dose_series(load_params("params.yaml", ["configs/science.yaml", "configs/dose.yaml"]))
 
 
 def test_aggregate_writes_the_dose_tables_only_for_a_dose_series(tmp_path, monkeypatch):

@@ -98,3 +98,16 @@ def test_every_module_has_a_tier() -> None:
     present |= {f"iclnoise.{p.name}" for p in pkg.iterdir() if (p / "__init__.py").exists()}
     assert present - tiered == set(), "add these modules to a tier in pyproject's [tool.importlinter]"
     assert tiered - present == set(), "these tiered modules no longer exist"
+
+
+def test_snakemake_builds_the_dag_without_importing_torch() -> None:
+    """Snakemake imports the package to build the DAG (its main process, and each SLURM job again): torch and
+    transformer_lens take seconds to import, so the modules the Snakefile reaches (config, validate, cost, grid,
+    io, runs, schedules) import them only where a job uses them. On the default's DAG, with its cost check."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PYTHONPROFILEIMPORTTIME": "1"}
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--quiet", "all"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "iclnoise.config" in imported, "the profile did not see the Snakefile's imports"
+    assert not {"torch", "transformer_lens"} & imported, sorted(m for m in imported if m.startswith("iclnoise"))

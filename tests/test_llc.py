@@ -305,8 +305,7 @@ def test_flags_divergence_and_checkpoint_selection(tiny_checkpoint):
 
 
 def test_steps_at_snaps_a_published_schedule_to_our_checkpoints():
-    from iclnoise.probes import steps_at
-    from iclnoise.schedules import checkpoint_steps
+    from iclnoise.schedules import checkpoint_steps, steps_at
 
     ours = checkpoint_steps(500_000, 10_000, 100)
     got = steps_at(ours, 200, 100)

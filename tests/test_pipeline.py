@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from iclnoise.io import read_parquet
-from iclnoise.probes import refined_steps
+from iclnoise.schedules import refined_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = str(Path(sys.executable).parent)

@@ -379,7 +379,7 @@ def test_refined_for_run_writes_one_row_per_component(tiny, tmp_path):
 
 
 def test_refined_checkpoints_are_early_middle_and_last_of_the_llcs():
-    from iclnoise.probes import refined_steps
+    from iclnoise.schedules import refined_steps
 
     llc = [0, 1, 7, 43, 250, 800, 1500, 2500]
     assert refined_steps(llc, 3) == [1, 250, 2500]

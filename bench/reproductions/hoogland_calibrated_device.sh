@@ -98,7 +98,7 @@ PY
 fi
 A="$RUNS/Minf-B256-none-s0"; B="$RUNS/Minf-B256-none-s1"
 
-CAL=$(python3 -c "from iclnoise import runs; from iclnoise.probes import steps_at
+CAL=$(python3 -c "from iclnoise import runs; from iclnoise.schedules import steps_at
 print(*steps_at(runs.saved_steps('$A'), steps=[$(echo $CAL_AT | tr ' ' ,)]))") || exit 1   # nearest checkpoints
 if [ -f "$OUT/llc_calibration.parquet" ]; then
   echo "calibrate: $OUT holds the sweep (delete its llc_calibration.* to sweep again)"

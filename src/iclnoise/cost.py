@@ -141,8 +141,8 @@ JOB_START_S = 2.5  # CPU seconds to start one `iclnoise` job (python + torch + p
 
 def probed_checkpoints(params: dict, spec: RunSpec, section: str) -> int:
     """How many checkpoints of a run a probe section (llc, geometry, mech) analyses."""
-    from .probes import steps_at
     from .runs import select_steps
+    from .schedules import steps_at
     steps = spec.train.checkpoints_planned
     at = params[section].get("at") if section == "llc" else None
     return len(steps_at(steps, **at) if at else select_steps(steps, params[section]["every"]))
@@ -178,8 +178,8 @@ def refined_seconds(params: dict, spec: RunSpec) -> float:
     LLC's) one SGLD pass of components · chains rows (components = n_layers · (n_heads + 1) + 3), each row
     (burn_in + draws) steps at sampler.batch (step_ms) and at every draw two forward passes (⅓ step) over n_obs
     sequences; × REFINED_FACTOR (measured on one default run, see params.yaml)."""
-    from .probes import refined_steps, steps_at
     from .runs import select_steps
+    from .schedules import refined_steps, steps_at
 
     llc, m = params["llc"], params["model"]
     r, sm = llc["refined"], llc["sampler"]

@@ -20,7 +20,7 @@ from scipy import optimize
 from scipy import stats as sps
 
 from . import stats
-from .tasks import M_INF
+from .sections import M_INF
 from .thresholds import fit_threshold, logistic, t_interval, threshold_with_ci
 
 SERIES = ["source", "shape", "batch", "optimizer"]   # one dose series (grid.optimizer: each optimizer its own)
@@ -371,19 +371,3 @@ def levels_table(runs: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: i
               for k, g in series(runs)]
     return pd.concat(frames, ignore_index=True).reindex(columns=LEVELS_SCHEMA.names) if frames else \
         pd.DataFrame(columns=LEVELS_SCHEMA.names)
-
-
-def has_series(params: dict) -> bool:
-    """Whether the grid of `params` holds a dose series (what dose_runs finds in its outcomes): some injected source
-    and shape at a batch size with ≥ 2 distinct positive budgets under a constant schedule, no emulated batch. The
-    workflow declares the dose tables and figure only then."""
-    g, conds = params["grid"], params["noise"]["conditions"]
-    budgets: dict[tuple, set] = {}
-    for name in g["noise"]:
-        c = conds[name]
-        if (c.get("source") in ("grad", "param") and c.get("schedule") == "constant" and not c.get("emulate_batch")
-                and not c.get("steps_as_batch") and (c.get("budget") or 0) > 0):
-            for b in c.get("batch_sizes") or g["batch_sizes"]:
-                if b in g["batch_sizes"]:
-                    budgets.setdefault((c["source"], c.get("shape"), b), set()).add(float(c["budget"]))
-    return any(len(v) >= 2 for v in budgets.values())

@@ -209,3 +209,19 @@ def jobs(params: dict) -> dict[str, Any]:
               *["refined_figures"] * any("refined" in s for s in probe.values()),
               "aggregate", "aggregate_figures", "report", "all"]
     return {"train": ensemble_groups(params), "probe": probe, "ed": ed_families(params), "single": single}
+
+
+def has_dose_series(params: dict) -> bool:
+    """Whether the grid of `params` holds a dose series (what iclnoise.dose.dose_runs finds in its outcomes): some
+    injected source and shape at a batch size with ≥ 2 distinct positive budgets under a constant schedule, no
+    emulated batch. The workflow declares the dose tables and figure only then."""
+    g, conds = params["grid"], params["noise"]["conditions"]
+    budgets: dict[tuple, set] = {}
+    for name in g["noise"]:
+        c = conds[name]
+        if (c.get("source") in ("grad", "param") and c.get("schedule") == "constant" and not c.get("emulate_batch")
+                and not c.get("steps_as_batch") and (c.get("budget") or 0) > 0):
+            for b in c.get("batch_sizes") or g["batch_sizes"]:
+                if b in g["batch_sizes"]:
+                    budgets.setdefault((c["source"], c.get("shape"), b), set()).add(float(c["budget"]))
+    return any(len(v) >= 2 for v in budgets.values())

@@ -2,8 +2,7 @@
 `train.ensemble_runs: auto` packs into a GPU's memory by it (iclnoise.grid.ensemble_groups)."""
 from __future__ import annotations
 
-from .sections import Data, Eval, Model, ParamsError
-from .tasks import M_INF
+from .sections import M_INF, Data, Eval, Model, ParamsError
 
 MAX_JOB_MEMORY = 32 * 2**30  # bytes one job may plan to allocate (iclnoise.cost.memory_estimate)
 MEMORY_HEADROOM = 0.8  # share of a device's memory a training job may plan to fill (allocator and CUDA context)

@@ -51,6 +51,7 @@ from .llc import (
 )
 from .mech import MECH_SCHEMA, mech_at
 from .refined import RLLC_SCHEMA, SUSCEPTIBILITY_SCHEMA, position_loss, refined_llcs, tables
+from .schedules import steps_at
 from .sections import ED, Geometry, Mech, RunSpec, Stages
 from .stages import STAGES_SCHEMA, stages
 
@@ -68,18 +69,6 @@ def sampling_data(spec: RunSpec, n: int, device="cpu") -> tuple[torch.Tensor, to
     """n sequences from the run's own q_M on the named `llc` stream (training never uses it)."""
     b = runs.sampler(spec, "llc", device).batch(0, n)
     return b.xs, b.ys
-
-
-def steps_at(available: list[int], linear: int = 0, log: int = 0, steps: list[int] = ()) -> list[int]:
-    """The available checkpoints nearest to `linear` evenly spaced and `log` log-spaced steps of
-    [0, last checkpoint] and to the listed `steps` up to the last checkpoint (a published schedule on our
-    checkpoints); duplicates dropped."""
-    from .schedules import checkpoint_steps
-
-    avail = np.asarray(sorted(available))
-    last = int(avail[-1])
-    wanted = (checkpoint_steps(last, linear, log) if linear or log else []) + [s for s in steps if s <= last]
-    return sorted({int(avail[np.abs(avail - w).argmin()]) for w in wanted})
 
 
 def _on_terminal() -> bool:
@@ -271,15 +260,6 @@ def essential_dynamics(run_dirs: list[Path], family: str, cfg: ED) -> dict[str, 
     return {"pcs": pcs, "variance": var, "events": pd.DataFrame(ev_rows, columns=EVENTS_SCHEMA.names),
             "forms": pd.DataFrame(form_rows, columns=FORMS_SCHEMA.names),
             "sampling": pd.DataFrame(samp_rows, columns=SAMPLING_SCHEMA.names)}
-
-
-def refined_steps(llc_steps: Sequence[int], n: int) -> list[int]:
-    """`n` of the LLC's checkpoints past step 0 (all of them when there are fewer): the first, the last and evenly
-    spaced ones between, by index (early, middle, last for n = 3)."""
-    steps = sorted(s for s in llc_steps if s > 0) or sorted(llc_steps)
-    if n >= len(steps):
-        return steps
-    return sorted({steps[int(i)] for i in np.round(np.linspace(0, len(steps) - 1, n))})
 
 
 def llc_steps(run_dir: str | Path, every: int, at: dict | None = None) -> list[int]:

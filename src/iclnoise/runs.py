@@ -28,13 +28,17 @@ import os
 import pickle
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from .io import CorruptFileError, file_mode, read_json, write_bytes
 from .sections import RunSpec
-from .tasks import BatchSampler, pool_for
+
+if TYPE_CHECKING:   # torch is imported where it is used: the Snakefile imports this module to parse the DAG
+    import torch
+
+    from .tasks import BatchSampler
 
 log = logging.getLogger(__name__)
 CKPT_DIR = "checkpoints"
@@ -127,6 +131,8 @@ def sha256(path: str | Path) -> str:
 
 def save_torch(obj: dict, path: str | Path) -> str:
     """torch.save atomically (temporary file + rename); returns the sha256 of the bytes written."""
+    import torch
+
     buf = io.BytesIO()
     torch.save(obj, buf)
     write_bytes(buf.getvalue(), path)
@@ -142,6 +148,8 @@ def load_torch(path: str | Path, device: str | torch.device = "cpu", expect_sha:
     retrain = f"Delete the run directory {run_dir} and rerun snakemake to retrain the run."
     if expect_sha is not None and path.exists() and sha256(path) != expect_sha:
         raise CorruptFileError(f"{path} does not match its manifest (sha256 differs): the file is corrupt. {retrain}")
+    import torch
+
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             return torch.load(path, map_location=device, weights_only=True)
@@ -225,6 +233,8 @@ def read_spec(run_dir: str | Path) -> dict:
 
 def sampler(spec: RunSpec, stream: str, device: str | torch.device = "cpu") -> BatchSampler:
     """The run's q_M sampler on a named stream (train, heldout, llc, geometry, mech)."""
+    from .tasks import BatchSampler, pool_for
+
     d, k = spec.data, spec.keys
     return BatchSampler(pool_for(k.M, d.pool_seed, d.D, d.task_prior), d.K, d.D, d.noise_var, k.seed, device,
                         stream=STREAMS[stream], prior=d.task_prior)

@@ -1,8 +1,9 @@
-"""Learning-rate schedules and checkpoint schedules (no model imports: cheap for aggregation)."""
+"""Learning-rate schedules and checkpoint schedules, and which checkpoints a probe reads (no model imports: the
+Snakefile's cost check and the aggregate import it)."""
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -52,3 +53,22 @@ def checkpoints_until(total: int, n_linear: int, n_log: int, stop: int) -> list[
     """The checkpoint_steps of a `total`-step schedule up to `stop`, plus `stop` itself: the analysis
     checkpoints of a run stopped early (train.budget.stop_at)."""
     return sorted({s for s in checkpoint_steps(total, n_linear, n_log) if s <= stop} | {stop})
+
+
+def steps_at(available: list[int], linear: int = 0, log: int = 0, steps: list[int] = ()) -> list[int]:
+    """The available checkpoints nearest to `linear` evenly spaced and `log` log-spaced steps of
+    [0, last checkpoint] and to the listed `steps` up to the last checkpoint (a published schedule on our
+    checkpoints); duplicates dropped."""
+    avail = np.asarray(sorted(available))
+    last = int(avail[-1])
+    wanted = (checkpoint_steps(last, linear, log) if linear or log else []) + [s for s in steps if s <= last]
+    return sorted({int(avail[np.abs(avail - w).argmin()]) for w in wanted})
+
+
+def refined_steps(llc_steps: Sequence[int], n: int) -> list[int]:
+    """`n` of the LLC's checkpoints past step 0 (all of them when there are fewer): the first, the last and evenly
+    spaced ones between, by index (early, middle, last for n = 3)."""
+    steps = sorted(s for s in llc_steps if s > 0) or sorted(llc_steps)
+    if n >= len(steps):
+        return steps
+    return sorted({steps[int(i)] for i in np.round(np.linspace(0, len(steps) - 1, n))})

@@ -197,7 +197,7 @@ class Refined(Section):
     """llc.refined (iclnoise.refined): `chains`, `burn_in`, `draws` None: llc.sampler's; `positions` None: every y_k;
     `M` None: every probed run."""
     SECTION: ClassVar[str] = "llc.refined"
-    checkpoints: int            # of the LLC's checkpoints past step 0 (iclnoise.probes.refined_steps)
+    checkpoints: int            # of the LLC's checkpoints past step 0 (iclnoise.schedules.refined_steps)
     n_obs: int                  # sequences per susceptibility observable set
     chains: int | None = None
     burn_in: int | None = None

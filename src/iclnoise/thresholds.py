@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 from scipy import optimize, stats
 
-from .tasks import M_INF
+from .sections import M_INF
 
 
 def logistic(x: np.ndarray, x0: float, s: float) -> np.ndarray:

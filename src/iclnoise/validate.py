@@ -29,9 +29,9 @@ from .sections import (
     TaskPrior,
     Train,
     enabled,
+    parse_m,
     schema,
 )
-from .tasks import parse_m, prior_spectrum
 
 
 def dotted_key(path) -> str:
@@ -147,6 +147,8 @@ def validate_params(params: dict) -> dict:
 def _prior_checks(d: dict) -> None:
     """data.task_prior: its spectrum fits data.D."""
     if d.get("task_prior") is not None:
+        from .tasks import prior_spectrum  # here, not above: the Snakefile validates params without torch
+
         prior_spectrum(TaskPrior.from_dict(d["task_prior"]), d["D"])
 
 

@@ -1,4 +1,4 @@
-# The dose tables exist only where the grid has a dose series (iclnoise.dose.has_series).
+# The dose tables exist only where the grid has a dose series (iclnoise.grid.has_dose_series).
 DOSE_TABLES = ([f"{RES}/aggregate/{name}" for name in ("dose.parquet", "dose_levels.parquet", "dose.md",
                                                           "dose_levels.md")] if has_dose_series(PARAMS) else [])
 

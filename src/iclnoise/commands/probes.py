@@ -27,10 +27,10 @@ from ..probes import (
     llc_steps,
     mech_for_run,
     refined_for_run,
-    refined_steps,
     stages_for_run,
 )
 from ..replay import CNR_SCHEMA, replay_run
+from ..schedules import refined_steps
 from . import add_cfg, doc, sections
 
 
