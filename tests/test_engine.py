@@ -412,3 +412,30 @@ def test_a_batched_closed_loop_resumed_inside_its_window_ends_where_it_would_hav
                                           read_parquet(tmp_path / "part" / r / f"{name}.parquet"))
     assert_same_states(final_states([tmp_path / "full" / r for r in runs]),
                        final_states([tmp_path / "part" / r for r in runs]))
+
+
+def test_a_run_diverging_inside_the_batched_closed_loop_is_recorded_as_per_run(closed_loop, tmp_path, monkeypatch):
+    """Param source over the whole run; run 1 diverges at step 30 (test_train's blowing-up sampler). The batched closed
+    loop with the host looking lazily (as on CUDA: first at step 39) ends as the per-run path looking every step:
+    the diverged run's injection rows stop at step 29 and the other run's tables and weights are the same."""
+    from test_train import _BlowingUp
+
+    runs = ["M4-B16-pdiag-s0", "M1-B16-pdiag-s1"]
+    setup = ens.Member.setup
+
+    def blowing_up(self):
+        setup(self)
+        if self.run_id == runs[1]:
+            self.sampler.__class__, self.sampler._pool = _BlowingUp, self.sampler.__dict__.pop("pool")
+    monkeypatch.setattr(ens.Member, "setup", blowing_up)
+    per_run = trained(closed_loop, runs, tmp_path / "per_run", False, monkeypatch)
+    monkeypatch.setattr(ens, "LOOK_ALWAYS", ())
+    batched = trained(closed_loop, runs, tmp_path / "batched", True, monkeypatch)
+    assert per_run[1].diverged.iloc[-1] and per_run[1].step.iloc[-1] == 30
+    for r, a, b in zip(runs, per_run, batched):
+        pd.testing.assert_frame_equal(a, b, check_exact=False, rtol=1e-4)
+        for name in ("exposure", "injection"):
+            assert_same_table(*(read_parquet(tmp_path / k / r / f"{name}.parquet") for k in ("per_run", "batched")),
+                              f"{r} {name}", 1e-4)
+    inj = read_parquet(tmp_path / "batched" / runs[1] / "injection.parquet")
+    assert inj.step.tolist() == list(range(30)) and (inj.scale > 0).all()

@@ -6,7 +6,8 @@ AdamW is elementwise, so one AdamW over the stacked tensors is R AdamWs; each ru
 slice of the stack, and its hooks read its slice of the optimizer state through `RunAdam`. A step
 (`Ensemble._step`): one stacked draw of every run's batch, backward, freeze runs that diverged, the hooks' `on_grads`
 (the group gradients and diag Ĥ probes of the runs whose loggers measure at this step first, stacked: `_measure`),
-clip per run, the optimizer step (frozen runs restored), the hooks' `on_update` and the due checkpoints.
+the closed loop of the budget injectors for all their runs at once (injection.BatchedInjection; other injectors per
+run), clip per run, the optimizer step (frozen runs restored), the hooks' `on_update` and the due checkpoints.
 
 The step reads nothing from the device on the host (no sync): losses, their interval sums, divergence and freezing,
 clipping and the restoring of frozen runs are tensors over the run axis. The host looks at the frozen runs only at

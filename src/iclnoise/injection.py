@@ -2,6 +2,13 @@
 set open loop (emulate_batch), by a closed loop on the realised exposure (budget) or by a PI controller (target).
 The maths lives in iclnoise.noise and iclnoise.exposure; iclnoise.hooks has the step protocol and the exposure
 state this hook shares with the exposure logger.
+
+Two paths, one set of numbers: an ensemble (iclnoise.ensemble) runs the closed loop of its budget injectors with
+schedule constant, early or late and shape diagonal or isotropic (the dose experiment's conditions) for all their
+runs at once (BatchedInjection: no host read on the step); every other injector (controlled, emulate_batch, low-rank
+and NAP shapes, sgd_momentum, or beside another hook) runs per run (NoiseInjector.on_grads / on_update). The log says
+which path an ensemble's condition takes. Both draw each run's noise from its own stream and book its rows with
+NoiseInjector.book.
 """
 from __future__ import annotations
 
@@ -305,12 +312,14 @@ class BatchedInjection:
     def on_grads(self, step: int, lr: float, ctxs: dict, adam: AdamState, frozen: torch.Tensor, acting: bool) -> None:
         """NoiseInjector.on_grads of every live run at once (R' refreshed per run on its due steps, as there)."""
         live = [k for k, r in enumerate(self.runs) if r in ctxs]
-        for k in live:
-            if self.inj[k].meter.due(step) or self.inj[k].cov is None:
-                self.inj[k]._refresh(ctxs[self.runs[k]])
+        due = [k for k in live if self.inj[k].meter.due(step) or self.inj[k].cov is None]
+        if due:
+            self.flush()   # the rows so far carry the R' they used
+        for k in due:
+            self.inj[k]._refresh(ctxs[self.runs[k]])
         grads = adam.grads
         R, P = grads[0].shape[0], sum(g[0].numel() for g in grads)
-        if acting or self.diag is None:
+        if acting or due or self.diag is None:
             self._sync(P, grads[0].dtype)
         ok = ~frozen[self.idx]
         act = [k for k in live if self.inj[k].start <= step < self.inj[k].stop]
