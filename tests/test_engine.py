@@ -201,11 +201,12 @@ def sync_counts(specs: list[dict], root, monkeypatch) -> tuple[dict[int, int], s
     return counts, quiet
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; the CPU counterpart above always runs")
-def test_the_step_runs_under_cuda_sync_debug_errors_on_steps_that_log_nothing(tiny, tmp_path, monkeypatch):
-    p = copy.deepcopy(tiny)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; the CPU counterparts above always run")
+@pytest.mark.parametrize("noise", ["none", "early"])   # early: the batched closed loop (grad source, clipping)
+def test_the_step_runs_under_cuda_sync_debug_errors_on_steps_that_log_nothing(injecting, noise, tmp_path, monkeypatch):
+    p = copy.deepcopy(injecting)
     p["train"].update(budget={"mode": "steps", "steps": 100}, device="cuda")
-    specs = [run_spec(p, r) for r in ("M4-B16-none-s0", "Minf-B16-none-s0")]
+    specs = [run_spec(p, r) for r in (f"M4-B16-{noise}-s0", f"Minf-B16-{noise}-s0")]
     step_fn, quiet = ens.Ensemble._step, []
 
     def step(self, s, stop_after):
