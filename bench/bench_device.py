@@ -20,6 +20,11 @@ at most S seconds and writes --science-csv: each group's steps done, seconds, an
 (measured when it finished, else projected from the steps done: the early log-spaced checkpoints make that an
 over-estimate). --engine sets train.cuda_graphs / train.tf32 for the GPU rows and the training (named in the
 `engine` column; the CPU ignores both: its rows read eager).
+
+--science --inject-paths (issue 41 item 3): only the injecting arm, at each --runs and the largest --batches, on each
+device in this process, its step timed over --steps steps (CPU too) with the injector's closed loop batched
+(injection.BatchedInjection) and per run (ensemble.INJECT_BATCHED off), alternating; prints the rows and the speed-up
+and writes --csv with an `injector` column (batched / per_run).
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+import iclnoise.ensemble as ens
 from iclnoise.config import load_params
 from iclnoise.ensemble import Ensemble, Member
 from iclnoise.grid import ensemble_groups, run_spec, spec_hash
@@ -120,12 +126,14 @@ def science_runs(params: dict, runs: int, batch: int, noise: str) -> list[str]:
 
 
 def step_row(params: dict, runs: int, batch: int, exposure: bool, injecting: bool, device: str, quiet: int,
-             threads: int = 0) -> dict:
+             threads: int = 0, batched: bool = True) -> dict:
     """One row of device.csv: an ensemble of `runs` science runs built as `iclnoise train` builds it, its
     `Ensemble._step` timed over `quiet` steps after a warm-up (step 0, exposure's first row, included) and, with
-    exposure on, the logging step apart: step_ms = (quiet_ms · (every − 1) + logging_ms) / every."""
+    exposure on, the logging step apart: step_ms = (quiet_ms · (every − 1) + logging_ms) / every. `batched`: the
+    injector's closed loop across the runs (ensemble.INJECT_BATCHED), else per run."""
     if threads:
         torch.set_num_threads(threads)
+    ens.INJECT_BATCHED = batched
     p = copy.deepcopy(params)
     p["train"].update(checkpoints={"linear": 1, "log": 0}, device=device)   # no checkpoint inside the timed steps
     p["exposure"]["enabled"] = exposure
@@ -160,7 +168,7 @@ def step_row(params: dict, runs: int, batch: int, exposure: bool, injecting: boo
     return {"device": device_name(device), "model": "science", "engine": engine_name(p), "runs": runs, "batch": batch,
             "exposure": exposure,
             "injecting": injecting, "run_steps_per_s": round(runs * 1e3 / ms, 1), "step_ms": round(ms, 3),
-            "commit": commit()}
+            "commit": commit(), "injector": ("batched" if batched else "per_run") if injecting else ""}
 
 
 def science_rows(params: dict, devices: list[str], sizes: list[int], batches: list[int], quiet: int,
@@ -236,11 +244,31 @@ def write_csv(rows: list[dict], path: str) -> None:
     tmp.replace(path)
 
 
+def inject_rows(params: dict, devices: list[str], sizes: list[int], batch: int, steps: int, threads: int,
+                path: str) -> list[dict]:
+    """The injecting arm's step with the closed loop per run and batched, side by side in this process (CPU rows on
+    `threads` threads), each timed over `steps` steps; the speed-up printed per size."""
+    rows = []
+    for dv in devices:
+        for r in sizes:
+            pair = [step_row(params, r, batch, True, True, dv, steps, threads if dv == "cpu" else 0, b)
+                    for b in (False, True)]
+            rows += pair
+            for row in pair:
+                print(row, flush=True)
+            print(f"{dv} {r} runs: batched {pair[0]['step_ms'] / pair[1]['step_ms']:.2f}x the per-run step", flush=True)
+            write_csv([{k: x[k] for k in COLUMNS + ["injector"]} for x in rows], path)
+    return rows
+
+
 def science_main(a: argparse.Namespace) -> None:
     params = load_params("params.yaml", ["configs/science.yaml"])
     params["train"].update(ENGINES[a.engine])
     print(f"torch {torch.__version__}; GPU: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}; "
           f"commit {commit()}", flush=True)
+    if a.inject_paths:
+        inject_rows(params, a.devices, a.runs, max(a.batches), a.steps, a.threads[0], a.csv)
+        return
     if not a.train_only:
         t0 = time.perf_counter()
         rows = science_rows(params, a.devices, a.runs, a.batches, a.steps, a.workers, a.csv)
@@ -271,6 +299,8 @@ def main() -> None:
     ap.add_argument("--engine", choices=list(ENGINES), default="eager",
                     help="--science: train.cuda_graphs / train.tf32 on the GPU rows and training (the CPU: eager)")
     ap.add_argument("--first-stop", type=int, default=200, help="--science-train: steps before the first stop")
+    ap.add_argument("--inject-paths", action="store_true",
+                    help="--science: the injecting arm only, its closed loop batched against per run")
     a = ap.parse_args()
     if a.science:
         return science_main(a)

@@ -147,6 +147,33 @@ def test_the_step_reads_nothing_from_the_device_on_steps_that_log_nothing(tiny, 
     p = copy.deepcopy(tiny)
     p["train"]["budget"] = {"mode": "steps", "steps": 100}
     specs = [run_spec(p, r) for r in ("M4-B16-none-s0", "M1-B16-none-s1", "Minf-B16-none-s0")]
+    counts, quiet = sync_counts(specs, tmp_path, monkeypatch)
+    assert len(counts) == 100 and len(quiet) >= 60, sorted(quiet)
+    assert {s: counts[s] for s in quiet} == dict.fromkeys(quiet, 0)
+    assert sum(counts.values()) > 0   # the counter sees the looks (checkpoints, rows)
+
+
+def test_a_closed_loop_injecting_arm_reads_nothing_from_the_device_on_steps_that_log_nothing(closed_loop, tmp_path,
+                                                                                           monkeypatch):
+    """The grad source's closed loop (early window over steps 0-39 of 100, clipping at 0.3) batched, the CPU stepping
+    as on CUDA: inside the window, the steps where no exposure row or diag Ĥ is due read nothing from the device,
+    and they inject. Before issue 41 item 3 the injector read |g|², Curv, the NE unit and c² on the host every step
+    (its hook acted every step, so the host looked at every step: none was quiet)."""
+    p = copy.deepcopy(closed_loop)
+    p["train"]["budget"] = {"mode": "steps", "steps": 100}
+    specs = [run_spec(p, r) for r in ("M4-B16-early-s0", "Minf-B16-early-s1")]
+    counts, quiet = sync_counts(specs, tmp_path, monkeypatch)
+    inside = sorted(quiet & set(range(40)))
+    assert len(inside) >= 15 and {s: counts[s] for s in inside} == dict.fromkeys(inside, 0), sorted(quiet)
+    for s in specs:
+        inj = read_parquet(tmp_path / s["keys"]["run_id"] / "injection.parquet").set_index("step")
+        assert (inj.scale[inside] > 0).all() and inj.active[inside].all()
+
+
+def sync_counts(specs: list[dict], root, monkeypatch) -> tuple[dict[int, int], set[int]]:
+    """Train `specs` under root, the CPU stepping as on CUDA (the host does not look every step), counting the calls
+    that copy a tensor's value to the host during each step; the counts per step and the steps where the host did
+    not look."""
     monkeypatch.setattr(ens, "LOOK_ALWAYS", ())   # the CPU stepping as on CUDA
     counts: dict[int, int] = {}
     current = [None]
@@ -169,17 +196,17 @@ def test_the_step_reads_nothing_from_the_device_on_steps_that_log_nothing(tiny, 
         finally:
             current[0] = None
     monkeypatch.setattr(ens.Ensemble, "_step", step)
-    train_ensemble(specs, [tmp_path / s["keys"]["run_id"] for s in specs], progress=False)
-    assert len(counts) == 100 and len(quiet) >= 60, sorted(quiet)
-    assert {s: counts[s] for s in quiet} == dict.fromkeys(quiet, 0)
-    assert sum(counts.values()) > 0   # the counter sees the looks (checkpoints, rows)
+    train_ensemble(specs, [root / s["keys"]["run_id"] for s in specs], progress=False)
+    monkeypatch.undo()
+    return counts, quiet
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; the CPU counterpart above always runs")
-def test_the_step_runs_under_cuda_sync_debug_errors_on_steps_that_log_nothing(tiny, tmp_path, monkeypatch):
-    p = copy.deepcopy(tiny)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; the CPU counterparts above always run")
+@pytest.mark.parametrize("noise", ["none", "early"])   # early: the batched closed loop (grad source, clipping)
+def test_the_step_runs_under_cuda_sync_debug_errors_on_steps_that_log_nothing(injecting, noise, tmp_path, monkeypatch):
+    p = copy.deepcopy(injecting)
     p["train"].update(budget={"mode": "steps", "steps": 100}, device="cuda")
-    specs = [run_spec(p, r) for r in ("M4-B16-none-s0", "Minf-B16-none-s0")]
+    specs = [run_spec(p, r) for r in (f"M4-B16-{noise}-s0", f"Minf-B16-{noise}-s0")]
     step_fn, quiet = ens.Ensemble._step, []
 
     def step(self, s, stop_after):
@@ -299,3 +326,117 @@ def same(a: tuple, b: tuple) -> bool:
     """Two Evaluator outputs (metrics, token losses, root predictions) bit for bit, NaN equal to NaN."""
     return (a[0].keys() == b[0].keys() and np.array_equal(list(a[0].values()), list(b[0].values()), equal_nan=True)
             and all(np.array_equal(a[1][s], b[1][s]) for s in b[1]) and np.array_equal(a[2], b[2]))
+
+
+# ---------------------------------------------------------------- the injector's closed loop across runs (issue 41.3)
+@pytest.fixture
+def closed_loop(injecting):
+    """`injecting` (grad source, diagonal, early window 0.4, clipping at 0.3 active) and the param source: diagonal over
+    the whole run (constant), isotropic in the late half."""
+    c = injecting["noise"]["conditions"]
+    c["pdiag"] = {"source": "param", "shape": "diagonal", "schedule": "constant", "budget": 0.002}
+    c["pisolate"] = {"source": "param", "shape": "isotropic", "schedule": "late", "fraction": 0.5, "budget": 0.002}
+    return injecting
+
+
+def trained(p: dict, runs: list[str], root, batched: bool, monkeypatch, **kw) -> list:
+    """train_ensemble of `runs` under root, the injector's closed loop batched or per run."""
+    monkeypatch.setattr(ens, "INJECT_BATCHED", batched)
+    return train_ensemble([run_spec(p, r) for r in runs], [root / r for r in runs], progress=False, **kw)
+
+
+def assert_same_table(a: pd.DataFrame, b: pd.DataFrame, what: str, rtol: float) -> None:
+    """Every column: numbers to rtol (NaN where NaN), the rest equal."""
+    assert list(a.columns) == list(b.columns) and len(a) == len(b), what
+    for col in a.columns:
+        x, y = a[col].to_numpy(), b[col].to_numpy()
+        if x.dtype.kind == "f":
+            np.testing.assert_allclose(x, y, rtol=rtol, atol=1e-12, equal_nan=True, err_msg=f"{what} {col}")
+        elif x.dtype == object and not isinstance(x[0], str):   # lists (exposure's aca_eigs)
+            assert all(np.allclose(u, v, rtol=rtol, atol=1e-12) for u, v in zip(x, y)), f"{what} {col}"
+        else:
+            assert (x == y).all(), f"{what} {col}"
+
+
+@pytest.mark.parametrize("noise", ["early", "pdiag", "pisolate"])
+def test_the_batched_closed_loop_equals_the_per_run_path_run_by_run(closed_loop, noise, tmp_path, monkeypatch,
+                                                                    caplog):
+    """60 steps of a closed-loop injecting arm (grad source with clipping active in most steps, early window; param
+    source diagonal over the whole run; param source isotropic, late window), exposure rows every 10 steps: the
+    batched closed loop (injection.BatchedInjection, logged; no per-run injector call) and the per-run path give each
+    run the same parameters, metrics, exposure rows and injection rows (every column) and the same realised
+    integrated P-NE*, to float32 round-off (measured: bitwise on the CPU at 1 thread; the two sum |g|², Σ a² Ĥ and
+    Σ a² R' over the run axis of one tensor against each run's own)."""
+    runs = [f"M4-B16-{noise}-s0", f"Minf-B16-{noise}-s1"]
+    with caplog.at_level("INFO", logger="iclnoise.ensemble"):
+        per_run = trained(closed_loop, runs, tmp_path / "per_run", False, monkeypatch)
+        assert f"2 runs ({noise}) per run" in caplog.text
+        caplog.clear()
+        own = ens.NoiseInjector.on_grads
+        monkeypatch.setattr(ens.NoiseInjector, "on_grads", lambda *a: pytest.fail("a per-run injector call"))
+        batched = trained(closed_loop, runs, tmp_path / "batched", True, monkeypatch)
+        monkeypatch.setattr(ens.NoiseInjector, "on_grads", own)
+        assert f"2 runs ({noise}) in one batched closed loop" in caplog.text
+    lr = closed_loop["train"]["optimizer"]["lr"]
+    for r, a, b in zip(runs, per_run, batched):
+        assert_same_table(a, b, f"{r} metrics", 1e-4)
+        x, y = (torch.load(tmp_path / k / r / "resume.pt", weights_only=False) for k in ("per_run", "batched"))
+        for n, w in x["params"].items():
+            tol = 2 * lr * 60 if n.endswith("b_K") else 1e-6   # b_K: round-off of a near-zero v̂ (test_train)
+            torch.testing.assert_close(y["params"][n], w, rtol=1e-4, atol=tol, msg=f"{r} {n}")
+        for name in ("exposure", "injection"):
+            assert_same_table(*(read_parquet(tmp_path / k / r / f"{name}.parquet") for k in ("per_run", "batched")),
+                              f"{r} {name}", 1e-4)
+        inj = read_parquet(tmp_path / "batched" / r / "injection.parquet")
+        assert len(inj) == 60 and (inj.scale > 0).sum() >= 20
+        if noise == "early":
+            assert (inj.clip_coef < 1).mean() > 0.5
+        realised = [st["hooks"][1]["realised"] for st in (x, y)]
+        assert realised[1] == pytest.approx(realised[0], rel=1e-4) and realised[1] == pytest.approx(
+            inj.pne_injected.sum(), rel=1e-12) and realised[1] > 0
+
+
+def test_a_batched_closed_loop_resumed_inside_its_window_ends_where_it_would_have(closed_loop, tmp_path, monkeypatch):
+    """The batched closed loop (grad source, clipping, early window over steps 0-23) stopped after step 25, so that it
+    resumes from its step-20 commit, inside the window: every table and final state bitwise as uninterrupted."""
+    from test_train import assert_same_states, final_states
+
+    runs = ["M4-B16-early-s0", "Minf-B16-early-s1"]
+    full = trained(closed_loop, runs, tmp_path / "full", True, monkeypatch)
+    assert trained(closed_loop, runs, tmp_path / "part", True, monkeypatch, stop_after=25) == [None, None]
+    assert all(torch.load(tmp_path / "part" / r / "resume.pt", weights_only=False)["commit"] == 20 for r in runs)
+    resumed = trained(closed_loop, runs, tmp_path / "part", True, monkeypatch)
+    for r, a, b in zip(runs, full, resumed):
+        pd.testing.assert_frame_equal(a, b)
+        for name in ("exposure", "injection"):
+            pd.testing.assert_frame_equal(read_parquet(tmp_path / "full" / r / f"{name}.parquet"),
+                                          read_parquet(tmp_path / "part" / r / f"{name}.parquet"))
+    assert_same_states(final_states([tmp_path / "full" / r for r in runs]),
+                       final_states([tmp_path / "part" / r for r in runs]))
+
+
+def test_a_run_diverging_inside_the_batched_closed_loop_is_recorded_as_per_run(closed_loop, tmp_path, monkeypatch):
+    """Param source over the whole run; run 1 diverges at step 30 (test_train's blowing-up sampler). The batched closed
+    loop with the host looking lazily (as on CUDA: first at step 39) ends as the per-run path looking every step:
+    the diverged run's injection rows stop at step 29 and the other run's tables and weights are the same."""
+    from test_train import _BlowingUp
+
+    runs = ["M4-B16-pdiag-s0", "M1-B16-pdiag-s1"]
+    setup = ens.Member.setup
+
+    def blowing_up(self):
+        setup(self)
+        if self.run_id == runs[1]:
+            self.sampler.__class__, self.sampler._pool = _BlowingUp, self.sampler.__dict__.pop("pool")
+    monkeypatch.setattr(ens.Member, "setup", blowing_up)
+    per_run = trained(closed_loop, runs, tmp_path / "per_run", False, monkeypatch)
+    monkeypatch.setattr(ens, "LOOK_ALWAYS", ())
+    batched = trained(closed_loop, runs, tmp_path / "batched", True, monkeypatch)
+    assert per_run[1].diverged.iloc[-1] and per_run[1].step.iloc[-1] == 30
+    for r, a, b in zip(runs, per_run, batched):
+        pd.testing.assert_frame_equal(a, b, check_exact=False, rtol=1e-4)
+        for name in ("exposure", "injection"):
+            assert_same_table(*(read_parquet(tmp_path / k / r / f"{name}.parquet") for k in ("per_run", "batched")),
+                              f"{r} {name}", 1e-4)
+    inj = read_parquet(tmp_path / "batched" / runs[1] / "injection.parquet")
+    assert inj.step.tolist() == list(range(30)) and (inj.scale > 0).all()

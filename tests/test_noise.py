@@ -12,7 +12,7 @@ from iclnoise.config import read_yaml, validate_params
 from iclnoise.exposure import AdamState, grad_noise, group_grads, injected_dose_se, preconditioner, summarize
 from iclnoise.grid import run_spec
 from iclnoise.hooks import ExposureState, NoiseMeter, StepContext
-from iclnoise.injection import DoseReference, NoiseInjector
+from iclnoise.injection import MAX_LOG_SCALE, DoseReference, NoiseInjector, closed_loop_scale
 from iclnoise.io import read_parquet
 from iclnoise.noise import CovModel, psd_clip, shaped_covariance, target_at
 from iclnoise.sections import Exposure, RunSpec
@@ -380,3 +380,21 @@ def test_param_noise_reaches_a_dose_the_clipping_bound_would_cap(tiny, tmp_path)
         booked[source] = float(read_parquet(tmp_path / source / "injection.parquet").pne_injected.sum()) / E
     assert booked["param"] == pytest.approx(1.0, rel=0.02), booked
     assert booked["grad"] < 0.9, booked
+
+
+def test_the_closed_loop_scale_of_R_runs_is_each_runs_own_and_the_known_answers():
+    """closed_loop_scale over (R,) tensors equals it run by run on floats, bit for bit, in each branch, and each
+    branch gives its closed form (unit = curv = Tr R' = 1, 10 steps left, G = 1): unclipped s = target · curv / unit;
+    clipped (|g|² = 2) s = target · |g|² / (G² − target); unreachable (target ≥ G²/Tr R'): the saturation bound
+    9 · max(|g|², G²/10) / Tr R'; budget spent or no curvature: 0; unclipped and huge: e^MAX_LOG_SCALE."""
+    left = [0.5, 1.0, 1.0, 30.0, -0.1, 1.0, 1e21]
+    clip = [math.inf, math.inf, 1.0, 1.0, 1.0, 1.0, math.inf]
+    g2 = [2.0, 0.5, 2.0, 2.0, 2.0, 2.0, 2.0]
+    curv = [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0]
+    want = [0.05, 0.1, 0.1 * 2 / 0.9, 18.0, 0.0, 0.0, math.exp(MAX_LOG_SCALE)]
+    each = [float(closed_loop_scale(a, 10, c, 1.0, g, 1.0, None if math.isinf(k) else k))
+            for a, k, g, c in zip(left, clip, g2, curv)]
+    t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    batched = closed_loop_scale(t(left), t([10.0] * 7), t(curv), t([1.0] * 7), t(g2), t([1.0] * 7), t(clip))
+    assert batched.tolist() == each
+    np.testing.assert_allclose(each, want, rtol=1e-15)

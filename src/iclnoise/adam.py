@@ -22,11 +22,12 @@ def adam_root(exp_avg_sq: torch.Tensor, step: float, beta2: float) -> torch.Tens
 
 
 def precondition(root: torch.Tensor, eps: torch.Tensor | float, dead_zero: bool = True) -> torch.Tensor:
-    """a = 1/(root + eps) from the whole model's flat sqrt(v̂); a = 0 where root ≤ ε_dtype · max(root)."""
+    """a = 1/(root + eps) from the whole model's flat sqrt(v̂); a = 0 where root ≤ ε_dtype · max(root). The model is
+    the last axis: (R, P) roots of R runs give each run its own maximum."""
     a = 1.0 / (root + eps)
     if not dead_zero or root.numel() == 0:
         return a
-    return torch.where(root > torch.finfo(root.dtype).eps * root.max(), a, torch.zeros_like(a))
+    return torch.where(root > torch.finfo(root.dtype).eps * root.amax(-1, keepdim=True), a, torch.zeros_like(a))
 
 
 def adam_a(exp_avg_sq: torch.Tensor, step: float, beta2: float, eps: float, dead_zero: bool = True) -> torch.Tensor:

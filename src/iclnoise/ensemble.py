@@ -6,7 +6,8 @@ AdamW is elementwise, so one AdamW over the stacked tensors is R AdamWs; each ru
 slice of the stack, and its hooks read its slice of the optimizer state through `RunAdam`. A step
 (`Ensemble._step`): one stacked draw of every run's batch, backward, freeze runs that diverged, the hooks' `on_grads`
 (the group gradients and diag Ĥ probes of the runs whose loggers measure at this step first, stacked: `_measure`),
-clip per run, the optimizer step (frozen runs restored), the hooks' `on_update` and the due checkpoints.
+the closed loop of the budget injectors for all their runs at once (injection.BatchedInjection; other injectors per
+run), clip per run, the optimizer step (frozen runs restored), the hooks' `on_update` and the due checkpoints.
 
 The step reads nothing from the device on the host (no sync): losses, their interval sums, divergence and freezing,
 clipping and the restoring of frozen runs are tensors over the run axis. The host looks at the frozen runs only at
@@ -36,7 +37,7 @@ from tqdm import tqdm
 from .evaluate import Evaluator
 from .exposure import AdamState, stacked_ggn_curvature, stacked_group_grads
 from .hooks import ExposureLogger, ExposureState, NoiseMeter, StepContext, StepHook
-from .injection import NoiseInjector
+from .injection import BatchedInjection, NoiseInjector
 from .model import ModelConfig, build_model, mse_loss
 from .runs import checkpoint_path, sampler, save_torch
 from .sections import RunSpec
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 RESUME, RESUME_PREV = "resume.pt", "resume.prev.pt"
 LOOK_EVERY = 64  # steps between the host's reads of the frozen runs when nothing else makes it look
 LOOK_ALWAYS = ("cpu",)  # devices where the host reads them every step (free there), sparing the restore when none is
+INJECT_BATCHED = True  # budget injectors in one closed loop over the runs (injection.BatchedInjection); False: per run
 
 
 def build_hooks(spec: RunSpec, device: torch.device) -> list[StepHook]:
@@ -109,11 +111,11 @@ def save_resume(m: Member, params: dict[str, torch.Tensor], opt_state: dict | No
 class RunAdam:
     """Run r's view of the ensemble's AdamW as an AdamState (iclnoise.exposure): views of its slices, rebuilt only
     when the optimizer's per-tensor state objects change (its first step, a resume); AdamW updates them in
-    place, so the views stay current between steps."""
+    place, so the views stay current between steps. r = None: every run's, the stacked tensors themselves."""
 
-    def __init__(self, opt: torch.optim.AdamW, stacked: list[torch.Tensor], r: int):
+    def __init__(self, opt: torch.optim.AdamW, stacked: list[torch.Tensor], r: int | None):
         self.opt, self.stacked, self.r = opt, stacked, r
-        self.grads = [P.grad[r] for P in stacked]
+        self.grads = [P.grad if r is None else P.grad[r] for P in stacked]
         self._key: tuple = ()
         self._slices: tuple = (None, None, None)
 
@@ -121,16 +123,18 @@ class RunAdam:
         """The state before update `step` (AdamW has made `step` updates once it has a state: no device read)."""
         g = self.opt.param_groups[0]
         if "momentum" in g:   # SGD with momentum: no preconditioner (A = I), β its momentum
-            return AdamState(g["momentum"], 0.0, 0.0, self.grads, identity=True)
+            return AdamState(g["momentum"], 0.0, 0.0, self.grads, identity=True, stacked=self.r is None)
         sts = [self.opt.state.get(P) for P in self.stacked]
         key = tuple(id(st) if st else 0 for st in sts)  # an empty state (not yet filled) is 0
         if key != self._key:
             self._key = key
             full = all(sts)
-            self._slices = (([st["exp_avg"][self.r] for st in sts],
-                             [st["exp_avg_sq"][self.r] for st in sts]) if full else (None, None))
+            r = slice(None) if self.r is None else self.r
+            self._slices = (([st["exp_avg"][r] for st in sts], [st["exp_avg_sq"][r] for st in sts]) if full
+                            else (None, None))
         m, v = self._slices
-        return AdamState(g["betas"][0], g["betas"][1], g["eps"], self.grads, None if m is None else step, m, v)
+        return AdamState(g["betas"][0], g["betas"][1], g["eps"], self.grads, None if m is None else step, m, v,
+                         stacked=self.r is None)
 
 
 class Ensemble:
@@ -156,8 +160,12 @@ class Ensemble:
         for g in self.P:
             g.grad = torch.zeros_like(g)
         self._alias()
+        self.adam = RunAdam(self.opt, self.P, None)   # every run's AdamW state, stacked (the batched injection's)
         self.ckpt_at = set(t.checkpoints_planned)
         R = len(members)
+        self.injection = self._batch_injection()
+        batched = set(self.injection.runs) if self.injection else set()
+        self.hooks = [m.hooks[:1] if r in batched else m.hooks for r, m in enumerate(members)]   # called per run
         self.samplers = [m.sampler for m in members]
         # divergence on the device (self.frozen, the step and loss it happened at); the host's view, self.known,
         # is brought up to date at the steps _looks names (iclnoise.ensemble module docstring)
@@ -220,6 +228,26 @@ class Ensemble:
                 p.grad = P.grad[r]
                 owner._parameters[leaf] = p
             m.adam = RunAdam(self.opt, self.P, r)
+
+    def _batch_injection(self) -> BatchedInjection | None:
+        """The runs whose injector's closed loop runs batched (NoiseInjector.batched, AdamW, hooks as build_hooks
+        makes them: a run with another hook, e.g. a DoseReference, stays per run); the log names each path's
+        conditions."""
+        hooks = {r: m.hooks for r, m in enumerate(self.members) if any(isinstance(h, NoiseInjector) for h in m.hooks)}
+        ok = INJECT_BATCHED and self.t.optimizer.KIND == "adamw"
+        batched = [r for r, hs in hooks.items() if ok and len(hs) == 2 and isinstance(hs[0], ExposureLogger)
+                   and isinstance(hs[1], NoiseInjector) and hs[1].batched]
+        rest = [r for r in hooks if r not in batched]
+        names = lambda rs: ", ".join(sorted({self.members[r].spec.keys.noise for r in rs}))  # noqa: E731
+        if batched:
+            log.info("noise injection: %d runs (%s) in one batched closed loop", len(batched), names(batched))
+        if rest:
+            log.info("noise injection: %d runs (%s) per run (controlled, emulate_batch, low-rank or NAP shapes, "
+                     "sgd_momentum, another hook or INJECT_BATCHED off)", len(rest), names(rest))
+        if not batched:
+            return None
+        return BatchedInjection(batched, [hooks[r][1] for r in batched], [hooks[r][0] for r in batched],
+                                len(self.members), self.device)
 
     def _engine(self) -> bool:
         """Apply train.tf32 and say whether train.cuda_graphs is to be tried; on another device, log that they do
@@ -300,6 +328,8 @@ class Ensemble:
 
     def commit(self, step: int) -> None:
         """Every member's resume state at `step` (after the step's analysis checkpoints)."""
+        if self.injection:
+            self.injection.flush()
         for r, m in enumerate(self.members):
             save_resume(m, self.params_of(r), self.opt_of(r, step), step, self.cohort)
 
@@ -331,7 +361,7 @@ class Ensemble:
         whenever a live run's hook acts (a hook never sees a frozen run), and every step on LOOK_ALWAYS devices."""
         return (self.device.type in LOOK_ALWAYS or step % LOOK_EVERY == 0 or step + 1 in self.ckpt_at
                 or step + 1 in (self.stop, stop_after)
-                or any(h.acts(step) for m, f in zip(self.members, self.known) if not f for h in m.hooks))
+                or any(h.acts(step) for hs, f in zip(self.hooks, self.known) if not f for h in hs))
 
     def _look(self) -> bool:
         """Record the runs frozen since the host last looked, each at its divergence step s, as they were then (a
@@ -457,18 +487,26 @@ class Ensemble:
                                Batch(batch.xs[r], batch.ys[r], batch.tasks[r]), self.mb, lr, mse_loss,
                                members[r].heldout.batch) for r in live if members[r].hooks}
         self._measure(step, batch, ctxs)
+        inj = self.injection
+        acting = inj is not None and inj.acting(step, ctxs)   # a batched run's logger acts: book its rows first
+        if acting:
+            inj.flush()
         for r, ctx in ctxs.items():
-            for h in members[r].hooks:
+            for h in self.hooks[r]:
                 h.on_grads(ctx)
+        if inj:
+            inj.on_grads(step, lr, ctxs, self.adam.state(step), self.frozen, acting)
         if self.graphs:
             *_, g_update, norms, coefs = self.graphs
             g_update.replay()
         else:
             norms, coefs = self._clip()
             self._optimizer_step(looked)
+        if inj:
+            inj.on_update(coefs, self.P, acting)
         for r, ctx in ctxs.items():
             ctx.grad_norm, ctx.clip_coef, ctx.live = norms[r], coefs[r], ~self.frozen[r]
-            for h in reversed(members[r].hooks):
+            for h in reversed(self.hooks[r]):
                 h.on_update(ctx)
         if step + 1 in self.ckpt_at:
             self.checkpoints(live, step + 1)

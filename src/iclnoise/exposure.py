@@ -131,8 +131,9 @@ def leading_eigs(factor: torch.Tensor, a: torch.Tensor | None, r: int) -> tuple[
 class AdamState:
     """One run's AdamW as the exposure formulas read it: settings and per-parameter tensors, in parameter order.
     `step`, `exp_avg`, `exp_avg_sq` are None before the first update; `eps` may differ per parameter (one value
-    per parameter group in torch). An ensemble run's tensors are views of its slice of the stacked state. The
-    learning rate is not here: a step's η_t is StepContext.lr (iclnoise.sections.Train.lr)."""
+    per parameter group in torch). An ensemble run's tensors are views of its slice of the stacked state; `stacked`:
+    the whole ensemble's, every tensor with a leading run axis (R, ...). The learning rate is not here: a step's η_t
+    is StepContext.lr (iclnoise.sections.Train.lr)."""
 
     beta1: float
     beta2: float
@@ -142,6 +143,7 @@ class AdamState:
     exp_avg: list[torch.Tensor] | None = None
     exp_avg_sq: list[torch.Tensor] | None = None
     identity: bool = False   # no preconditioner (SGD with momentum: A = I; beta1 is its momentum)
+    stacked: bool = False    # tensors (R, ...) of R runs: preconditioner gives (R, P)
 
     @classmethod
     def of_torch(cls, opt: torch.optim.Optimizer) -> AdamState:
@@ -160,9 +162,11 @@ def preconditioner(adam: AdamState, fallback_grads: bool = True) -> torch.Tensor
     coordinates whose root is below the float resolution of the largest, iclnoise.adam).
 
     Before the first update there is no v; then v̂_1 = g² is what the first update will use, so the
-    current gradients stand in (or None when `fallback_grads` is False or there are none). SGD: a = 1."""
+    current gradients stand in (or None when `fallback_grads` is False or there are none). SGD: a = 1.
+    A stacked state (R runs) gives (R, P), run r's row its own a."""
+    flat = (lambda t: t.reshape(t.shape[0], -1)) if adam.stacked else (lambda t: t.reshape(-1))  # noqa: E731
     if adam.identity:
-        return torch.cat([torch.ones_like(g).reshape(-1) for g in adam.grads])
+        return torch.cat([flat(torch.ones_like(g)) for g in adam.grads], -1)
     if adam.exp_avg_sq is not None:   # one foreach pass: this runs every injecting step
         bc = [1 - adam.beta2 ** float(adam.step)] * len(adam.exp_avg_sq)
         roots = torch._foreach_sqrt(torch._foreach_div(adam.exp_avg_sq, bc))
@@ -170,10 +174,10 @@ def preconditioner(adam: AdamState, fallback_grads: bool = True) -> torch.Tensor
         roots = [g.detach().abs() for g in adam.grads]   # before its first update: sqrt(v̂_1) = |g|
     else:
         return None
-    roots = [r.reshape(-1) for r in roots]
-    if isinstance(adam.eps, list):
-        return precondition(torch.cat(roots), torch.cat([torch.full_like(r, e) for r, e in zip(roots, adam.eps)]))
-    return precondition(torch.cat(roots), adam.eps)
+    roots = [flat(r) for r in roots]
+    eps = torch.cat([torch.full_like(r, e) for r, e in zip(roots, adam.eps)], -1) if isinstance(adam.eps, list) \
+        else adam.eps
+    return precondition(torch.cat(roots, -1), eps)
 
 
 def _rademacher(shape: tuple, generator: torch.Generator, like: torch.Tensor) -> torch.Tensor:
@@ -257,9 +261,11 @@ def kappa(setting: float | str | None, beta1: float, optimizer: str = "adamw") -
     return 1.0 / (1.0 - beta1) ** 2 if optimizer == "sgd_momentum" else 1.0
 
 
-def ne_unit(lr: float, kappa_: float, a: torch.Tensor, diag: torch.Tensor) -> float:
-    """NE of a covariance with diagonal `diag` in gradient space: η · κ · Σ_i a_i² diag_i."""
-    return lr * kappa_ * float((a.square() * diag).sum())
+def ne_unit(lr: float, kappa_: float | torch.Tensor, a: torch.Tensor, diag: torch.Tensor) -> float | torch.Tensor:
+    """NE of a covariance with diagonal `diag` in gradient space: η · κ · Σ_i a_i² diag_i. Flat a, diag (P,) give a
+    float; stacked (R, P) rows of R runs (κ a float or (R,)) give their (R,) values in float64, the same arithmetic."""
+    aca = (a.square() * diag).sum(-1)
+    return lr * kappa_ * (float(aca) if aca.dim() == 0 else aca.double())
 
 
 def pne_columns(lr: float, kappa_: float, batch: int, a: torch.Tensor, diag: torch.Tensor, curv: float,
@@ -280,21 +286,24 @@ def pne_columns(lr: float, kappa_: float, batch: int, a: torch.Tensor, diag: tor
             "ne_simple_postclip": simple * ne_post}
 
 
-def budget_scale(target: float, curv: float, unit: float, grad_sq: float, trace_r: float,
-                 clip: float | None) -> float:
+def budget_scale(target: float | torch.Tensor, curv: float | torch.Tensor, unit: float | torch.Tensor,
+                 grad_sq: float | torch.Tensor, trace_r: float | torch.Tensor,
+                 clip: float | torch.Tensor | None) -> torch.Tensor:
     """Scale s of injected noise N(0, s R') whose post-clip P-NE* is `target` at this step.
 
     Injected P-NE* = s · unit · c² / curv with unit = η κ Σ a² R'_ii and c the clipping factor. Without
     clipping s = target · curv / unit. With clipping at norm G the expected squared norm is |g|² + s·Tr R',
     so c² = G² / (|g|² + s Tr R') once clipped, and s · unit · G² = target · curv · (|g|² + s Tr R') gives
-    s = target·curv·|g|² / (unit·G² − target·curv·Tr R') (∞ when unreachable: the caller caps it)."""
-    if unit <= 0 or curv <= 0 or target <= 0:
-        return 0.0
+    s = target·curv·|g|² / (unit·G² − target·curv·Tr R') (∞ when unreachable: the caller caps it).
+    Elementwise in float64: floats give a 0-d tensor, (R,) tensors the R runs' scales; clip None or ∞: unclipped."""
+    target, curv, unit, grad_sq, trace_r = (torch.as_tensor(x, dtype=torch.float64)
+                                            for x in (target, curv, unit, grad_sq, trace_r))
+    clip = torch.as_tensor(math.inf if clip is None else clip, dtype=torch.float64)
     s = target * curv / unit
-    if clip is None or grad_sq + s * trace_r <= clip ** 2:
-        return s
     den = unit * clip ** 2 - target * curv * trace_r
-    return target * curv * grad_sq / den if den > 0 else math.inf
+    s = torch.where(clip.isinf() | (grad_sq + s * trace_r <= clip ** 2), s,
+                    torch.where(den > 0, target * curv * grad_sq / den, math.inf))
+    return torch.where((unit <= 0) | (curv <= 0) | (target <= 0), 0.0, s)
 
 
 def refresh_interval(interval: int, curv_old: float, curv_new: float, rse: float, tol: float, most: int) -> int:
