@@ -1,4 +1,4 @@
-"""Validity gates and verdicts of the hypothesis tests H1–H4 (SPEC §11; issues 13 and 42).
+"""Validity gates and verdicts of the hypothesis tests H1–H5 (SPEC §11, §13; issues 13, 42 and 45).
 
 Every verdict carries validity gates (GATES): convergence of the M = ∞ runs to ridge, enough seeds, equal
 data (H3 at matched steps: equal steps) and equal realised exposure between compared arms, LLC diagnostics, and
@@ -15,12 +15,14 @@ import math
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+from scipy import stats as sps
 
 from . import dose, stats
 from .geometry import GEOMETRY_COLUMNS
 from .mech import CIRCUIT_COLUMNS
 from .sections import OPTIMIZERS, Stats
 from .tasks import M_INF
+from .thresholds import threshold_with_ci
 
 GATE_RECORD = pa.struct([pa.field("code", pa.string()), pa.field("detail", pa.string())])
 GATE_FIELDS = [pa.field("gates_passed", pa.bool_()), pa.field("gate_failures", pa.string()),
@@ -61,6 +63,8 @@ GATES = {
     "regime_tol": 0.10,        # dose–response (issue 43): a dose is in the operating regime where M = ∞ ends with OOD
                                # loss ≤ (1 + tol) × ridge's ...
     "dose_tol": 0.05,          # ... and its realised dose is within 5 % of the target (else saturated / off target)
+    "shape_exposure_tol": 0.05,   # H5 (issue 45): an injected control's seed-mean realised injected P-NE* within
+                                  # 5 % of the aligned arm's, so that only the noise's shape differs
 }
 NO_MANIPULATION = "the noise manipulation has no measurable effect to compare sources on"   # H3's gate code
 
@@ -238,7 +242,7 @@ def _paired(a: pd.DataFrame, b: pd.DataFrame, on=("M", "seed")) -> pd.DataFrame:
 
 
 def hypothesis_tests(out: pd.DataFrame, cfg: Stats, conv: pd.DataFrame | None = None) -> pd.DataFrame:
-    """H1–H4 on each optimizer's runs apart (grid.optimizer, SPEC §13: runs under another optimizer are another
+    """H1–H5 on each optimizer's runs apart (grid.optimizer, SPEC §13: runs under another optimizer are another
     arm, so no test pools them; rows carry their optimizer), with one Holm family over all of them."""
     conv = convergence(out, GATES["convergence_tol"]) if conv is None else conv
     groups = list(out.groupby("optimizer")) or [(OPTIMIZERS[0], out)]
@@ -246,7 +250,7 @@ def hypothesis_tests(out: pd.DataFrame, cfg: Stats, conv: pd.DataFrame | None = 
 
 
 def _tests(out: pd.DataFrame, cfg: Stats, conv: pd.DataFrame) -> list[dict]:
-    """The rows of H1–H4 on `out`, runs of one optimizer, before Holm (_verdicts)."""
+    """The rows of H1–H5 on `out`, runs of one optimizer, before Holm (_verdicts)."""
     alpha = cfg.alpha
     gates = GATES
     every = out[(out.M != M_INF) & ~out.diverged].copy()
@@ -267,6 +271,7 @@ def _tests(out: pd.DataFrame, cfg: Stats, conv: pd.DataFrame) -> list[dict]:
     rows.append(h2_early_late(fin, alpha, gates, common))
     rows += h3_rows(every, fin, cfg, conv)
     rows += h1_dose(out, cfg)   # nothing without a dose series in the grid
+    rows += h5_alignment(fin, cfg, common)   # nothing without an aligned (nap) condition in the grid
     # H4: geometry, LLC and in-context circuitry (mech.run_summary) against exposure
     for col in ("llc_final", *GEOMETRY_COLUMNS, *CIRCUIT_COLUMNS):
         used = fin[fin[col].notna()]
@@ -604,3 +609,117 @@ def _dose_exposure_row(used: pd.DataFrame, name: str, alpha: float, fails) -> di
                 p=e.p, effect_size=e.std_effect, mde=e.mde, fails=fails, family=False,
                 words=(f"r {_direction(e.estimate, 'increases', 'decreases')} with measured exposure (association)",
                        "no evidence that r changes with measured exposure"))
+
+
+
+ALIGNED = "nap"   # H5's treatment: the injected noise shaped by the task family (noise.conditions.<c>.shape)
+SHAPE_CONTROLS = {"nap_misaligned": "misaligned", "nap_isotropic": "isotropic", "nap_within_task": "within-task"}
+
+
+def h5_alignment(fin: pd.DataFrame, cfg: Stats, common) -> list[dict]:
+    """H5 (SPEC §13; issue 45): at equal realised injected exposure, does noise aligned with the task family (shape
+    'nap') give higher ridge-likeness, and a lower M*, than the same noise in another shape? Per injected source
+    and batch with an aligned condition, against each control in the grid: the same spectrum misaligned, isotropic
+    and within-task (injected, same source and batch), and no injection (the batch noise alone at that batch).
+    Rows per control (_h5_pair): r by seed (Holm family), r by (M, seed) (sensitivity), the M* shift the r
+    difference reads as (derived), and log2 M* by seed where each seed has its own M* (Holm family).
+    Gates: convergence, seeds, equal data (`common`) and, against an injected control, equal realised injected
+    P-NE* (seed means within GATES['shape_exposure_tol']): the shape must be the only difference. The dose is in
+    the test's name, so a null says what it was tested at. No rows when the grid has no aligned condition."""
+    rows = []
+    for (batch, src), inj in fin[fin.noise_shape.isin([ALIGNED, *SHAPE_CONTROLS])].groupby(["batch", "noise_source"]):
+        arms = inj.groupby("noise_shape").noise.unique()
+        if ALIGNED not in arms:
+            continue
+        plain = fin[(fin.noise_source == "batch") & (fin.batch == batch)]
+        controls = [(shape, SHAPE_CONTROLS[shape], inj[inj.noise_shape == shape]) for shape in SHAPE_CONTROLS
+                    if shape in arms] + ([("none", "no injection", plain)] if len(plain) else [])
+        for shape, label, ctl in controls:
+            at = f"{src} source, batch {batch}"
+            if max(len(arms[ALIGNED]), ctl.noise.nunique()) > 1:
+                rows.append(_row("H5", f"aligned − {label}, {at}", "r", status="not run: more than one condition "
+                                 f"per arm ({sorted(arms[ALIGNED])} against {sorted(ctl.noise.unique())})"))
+                continue
+            rows += _h5_pair(inj[inj.noise_shape == ALIGNED], ctl, label, at, shape != "none", cfg.alpha, common)
+    return rows
+
+
+def _h5_pair(a: pd.DataFrame, b: pd.DataFrame, label: str, at: str, injected: bool, alpha: float, common) -> list:
+    """H5's rows for the aligned arm `a` against the control `b` (h5_alignment), on their common (M, seed):
+    - r by seed: each seed's mean over M of r(aligned) − r(control), paired t over seeds — Holm family. Seeds are
+      the unit: the effect of a noise shape may differ between seeds (each run sketches its own task covariance),
+      and a paired t over (M, seed) pairs then rejects 0.285 of planted nulls at α = 0.05 (sd 0.05 between seeds,
+      0.03 between runs, 3 seeds × 4 M; by seed 0.07; tests/test_h5.py);
+    - r by (M, seed): paired t over the pairs, as SPEC §13 words it — a sensitivity row (exact only when the
+      effect is the same in every seed);
+    - log2 M* read from r (dose.ladder_conversion): shift = −(mean difference) / s, s = dose.local_slope on both
+      arms' runs pooled (uncorrelated with the difference when the arms' run noise is equal), t interval over
+      seeds — derived from the first row, outside the family; first order in the shift, valid while the M
+      bracket the threshold;
+    - log2 M* by seed (r50, thresholds.threshold_with_ci: ≥ 5 finite M per seed), paired t — Holm family."""
+    pairs = _paired(a, b)
+    keys = pairs.set_index(["M", "seed"]).index
+    a, b = (x[x.set_index(["M", "seed"]).index.isin(keys)] for x in (a, b))
+    dose_ = a.integrated_pne_injected.mean()
+    ms = sorted(int(m) for m in pairs.M.unique())
+    where = f"{at}, M ∈ {{{', '.join(map(str, ms))}}}, realised injected P-NE* {dose_:.3g}"
+    names = {k: f"{k} (aligned − {label}), {where}" for k in
+             ("paired t by seed of the mean over M", "sensitivity: paired t by (M, seed)",
+              "M* shift read from r, delta method", "paired t of log2 M* (r50) by seed")}
+    per = pairs.groupby("seed")[["r_a", "r_b"]].mean()
+    if len(per) < 2:
+        why = "not run: fewer than 2 seeds with a common (M, seed)"
+        return [_row("H5", n, "log2 M*" if "M*" in n else "r", status=why, family="sensitivity" not in n)
+                for n in names.values()]
+    fails = common(pd.concat([a, b])) if common else []
+    if injected:
+        e = {"aligned": dose_, label: b.integrated_pne_injected.mean()}
+        if a.integrated_pne_injected.isna().any() or b.integrated_pne_injected.isna().any():
+            fails.append(("realised exposure not recorded", "integrated_pne_injected"))
+        elif not (min(e.values()) > 0 and max(e.values()) / min(e.values()) - 1 <= GATES["shape_exposure_tol"]):
+            fails.append(("unequal exposure", ", ".join(f"{k} {v:.3g}" for k, v in e.items())))
+    words = (f"r {{}} under aligned noise than {label}", f"no evidence that aligned noise changes r against {label}")
+    rows = []
+    for n, res, fam in ((names["paired t by seed of the mean over M"],
+                         stats.paired_test(per.r_a.to_numpy(), per.r_b.to_numpy(), alpha), True),
+                        (names["sensitivity: paired t by (M, seed)"],
+                         stats.paired_test(pairs.r_a.to_numpy(), pairs.r_b.to_numpy(), alpha), False)):
+        rows.append(_row("H5", n, "r", f"aligned − {label}", **res, fails=fails, family=fam,
+                         words=(words[0].format(_direction(res["estimate"], "higher", "lower")), words[1])))
+    rows.append(_h5_shift_row(names["M* shift read from r, delta method"], per, pd.concat([a, b]), ms, label, fails,
+                              alpha))
+    th = [threshold_with_ci(x, level=1 - alpha, min_seeds=GATES["min_seeds"], alpha=alpha) for x in (a, b)]
+    seeds = sorted(set(th[0].get("log2_per_seed", {})) & set(th[1].get("log2_per_seed", {})))
+    if len(seeds) < 2:
+        why = "; ".join(f"{w}: {t['reason']}" for w, t in zip(("aligned", label), th) if t["reason"])
+        rows.append(_row("H5", names["paired t of log2 M* (r50) by seed"], "log2 M*",
+                         status=f"not run: no per-seed M* on ≥ 2 common seeds ({why})"))
+        return rows
+    z = stats.paired_test([th[0]["log2_per_seed"][s] for s in seeds], [th[1]["log2_per_seed"][s] for s in seeds],
+                          alpha)
+    rows.append(_row("H5", names["paired t of log2 M* (r50) by seed"], "log2 M*", f"aligned − {label}", **z,
+                     fails=fails, power="could detect a shift of ≥ {mde:.2g} octaves of M*",
+                     words=(f"M* {_direction(z['estimate'], 'higher', 'lower')} under aligned noise than {label}",
+                            f"no evidence that aligned noise moves M* against {label}")))
+    return rows
+
+
+def _h5_shift_row(name: str, per: pd.DataFrame, both: pd.DataFrame, ms: list[int], label: str, fails, alpha) -> dict:
+    """The per-seed r difference (`per`: seed → r_a, r_b) read as a shift of log2 M* through the local slope of r
+    in log2 M over `ms` (dose.local_slope on `both` arms' runs), t interval over seeds; gated on r rising there."""
+    loc = dose.local_slope(both, ms)
+    d = per.r_a - per.r_b
+    n = len(d)
+    if not np.isfinite(loc["s"]):
+        return _row("H5", name, "log2 M*", family=False, status=f"not run: no local slope ({loc['n']} seeds)")
+    c = dose.ladder_conversion(float(d.mean()), float(d.std(ddof=1) / math.sqrt(n)), loc["s"], loc["se"], alpha)
+    t = float(sps.t.ppf(1 - alpha / 2, n - 1))
+    flat = [] if loc["p"] < alpha else [("flat ladder", f"dr/dlog2 M = {loc['s']:.3g} ± {loc['se']:.2g}, "
+                                                        f"p = {loc['p']:.2g}: r does not rise over these M")]
+    return _row("H5", name, "log2 M*", f"aligned − {label}", n=n, estimate=c["estimate"],
+                ci_lo=c["estimate"] - t * c["se"], ci_hi=c["estimate"] + t * c["se"],
+                p=float(2 * sps.t.sf(abs(c["estimate"]) / c["se"], n - 1)) if c["se"] > 0 else math.nan,
+                mde=stats.mde_paired_t(c["se"] * math.sqrt(n), n, alpha), fails=[*fails, *flat], family=False,
+                power="could detect a shift of ≥ {mde:.2g} octaves of M*",
+                words=(f"M* {_direction(c['estimate'], 'higher', 'lower')} under aligned noise than {label} (read "
+                       "from r)", f"no evidence that aligned noise moves M* against {label}"))
