@@ -117,3 +117,56 @@ def test_with_five_finite_m_each_seed_has_its_m_star():
 def test_no_aligned_condition_no_h5_rows():
     out = planted(np.random.default_rng(4), arms=("none", "nap_misaligned", "nap_isotropic"))
     assert not len(h5(out)) and h5_alignment(out, CFG, None) == []
+
+
+def injection_log(run_id: str, alignment: list[float], every: int = 100, steps: int = 400) -> pd.DataFrame:
+    """injection.parquet rows of a shaped run: one per injecting step, alignment constant between refreshes."""
+    from iclnoise.injection import INJECTION_SCHEMA
+
+    rows = [{"run_id": run_id, "step": s, "active": True, "alignment": alignment[s // every]} for s in range(steps)]
+    return pd.DataFrame(rows).reindex(columns=INJECTION_SCHEMA.names)
+
+
+def test_alignment_rows_keep_the_refreshes_and_export_writes_them(tmp_path):
+    from iclnoise.figures.align import ALIGNMENT_SCHEMA, alignment_rows
+    from iclnoise.injection import INJECTION_SCHEMA
+    from iclnoise.io import read_parquet, write_parquet
+    from iclnoise.paper import ALIGNMENT, _export_alignment
+
+    log = pd.concat([injection_log("a", [0.1, 0.5, 0.5, 0.6]), injection_log("b", [0.0, 0.01, 0.02, 0.03])])
+    rows = alignment_rows(log.sample(frac=1.0, random_state=0))   # any row order
+    assert rows.values.tolist() == [["a", 0, 0.1], ["a", 100, 0.5], ["a", 300, 0.6], ["b", 0, 0.0], ["b", 100, 0.01],
+                                    ["b", 200, 0.02], ["b", 300, 0.03]]
+    assert alignment_rows(rows).equals(rows)   # idempotent: the figure reads either table
+    for name, lg in (("shaped", log[log.run_id == "a"]), ("plain", injection_log("c", [np.nan] * 4))):
+        (tmp_path / name).mkdir()
+        write_parquet(lg, tmp_path / name / "injection.parquet", INJECTION_SCHEMA)
+        _export_alignment(tmp_path / name, tmp_path / name)
+    assert read_parquet(tmp_path / "shaped" / ALIGNMENT, ALIGNMENT_SCHEMA).step.tolist() == [0, 100, 300]
+    assert not (tmp_path / "plain" / ALIGNMENT).exists()
+
+
+def test_figure_6_by_noise_shape_only_with_an_aligned_condition(tmp_path, monkeypatch):
+    from iclnoise import aggregate as agg
+    from iclnoise.aggregate import OUTCOMES_SCHEMA
+    from iclnoise.figures.aggregate import SHAPE_STEM, aggregate_figures
+    from iclnoise.injection import INJECTION_SCHEMA
+    from iclnoise.io import read_parquet, write_parquet
+
+    logs = []
+    for name, arms in (("h5", ARMS), ("plain", ("none", "nap_misaligned"))):
+        out = planted(np.random.default_rng(5), lift=0.1, arms=arms).assign(steps=1000, t_crit=10)
+        monkeypatch.setattr(agg, "outcomes", lambda dirs, tol, o=out: (o.reindex(columns=OUTCOMES_SCHEMA.names),
+                                                                        OUTCOMES_SCHEMA))
+        monkeypatch.setattr(agg, "trajectories", lambda dirs: pd.DataFrame(columns=agg.TRAJECTORY_COLUMNS))
+        agg.aggregate([], tmp_path / name / "aggregate", CFG)
+        for i, run in enumerate(out.run_id[out.noise_shape.str.startswith("nap")]):
+            logs.append(tmp_path / name / f"{run}.parquet")
+            write_parquet(injection_log(run, [0.6, 0.65, 0.7, 0.7] if "-nap-" in run else [0.0, 0.01, 0.0, 0.02]),
+                          logs[-1], INJECTION_SCHEMA)
+        pngs = aggregate_figures(tmp_path / name / "aggregate", [], tmp_path / name / "figures",
+                                 [p for p in logs if p.parent.name == name])
+        assert (tmp_path / name / "figures" / f"{SHAPE_STEM}.png" in pngs) == (name == "h5")
+    assert (tmp_path / "h5" / "figures" / f"{SHAPE_STEM}.png").stat().st_size > 20_000
+    data = read_parquet(tmp_path / "h5" / "figures" / f"{SHAPE_STEM}.parquet")
+    assert sorted(data.noise_shape.unique()) == sorted(ARMS) and (data.M != M_INF).all()

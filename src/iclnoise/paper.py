@@ -42,6 +42,7 @@ from .io import (
     replace_dir,
     write_bytes,
     write_json,
+    write_parquet,
     write_text,
 )
 
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 # paper draws reads it, and exposure.parquet carries its exact interval sums
 RUN_TABLES = ("run.json", "metrics.parquet", "exposure.parquet", "llc.parquet", "stages.parquet", "geometry.parquet",
               "mech.parquet", "rllc.parquet", "susceptibility.parquet")
+ALIGNMENT = "alignment.parquet"   # derived at export from injection.parquet (noise-shaped runs: _export_alignment)
 AGGREGATE_TABLES = ("outcomes.parquet", "thresholds.parquet", "tests.parquet")
 SEAL = "self_sha256"   # provenance.json's own content hash
 
@@ -179,6 +181,7 @@ def _export(results: Path, tmp: Path, params: dict, workdir: Path) -> dict:
         for name in RUN_TABLES:
             if (run / name).exists():
                 shutil.copy2(run / name, tmp / "runs" / run.name / name)
+        _export_alignment(run, tmp / "runs" / run.name)
         specs[run.name] = spec_hash(read_json(run / "run.json"))
     shutil.copytree(results / "aggregate", tmp / "aggregate")
     if (results / "ed").exists():
@@ -196,6 +199,17 @@ def _export(results: Path, tmp: Path, params: dict, workdir: Path) -> dict:
                       "params": params, "spec_hash": specs,
                       "versions": json.loads(made.get("iclnoise.versions", "{}")),
                       "wall_time": _job_seconds(workdir / "benchmarks")})
+
+
+def _export_alignment(run: Path, out: Path) -> None:
+    """A noise-shaped run's logged alignment (figure 6 by noise shape, H5) as alignment.parquet: injection.parquet's
+    rows where it changes (figures.align.alignment_rows), none where the run logs no alignment."""
+    from .figures.align import ALIGNMENT_SCHEMA, alignment_rows
+
+    if (run / "injection.parquet").exists():
+        rows = alignment_rows(read_parquet(run / "injection.parquet"))
+        if len(rows):
+            write_parquet(rows, out / ALIGNMENT, ALIGNMENT_SCHEMA)
 
 
 def update_aggregate(reference: Path, stats_from: dict | None = None) -> list[str]:
@@ -281,7 +295,8 @@ def _render(reference: Path, out: Path, prov: dict) -> list[Path]:
                              f"differs from it ({e}); rerun it with this code: iclnoise paper --update-aggregate "
                              f"{reference}") from None
         log.info("%s: equal to the reference's (%d rows)", name, len(ours))
-    aggregate_figures(agg, [r / "exposure.parquet" for r in runs if (r / "exposure.parquet").exists()], figs)
+    aggregate_figures(agg, [r / "exposure.parquet" for r in runs if (r / "exposure.parquet").exists()], figs,
+                      [r / ALIGNMENT for r in runs if (r / ALIGNMENT).exists()])
     llc = [r / "llc.parquet" for r in runs if (r / "llc.parquet").exists()]
     if llc:
         llc_figures(out / "summary.parquet", llc, [p.with_name("stages.parquet") for p in llc

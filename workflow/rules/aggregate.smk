@@ -1,6 +1,9 @@
 # The dose tables exist only where the grid has a dose series (iclnoise.grid.has_dose_series).
 DOSE_TABLES = ([f"{RES}/aggregate/{name}" for name in ("dose.parquet", "dose_levels.parquet", "dose.md",
                                                           "dose_levels.md")] if has_dose_series(PARAMS) else [])
+# H5 (issue 45): the noise-shaped runs' injection logs carry the alignment figure 6 by noise shape draws.
+SHAPED = [r for r in RUNS if (SPECS[r].noise.shape or "").startswith("nap")]
+ALIGNED = any(SPECS[r].noise.shape == "nap" for r in SHAPED)
 
 
 rule aggregate:
@@ -35,11 +38,13 @@ rule aggregate:
 
 
 rule aggregate_figures:
-    """SPEC §12 figures 6-10 from the aggregate tables and the runs' exposure logs."""
+    """SPEC §12 figures 6-10 from the aggregate tables and the runs' exposure logs (H5: the shaped runs' alignment)."""
     input:
         outcomes=rules.aggregate.output.outcomes,
         thresholds=rules.aggregate.output.thresholds,
+        tests=rules.aggregate.output.tests,
         exposure=sorted(f for r in RUNS for f in train_outputs(r) if f.endswith("exposure.parquet")),
+        alignment=[f"{RES}/runs/{r}/injection.parquet" for r in SHAPED],
     output:
         **{f"f6_{k}": v for k, v in figure("fig06_threshold_vs_noise", "fig06", "Hypotheses").items()},
         **{f"f7_{k}": v for k, v in figure("fig07_icl_vs_exposure", "fig07", "Hypotheses").items()},
@@ -48,6 +53,8 @@ rule aggregate_figures:
         **{f"f10_{k}": v for k, v in figure("fig10_exposure_series", "fig10", "Exposure").items()},
         **({f"f6d_{k}": v for k, v in figure("fig06_threshold_vs_noise_dose", "fig06", "Hypotheses").items()}
            if DOSE_TABLES else {}),
+        **({f"f6s_{k}": v for k, v in figure("fig06_threshold_vs_noise_shape", "fig06", "Hypotheses").items()}
+           if ALIGNED else {}),
     params:
         res=RES,
     log:
@@ -58,7 +65,7 @@ rule aggregate_figures:
         CONDA_ENV
     shell:
         "iclnoise aggregate-figures --aggregate {params.res}/aggregate --exposure {input.exposure} "
-        "--out-dir {params.res}/figures > {log} 2>&1"
+        "--alignment {input.alignment} --out-dir {params.res}/figures > {log} 2>&1"
 
 
 rule report:

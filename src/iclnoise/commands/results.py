@@ -101,9 +101,11 @@ def aggregate_figures(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="iclnoise aggregate-figures", description=doc("figures.aggregate"))
     ap.add_argument("--aggregate", default="results/aggregate", help="the directory `iclnoise aggregate --out` wrote")
     ap.add_argument("--exposure", nargs="*", default=[], help="the runs' exposure.parquet files")
+    ap.add_argument("--alignment", nargs="*", default=[],
+                    help="the noise-shaped (nap*) runs' injection.parquet or alignment.parquet files (H5's figure)")
     ap.add_argument("--out-dir", default="results/figures")
     a = ap.parse_args(argv)
-    print(f"wrote {', '.join(map(str, draw(Path(a.aggregate), a.exposure, Path(a.out_dir))))}")
+    print(f"wrote {', '.join(map(str, draw(Path(a.aggregate), a.exposure, Path(a.out_dir), a.alignment)))}")
 
 
 def report(argv: list[str]) -> None:
