@@ -3,7 +3,8 @@ directory, `iclnoise paper` draws every figure and the report again from a refer
 
 A reference set (reference/<name>/) is a results directory without checkpoints, resume states and the large
 per-token tables: per run run.json and the per-checkpoint tables the figures and the aggregate read
-(metrics, exposure, llc, stages, geometry, mech, rllc, susceptibility), the aggregate tables, the essential-dynamics
+(metrics, exposure, llc, stages, geometry, mech, rllc, susceptibility; for a noise-shaped run its alignment at each
+NAP refresh, alignment.parquet, from injection.parquet), the aggregate tables, the essential-dynamics
 tables, summary.parquet, and provenance.json (the commit and package versions the tables were written with, read
 from their Parquet metadata; the resolved parameters, each run's spec hash, the jobs' measured wall time, each
 file's sha256, and its own content hash, self_sha256). `iclnoise paper` first checks the set against

@@ -1,4 +1,4 @@
-"""Statistics for H1–H4 (SPEC §11): mixed models, paired and equivalence tests, correlations, Holm (the
+"""Statistics for H1–H5 (SPEC §11, §13): mixed models, paired and equivalence tests, correlations, Holm (the
 task-diversity thresholds are in iclnoise.thresholds).
 
 Every test returns a row with an effect size, its confidence interval, a p-value and a verdict

@@ -7,7 +7,7 @@ ALIGNED = any(SPECS[r].noise.shape == "nap" for r in SHAPED)
 
 
 rule aggregate:
-    """Outcomes per run, task-diversity thresholds, gated hypothesis tests (H1-H4), metrics.json."""
+    """Outcomes per run, task-diversity thresholds, gated hypothesis tests (H1-H5), metrics.json."""
     input:
         metrics=run_files("metrics.parquet"),
         llc=probe_files("llc", "llc.parquet"),
