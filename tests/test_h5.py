@@ -152,6 +152,7 @@ def test_figure_6_by_noise_shape_only_with_an_aligned_condition(tmp_path, monkey
     from iclnoise.figures.aggregate import SHAPE_STEM, aggregate_figures
     from iclnoise.injection import INJECTION_SCHEMA
     from iclnoise.io import read_parquet, write_parquet
+    from iclnoise.report import build
 
     logs = []
     for name, arms in (("h5", ARMS), ("plain", ("none", "nap_misaligned"))):
@@ -168,5 +169,11 @@ def test_figure_6_by_noise_shape_only_with_an_aligned_condition(tmp_path, monkey
                                  [p for p in logs if p.parent.name == name])
         assert (tmp_path / name / "figures" / f"{SHAPE_STEM}.png" in pngs) == (name == "h5")
     assert (tmp_path / "h5" / "figures" / f"{SHAPE_STEM}.png").stat().st_size > 20_000
+    text = build(tmp_path / "h5", {}, tmp_path)
+    answer = text.index("## The answer: does noise aligned with the task family raise ICL? (H5)")
+    assert answer < text.index("## What this run shows") and f"{SHAPE_STEM}.png" in text
+    assert "- paired t by seed of the mean over M (aligned − misaligned), param source, batch 64, M ∈ {8, 16, 32, " \
+           "64}, realised injected P-NE* 0.165 [r]: +0.1" in text
+    assert "The answer: does noise" not in build(tmp_path / "plain", {}, tmp_path)
     data = read_parquet(tmp_path / "h5" / "figures" / f"{SHAPE_STEM}.parquet")
     assert sorted(data.noise_shape.unique()) == sorted(ARMS) and (data.M != M_INF).all()

@@ -193,6 +193,26 @@ def dose_answer(tests, levels) -> list[str]:
     return lines
 
 
+def h5_answer(tests) -> list[str]:
+    """The report's opening where the grid has an aligned condition (H5, issue 45): each control's rows
+    (verdicts.h5_alignment: r by seed, the M* shift read from it, M* by seed; the (M, seed) sensitivity row left to
+    the full table) with estimate, interval, mde and verdict; [] without H5 rows."""
+    h5 = tests[(tests.hypothesis == "H5") & ~tests.test.str.startswith("sensitivity")]
+    if not len(h5):
+        return []
+    lines = ["## The answer: does noise aligned with the task family raise ICL? (H5)", "",
+             "Aligned (nap) against each control at equal realised injected P-NE* (the dose is in each line); r by "
+             "seed is the test in the Holm family, the M* shift is read from it through r's slope in log2 M.", ""]
+    for t in h5.itertuples():
+        if t.status != "run":
+            lines.append(f"- {t.test} [{t.outcome}]{optimizer_note(t.optimizer)}: {t.status}.")
+            continue
+        mde = f", mde {t.mde:.2g}" if t.mde == t.mde else ""
+        lines.append(f"- {t.test} [{t.outcome}]{optimizer_note(t.optimizer)}: {t.estimate:+.3g} "
+                     f"[{t.ci_lo:+.3g}, {t.ci_hi:+.3g}]{mde}. {t.verdict}.")
+    return lines + [""]
+
+
 def exposure_section(results: Path) -> list[str]:
     """κ in use (from the runs' exposure logs) and the realised exposure per condition (outcomes.parquet)."""
     out_path = results / "aggregate" / "outcomes.parquet"
@@ -263,6 +283,8 @@ def build(results: Path, params: dict, root: Path, origin: str | None = None) ->
     conv = convergence(read_parquet(agg / "outcomes.parquet")) if (agg / "outcomes.parquet").exists() else None
     if (agg / "dose_levels.parquet").exists() and tests is not None:   # a dose series: the answer first
         lines += dose_answer(tests, read_parquet(agg / "dose_levels.parquet"))
+    if tests is not None:   # an aligned condition: H5's answer first
+        lines += h5_answer(tests)
     if th is not None or tests is not None:
         lines += what_this_run_shows(th, tests, conv)
     if tests is not None:
