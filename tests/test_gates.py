@@ -12,6 +12,11 @@ CFG = Stats(alpha=0.05, equivalence_fraction=0.5, equivalence_margin=0.05, trans
 DERIVED = Stats(alpha=0.05, equivalence_fraction=0.5, equivalence_margin=None, transient_tol=0.05)
 
 
+def primary(t: pd.DataFrame) -> pd.DataFrame:
+    """Test rows by hypothesis without the sensitivity rows (one row each for H2 and H3 in these grids)."""
+    return t[~t.test.str.startswith("sensitivity")].set_index("hypothesis")
+
+
 def table(rows: list[dict]) -> pd.DataFrame:
     """Outcome rows completed to the full outcomes schema: converged, equal data, no probes unless given."""
     defaults = {"diverged": False, "id_loss": 0.5, "ood_loss_ridge": 0.4, "ood_loss_dmmse": 0.9, "sequences": 64_000,
@@ -55,16 +60,20 @@ def planted(rng, late_gain=0.1, inj_shift=0.0, exposure={"early": 1.0, "late": 1
 
 
 def test_h2_is_two_sided_and_h3_matches_by_emulated_batch():
-    t = hypothesis_tests(planted(np.random.default_rng(0), 0.1, 0.0), CFG).set_index("hypothesis")
+    full = hypothesis_tests(planted(np.random.default_rng(0), 0.1, 0.0), CFG)
+    t = primary(full)
     h2, h3 = t.loc["H2"], t.loc["H3"]
-    assert h2.gates_passed and h2.n == 24 and abs(h2.estimate - 0.1) < 0.01 and h2.ci_lo > 0.05
+    assert h2.gates_passed and h2.n == 6 and abs(h2.estimate - 0.1) < 0.01 and h2.ci_lo > 0.05   # 6 seeds
+    assert h2.test == "paired t (late − early) by seed (mean over M), two-sided" and h2.in_family
+    pairs = full[full.test.str.startswith("sensitivity: paired t (late − early) by (M, seed)")].iloc[0]
+    assert pairs.n == 24 and not pairs.in_family and abs(pairs.estimate - h2.estimate) < 1e-12
     assert h2.verdict.startswith("late noise raises ICL more than early (Holm p")
     assert h3.term == "batch 16 − grad_b16" and h3.n == 24 and h3.verdict.startswith("equivalent") and h3.gates_passed
     # planted late − early = −0.10: significant in the other direction, not "no evidence" (issue 17, point 8)
-    t = hypothesis_tests(planted(np.random.default_rng(1), -0.1, 0.1), CFG).set_index("hypothesis")
+    t = hypothesis_tests(planted(np.random.default_rng(1), -0.1, 0.1), CFG).pipe(primary)
     assert t.loc["H2"].verdict.startswith("early noise raises ICL more than late (Holm p")
     assert t.loc["H3"].verdict.startswith("equivalence within ±0.05 not shown")
-    t = hypothesis_tests(planted(np.random.default_rng(2), 0.0, 0.0), CFG).set_index("hypothesis")
+    t = hypothesis_tests(planted(np.random.default_rng(2), 0.0, 0.0), CFG).pipe(primary)
     assert t.loc["H2"].ci_lo < 0 < t.loc["H2"].ci_hi and t.loc["H2"].verdict.startswith("no evidence")
 
 
@@ -72,17 +81,17 @@ def test_h2_with_unequal_realised_exposure_is_inconclusive():
     """Late planted with 2× the realised injected exposure: the old H2 read 'late noise raises ICL more,
     significant'; now it is 'inconclusive: unequal exposure (early 1, late 2)'."""
     t = hypothesis_tests(planted(np.random.default_rng(3), 0.1, exposure={"early": 1.0, "late": 2.0}), CFG)
-    h2 = t.set_index("hypothesis").loc["H2"]
+    h2 = t.pipe(primary).loc["H2"]
     assert not h2.gates_passed and h2.verdict == "inconclusive: unequal exposure (early 1, late 2)"
     t = hypothesis_tests(planted(np.random.default_rng(3), 0.1, exposure={"early": 1.0, "late": 1.08}), CFG)
-    assert t.set_index("hypothesis").loc["H2"].gates_passed                     # within 10 %: compared
+    assert t.pipe(primary).loc["H2"].gates_passed                     # within 10 %: compared
     t = hypothesis_tests(planted(np.random.default_rng(3), 0.1, exposure={}), CFG)
-    assert "realised exposure not recorded" in t.set_index("hypothesis").loc["H2"].verdict
+    assert "realised exposure not recorded" in t.pipe(primary).loc["H2"].verdict
 
 
 def test_arms_that_saw_different_data_are_inconclusive():
     """Batch 16 at equal steps sees 4× fewer sequences than batch 64: H3 compares them, so it is gated."""
-    t = hypothesis_tests(planted(np.random.default_rng(4), seq_b16=16_000), CFG).set_index("hypothesis")
+    t = hypothesis_tests(planted(np.random.default_rng(4), seq_b16=16_000), CFG).pipe(primary)
     assert t.loc["H3"].verdict == "inconclusive: unequal data (sequences seen 16,000–64,000)"
     assert t.loc["H2"].gates_passed     # early and late both at batch 64: equal data, still compared
 
@@ -102,7 +111,7 @@ def test_llc_verdicts_are_gated_by_llc_diagnostics():
 def test_unconverged_and_too_few_seeds_are_inconclusive():
     df = planted(np.random.default_rng(6), seeds=2)
     df.loc[(df.M == -1) & (df.batch == 16), "ood_loss"] = 0.6           # 1.5× ridge's
-    t = hypothesis_tests(df, CFG).set_index("hypothesis")
+    t = hypothesis_tests(df, CFG).pipe(primary)
     assert t.loc["H3"].verdict.startswith("inconclusive: unconverged (none16/B16: M = ∞ OOD loss 1.50× ridge's)")
     assert "insufficient seeds (2 < 3)" in t.loc["H2"].verdict and "unconverged" not in t.loc["H2"].verdict
     assert not t.verdict.str.contains("significant|raises|increases|equivalent within").any()
@@ -151,21 +160,21 @@ def test_h3_margin_is_half_the_manipulations_effect():
     margin 0.5 × 0.03 ≈ 0.015, equivalent; the manipulation's effect and CI are in the row. With no manipulation
     effect (0) there is nothing to compare sources on: inconclusive, and out of the Holm family. A fixed
     margin (stats.equivalence_margin) replaces the derived one but not the manipulation gate."""
-    t = hypothesis_tests(planted(np.random.default_rng(9), inj_shift=0.002), DERIVED).set_index("hypothesis")
+    t = hypothesis_tests(planted(np.random.default_rng(9), inj_shift=0.002), DERIVED).pipe(primary)
     h3 = t.loc["H3"]
     assert h3.manipulation_ci_lo < 0.03 < h3.manipulation_ci_hi and h3.manipulation_ci_lo > 0.02
     assert h3.margin == pytest.approx(0.5 * h3.manipulation_effect) and 0.013 < h3.margin < 0.017
     assert h3.verdict.startswith(f"equivalent within ±{h3.margin:.2g} (Holm p") and h3.in_family
     assert "0.5 × |batch 16 − batch 64|" in h3.test and h3.mde < h3.margin
     t = hypothesis_tests(planted(np.random.default_rng(9), inj_shift=0.002, manipulation=0.0), DERIVED)
-    h3 = t.set_index("hypothesis").loc["H3"]
+    h3 = t.pipe(primary).loc["H3"]
     assert h3.verdict.startswith(f"inconclusive: {NO_MANIPULATION} (batch 16 − batch 64 = ")
     assert not h3.in_family and h3.gate_records[-1]["code"] == NO_MANIPULATION
     # the arms 0.02 apart: outside ±0.015, not shown; inside a stated ±0.05
-    t = hypothesis_tests(planted(np.random.default_rng(9), inj_shift=0.02), DERIVED).set_index("hypothesis")
+    t = hypothesis_tests(planted(np.random.default_rng(9), inj_shift=0.02), DERIVED).pipe(primary)
     h3 = t.loc["H3"]
     assert h3.verdict.startswith(f"equivalence within ±{h3.margin:.2g} not shown (could show ±") and h3.margin < 0.02
-    t = hypothesis_tests(planted(np.random.default_rng(9), inj_shift=0.02), CFG).set_index("hypothesis")
+    t = hypothesis_tests(planted(np.random.default_rng(9), inj_shift=0.02), CFG).pipe(primary)
     assert t.loc["H3"].margin == 0.05 and t.loc["H3"].verdict.startswith("equivalent within ±0.05")
 
 
@@ -191,7 +200,7 @@ def test_h2_arms_are_conditions_not_schedules():
     """Two conditions with schedule 'early' are not averaged: H2 does not run and says why."""
     df = planted(np.random.default_rng(11))
     twin = df[df.noise == "early"].assign(noise="early2")
-    t = hypothesis_tests(pd.concat([df, twin], ignore_index=True), DERIVED).set_index("hypothesis")
+    t = hypothesis_tests(pd.concat([df, twin], ignore_index=True), DERIVED).pipe(primary)
     assert t.loc["H2"].status.startswith("not run: more than one condition per schedule (early: ['early', 'early2']")
 
 
