@@ -67,7 +67,7 @@ class FakeFigures:
         monkeypatch.setattr(iclnoise.figures.training, "training_figures",
                             lambda metrics, out: draw(Path(out) / "figures" / "fig01_ood_loss.png"))
         monkeypatch.setattr(iclnoise.figures.aggregate, "aggregate_figures",
-                            lambda agg, exposure, figs: draw(Path(figs) / "fig06_threshold_vs_noise.png"))
+                            lambda agg, exposure, figs, alignment=(): draw(Path(figs) / "fig06_threshold_vs_noise.png"))
         monkeypatch.setattr(iclnoise.figures.llc, "llc_figures",
                             lambda summary, llc, stages, figs: draw(Path(figs) / "fig03_loss_llc_vs_m.png"))
         monkeypatch.setattr(iclnoise.figures.refined, "refined_figures",
