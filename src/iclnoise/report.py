@@ -195,14 +195,16 @@ def dose_answer(tests, levels) -> list[str]:
 
 def h5_answer(tests) -> list[str]:
     """The report's opening where the grid has an aligned condition (H5, issue 45): each control's rows
-    (verdicts.h5_alignment: r by seed, the M* shift read from it, M* by seed; the (M, seed) sensitivity row left to
-    the full table) with estimate, interval, mde and verdict; [] without H5 rows."""
+    (verdicts.h5_alignment: r by seed, the M* shift read from it, the distances to ridge and dMMSE, M* by seed; the
+    (M, seed) sensitivity row left to the full table) with estimate, interval, mde and verdict; [] without H5 rows."""
     h5 = tests[(tests.hypothesis == "H5") & ~tests.test.str.startswith("sensitivity")]
     if not len(h5):
         return []
     lines = ["## The answer: does noise aligned with the task family raise ICL? (H5)", "",
              "Aligned (nap) against each control at equal realised injected P-NE* (the dose is in each line); r by "
-             "seed is the test in the Holm family, the M* shift is read from it through r's slope in log2 M.", ""]
+             "seed is the test in the Holm family, the M* shift is read from it through r's slope in log2 M, and the "
+             "distances to ridge and to dMMSE say what r's change is made of (r also rises when the model only moves "
+             "away from dMMSE).", ""]
     for t in h5.itertuples():
         if t.status != "run":
             lines.append(f"- {t.test} [{t.outcome}]{optimizer_note(t.optimizer)}: {t.status}.")

@@ -632,7 +632,8 @@ def h5_alignment(fin: pd.DataFrame, cfg: Stats, common) -> list[dict]:
     and batch with an aligned condition, against each control in the grid: the same spectrum misaligned, isotropic
     and within-task (injected, same source and batch), and no injection (the batch noise alone at that batch).
     Rows per control (_h5_pair): r by seed (Holm family), r by (M, seed) (sensitivity), the M* shift the r
-    difference reads as (derived), and log2 M* by seed where each seed has its own M* (Holm family).
+    difference reads as (derived), the distances to ridge and to dMMSE it is made of (derived), and log2 M* by seed
+    where each seed has its own M* (Holm family).
     Gates: convergence, seeds, equal data (`common`) and, against an injected control, equal realised injected
     P-NE* (seed means within GATES['shape_exposure_tol']): the shape must be the only difference. The dose is in
     the test's name, so a null says what it was tested at. No rows when the grid has no aligned condition."""
@@ -666,6 +667,7 @@ def _h5_pair(a: pd.DataFrame, b: pd.DataFrame, label: str, at: str, injected: bo
       arms' runs pooled (uncorrelated with the difference when the arms' run noise is equal), t interval over
       seeds — derived from the first row, outside the family; first order in the shift, valid while the M
       bracket the threshold;
+    - what the r difference is made of (_h5_distance_row): Δ to ridge and Δ to dMMSE by seed, outside the family;
     - log2 M* by seed (r50, thresholds.threshold_with_ci: ≥ 5 finite M per seed), paired t — Holm family."""
     pairs = _paired(a, b)
     keys = pairs.set_index(["M", "seed"]).index
@@ -698,6 +700,8 @@ def _h5_pair(a: pd.DataFrame, b: pd.DataFrame, label: str, at: str, injected: bo
                          words=(words[0].format(_direction(res["estimate"], "higher", "lower")), words[1])))
     rows.append(_h5_shift_row(names["M* shift read from r, delta method"], per, pd.concat([a, b]), ms, label, fails,
                               alpha))
+    rows += [_h5_distance_row(pairs, col, what, label, where, fails, alpha)
+             for col, what in (("delta_ridge", "ridge"), ("delta_dmmse", "dMMSE"))]
     th = [threshold_with_ci(x, level=1 - alpha, min_seeds=GATES["min_seeds"], alpha=alpha) for x in (a, b)]
     seeds = sorted(set(th[0].get("log2_per_seed", {})) & set(th[1].get("log2_per_seed", {})))
     if len(seeds) < 2:
@@ -712,6 +716,22 @@ def _h5_pair(a: pd.DataFrame, b: pd.DataFrame, label: str, at: str, injected: bo
                      words=(f"M* {_direction(z['estimate'], 'higher', 'lower')} under aligned noise than {label}",
                             f"no evidence that aligned noise moves M* against {label}")))
     return rows
+
+
+def _h5_distance_row(pairs: pd.DataFrame, col: str, what: str, label: str, where: str, fails, alpha) -> dict:
+    """What H5's r difference is made of: r = Δ_dMMSE / (Δ_dMMSE + Δ_ridge) (SPEC §3) rises when the model moves
+    toward ridge and also when it only moves away from dMMSE (a model fitting neither, r → ½). Each seed's mean over M
+    of Δ(aligned) − Δ(control) to `what` (`col` of the matched `pairs`), paired t over seeds; outside the family
+    (a reading of the r rows, not a hypothesis of its own)."""
+    name = f"decomposition: paired t by seed of the mean over M of Δ to {what} (aligned − {label}), {where}"
+    per = pairs[["seed", f"{col}_a", f"{col}_b"]].dropna().groupby("seed").mean()
+    if len(per) < 2:
+        return _row("H5", name, col, family=False, status=f"not run: {col} on fewer than 2 seeds")
+    res = stats.paired_test(per[f"{col}_a"].to_numpy(), per[f"{col}_b"].to_numpy(), alpha)
+    return _row("H5", name, col, f"aligned − {label}", **res, fails=fails, family=False,
+                words=(f"the model {_direction(res['estimate'], 'farther from', 'nearer to')} {what} under aligned "
+                       f"noise than {label}", f"no evidence that aligned noise moves the model's distance to {what} "
+                       f"against {label}"))
 
 
 def _h5_shift_row(name: str, per: pd.DataFrame, both: pd.DataFrame, ms: list[int], label: str, fails, alpha) -> dict:
