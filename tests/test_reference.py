@@ -24,7 +24,7 @@ SETS = sorted(p for p in (ROOT / "reference").iterdir() if (p / "provenance.json
 
 
 def test_the_reference_sets_fit_the_budget():
-    assert {p.name for p in SETS} >= {"science", "noise"}
+    assert {p.name for p in SETS} >= {"science", "noise", "align"}
     assert sum(p.stat().st_size for s in SETS for p in s.rglob("*") if p.is_file()) < 50 * 2**20
 
 
@@ -45,9 +45,11 @@ def test_a_reference_set_has_its_provenance(ref):
     assert verify(ref) == prov   # what `make paper` checks first, provenance.json's own hash included
 
 
-@pytest.mark.parametrize("ref, run", [("science", "M16-B64-none-s0"), ("noise", "M16-B64-grad_b16_steps-s0")])
+@pytest.mark.parametrize("ref, run", [("science", "M16-B64-none-s0"), ("noise", "M16-B64-grad_b16_steps-s0"),
+                                      ("align", "M16-B64-nap-s0")])
 def test_the_first_steps_of_a_reference_run_retrain_to_its_committed_rows(tmp_path, ref, run):
-    """The injected run (noise) also checks the injection: its first steps draw the low-rank noise."""
+    """The injected runs also check the injection: the noise run's first steps draw the low-rank noise, the align
+    run's the NAP noise from its sketch of the task covariance (under the anisotropic prior)."""
     from iclnoise.train import train_run
 
     committed = read_parquet(ROOT / "reference" / ref / "runs" / run / "metrics.parquet").sort_values("step")
