@@ -45,11 +45,13 @@ def test_a_reference_set_has_its_provenance(ref):
     assert verify(ref) == prov   # what `make paper` checks first, provenance.json's own hash included
 
 
-@pytest.mark.parametrize("ref, run", [("science", "M16-B64-none-s0"), ("noise", "M16-B64-grad_b16_steps-s0"),
-                                      ("align", "M16-B64-nap-s0")])
+# Not reference/align's NAP runs: their noise is drawn in the eigenbasis of a sketched covariance, and another
+# float32 reduction order (scripts/test-float.sh's portable kernels) moves M16-B64-nap-s0's train loss by 0.5 % within
+# 100 steps (measured): no tolerance from the arithmetic bounds that. Their determinism on one CPU is
+# tests/test_nap.py's resume test; their committed tables are checked against provenance.json above.
+@pytest.mark.parametrize("ref, run", [("science", "M16-B64-none-s0"), ("noise", "M16-B64-grad_b16_steps-s0")])
 def test_the_first_steps_of_a_reference_run_retrain_to_its_committed_rows(tmp_path, ref, run):
-    """The injected runs also check the injection: the noise run's first steps draw the low-rank noise, the align
-    run's the NAP noise from its sketch of the task covariance (under the anisotropic prior)."""
+    """The injected run (noise) also checks the injection: its first steps draw the low-rank noise."""
     from iclnoise.train import train_run
 
     committed = read_parquet(ROOT / "reference" / ref / "runs" / run / "metrics.parquet").sort_values("step")
