@@ -678,7 +678,7 @@ def _h5_pair(a: pd.DataFrame, b: pd.DataFrame, label: str, at: str, injected: bo
     names = {k: f"{k} (aligned − {label}), {where}" for k in
              ("paired t by seed of the mean over M", "sensitivity: paired t by (M, seed)",
               "M* shift read from r, delta method", "paired t of log2 M* (r50) by seed")}
-    per = pairs.groupby("seed")[["r_a", "r_b"]].mean()
+    per = _seed_means(pairs, "r")
     if len(per) < 2:
         why = "not run: fewer than 2 seeds with a common (M, seed)"
         return [_row("H5", n, "log2 M*" if "M*" in n else "r", status=why, family="sensitivity" not in n)
@@ -718,13 +718,19 @@ def _h5_pair(a: pd.DataFrame, b: pd.DataFrame, label: str, at: str, injected: bo
     return rows
 
 
+def _seed_means(pairs: pd.DataFrame, col: str) -> pd.DataFrame:
+    """Each seed's mean over M of `col` in both arms of the matched `pairs` (columns {col}_a, {col}_b; pairs with
+    a missing value left out): H5's unit of replication."""
+    return pairs[["seed", f"{col}_a", f"{col}_b"]].dropna().groupby("seed").mean()
+
+
 def _h5_distance_row(pairs: pd.DataFrame, col: str, what: str, label: str, where: str, fails, alpha) -> dict:
     """What H5's r difference is made of: r = Δ_dMMSE / (Δ_dMMSE + Δ_ridge) (SPEC §3) rises when the model moves
     toward ridge and also when it only moves away from dMMSE (a model fitting neither, r → ½). Each seed's mean over M
     of Δ(aligned) − Δ(control) to `what` (`col` of the matched `pairs`), paired t over seeds; outside the family
     (a reading of the r rows, not a hypothesis of its own)."""
     name = f"decomposition: paired t by seed of the mean over M of Δ to {what} (aligned − {label}), {where}"
-    per = pairs[["seed", f"{col}_a", f"{col}_b"]].dropna().groupby("seed").mean()
+    per = _seed_means(pairs, col)
     if len(per) < 2:
         return _row("H5", name, col, family=False, status=f"not run: {col} on fewer than 2 seeds")
     res = stats.paired_test(per[f"{col}_a"].to_numpy(), per[f"{col}_b"].to_numpy(), alpha)
