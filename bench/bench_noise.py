@@ -7,7 +7,8 @@ and the fastest of each variant kept (machines here are noisy: read the ratios).
 `--runs R` trains R runs together (an ensemble, as the noise experiment's jobs do: M 1, 4, 16, ∞ × seeds), so
 the per-run hook work is measured against the shared stacked step. `budget_diagonal` injects on every step
 under the closed loop of the early and late arms (the realised-exposure budget, curvature re-measured every
-`exposure.curvature_every` steps); compare it with `exposure`, the plain arm of the noise experiment.
+`exposure.curvature_every` steps from `exposure.curvature_probes` probes); compare it with `exposure`, the plain arm
+of the noise experiment; `budget_param_diagonal` is the same in parameter space (configs/dose.yaml's param source).
 `budget_nap` is the same closed loop with NAP's shape (issue 45: rank 4, 16 tasks × 4 sequences per refresh, every
 `--every` steps, iclnoise.nap); compare it with `budget_lowrank` and `budget_diagonal`, plain injecting steps (the
 issue asks ≤ 1.3x; measured 1.05-1.10x at --every 100, 1.27-1.38x at --every 25: cost.py). `sgd_momentum` is
@@ -81,6 +82,8 @@ def main() -> None:
         "grad_lowrank+exposure": (True, {"source": "grad", "shape": "lowrank", "rank": 4, "schedule": "constant",
                                          "emulate_batch": emulate}),
         "budget_diagonal": (True, {"source": "grad", "shape": "diagonal", "schedule": "constant", "budget": 1.0}),
+        "budget_param_diagonal": (True, {"source": "param", "shape": "diagonal", "schedule": "constant",
+                                          "budget": 1.0}),
         "budget_lowrank": (True, {"source": "grad", "shape": "lowrank", "rank": 4, "schedule": "constant",
                                   "budget": 1.0}),
         "budget_nap": (True, {"source": "grad", "shape": "nap", **nap, "schedule": "constant", "budget": 1.0}),

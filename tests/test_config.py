@@ -389,8 +389,8 @@ def test_cost_estimate_counts_the_dag():
 
 def test_cost_prices_only_the_injection_windows_steps_at_the_injected_rate():
     """An early or late arm injects on `fraction` of its steps: its training costs plain · (1 + (f − 1) · fraction),
-    f = INJECTED_FACTOR[source] (measured, bench/bench_noise.py); a constant schedule pays f on every step."""
-    from iclnoise.cost import INJECTED_FACTOR, step_ms
+    f = injected_factor(params, source) (measured, bench/bench_noise.py); a constant schedule pays f on every step."""
+    from iclnoise.cost import injected_factor, step_ms
 
     def train_hours(noise, **cond):
         p = load_params("params.yaml")
@@ -401,9 +401,28 @@ def test_cost_prices_only_the_injection_windows_steps_at_the_injected_rate():
     p = load_params("params.yaml")
     plain = train_hours("none")
     early, const = train_hours("early"), train_hours("early", schedule="constant", fraction=None)
-    f, steps = INJECTED_FACTOR["grad"], 2500
+    f, steps = injected_factor(p, "grad"), 2500
     extra = steps * (step_ms(p, 64) * (f - 1)) / 1000 / 3600
     assert early == pytest.approx(plain + 0.3 * extra, rel=1e-9) and const == pytest.approx(plain + extra, rel=1e-9)
+
+
+def test_cost_counts_the_closed_loops_curvature_probes():
+    """Issue 43: the estimate priced an injecting step alike at any exposure.curvature_probes / curvature_every,
+    so configs/dose.yaml's 16 probes every 10 steps (5x the default's 8 every 25) read as the default's cost. Each
+    probe per step costs CURVATURE_PROBE_COST plain steps (measured, cost.py)."""
+    from iclnoise.cost import CURVATURE_PROBE_COST, injected_factor, step_ms
+
+    def hours(probes, every, noise="param_x1"):
+        p = load_params("params.yaml", ["configs/science.yaml", "configs/dose.yaml"])
+        p["grid"].update(noise=[noise], M=[16], seeds=[0])
+        p["exposure"].update(curvature_probes=probes, curvature_every=every)
+        return p, cost_estimate(p)["train_core_hours"]
+
+    (p, dose), (_, default) = hours(16, 10), hours(8, 25)
+    plain = hours(16, 10, "none")[1]
+    assert injected_factor(p, "none") == 1.0 and plain < default < dose
+    extra = 20_000 * step_ms(p, 64) * CURVATURE_PROBE_COST * (16 / 10 - 8 / 25) / 1000 / 3600
+    assert dose - default == pytest.approx(extra, rel=1e-9)
 
 
 def test_probed_checkpoints_match_a_real_run():

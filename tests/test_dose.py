@@ -250,3 +250,27 @@ def test_a_series_under_two_optimizers_is_two_series_each_with_its_own_dose_zero
     lv = dose.levels_table(runs, 0.05, GATES["dose_tol"], 3)
     alone = dose.levels_table(dose.dose_runs(a, GATES["regime_tol"]), 0.05, GATES["dose_tol"], 3)
     pd.testing.assert_frame_equal(alone, lv[lv.optimizer == "adamw"].reset_index(drop=True))
+
+
+def test_the_dose_grid_is_the_issues_design():
+    """configs/dose.yaml (issue 43 item 2, CPU plan): per injected source ≥ 5 positive doses below its saturation
+    spanning ≥ 1.5 decades, each at the threshold ladder M ∈ {8, 16, 32} on 3 seeds; the H2 pair at equal budgets
+    ≥ 50 % of the batch noise's integrated P-NE* (0.055); and every run of every seed probed (item 5: H4's seed
+    gate)."""
+    from iclnoise.config import load_params
+    from iclnoise.grid import expand_grid, probe_sections
+
+    p = load_params("params.yaml", ["configs/science.yaml", "configs/dose.yaml"])
+    conds = {c: p["noise"]["conditions"][c] for c in p["grid"]["noise"] if c != "none"}
+    saturates = {"grad": 0.095}   # booked by grad 2x at M 16-64 (configs/dose.yaml's header)
+    for source in ("param", "grad"):
+        doses = sorted(c["budget"] for c in conds.values() if c["source"] == source and c["schedule"] == "constant"
+                       and c["budget"] < saturates.get(source, math.inf))
+        assert len(doses) >= 5 and math.log10(doses[-1] / doses[0]) >= 1.5, (source, doses)
+    for c in conds.values():
+        assert c["schedule"] != "constant" or set(LADDER) <= set(c.get("M") or p["grid"]["M"])
+    early, late = conds["h2_early"], conds["h2_late"]
+    assert early["budget"] == late["budget"] >= 0.5 * 0.055 and early["M"] == late["M"]
+    runs = expand_grid(p)
+    assert {k.seed for k in runs} == {0, 1, 2}
+    assert all({"llc", "geometry", "mech"} <= set(probe_sections(p, k)) for k in runs)
