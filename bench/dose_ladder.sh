@@ -11,8 +11,9 @@
 set -u
 cd "$(dirname "$0")/.."
 lanes=${1:-1}
-claims=${DOSE_CLAIMS:-$(mktemp -d)}
-mkdir -p "$claims"
+claims=${DOSE_CLAIMS:-}
+own=${claims:+no}
+[ -n "$claims" ] && mkdir -p "$claims" || claims=$(mktemp -d)
 jobs=()
 for c in none param_x3 grad_x2; do jobs+=(M16-B64-$c-s0); done
 for c in none param_x3; do jobs+=(M1-B64-$c-s0); done
@@ -35,4 +36,5 @@ lane() {
 }
 for l in $(seq "$lanes"); do lane "$l" & done
 wait
+[ -z "$own" ] && rm -rf "$claims"
 echo "== all done $(date -u +%FT%TZ)"
