@@ -1,0 +1,70 @@
+"""Issue 43 on a lent GPU: configs/dose.yaml's training jobs without Snakemake, in priority order, many at once.
+
+  python bench/dose_device.py plan CONFIG...        the ensemble jobs, one line each: group, runs, shared spec (JSON)
+  python bench/dose_device.py pack RESULTS OUT.tar  the finished runs' files, checkpoints reduced to the first and last
+
+`plan` reads params.yaml with the CONFIG files on top (as `snakemake --configfile` does) and orders the jobs as the
+dose-response needs them: the threshold ladder (M 8-32) of dose 0 and of every dose from the top, H2, then the rest
+of the full M grids and M = inf. Each job is what the workflow's train rule runs (`iclnoise train --spec --runs`), so
+its runs are the workflow's runs: a results folder filled here is complete for `snakemake` with the same configs.
+`pack` takes a run whose training outputs are all there (a killed job's runs are not) and leaves out the resume
+state and the intermediate checkpoints (the probes of configs/dose.yaml read the first and last only).
+"""
+import json
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from iclnoise.config import load_params  # noqa: E402
+from iclnoise.grid import ensemble_groups, shared_spec, typed_spec  # noqa: E402
+
+# Dose labels from the top down: the ladder's extremes first, so a deadline leaves the widest span done.
+ORDER = ["none", "param_x1", "grad_x1", "param_x0p01", "grad_x0p01", "param_x0p1", "grad_x0p1", "h2_early", "h2_late",
+         "param_x0p3", "grad_x0p3", "param_x0p03", "grad_x0p03", "param_x3", "grad_x2"]
+
+
+def rank(group: str, runs: list[str]) -> tuple:
+    """Ladder jobs (holding M 8-32; H2's M 16-32) before the rest, then by ORDER, then by chunk."""
+    noise = runs[0].split("-")[2]
+    ladder = any(r.startswith(("M8-", "M16-", "M32-")) for r in runs)
+    return (not ladder, ORDER.index(noise) if noise in ORDER else len(ORDER), group)
+
+
+def plan(configs: list[str]) -> None:
+    params = load_params(ROOT / "params.yaml", configs)
+    groups = ensemble_groups(params)
+    for group in sorted(groups, key=lambda g: rank(g, groups[g])):
+        runs = groups[group]
+        print(group, ",".join(runs), json.dumps(shared_spec(params, runs), sort_keys=True), sep="\t")
+
+
+def pack(results: str, out: str) -> None:
+    runs_dir = Path(results) / "runs"
+    done = []
+    with tarfile.open(out, "w:gz") as tar:
+        for run in sorted(p for p in runs_dir.iterdir() if (p / "run.json").exists()):
+            spec = typed_spec_of(run)
+            if not all((run / f).exists() for f in spec.outputs):
+                continue
+            ckpts = sorted((run / "checkpoints").glob("step_*.pt"))
+            keep = {c.name for c in (ckpts[:1] + ckpts[-1:])}
+            for f in sorted(run.rglob("*")):
+                rel = f.relative_to(runs_dir.parent)
+                if f.is_file() and ("checkpoints" not in f.parts or f.name in keep or f.suffix == ".json") \
+                        and "resume" not in f.name:
+                    tar.add(f, arcname=str(rel))
+            done.append(run.name)
+    print(f"packed {len(done)} finished runs into {out}: {' '.join(done)}")
+
+
+def typed_spec_of(run: Path):
+    from iclnoise.sections import RunSpec
+    return RunSpec.of(json.loads((run / "run.json").read_text()))
+
+
+if __name__ == "__main__":
+    verb, *args = sys.argv[1:]
+    plan(args) if verb == "plan" else pack(*args)

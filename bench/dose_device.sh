@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 43 on a lent GPU, in one call: configs/dose.yaml's training jobs (bench/dose_device.py plan: the threshold
+# ladder first) on CUDA, LANES jobs at once, until DEADLINE seconds; then the finished runs packed into
+# $OUT/dose_runs.tar.gz (checkpoints reduced to the first and last) with the job logs in $OUT/dose_logs.tar.gz and the
+# timeline in $OUT/dose_device.log. A job killed at the deadline leaves nothing (its runs are not packed).
+#   bench/dose_device.sh                       on the device (root of the copy; .whl carried)
+#   CONFIGS="configs/science.yaml my.yaml" DEADLINE=60 LANES=2 bench/dose_device.sh   a trial (on the CPU too)
+# Unpack here with `tar -xzf dose_runs.tar.gz` in the dose worktree, then run the workflow with the same configs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/dose_out}; mkdir -p "$OUT"
+DEADLINE=${DEADLINE:-420}; LANES=${LANES:-12}
+CONFIGS=${CONFIGS:-configs/science.yaml configs/dose.yaml configs/dose_gpu.yaml}
+start=$(date +%s)
+log="$OUT/dose_device.log"
+exec > >(tee -a "$log") 2>&1
+if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+PY=${PYTHON:-python3}
+date -u; nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"
+$PY -c 'import torch, transformer_lens; print("torch", torch.__version__, "cuda", torch.cuda.is_available())' || exit 1
+# shellcheck disable=SC2086
+$PY bench/dose_device.py plan $CONFIGS > /tmp/dose_jobs.tsv || exit 1
+echo "$(wc -l < /tmp/dose_jobs.tsv) jobs, $LANES lanes, deadline ${DEADLINE} s"
+mkdir -p results logs/train
+job() {  # one line of the plan: group, runs, spec
+    IFS=$'\t' read -r group runs spec <<< "$1"
+    left=$((DEADLINE - ($(date +%s) - start)))
+    [ "$left" -le 10 ] && { echo "-- $group: not started (deadline)"; return; }
+    t0=$(date +%s)
+    echo "== $group start at $((t0 - start)) s ($left s left)"
+    timeout "$left" $PY -c 'from iclnoise.cli import main; main()' train --spec "$spec" --runs "$runs" \
+        --results results --threads 1 --no-progress > "logs/train/$group.log" 2>&1
+    rc=$?
+    echo "== $group exit $rc after $(($(date +%s) - t0)) s (at $(($(date +%s) - start)) s)"
+}
+export -f job; export start DEADLINE PY
+tr '\n' '\0' < /tmp/dose_jobs.tsv | xargs -0 -P "$LANES" -I{} bash -c 'job "$1"' _ {}
+$PY bench/dose_device.py pack results "$OUT/dose_runs.tar.gz"
+tar -czf "$OUT/dose_logs.tar.gz" logs/train
+date -u
