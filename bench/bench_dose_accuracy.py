@@ -4,19 +4,25 @@ A run injects constant-schedule diagonal noise under the closed loop (a budget o
 and `iclnoise.injection.DoseReference` recomputes, at every `--ref-every`-th step, the step's injected P-NE*
 with that step's A and the exact Gauss–Newton diagonal on held-out sequences. Both are summed over the same
 steps, so their ratio is the books' accuracy: realised / booked. Printed per (curvature setting, source),
-over the first `--early` steps (A and the curvature move fastest) and over the rest; one CSV row each.
+over the first `--early` steps (A and the curvature move fastest), over the late window (from `--late` on: the last 20 % of the schedule, where
+the learning rate has decayed) and over the steps between; one CSV row each.
 
 The run is the first `--stop` steps of the science schedule (params.yaml + configs/science.yaml, batch 64,
 1 280 000 sequences: 20 000 steps, warm-up 1 000), so the learning-rate schedule is the experiment's.
 
 Usage: python bench/bench_dose_accuracy.py [--stop 1500] [--ref-every 10] [--dose 0.55]
            [--settings 8:25 16:10] [--sources param grad] [--out bench/results/dose_accuracy.csv]
+           [--device cuda] [--deadline S]
+`--deadline S`: after S seconds (or on SIGTERM) the run stops and its row covers the steps it reached
+(`steps_reached`); windows it did not reach read NaN. bench/dose_accuracy_device.sh runs every dose level at once on a
+lent GPU.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import csv
+import signal
 import subprocess
 import tempfile
 import time
@@ -37,6 +43,14 @@ def deep_update(base: dict, over: dict) -> dict:
     for k, v in over.items():
         base[k] = deep_update(base.get(k, {}), v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
     return base
+
+
+class Deadline(Exception):
+    """Raised in the training loop by SIGTERM or SIGALRM (--deadline): the row covers the steps reached."""
+
+
+def stop_here(signum, frame):
+    raise Deadline
 
 
 def measure(base: dict, source: str, probes: int, every: int | str, a) -> dict:
@@ -61,19 +75,23 @@ def measure(base: dict, source: str, probes: int, every: int | str, a) -> dict:
         return hooks
 
     ensemble.build_hooks = with_reference
+    t0 = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory() as d:
-            t0 = time.perf_counter()
             train_run(run_spec(p, "Minf-B64-dose-s0"), Path(d), progress=False)
-            wall = time.perf_counter() - t0
+    except Deadline:
+        pass
     finally:
         ensemble.build_hooks = build
+    wall = time.perf_counter() - t0
     ref = made[0]
-    steps, real, booked = np.array(ref.steps), np.array(ref.pne), np.array(ref.booked)
-    out = {}
-    for period, sel in (("early", steps < a.early), ("rest", steps >= a.early), ("all", steps >= 0)):
-        out[period] = (float(real[sel].sum() / booked[sel].sum()), int(sel.sum()))
-    out["wall_s"] = wall
+    n = min(len(ref.steps), len(ref.pne), len(ref.booked))   # a step stopped between its two hooks is left out
+    steps, real, booked = (np.array(x[:n]) for x in (ref.steps, ref.pne, ref.booked))
+    out = {"reached": int(steps.max()) + 1 if n else 0, "wall_s": wall}
+    periods = (("early", steps < a.early), ("mid", (steps >= a.early) & (steps < a.late)), ("late", steps >= a.late),
+               ("rest", steps >= a.early), ("all", steps >= 0))
+    for period, sel in periods:
+        out[period] = (float(real[sel].sum() / booked[sel].sum()) if sel.any() else float("nan"), int(sel.sum()))
     return out
 
 
@@ -89,10 +107,18 @@ def main() -> None:
                     help="probes:every (every = auto: adaptive refresh at --tol)")
     ap.add_argument("--sources", nargs="*", default=["param", "grad"])
     ap.add_argument("--out", default="bench/results/dose_accuracy.csv")
+    ap.add_argument("--late", type=int, default=16000, help="the late window starts here (the schedule's last 20 %%)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--deadline", type=float, help="stop after this many seconds (also on SIGTERM)")
     a = ap.parse_args()
     torch.set_num_threads(1)
+    signal.signal(signal.SIGTERM, stop_here)
+    signal.signal(signal.SIGALRM, stop_here)
+    if a.deadline:
+        signal.setitimer(signal.ITIMER_REAL, a.deadline)
     base = deep_update(yaml.safe_load(open("params.yaml")), yaml.safe_load(open("configs/science.yaml")))
     base["train"]["budget"]["stop_at"] = a.stop
+    base["train"]["device"] = a.device
     base["train"]["checkpoints"] = {"linear": 0, "log": 0}
     base["eval"].update(n_sequences=64, n_root=8)
     for probe in ("ed", "llc", "geometry", "mech"):
@@ -103,14 +129,17 @@ def main() -> None:
         probes, every = setting.split(":")
         for source in a.sources:
             r = measure(base, source, int(probes), every, a)
-            print(f"probes {probes:>2} every {every:>4}  {source:5s}  realised/booked: first {a.early} steps "
-                  f"{r['early'][0]:.3f} ({r['early'][1]} steps), rest {r['rest'][0]:.3f}, all {r['all'][0]:.3f}  "
-                  f"[{r['wall_s']:.0f} s]", flush=True)
+            print(f"probes {probes:>2} every {every:>4}  {source:5s}  dose {a.dose}  realised/booked: first {a.early} "
+                  f"steps {r['early'][0]:.3f} ({r['early'][1]} steps), up to {a.late} {r['mid'][0]:.3f}, late "
+                  f"{r['late'][0]:.3f} ({r['late'][1]} steps), all {r['all'][0]:.3f}  [{r['reached']} steps reached, "
+                  f"{r['wall_s']:.0f} s]", flush=True)
             rows.append({"probes": probes, "curvature_every": every, "tol": a.tol if every == "auto" else "",
-                         "source": source, "dose": a.dose, "steps": a.stop, "ref_every": a.ref_every,
-                         "ratio_early": round(r["early"][0], 4), "ratio_rest": round(r["rest"][0], 4),
-                         "ratio_all": round(r["all"][0], 4), "wall_s": round(r["wall_s"], 1),
-                         "device": "cpu (2-core dev machine, 1 thread)", "commit": commit})
+                         "source": source, "dose": a.dose, "steps": a.stop, "steps_reached": r["reached"],
+                         "ref_every": a.ref_every, "ratio_early": round(r["early"][0], 4),
+                         "ratio_mid": round(r["mid"][0], 4), "ratio_late": round(r["late"][0], 4),
+                         "ratio_rest": round(r["rest"][0], 4), "ratio_all": round(r["all"][0], 4),
+                         "late_from": a.late, "wall_s": round(r["wall_s"], 1), "device": device_name(a.device),
+                         "commit": commit})
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     new = not Path(a.out).exists()
     with open(a.out, "a", newline="") as f:
@@ -118,6 +147,12 @@ def main() -> None:
         if new:
             w.writeheader()
         w.writerows(rows)
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
+    return "cpu (2-core dev machine, 1 thread)"
 
 
 if __name__ == "__main__":

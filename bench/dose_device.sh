@@ -14,13 +14,13 @@ CONFIGS=${CONFIGS:-configs/science.yaml configs/dose.yaml configs/dose_gpu.yaml}
 start=$(date +%s)
 log="$OUT/dose_device.log"
 exec > >(tee -a "$log") 2>&1
-if ls .whl/*.whl > /dev/null 2>&1; then
+PY=${PYTHON:-python3}
+if ! $PY -c 'import transformer_lens, jsonschema' 2> /dev/null && ls .whl/*.whl > /dev/null 2>&1; then   # the device
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || exit 1
     export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
-PY=${PYTHON:-python3}
 date -u; nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"
 $PY -c 'import torch, transformer_lens; print("torch", torch.__version__, "cuda", torch.cuda.is_available())' || exit 1
 # shellcheck disable=SC2086
