@@ -157,10 +157,14 @@ def verify(reference: Path) -> dict:
     return prov
 
 
-def export(results: Path, out: Path, params: dict, workdir: Path, sources: Iterable[Path] = ()) -> dict:
+def export(results: Path, out: Path, params: dict, workdir: Path, sources: Iterable[Path] = (),
+           add: bool = False) -> dict:
     """Copy the paper's tables of `results` into `out` (replaced) and write provenance.json. `sources`: the params
-    files, inputs like `results` and the benchmarks (`out` must be apart from all of them)."""
+    files, inputs like `results` and the benchmarks (`out` must be apart from all of them). `add`: keep the runs
+    already in the set `out` (if any) and add the finished runs of `results` to them (add_runs)."""
     apart(out, [results, workdir / "benchmarks", *sources])
+    if add:
+        return add_runs(results, out, params, workdir)
     if not (results / "aggregate" / "tests.parquet").exists():
         raise SystemExit(f"{results}/aggregate/tests.parquet is missing: run the workflow to the end first "
                          f"(snakemake --cores 2 ...), then export")
@@ -200,6 +204,98 @@ def _export(results: Path, tmp: Path, params: dict, workdir: Path) -> dict:
                       "params": params, "spec_hash": specs,
                       "versions": json.loads(made.get("iclnoise.versions", "{}")),
                       "wall_time": _job_seconds(workdir / "benchmarks")})
+
+
+def finished_runs(results: Path, params: dict) -> list[Path]:
+    """The runs of `results` that a set can take before the whole grid has run: in the grid of `params`, their
+    training tables written and every probe table their probe sections make (iclnoise.grid.probe_sections) written
+    after them (a run whose job is still training, or whose training was rerun after its probes, is left out)."""
+    from .grid import parse_run_id, probe_sections, typed_spec
+
+    tables = {"llc": ("llc.parquet", "stages.parquet"), "geometry": ("geometry.parquet",),
+              "mech": ("mech.parquet",), "refined": ("rllc.parquet", "susceptibility.parquet")}
+    done = []
+    for run in sorted(p for p in (results / "runs").iterdir() if (p / "run.json").exists()):
+        try:
+            spec = typed_spec(params, run.name)
+        except (KeyError, ValueError):
+            continue   # not a run of this grid (add_runs names it when the set holds it)
+        trained = [run / f for f in spec.outputs if f in RUN_TABLES]
+        probes = [run / f for s in probe_sections(params, parse_run_id(run.name)) for f in tables[s]]
+        if all(f.exists() for f in [run / "metrics.parquet", *trained, *probes]) and \
+                all(f.stat().st_mtime >= (run / "metrics.parquet").stat().st_mtime for f in probes):
+            done.append(run)
+    return done
+
+
+def add_runs(results: Path, out: Path, params: dict, workdir: Path) -> dict:
+    """Grow the reference set `out` by the finished runs of `results` (finished_runs), for a grid that takes more
+    than one session to train: each session exports what it finished, and the set keeps what earlier sessions
+    added. Every run of the grown set must be a run of `params`' grid with the spec `params` give it (so the set's
+    runs are one experiment; other parameters: export afresh, without --add); a run in both is taken from
+    `results`. The aggregate, the end-of-training summary and report.md are computed again from the grown set's
+    per-run tables (as `iclnoise paper` does); provenance.json records the planned grid (`planned_runs`), each
+    export (`exports`: when, how many runs it added) and the jobs' wall time of every export."""
+    from .aggregate import aggregate
+    from .config import typed
+    from .figures.training import training_figures
+    from .grid import expand_grid, run_spec, spec_hash
+    from .report import build
+
+    old = verify(out) if out.exists() else {"spec_hash": {}, "exports": []}
+    if (out / "ed").exists():
+        raise SystemExit(f"{out}: holds essential-dynamics tables, which are computed over a family of runs and "
+                         f"cannot be grown; export the set afresh (without --add)")
+    planned = sorted(k.run_id for k in expand_grid(params))
+    new = finished_runs(results, params)
+    if not new:
+        raise SystemExit(f"{results}: no finished run of these parameters' grid (trained and probed); nothing to add")
+    kept = [p for p in sorted((out / "runs").glob("*")) if p.name not in {r.name for r in new}]
+    for run in [*kept, *new]:
+        if run.name not in planned:
+            raise SystemExit(f"{run}: not a run of these parameters' grid; export the set afresh (without --add) "
+                             f"with the parameters it was trained with")
+        if read_json(run / "run.json").get("spec_hash") != spec_hash(run_spec(params, run.name)):   # as train does
+            raise SystemExit(f"{run}: trained with another spec than these parameters give it; export the set "
+                             f"afresh (without --add), or train it again")
+    final, tmp = _writable(out, "provenance.json")
+    draw = tmp.with_name(tmp.name + ".draw")
+    try:
+        for run in kept:
+            shutil.copytree(run, tmp / "runs" / run.name)
+        for run in new:
+            (tmp / "runs" / run.name).mkdir(parents=True)
+            for name in RUN_TABLES:
+                if (run / name).exists():
+                    shutil.copy2(run / name, tmp / "runs" / run.name / name)
+            _export_alignment(run, tmp / "runs" / run.name)
+        runs = sorted((tmp / "runs").iterdir())
+        aggregate(runs, tmp / "aggregate", typed(params, "stats"))
+        training_figures([r / "metrics.parquet" for r in runs], draw)
+        for name in ("summary.parquet", "summary.md"):
+            shutil.copy2(draw / name, tmp / name)
+        write_text(build(tmp, params, workdir), tmp / "report.md")
+        trained = [read_metadata(r / "metrics.parquet") for r in runs]
+        commits = pd.Series([m.get("iclnoise.commit") for m in trained]).value_counts()
+        jobs = _job_seconds(workdir / "benchmarks")["jobs"]
+        for job, s in old.get("wall_time", {}).get("jobs", {}).items():   # a job resumed in a later session
+            jobs[job] = round(jobs.get(job, 0.0) + s, 1)
+        exported = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        exports = old["exports"] if "exports" in old else [{"exported": old["exported"], "added": len(old["spec_hash"])}]
+        prov = seal(tmp, {"commit": commits.index[0], "runs_per_commit": {str(k): int(v) for k, v in commits.items()},
+                          "aggregate_commit": read_metadata(tmp / "aggregate" / "tests.parquet").get("iclnoise.commit"),
+                          "exported": exported, "exports": [*exports, {"exported": exported, "added": len(new)}],
+                          "planned_runs": planned, "params": params,
+                          "spec_hash": {r.name: spec_hash(read_json(r / "run.json")) for r in runs},
+                          "versions": json.loads(trained[0].get("iclnoise.versions", "{}")),
+                          "wall_time": {"jobs": jobs, "total_s": round(sum(jobs.values()), 1)}})
+        replace_dir(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(draw, ignore_errors=True)
+    log.info("%s: %d runs (%d added, %d kept) of the %d planned", out, len(prov["spec_hash"]), len(new), len(kept),
+             len(planned))
+    return prov
 
 
 def _export_alignment(run: Path, out: Path) -> None:
@@ -252,9 +348,14 @@ def origin(reference: Path, prov: dict) -> str:
 
     trained = ", ".join(f"{short(c)} ({n} runs)" for c, n in sorted(prov["runs_per_commit"].items(),
                                                                    key=lambda cn: (-cn[1], cn[0])))
+    planned = prov.get("planned_runs")
+    growing = (f" A set in progress: {len(prov['spec_hash'])} of the {len(planned)} runs its parameters plan, added "
+               f"by {len(prov['exports'])} export(s) (iclnoise export --add); the verdicts are those of these runs."
+               if planned and len(prov["spec_hash"]) < len(planned) else "")
     return (f"Reference set `{reference.name}`: trained at git {trained}; aggregated at git "
             f"{short(prov.get('aggregate_commit') or 'unknown')}; exported {prov.get('exported', '?')}; "
-            f"its {len(prov['sha256'])} files match provenance.json's sha256. Parameters (below): the provenance's.")
+            f"its {len(prov['sha256'])} files match provenance.json's sha256. Parameters (below): the provenance's."
+            + growing)
 
 
 def paper(reference: Path, out: Path) -> list[Path]:

@@ -132,9 +132,12 @@ def export(argv: list[str]) -> None:
     ap.add_argument("--configfile", nargs="*", default=[], help="the config files the workflow ran with")
     ap.add_argument("--workdir", default=".", help="the directory the workflow ran in (its benchmarks/)")
     ap.add_argument("--out", required=True, help="e.g. reference/science")
+    ap.add_argument("--add", action="store_true",
+                    help="grow the set OUT: keep its runs and add the finished runs of RESULTS (a grid trained over "
+                         "several sessions); the aggregate and report are computed again from the grown set")
     a = ap.parse_args(argv)
     prov = run(Path(a.results), Path(a.out), load_params(a.params, a.configfile), Path(a.workdir),
-               [Path(a.params), *map(Path, a.configfile)])
+               [Path(a.params), *map(Path, a.configfile)], add=a.add)
     size = sum(p.stat().st_size for p in Path(a.out).rglob("*") if p.is_file())
     print(f"{a.out}: {len(prov['spec_hash'])} runs, {len(prov['sha256'])} files, {size / 2**20:.1f} MiB, "
           f"commit {prov['commit']}, jobs' wall time {prov['wall_time']['total_s']:.0f} s")

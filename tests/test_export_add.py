@@ -1,0 +1,77 @@
+"""`iclnoise export --add` (issue 43): a grid that takes several sessions to train grows its reference set session by
+session, and the grown set is what one export of all its runs would be: the same aggregate, every file sealed,
+what each export added recorded; a run of another spec, or one not yet probed, is not taken.
+
+The runs are reference/science's (their per-run tables stand in for a session's finished results directory), with
+the parameters its provenance records."""
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from iclnoise.aggregate import aggregate
+from iclnoise.commands.results import export as export_cmd
+from iclnoise.config import typed
+from iclnoise.io import read_parquet
+from iclnoise.paper import AGGREGATE_TABLES, export, finished_runs, origin, verify
+
+ROOT = Path(__file__).resolve().parents[1]
+SCIENCE = ROOT / "reference" / "science"
+FIRST = [f"M{m}-B64-none-s0" for m in (1, 16, "inf")]
+SECOND = [f"M{m}-B64-none-s{s}" for m in (1, 16, "inf") for s in (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def params() -> dict:
+    return json.loads((SCIENCE / "provenance.json").read_text())["params"]
+
+
+def session(tmp: Path, runs: list[str]) -> Path:
+    """A results directory holding `runs` as a session leaves them finished (reference/science's tables)."""
+    for r in runs:
+        shutil.copytree(SCIENCE / "runs" / r, tmp / "runs" / r)
+    return tmp
+
+
+def test_a_set_grown_over_two_sessions_equals_one_export_of_all_its_runs(tmp_path, params):
+    out = tmp_path / "reference" / "dose"
+    first = export(session(tmp_path / "s1", FIRST), out, params, tmp_path, add=True)
+    assert sorted(first["spec_hash"]) == sorted(FIRST) and [e["added"] for e in first["exports"]] == [3]
+    prov = export(session(tmp_path / "s2", SECOND), out, params, tmp_path, add=True)
+    assert verify(out) == prov
+    assert sorted(prov["spec_hash"]) == sorted(FIRST + SECOND) and [e["added"] for e in prov["exports"]] == [3, 6]
+    assert len(prov["planned_runs"]) == 54 and set(prov["spec_hash"]) < set(prov["planned_runs"])
+    assert "A set in progress: 9 of the 54 runs its parameters plan, added by 2 export(s)" in origin(out, prov)
+    for r in FIRST + SECOND:   # each run's tables as trained, its spec the one its hash names
+        assert (out / "runs" / r / "metrics.parquet").read_bytes() == (SCIENCE / "runs" / r / "metrics.parquet").read_bytes()
+        assert prov["spec_hash"][r] == json.loads((SCIENCE / "provenance.json").read_text())["spec_hash"][r]
+    once = tmp_path / "once"   # the aggregate of all nine runs at once
+    aggregate([SCIENCE / "runs" / r for r in sorted(FIRST + SECOND)], once, typed(params, "stats"))
+    for name in AGGREGATE_TABLES:
+        pd.testing.assert_frame_equal(read_parquet(out / "aggregate" / name), read_parquet(once / name))
+    assert len(read_parquet(out / "summary.parquet")) == 9 and (out / "report.md").read_text().startswith("# Does")
+
+
+def test_the_command_grows_the_set_and_takes_only_finished_runs_of_its_spec(tmp_path, params):
+    results = session(tmp_path / "s1", FIRST + ["M16-B64-none-s1"])
+    out = tmp_path / "set"   # the committed files give the science runs their specs (tests/test_optimizer.py)
+    argv = ["--results", results, "--params", ROOT / "params.yaml", "--configfile", ROOT / "configs" / "science.yaml",
+            "--workdir", tmp_path, "--out", out, "--add"]
+    # probed before it trained again: its probes are older than its metrics, so it is not finished
+    old = (results / "runs" / "M16-B64-none-s0" / "llc.parquet").stat().st_mtime
+    os.utime(results / "runs" / "M16-B64-none-s0" / "metrics.parquet", (old + 60, old + 60))
+    # still training: its probe job has not run (seed 1 is not probed in this grid: only metrics are needed)
+    (results / "runs" / "M1-B64-none-s0" / "mech.parquet").unlink()
+    assert [r.name for r in finished_runs(results, params)] == ["M16-B64-none-s1", "Minf-B64-none-s0"]
+    export_cmd([str(a) for a in argv])
+    assert sorted(p.name for p in (out / "runs").iterdir()) == ["M16-B64-none-s1", "Minf-B64-none-s0"]
+    spec = json.loads((results / "runs" / "M16-B64-none-s1" / "run.json").read_text())
+    spec["spec_hash"] = "0123456789abcdef"   # trained with another spec than the parameters give it
+    (results / "runs" / "M16-B64-none-s1" / "run.json").write_text(json.dumps(spec))
+    with pytest.raises(SystemExit) as e:
+        export_cmd([str(a) for a in argv])
+    assert "M16-B64-none-s1: trained with another spec" in str(e.value.code)
+    assert sorted(verify(out)["spec_hash"]) == ["M16-B64-none-s1", "Minf-B64-none-s0"]   # the set is unchanged
