@@ -255,8 +255,8 @@ def test_a_series_under_two_optimizers_is_two_series_each_with_its_own_dose_zero
 def test_the_dose_grid_is_the_issues_design():
     """configs/dose.yaml (issue 43 item 2, CPU plan): per injected source ≥ 5 positive doses below its saturation
     spanning ≥ 1.5 decades, each at the threshold ladder M ∈ {8, 16, 32} on 3 seeds; the H2 pair at equal budgets
-    ≥ 50 % of the batch noise's integrated P-NE* (0.055); and every run of every seed probed (item 5: H4's seed
-    gate)."""
+    ≥ 50 % of the batch noise's integrated P-NE* (0.055); the full M grid at dose 0 and at each source's highest
+    dose inside the operating regime (1x); and every run of every seed probed (item 5: H4's seed gate)."""
     from iclnoise.config import load_params
     from iclnoise.grid import expand_grid, probe_sections
 
@@ -273,4 +273,6 @@ def test_the_dose_grid_is_the_issues_design():
     assert early["budget"] == late["budget"] >= 0.5 * 0.055 and early["M"] == late["M"]
     runs = expand_grid(p)
     assert {k.seed for k in runs} == {0, 1, 2}
+    full = {k.noise for k in runs if k.M == 1}   # the full M grid at dose 0 and at each source's top dose in the regime
+    assert full == {"none", "param_x1", "grad_x1"} and len({k.M for k in runs if k.noise == "param_x1"}) == len(p["grid"]["M"])
     assert all({"llc", "geometry", "mech"} <= set(probe_sections(p, k)) for k in runs)
