@@ -7,7 +7,8 @@
 # range inwards, H2; then the rest of the full M grids and M = inf). A lane takes the next job no lane has claimed
 # (mkdir is atomic; DOSE_CLAIMS names the claims directory, shared by invocations started apart); the lanes'
 # snakemake runs take no lock (--nolock), which is safe because each job writes only its own runs and reads nothing
-# another job writes. DOSE_SKIP: a file of run ids already in reference/dose, whose jobs are not run again.
+# another job writes. A job whose runs reference/dose holds (a session before this one trained them and added them
+# with `iclnoise export --add`) is not run again; DOSE_SKIP names another file of run ids to skip.
 set -u
 cd "$(dirname "$0")/.."
 lanes=${1:-1}
@@ -16,6 +17,11 @@ claims=${DOSE_CLAIMS:-}
 own=${claims:+no}
 [ -n "$claims" ] && mkdir -p "$claims" || claims=$(mktemp -d)
 plan=$(mktemp)
+if [ -z "${DOSE_SKIP:-}" ] && [ -f reference/dose/provenance.json ]; then
+  DOSE_SKIP=$(mktemp)
+  python -c 'import json, sys; print("\n".join(json.load(open(sys.argv[1]))["spec_hash"]))' \
+    reference/dose/provenance.json > "$DOSE_SKIP"
+fi
 python bench/dose_device.py plan "${configs[@]}" | cut -f1,2 > "$plan" || exit 1
 run() {  # one ensemble job and its runs' probes
   local lane=$1 group=$2 runs=$3 targets=()
