@@ -10,26 +10,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/dose_accuracy}; mkdir -p "$OUT" /tmp/acc
 DEVICE=${DEVICE:-cuda}; STOP=${STOP:-20000}; DEADLINE=${DEADLINE:-420}; EXTRA=${EXTRA:-}
 exec > >(tee -a "$OUT/dose_accuracy_device.log") 2>&1
-PY=${PYTHON:-python3}
-if ! $PY -c 'import transformer_lens, jsonschema' 2> /dev/null && ls .whl/*.whl > /dev/null 2>&1; then   # the device
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || exit 1
-    export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
-date -u; nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"
-# Many one-run processes share the GPU: with MPS their small kernels run side by side rather than time-sliced.
-if [ "$DEVICE" = cuda ] && command -v nvidia-cuda-mps-control > /dev/null; then
-    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-    mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-    if nvidia-cuda-mps-control -d && timeout 60 $PY -c 'import torch; torch.ones(1, device="cuda").sum().item()'; then
-        echo "MPS on"
-    else
-        echo quit | nvidia-cuda-mps-control 2>/dev/null; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-        echo "MPS off (it did not start)"
-    fi
-fi
-$PY -c 'import torch, transformer_lens; print("torch", torch.__version__, "cuda", torch.cuda.is_available())' || exit 1
+. bench/device_env.sh
 # configs/dose.yaml's budgets: 0.01x-1x both sources, param 3x, grad 2x (x 0.055, the batch noise's own P-NE*)
 pids=()
 for s in param grad; do

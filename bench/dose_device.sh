@@ -5,7 +5,9 @@
 # timeline in $OUT/dose_device.log. A job killed at the deadline leaves nothing (its runs are not packed).
 #   bench/dose_device.sh                       on the device (root of the copy; .whl carried)
 #   CONFIGS="configs/science.yaml my.yaml" DEADLINE=60 LANES=2 bench/dose_device.sh   a trial (on the CPU too)
-# Unpack here with `tar -xzf dose_runs.tar.gz` in the dose worktree, then run the workflow with the same configs.
+# Runs trained on CUDA draw their data streams there, so they are not the CPU plan's runs (their spec names the
+# device): a GPU dose experiment is a set of its own. Not built yet: its probes and export (the packed first and last
+# checkpoints are what the probes read). With a short DEADLINE the job logs measure the GPU's pace on the real jobs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/dose_out}; mkdir -p "$OUT"
@@ -14,15 +16,7 @@ CONFIGS=${CONFIGS:-configs/science.yaml configs/dose.yaml configs/dose_gpu.yaml}
 start=$(date +%s)
 log="$OUT/dose_device.log"
 exec > >(tee -a "$log") 2>&1
-PY=${PYTHON:-python3}
-if ! $PY -c 'import transformer_lens, jsonschema' 2> /dev/null && ls .whl/*.whl > /dev/null 2>&1; then   # the device
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || exit 1
-    export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
-date -u; nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"
-$PY -c 'import torch, transformer_lens; print("torch", torch.__version__, "cuda", torch.cuda.is_available())' || exit 1
+. bench/device_env.sh
 # shellcheck disable=SC2086
 $PY bench/dose_device.py plan $CONFIGS > /tmp/dose_jobs.tsv || exit 1
 echo "$(wc -l < /tmp/dose_jobs.tsv) jobs, $LANES lanes, deadline ${DEADLINE} s"
