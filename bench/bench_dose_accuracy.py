@@ -4,8 +4,8 @@ A run injects constant-schedule diagonal noise under the closed loop (a budget o
 and `iclnoise.injection.DoseReference` recomputes, at every `--ref-every`-th step, the step's injected P-NE*
 with that step's A and the exact Gauss–Newton diagonal on held-out sequences. Both are summed over the same
 steps, so their ratio is the books' accuracy: realised / booked. Printed per (curvature setting, source),
-over the first `--early` steps (A and the curvature move fastest), over the late window (from `--late` on: the last 20 % of the schedule, where
-the learning rate has decayed) and over the steps between; one CSV row each.
+over the first `--early` steps (A and the curvature move fastest), over the late window (from `--late` on: the
+last 20 % of the schedule, where the learning rate has decayed) and over the steps between; one CSV row each.
 
 The run is the first `--stop` steps of the science schedule (params.yaml + configs/science.yaml, batch 64,
 1 280 000 sequences: 20 000 steps, warm-up 1 000), so the learning-rate schedule is the experiment's.

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from iclnoise.config import load_params  # noqa: E402
-from iclnoise.grid import ensemble_groups, shared_spec, typed_spec  # noqa: E402
+from iclnoise.grid import ensemble_groups, shared_spec  # noqa: E402
 
 # Dose labels from the top down: the ladder's extremes first, so a deadline leaves the widest span done.
 ORDER = ["none", "param_x1", "grad_x1", "param_x0p01", "grad_x0p01", "param_x0p1", "grad_x0p1", "h2_early", "h2_late",

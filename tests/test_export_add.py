@@ -46,7 +46,8 @@ def test_a_set_grown_over_two_sessions_equals_one_export_of_all_its_runs(tmp_pat
     assert len(prov["planned_runs"]) == 54 and set(prov["spec_hash"]) < set(prov["planned_runs"])
     assert "A set in progress: 9 of the 54 runs its parameters plan, added by 2 export(s)" in origin(out, prov)
     for r in FIRST + SECOND:   # each run's tables as trained, its spec the one its hash names
-        assert (out / "runs" / r / "metrics.parquet").read_bytes() == (SCIENCE / "runs" / r / "metrics.parquet").read_bytes()
+        committed = SCIENCE / "runs" / r / "metrics.parquet"
+        assert (out / "runs" / r / "metrics.parquet").read_bytes() == committed.read_bytes()
         assert prov["spec_hash"][r] == json.loads((SCIENCE / "provenance.json").read_text())["spec_hash"][r]
     once = tmp_path / "once"   # the aggregate of all nine runs at once
     aggregate([SCIENCE / "runs" / r for r in sorted(FIRST + SECOND)], once, typed(params, "stats"))

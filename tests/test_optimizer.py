@@ -15,9 +15,10 @@ from iclnoise.sections import ParamsError
 from iclnoise.train import train_ensemble
 
 ROOT = Path(__file__).resolve().parents[1]
+SETS = sorted(p.name for p in (ROOT / "reference").iterdir() if (p / "provenance.json").exists())
 
 
-@pytest.mark.parametrize("ref", sorted(p.name for p in (ROOT / "reference").iterdir() if (p / "provenance.json").exists()))
+@pytest.mark.parametrize("ref", SETS)
 def test_committed_reference_runs_keep_their_ids_and_spec_hashes(ref):
     """Every committed run's id is in the grid of its provenance params and its spec hashes as run.json records."""
     d = ROOT / "reference" / ref

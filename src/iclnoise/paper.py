@@ -281,7 +281,8 @@ def add_runs(results: Path, out: Path, params: dict, workdir: Path) -> dict:
         for job, s in old.get("wall_time", {}).get("jobs", {}).items():   # a job resumed in a later session
             jobs[job] = round(jobs.get(job, 0.0) + s, 1)
         exported = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        exports = old["exports"] if "exports" in old else [{"exported": old["exported"], "added": len(old["spec_hash"])}]
+        exports = (old["exports"] if "exports" in old   # a set first written by a plain export: that export first
+                   else [{"exported": old["exported"], "added": len(old["spec_hash"])}])
         prov = seal(tmp, {"commit": commits.index[0], "runs_per_commit": {str(k): int(v) for k, v in commits.items()},
                           "aggregate_commit": read_metadata(tmp / "aggregate" / "tests.parquet").get("iclnoise.commit"),
                           "exported": exported, "exports": [*exports, {"exported": exported, "added": len(new)}],
