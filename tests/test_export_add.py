@@ -38,13 +38,21 @@ def session(tmp: Path, runs: list[str]) -> Path:
 
 def test_a_set_grown_over_two_sessions_equals_one_export_of_all_its_runs(tmp_path, params):
     out = tmp_path / "reference" / "dose"
-    first = export(session(tmp_path / "s1", FIRST), out, params, tmp_path, add=True)
-    assert sorted(first["spec_hash"]) == sorted(FIRST) and [e["added"] for e in first["exports"]] == [3]
+    bench = tmp_path / "benchmarks" / "train"   # the first session's job, exported twice, counts once
+    bench.mkdir(parents=True)
+    (bench / "B64-none.tsv").write_text("s\th:m:s\n100.0\t0:01:40\n")
+    export(session(tmp_path / "s1", FIRST), out, params, tmp_path, add=True)
+    first = export(tmp_path / "s1", out, params, tmp_path, add=True)
+    assert sorted(first["spec_hash"]) == sorted(FIRST)
+    assert [(e["added"], e["replaced"]) for e in first["exports"]] == [(3, 0), (0, 3)]
+    assert first["wall_time"] == {"jobs": {"train/B64-none": 100.0}, "total_s": 100.0}
+    (bench / "B64-none.tsv").write_text("s\th:m:s\n50.0\t0:00:50\n")   # the second session's job of that name
     prov = export(session(tmp_path / "s2", SECOND), out, params, tmp_path, add=True)
+    assert prov["wall_time"]["total_s"] == 150.0
     assert verify(out) == prov
-    assert sorted(prov["spec_hash"]) == sorted(FIRST + SECOND) and [e["added"] for e in prov["exports"]] == [3, 6]
+    assert sorted(prov["spec_hash"]) == sorted(FIRST + SECOND) and [e["added"] for e in prov["exports"]] == [3, 0, 6]
     assert len(prov["planned_runs"]) == 54 and set(prov["spec_hash"]) < set(prov["planned_runs"])
-    assert "A set in progress: 9 of the 54 runs its parameters plan, added by 2 export(s)" in origin(out, prov)
+    assert "A set in progress: 9 of the 54 runs its parameters plan, added by 3 export(s)" in origin(out, prov)
     for r in FIRST + SECOND:   # each run's tables as trained, its spec the one its hash names
         committed = SCIENCE / "runs" / r / "metrics.parquet"
         assert (out / "runs" / r / "metrics.parquet").read_bytes() == committed.read_bytes()

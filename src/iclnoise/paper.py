@@ -235,7 +235,7 @@ def add_runs(results: Path, out: Path, params: dict, workdir: Path) -> dict:
     runs are one experiment; other parameters: export afresh, without --add); a run in both is taken from
     `results`. The aggregate, the end-of-training summary and report.md are computed again from the grown set's
     per-run tables (as `iclnoise paper` does); provenance.json records the planned grid (`planned_runs`), each
-    export (`exports`: when, how many runs it added) and the jobs' wall time of every export."""
+    export (`exports`: when, how many runs it added and replaced) and the jobs' wall time of every export."""
     from .aggregate import aggregate
     from .config import typed
     from .figures.training import training_figures
@@ -251,6 +251,7 @@ def add_runs(results: Path, out: Path, params: dict, workdir: Path) -> dict:
     if not new:
         raise SystemExit(f"{results}: no finished run of these parameters' grid (trained and probed); nothing to add")
     kept = [p for p in sorted((out / "runs").glob("*")) if p.name not in {r.name for r in new}]
+    added = [r for r in new if r.name not in old["spec_hash"]]
     for run in [*kept, *new]:
         if run.name not in planned:
             raise SystemExit(f"{run}: not a run of these parameters' grid; export the set afresh (without --add) "
@@ -278,14 +279,17 @@ def add_runs(results: Path, out: Path, params: dict, workdir: Path) -> dict:
         trained = [read_metadata(r / "metrics.parquet") for r in runs]
         commits = pd.Series([m.get("iclnoise.commit") for m in trained]).value_counts()
         jobs = _job_seconds(workdir / "benchmarks")["jobs"]
-        for job, s in old.get("wall_time", {}).get("jobs", {}).items():   # a job resumed in a later session
-            jobs[job] = round(jobs.get(job, 0.0) + s, 1)
+        for job, s in old.get("wall_time", {}).get("jobs", {}).items():
+            # the same measurement again (an earlier export of this workdir) counts once; a job of that name in
+            # another session (resumed there, or another grouping) adds its time
+            jobs[job] = s if jobs.get(job) in (None, s) else round(jobs[job] + s, 1)
         exported = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         exports = (old["exports"] if "exports" in old   # a set first written by a plain export: that export first
                    else [{"exported": old["exported"], "added": len(old["spec_hash"])}])
         prov = seal(tmp, {"commit": commits.index[0], "runs_per_commit": {str(k): int(v) for k, v in commits.items()},
                           "aggregate_commit": read_metadata(tmp / "aggregate" / "tests.parquet").get("iclnoise.commit"),
-                          "exported": exported, "exports": [*exports, {"exported": exported, "added": len(new)}],
+                          "exported": exported, "exports": [*exports, {"exported": exported, "added": len(added),
+                                                                        "replaced": len(new) - len(added)}],
                           "planned_runs": planned, "params": params,
                           "spec_hash": {r.name: spec_hash(read_json(r / "run.json")) for r in runs},
                           "versions": json.loads(trained[0].get("iclnoise.versions", "{}")),
@@ -294,8 +298,8 @@ def add_runs(results: Path, out: Path, params: dict, workdir: Path) -> dict:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(draw, ignore_errors=True)
-    log.info("%s: %d runs (%d added, %d kept) of the %d planned", out, len(prov["spec_hash"]), len(new), len(kept),
-             len(planned))
+    log.info("%s: %d runs (%d added, %d replaced, %d kept) of the %d planned", out, len(prov["spec_hash"]), len(added),
+             len(new) - len(added), len(kept), len(planned))
     return prov
 
 
