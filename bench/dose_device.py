@@ -23,7 +23,7 @@ from iclnoise.grid import ensemble_groups, shared_spec  # noqa: E402
 
 # Dose labels from the top down: the ladder's extremes first, so a deadline leaves the widest span done.
 ORDER = ["none", "param_x1", "grad_x1", "param_x0p01", "grad_x0p01", "param_x0p1", "grad_x0p1", "h2_early", "h2_late",
-         "param_x0p3", "grad_x0p3", "param_x0p03", "grad_x0p03", "param_x3", "grad_x2"]
+         "param_x0p3", "grad_x0p3", "param_x0p03", "grad_x0p03", "grad_x0p003", "param_x3", "grad_x2"]
 
 
 def rank(group: str, runs: list[str]) -> tuple:
