@@ -49,7 +49,11 @@ class Deadline(Exception):
     """Raised in the training loop by SIGTERM or SIGALRM (--deadline): the row covers the steps reached."""
 
 
+EXPIRED = []   # set once the deadline has passed: the measurements after it are not started
+
+
 def stop_here(signum, frame):
+    EXPIRED.append(signum)
     raise Deadline
 
 
@@ -128,6 +132,9 @@ def main() -> None:
     for setting in a.settings:
         probes, every = setting.split(":")
         for source in a.sources:
+            if EXPIRED:
+                print(f"probes {probes} every {every} {source}: not started (deadline)", flush=True)
+                continue
             r = measure(base, source, int(probes), every, a)
             print(f"probes {probes:>2} every {every:>4}  {source:5s}  dose {a.dose}  realised/booked: first {a.early} "
                   f"steps {r['early'][0]:.3f} ({r['early'][1]} steps), up to {a.late} {r['mid'][0]:.3f}, late "
