@@ -6,7 +6,7 @@
 `plan` reads params.yaml with the CONFIG files on top (as `snakemake --configfile` does) and orders the jobs as the
 dose-response needs them: the threshold ladder (M 8-32) of dose 0 and of every dose from the top, H2, then the rest
 of the full M grids and M = inf. Each job is what the workflow's train rule runs (`iclnoise train --spec --runs`), so
-its runs are the workflow's runs: a results folder filled here is complete for `snakemake` with the same configs.
+its runs are the workflow's runs for the same configs (with configs/dose_gpu.yaml: CUDA runs, a set of their own).
 `pack` takes a run whose training outputs are all there (a killed job's runs are not) and leaves out the resume
 state and the intermediate checkpoints (the probes of configs/dose.yaml read the first and last only).
 """
