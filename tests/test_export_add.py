@@ -75,6 +75,9 @@ def test_the_command_grows_the_set_and_takes_only_finished_runs_of_its_spec(tmp_
     # still training: its probe job has not run (seed 1 is not probed in this grid: only metrics are needed)
     (results / "runs" / "M1-B64-none-s0" / "mech.parquet").unlink()
     assert [r.name for r in finished_runs(results, params)] == ["M16-B64-none-s1", "Minf-B64-none-s0"]
+    with pytest.raises(SystemExit) as e:   # a mistyped results directory: one line saying what --results names
+        export_cmd([str(a) for a in [*argv[:1], tmp_path / "nothere", *argv[2:]]])
+    assert "nothere/runs: no such directory" in str(e.value.code) and not out.exists()
     export_cmd([str(a) for a in argv])
     assert sorted(p.name for p in (out / "runs").iterdir()) == ["M16-B64-none-s1", "Minf-B64-none-s0"]
     spec = json.loads((results / "runs" / "M16-B64-none-s1" / "run.json").read_text())

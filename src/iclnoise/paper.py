@@ -247,6 +247,8 @@ def add_runs(results: Path, out: Path, params: dict, workdir: Path) -> dict:
         raise SystemExit(f"{out}: holds essential-dynamics tables, which are computed over a family of runs and "
                          f"cannot be grown; export the set afresh (without --add)")
     planned = sorted(k.run_id for k in expand_grid(params))
+    if not (results / "runs").is_dir():
+        raise SystemExit(f"{results}/runs: no such directory; --results names the workflow's results directory")
     new = finished_runs(results, params)
     if not new:
         raise SystemExit(f"{results}: no finished run of these parameters' grid (trained and probed); nothing to add")
