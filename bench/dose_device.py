@@ -20,6 +20,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from iclnoise.config import load_params  # noqa: E402
 from iclnoise.grid import ensemble_groups, shared_spec  # noqa: E402
+from iclnoise.runs import read_spec  # noqa: E402
+from iclnoise.sections import RunSpec  # noqa: E402
 
 # Dose labels from the top down: the ladder's extremes first, so a deadline leaves the widest span done.
 ORDER = ["none", "param_x1", "grad_x1", "param_x0p01", "grad_x0p01", "param_x0p1", "grad_x0p1", "h2_early", "h2_late",
@@ -46,7 +48,7 @@ def pack(results: str, out: str) -> None:
     done = []
     with tarfile.open(out, "w:gz") as tar:
         for run in sorted(p for p in runs_dir.iterdir() if (p / "run.json").exists()):
-            spec = typed_spec_of(run)
+            spec = RunSpec.of(read_spec(run))
             if not all((run / f).exists() for f in spec.outputs):
                 continue
             ckpts = sorted((run / "checkpoints").glob("step_*.pt"))
@@ -58,11 +60,6 @@ def pack(results: str, out: str) -> None:
                     tar.add(f, arcname=str(rel))
             done.append(run.name)
     print(f"packed {len(done)} finished runs into {out}: {' '.join(done)}")
-
-
-def typed_spec_of(run: Path):
-    from iclnoise.sections import RunSpec
-    return RunSpec.of(json.loads((run / "run.json").read_text()))
 
 
 if __name__ == "__main__":
