@@ -20,7 +20,9 @@ from iclnoise.config import (
 )
 from iclnoise.cost import PARAMS_RECORD, check_cost, format_cost, rerun_note
 from iclnoise.io import write_json
-from iclnoise.grid import ed_families, expand_grid, has_dose_series, job_cfg, jobs, shared_spec, typed_spec
+from iclnoise.grid import (
+    PROBE_TABLES, ed_families, expand_grid, has_dose_series, job_cfg, jobs, shared_spec, typed_spec,
+)
 from iclnoise.runs import missing_checkpoints
 
 min_version("9.0")

@@ -23,6 +23,14 @@ def refined_covers(params: dict, keys: RunKeys) -> bool:
     return (seeds is None or keys.seed in seeds) and (ms is None or keys.M in {parse_m(M) for M in ms})
 
 
+PROBE_TABLES = {   # the per-run tables each probe section writes (its probe job's outputs; mech also a heads figure)
+    "llc": ("llc.parquet", "llc_traces.parquet", "stages.parquet"),
+    "refined": ("rllc.parquet", "susceptibility.parquet"),
+    "geometry": ("geometry.parquet",),
+    "mech": ("mech.parquet",),
+}
+
+
 def probe_sections(params: dict, keys: RunKeys) -> list[str]:
     """The probe sections a run's probe job runs: llc, geometry, mech (each where it is enabled and `<section>.seeds`,
     absent = every seed, holds the run's seed) and refined (refined_covers)."""

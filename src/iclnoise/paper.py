@@ -208,12 +208,11 @@ def _export(results: Path, tmp: Path, params: dict, workdir: Path) -> dict:
 
 def finished_runs(results: Path, params: dict) -> list[Path]:
     """The runs of `results` that a set can take before the whole grid has run: in the grid of `params`, their
-    training tables written and every probe table their probe sections make (iclnoise.grid.probe_sections) written
-    after them (a run whose job is still training, or whose training was rerun after its probes, is left out)."""
-    from .grid import parse_run_id, probe_sections, typed_spec
+    training tables written and, after them, every probe table a set keeps that their probe sections make
+    (iclnoise.grid.probe_sections, PROBE_TABLES). A run whose job is still training, or whose training was rerun
+    after its probes, is left out."""
+    from .grid import PROBE_TABLES, parse_run_id, probe_sections, typed_spec
 
-    tables = {"llc": ("llc.parquet", "stages.parquet"), "geometry": ("geometry.parquet",),
-              "mech": ("mech.parquet",), "refined": ("rllc.parquet", "susceptibility.parquet")}
     done = []
     for run in sorted(p for p in (results / "runs").iterdir() if (p / "run.json").exists()):
         try:
@@ -221,7 +220,8 @@ def finished_runs(results: Path, params: dict) -> list[Path]:
         except (KeyError, ValueError):
             continue   # not a run of this grid (add_runs names it when the set holds it)
         trained = [run / f for f in spec.outputs if f in RUN_TABLES]
-        probes = [run / f for s in probe_sections(params, parse_run_id(run.name)) for f in tables[s]]
+        probes = [run / f for s in probe_sections(params, parse_run_id(run.name)) for f in PROBE_TABLES[s]
+                  if f in RUN_TABLES]   # the tables a set keeps (not llc_traces)
         if all(f.exists() for f in [run / "metrics.parquet", *trained, *probes]) and \
                 all(f.stat().st_mtime >= (run / "metrics.parquet").stat().st_mtime for f in probes):
             done.append(run)

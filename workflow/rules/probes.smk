@@ -23,12 +23,9 @@ def probe_command(run, sections):
 
 
 def probe_outputs(run, sections):
-    d = f"{RES}/runs/{run}"
-    out = {"llc": [f"{d}/llc.parquet", f"{d}/llc_traces.parquet", f"{d}/stages.parquet"],
-           "refined": [f"{d}/rllc.parquet", f"{d}/susceptibility.parquet"],
-           "geometry": [f"{d}/geometry.parquet"],
-           "mech": [f"{d}/mech.parquet", *(f"{RES}/figures/heads/{run}{e}" for e in (".pdf", ".png", ".parquet"))]}
-    return [f for s in sections for f in out[s]]
+    """The run's probe tables (iclnoise.grid.PROBE_TABLES) and, with mech, its heads figure."""
+    heads = [f"{RES}/figures/heads/{run}{e}" for e in (".pdf", ".png", ".parquet")] if "mech" in sections else []
+    return [f"{RES}/runs/{run}/{f}" for s in sections for f in PROBE_TABLES[s]] + heads
 
 
 for _run, _sections in JOBS["probe"].items():
