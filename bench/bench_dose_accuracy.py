@@ -57,8 +57,9 @@ def stop_here(signum, frame):
     raise Deadline
 
 
-def measure(base: dict, source: str, probes: int, every: int | str, a) -> dict:
-    """One run with a reference beside its injector; the booked and recomputed P-NE* summed per period."""
+def measure(base: dict, source: str, probes: int, every: int | str, a) -> list[dict]:
+    """One run with a reference beside its injector for each --heldout size; per reference, the booked and
+    recomputed P-NE* summed per period."""
     p = copy.deepcopy(base)
     p["exposure"].update(curvature_probes=probes)
     if every == "auto":
@@ -73,8 +74,8 @@ def measure(base: dict, source: str, probes: int, every: int | str, a) -> dict:
     def with_reference(spec, device):
         hooks = build(spec, device)
         inj = [h for h in hooks if h.name == "injection"]
-        if inj:
-            made.append(DoseReference(inj[0], a.heldout, a.ref_every))
+        for n in a.heldout if inj else ():
+            made.append(DoseReference(inj[0], n, a.ref_every))
             hooks.insert(0, made[-1])
         return hooks
 
@@ -88,15 +89,17 @@ def measure(base: dict, source: str, probes: int, every: int | str, a) -> dict:
     finally:
         ensemble.build_hooks = build
     wall = time.perf_counter() - t0
-    ref = made[0]
-    n = min(len(ref.steps), len(ref.pne), len(ref.booked))   # a step stopped between its two hooks is left out
-    steps, real, booked = (np.array(x[:n]) for x in (ref.steps, ref.pne, ref.booked))
-    out = {"reached": int(steps.max()) + 1 if n else 0, "wall_s": wall}
-    periods = (("early", steps < a.early), ("mid", (steps >= a.early) & (steps < a.late)), ("late", steps >= a.late),
-               ("rest", steps >= a.early), ("all", steps >= 0))
-    for period, sel in periods:
-        out[period] = (float(real[sel].sum() / booked[sel].sum()) if sel.any() else float("nan"), int(sel.sum()))
-    return out
+    outs = []
+    for ref in made:
+        n = min(len(ref.steps), len(ref.pne), len(ref.booked))   # a step stopped between its two hooks is left out
+        steps, real, booked = (np.array(x[:n]) for x in (ref.steps, ref.pne, ref.booked))
+        out = {"heldout": ref.n, "reached": int(steps.max()) + 1 if n else 0, "wall_s": wall}
+        periods = (("early", steps < a.early), ("mid", (steps >= a.early) & (steps < a.late)),
+                   ("late", steps >= a.late), ("rest", steps >= a.early), ("all", steps >= 0))
+        for period, sel in periods:
+            out[period] = (float(real[sel].sum() / booked[sel].sum()) if sel.any() else float("nan"), int(sel.sum()))
+        outs.append(out)
+    return outs
 
 
 def main() -> None:
@@ -104,7 +107,8 @@ def main() -> None:
     ap.add_argument("--stop", type=int, default=1500, help="train the first N steps of the schedule")
     ap.add_argument("--ref-every", type=int, default=10)
     ap.add_argument("--early", type=int, default=500)
-    ap.add_argument("--heldout", type=int, default=32, help="held-out sequences of the exact reference")
+    ap.add_argument("--heldout", type=int, nargs="+", default=[32],
+                    help="held-out sequences of the exact reference; several: one reference each, in one run")
     ap.add_argument("--dose", type=float, default=0.55, help="budget over the whole 20 000-step schedule")
     ap.add_argument("--tol", type=float, default=0.05, help="exposure.curvature_tol of the settings named auto")
     ap.add_argument("--settings", nargs="*", default=["8:25", "16:10"],
@@ -135,20 +139,22 @@ def main() -> None:
             if EXPIRED:
                 print(f"probes {probes} every {every} {source}: not started (deadline)", flush=True)
                 continue
-            r = measure(base, source, int(probes), every, a)
-            print(f"probes {probes:>2} every {every:>4}  {source:5s}  dose {a.dose}  realised/booked: first {a.early} "
-                  f"steps {r['early'][0]:.3f} ({r['early'][1]} steps), up to {a.late} {r['mid'][0]:.3f}, late "
-                  f"{r['late'][0]:.3f} ({r['late'][1]} steps), all {r['all'][0]:.3f}  [{r['reached']} steps reached, "
-                  f"{r['wall_s']:.0f} s]", flush=True)
-            rows.append({"probes": probes, "curvature_every": every, "tol": a.tol if every == "auto" else "",
-                         "source": source, "dose": a.dose, "steps": a.stop, "steps_reached": r["reached"],
-                         "ref_every": a.ref_every, "ratio_early": round(r["early"][0], 4),
-                         "ratio_mid": round(r["mid"][0], 4), "ratio_late": round(r["late"][0], 4),
-                         "ratio_rest": round(r["rest"][0], 4), "ratio_all": round(r["all"][0], 4),
-                         "late_from": a.late, "wall_s": round(r["wall_s"], 1), "device": device_name(a.device),
-                         "commit": commit})
+            for r in measure(base, source, int(probes), every, a):
+                print(f"probes {probes:>2} every {every:>4}  {source:5s}  dose {a.dose}  reference on {r['heldout']} "
+                      f"sequences, realised/booked: first {a.early} steps {r['early'][0]:.3f} ({r['early'][1]} steps), "
+                      f"up to {a.late} {r['mid'][0]:.3f}, late {r['late'][0]:.3f} ({r['late'][1]} steps), all "
+                      f"{r['all'][0]:.3f}  [{r['reached']} steps reached, {r['wall_s']:.0f} s]", flush=True)
+                rows.append({"probes": probes, "curvature_every": every, "tol": a.tol if every == "auto" else "",
+                             "source": source, "dose": a.dose, "steps": a.stop, "steps_reached": r["reached"],
+                             "ref_every": a.ref_every, "ratio_early": round(r["early"][0], 4),
+                             "ratio_mid": round(r["mid"][0], 4), "ratio_late": round(r["late"][0], 4),
+                             "ratio_rest": round(r["rest"][0], 4), "ratio_all": round(r["all"][0], 4),
+                             "late_from": a.late, "wall_s": round(r["wall_s"], 1), "device": device_name(a.device),
+                             "commit": commit, "ref_heldout": r["heldout"]})
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     new = not Path(a.out).exists()
+    if not new and open(a.out).readline().strip().split(",") != list(rows[0]):
+        raise SystemExit(f"{a.out} has other columns (an older version of this bench); pass another --out")
     with open(a.out, "a", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         if new:

@@ -10,6 +10,7 @@ from iclnoise.adam import adam_preconditioner
 from iclnoise.exposure import (
     AdamState,
     b_simple,
+    exact_ggn_diag,
     ggn_curvature,
     grad_noise,
     group_grads,
@@ -178,6 +179,17 @@ def test_stacked_gauss_newton_probes_equal_each_runs_own(tiny, three_runs):
         assert stacked[r].at(a) == pytest.approx(own.at(a), rel=1e-5)
     other = ggn_curvature(models[1], xs[1], ys[1], P, torch.Generator().manual_seed(5), 0.2)
     assert not torch.allclose(stacked[1].left, other.left, rtol=1e-2, atol=1e-2 * scale)
+
+
+def test_exact_gauss_newton_diagonal_is_the_full_jacobians(tiny_model):
+    """exact_ggn_diag (per-sequence Jacobians, DoseReference's curvature) equals diag((2 / (D N)) JᵀJ) from the whole
+    batch's Jacobian, to float64 round-off: each output depends on its own sequence only."""
+    model, xs, ys, w0, _ = tiny_model
+    J = torch.autograd.functional.jacobian(_flat(model, lambda fm: fm(xs, ys)), w0).reshape(-1, w0.numel())
+    G = 2.0 / (xs.shape[-1] * J.shape[0]) * J.T @ J
+    diag = exact_ggn_diag(model, xs, ys, 1.0 / xs.shape[-1])
+    assert diag.dtype == torch.float64
+    torch.testing.assert_close(diag, torch.diagonal(G), rtol=1e-10, atol=1e-14 * float(G.diagonal().max()))
 
 
 def test_curvature_estimators_match_exact_hessian_and_gauss_newton(tiny_model):

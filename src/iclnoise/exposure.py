@@ -232,6 +232,23 @@ def ggn_curvature(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor, pr
     return Curvature(JtU, JtU, 2 * loss_scale / out.numel())
 
 
+def exact_ggn_diag(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor, loss_scale: float = 1.0) -> torch.Tensor:
+    """The Gauss–Newton diagonal exactly, in float64: diag G = (2 loss_scale / N) Σ_n J_n² for L = loss_scale ·
+    mean_n (f_n − y_n)² over the N outputs of the batch (SPEC §6). Each sequence's outputs depend on its own input
+    only, so the Jacobian is taken per sequence (vmap over sequences of its K-output jacrev): K backward passes of
+    one sequence each, not N of the whole batch; the same numbers as the batch's full Jacobian. A check of the
+    Hutchinson estimate (`ggn_curvature`), which the closed loop uses; the loop never calls this."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    buffers = {k: v.detach() for k, v in model.named_buffers()}
+
+    def one(q, x, y):
+        return functional_call(model, (q, buffers), (x[None], y[None]))[0]
+
+    J = vmap(torch.func.jacrev(one), in_dims=(None, 0, 0))(params, xs, ys)
+    diag = torch.cat([J[n].double().square().reshape(-1, p.numel()).sum(0) for n, p in params.items()])
+    return diag * 2 * loss_scale / ys.numel()
+
+
 def stacked_ggn_curvature(model: torch.nn.Module, params: dict[str, torch.Tensor], xs: torch.Tensor, ys: torch.Tensor,
                           probes: int, generators: list[torch.Generator], loss_scale: float = 1.0) -> list[Curvature]:
     """`ggn_curvature` of R runs in one call: `params` stacked along a leading run axis (R, ...) on a model that

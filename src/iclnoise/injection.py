@@ -17,7 +17,7 @@ import math
 import pyarrow as pa
 import torch
 
-from .exposure import AdamState, budget_scale, kappa, ne_unit, preconditioner
+from .exposure import AdamState, budget_scale, exact_ggn_diag, kappa, ne_unit, preconditioner
 from .hooks import ExposureState, NoiseMeter, StepContext, Unrecorded
 from .nap import NAP_SHAPES, NapEstimator
 from .noise import CovModel, PIController, shaped_covariance, target_at
@@ -395,10 +395,13 @@ class BatchedInjection:
 class DoseReference(Unrecorded):
     """SPEC §6's injected P-NE*, recomputed independently beside a run (a check of the closed loop's books, not
     used by it): at every `every`-th injecting step, before the injector acts, this step's A (from the live AdamW)
-    and the exact Gauss–Newton diagonal (full Jacobian on `n_heldout` held-out sequences at the current weights);
-    after the update, c² · η κ Σ a² s R'_ii / max(floor, Σ a² diag G) with the s, R' and c the step really used.
-    `booked` holds the injector's own P-NE* of the same steps. Shares no code with the closed loop but
-    `preconditioner`. Insert it before the run's hooks (its on_grads must see the gradient before injection)."""
+    and the exact Gauss–Newton diagonal (exposure.exact_ggn_diag) on `n_heldout` held-out sequences at the current
+    weights; after the update, c² · η κ Σ a² s R'_ii / max(floor, Σ a² diag G) with the s, R' and c the step really
+    used. `booked` holds the injector's own P-NE* of the same steps. Shares no code with the closed loop but
+    `preconditioner`. Insert it before the run's hooks (its on_grads must see the gradient before injection).
+    Its curvature is one held-out batch's, and 1/Curv is convex: where that batch is not the one the loop measured
+    diag Ĥ on, the reference reads high by ≈ the squared coefficient of variation of Curv between batches (≈ 2 % at
+    32 sequences on the science model; bench/bench_dose_accuracy.py); more sequences shrink it as 1/n_heldout."""
 
     name, schema = "reference", pa.schema([pa.field("step", pa.int64())])   # written empty by the trainer
 
@@ -418,11 +421,7 @@ class DoseReference(Unrecorded):
         if not (self.inj.start <= ctx.step < self.inj.stop) or (ctx.step - self.inj.start) % self.every:
             return
         held = ctx.heldout(ctx.step, self.n)
-        names = [n for n, _ in ctx.model.named_parameters()]
-        params = {n: p.detach() for n, p in ctx.model.named_parameters()}
-        J = torch.func.jacrev(lambda p: torch.func.functional_call(ctx.model, p, (held.xs, held.ys)))(params)
-        J = torch.cat([J[n].reshape(held.ys.numel(), -1) for n in names], dim=1).double()
-        diag_g = J.square().sum(0) * 2 / (held.ys.numel() * held.xs.shape[-1])   # mse_loss = mean (f − y)² / D
+        diag_g = exact_ggn_diag(ctx.model, held.xs, held.ys, 1.0 / held.xs.shape[-1])   # mse_loss = mean (f − y)² / D
         self._a = preconditioner(ctx.adam).double()
         self._g2 = float(sum(p.grad.double().square().sum() for p in ctx.model.parameters()))  # before injection
         self._curv = max(self.inj.floor, float((self._a.square() * diag_g).sum()))
