@@ -7,12 +7,18 @@ steps, so their ratio is the books' accuracy: realised / booked. Printed per (cu
 over the first `--early` steps (A and the curvature move fastest), over the late window (from `--late` on: the
 last 20 % of the schedule, where the learning rate has decayed) and over the steps between; one CSV row each.
 
+The reference divides by one held-out batch's exact curvature, and 1/Curv is convex: where its batch is not the one
+the loop measured diag Ĥ on (from the first logged row on, the loop refreshes one step before each reference step), it
+reads the dose high by about the squared coefficient of variation of Curv between batches. In one run, steps 500-2000
+read 1.020 with references on 32 sequences and 1.004 on 256 (bench/results/dose_accuracy_heldout.csv), so `--heldout`
+takes several sizes, each its own reference and row in the same run.
+
 The run is the first `--stop` steps of the science schedule (params.yaml + configs/science.yaml, batch 64,
 1 280 000 sequences: 20 000 steps, warm-up 1 000), so the learning-rate schedule is the experiment's.
 
 Usage: python bench/bench_dose_accuracy.py [--stop 1500] [--ref-every 10] [--dose 0.55]
-           [--settings 8:25 16:10] [--sources param grad] [--out bench/results/dose_accuracy.csv]
-           [--device cuda] [--deadline S]
+           [--settings 8:25 16:10] [--sources param grad] [--out bench/results/dose_accuracy_heldout.csv]
+           [--heldout 32 256] [--device cuda] [--deadline S]
 `--deadline S`: after S seconds (or on SIGTERM) the run stops and its row covers the steps it reached
 (`steps_reached`); windows it did not reach read NaN. bench/dose_accuracy_device.sh runs every dose level at once on a
 lent GPU.
@@ -114,7 +120,7 @@ def main() -> None:
     ap.add_argument("--settings", nargs="*", default=["8:25", "16:10"],
                     help="probes:every (every = auto: adaptive refresh at --tol)")
     ap.add_argument("--sources", nargs="*", default=["param", "grad"])
-    ap.add_argument("--out", default="bench/results/dose_accuracy.csv")
+    ap.add_argument("--out", default="bench/results/dose_accuracy_heldout.csv")
     ap.add_argument("--late", type=int, default=16000, help="the late window starts here (the schedule's last 20 %%)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--deadline", type=float, help="stop after this many seconds (also on SIGTERM)")
