@@ -11,6 +11,7 @@
 # with `iclnoise export --add`) is not run again; DOSE_SKIP names another file of run ids to skip.
 set -u
 cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}   # this checkout's code (a worktree's, not the editable install's)
 lanes=${1:-1}
 configs=(configs/science.yaml configs/dose.yaml)
 claims=${DOSE_CLAIMS:-}

@@ -159,3 +159,44 @@ def test_verify_names_every_unreadable_table_and_fails(tmp_path, capsys):
     assert e.value.code == 1 and "4 tables read, 2 unreadable" in out
     assert f"{tmp_path}/runs/b/metrics.parquet: unreadable Parquet file" in out
     assert f"{tmp_path}/runs/b/checkpoints.json: unreadable JSON file" in out
+
+
+def test_a_command_records_the_commit_it_started_at(tmp_path):
+    """The commit in a command's Parquet metadata is the code's at the command's start: a commit made while it runs
+    (a long training job beside ongoing work) is not recorded as its code. The package is copied into a scratch git
+    repository, a command runs, a second commit lands, then the process writes its Parquet."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import iclnoise
+
+    repo = tmp_path / "repo"
+    shutil.copytree(Path(iclnoise.__file__).parent, repo / "src" / "iclnoise",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+
+    def commit(msg):
+        subprocess.run([*git, "add", "-A"], check=True)
+        subprocess.run([*git, "commit", "-qm", msg], check=True)
+        return subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    first = commit("first")
+    script = f"""
+import subprocess
+from iclnoise import cli, io
+try:
+    cli.main(["check", "--help"])
+except SystemExit:
+    pass
+open({str(repo / "src" / "notes.txt")!r}, "w").write("a change committed while the command runs")
+subprocess.run({[*git, "add", "-A"]!r}, check=True)
+subprocess.run({[*git, "commit", "-qm", "second"]!r}, check=True)
+print(io.provenance()["iclnoise.commit"])
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(repo / "src")})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == first

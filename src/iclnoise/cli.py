@@ -104,6 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     for cmd in cmds:  # all checked before the first runs
         if not cmd or cmd[0] not in COMMANDS:
             raise SystemExit(f"iclnoise each: {cmd[:1]} is not a command; allowed: {', '.join(COMMANDS)}")
+    from .io import code_commit
+
+    code_commit()   # the commit of the code this process runs, read before a commit made while it runs could be
     for cmd in cmds:
         run_command(level, cmd)
 

@@ -98,10 +98,10 @@ def content_hash(obj: Any) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _git_commit() -> str | None:
+def code_commit() -> str | None:
     """HEAD of the git checkout holding this package's source ('+dirty' with uncommitted changes to that source:
-    results written into the same checkout do not count), or None (installed from a wheel, no git). Run once per
-    process."""
+    results written into the same checkout do not count), or None (installed from a wheel, no git). Read once per
+    process: the CLI reads it at the start, so a commit made while a command runs is not recorded as its code."""
     src = Path(__file__).resolve().parent
     try:
         head = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -129,7 +129,7 @@ def _versions() -> str:
 
 def provenance(spec_hash: str | None = None) -> dict[str, str]:
     """Key-value metadata written into every Parquet file: no timestamps, so reruns are byte-identical."""
-    meta = {"iclnoise.versions": _versions(), "iclnoise.commit": _git_commit() or "unknown"}
+    meta = {"iclnoise.versions": _versions(), "iclnoise.commit": code_commit() or "unknown"}
     if spec_hash is not None:
         meta["iclnoise.spec_hash"] = spec_hash
     return meta
