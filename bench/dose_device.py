@@ -4,9 +4,10 @@
   python bench/dose_device.py pack RESULTS OUT.tar  the finished runs' files, checkpoints reduced to the first and last
 
 `plan` reads params.yaml with the CONFIG files on top (as `snakemake --configfile` does) and orders the jobs as the
-dose-response needs them: the threshold ladder (M 8-32) of dose 0 and of every dose from the top, H2, then the rest
-of the full M grids and M = inf. Each job is what the workflow's train rule runs (`iclnoise train --spec --runs`), so
-its runs are the workflow's runs for the same configs (with configs/dose_gpu.yaml: CUDA runs, a set of their own).
+dose-response needs them: the threshold ladder (M 8-32) of dose 0 and of every dose from the top, with 0.3x's M = inf
+(the regime's evidence) after the first two, H2, then the rest of the full M grids and M = inf. Each job is what the
+workflow's train rule runs (`iclnoise train --spec --runs`), so its runs are the workflow's runs for the same configs
+(with configs/dose_gpu.yaml: CUDA runs, a set of their own).
 `pack` takes a run whose training outputs are all there (a killed job's runs are not) and leaves out the resume
 state and the intermediate checkpoints (the probes of configs/dose.yaml read the first and last only).
 """
@@ -23,16 +24,22 @@ from iclnoise.grid import ensemble_groups, shared_spec  # noqa: E402
 from iclnoise.runs import read_spec  # noqa: E402
 from iclnoise.sections import RunSpec  # noqa: E402
 
-# Dose labels from the top down: the ladder's extremes first, so a deadline leaves the widest span done.
-ORDER = ["none", "param_x1", "grad_x1", "param_x0p01", "grad_x0p01", "param_x0p1", "grad_x0p1", "h2_early", "h2_late",
-         "param_x0p3", "grad_x0p3", "param_x0p03", "grad_x0p03", "grad_x0p003", "param_x3", "grad_x2"]
+# Dose labels from the top down: the ladder's extremes first, so a deadline leaves the widest span done. "<dose>:inf"
+# is that dose's M = inf job: a dose counts only below one where M = inf converges (iclnoise.dose.regime), so 0.3x's
+# M = inf runs come right after the first two ladder doses of each source (1x's: grad saturates there).
+ORDER = ["none", "param_x1", "grad_x1", "param_x0p01", "grad_x0p01", "param_x0p1", "grad_x0p1", "param_x0p3:inf",
+         "grad_x0p3:inf", "h2_early", "h2_late", "param_x0p3", "grad_x0p3", "param_x0p03", "grad_x0p03", "grad_x0p003",
+         "param_x3", "grad_x2"]
 
 
 def rank(group: str, runs: list[str]) -> tuple:
-    """Ladder jobs (holding M 8-32; H2's M 16-32) before the rest, then by ORDER, then by chunk."""
+    """Ladder jobs (holding M 8-32; H2's M 16-32) and the M = inf jobs ORDER names before the rest, then by ORDER,
+    then by chunk."""
     noise = runs[0].split("-")[2]
-    ladder = any(r.startswith(("M8-", "M16-", "M32-")) for r in runs)
-    return (not ladder, ORDER.index(noise) if noise in ORDER else len(ORDER), group)
+    key = f"{noise}:inf" if all(r.startswith("Minf-") for r in runs) else noise
+    first = key in ORDER and (key.endswith(":inf") or any(r.startswith(("M8-", "M16-", "M32-")) for r in runs))
+    key = key if key in ORDER else noise
+    return (not first, ORDER.index(key) if key in ORDER else len(ORDER), group)
 
 
 def plan(configs: list[str]) -> None:
