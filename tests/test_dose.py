@@ -96,6 +96,21 @@ def test_a_planted_slope_of_r_is_recovered_and_a_null_is_a_null():
     assert row.ci_lo < 0 < row.ci_hi and row.verdict.startswith("no evidence") and "could detect a slope" in row.verdict
 
 
+def test_a_dose_with_m_inf_runs_only_vouches_for_the_regime_and_the_slope_reads_the_rest():
+    """The CPU plan's order: the ladder at 0.01 and 0.1, and at 0.3 M = ∞ alone (trained early to show the regime
+    reaches that far). 0.3 stays inside the regime; the r slope is fitted over 0.01 and 0.1 at the ladder (before,
+    the ladder was the M run at every in-regime dose: none, so no slope), and the contrast with dose 0 is at 0.1."""
+    out = planted(np.random.default_rng(5), slope=0.05, doses=(0.01, 0.1, 0.3), inf_at=(0.3,))
+    out = out[~((out.noise_level == 0.3) & (out.M != M_INF))].reset_index(drop=True)
+    (_, g), = dose.series(dose.dose_runs(out, GATES["regime_tol"]))
+    assert dose.regime(g, GATES["dose_tol"]).set_index("target_dose").in_regime.all()
+    t = h1(out)
+    row = t[t.test.str.contains("MixedLM r ~")].iloc[0]
+    assert row.status == "run" and row.n == 18 and "M ∈ {8, 16, 32}" in row.test and "doses 0.01, 0.1" in row.test
+    assert row.ci_lo < 0.05 < row.ci_hi
+    assert (t.test.str.contains("paired t \\(dose 0.1 − dose 0\\)")).sum() == 1
+
+
 def test_the_ladder_reads_a_planted_shift_of_m_star():
     """M* moves by −0.25 octave per decade (r's curve translates): the ladder's converted slope covers it, M* by r50
     is not fitted (3 M at the positive doses), and the shift per dose follows −0.25·log10(d/0.01). (The conversion

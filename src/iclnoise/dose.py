@@ -276,7 +276,8 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
     levels  one row per target dose: `regime`'s columns, r at M = 16 (t-interval over seeds), M* by r50 and by
             midpoint (thresholds.threshold_with_ci; NaN with fewer than 5 finite M) and the ladder's shift;
     fit     the positive in-regime doses' runs at the ladder (the finite M run at every one of them and at dose 0),
-            with log10_dose; ladder: those M; doses / left_out: the positive doses in and out of the regime;
+            with log10_dose; ladder: those M; doses: the positive in-regime doses with finite-M runs (a dose whose
+            runs are all M = ∞ is in `levels`, not here); left_out: the positive doses out of the regime;
     r       r_slope over `fit` (None with < 2 doses); mstar: {point: (mstar_slope, doses)} over the positive doses
             whose M* has a per-seed interval (≥ 2); mstar_zero: {point: (paired t of log2 M* at the highest such
             dose − dose 0 by seed, that dose)}; local: local_slope at dose 0; ladder_fit: ladder_conversion of r's
@@ -288,8 +289,9 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
     lv = regime(g, dose_tol)
     ok = g[~g.diverged.astype(bool)].assign(log10_dose=lambda d: np.log10(
         d.target_dose.map(lv.set_index("target_dose").realised_dose).where(d.target_dose > 0)))
-    inside = lv[lv.in_regime & (lv.target_dose > 0)].target_dose
     finite = ok[(ok.M != M_INF) & ok.r.notna()]
+    # the positive in-regime doses with finite-M runs (a dose with M = ∞ runs only vouches for the regime below it)
+    inside = [d for d in lv[lv.in_regime & (lv.target_dose > 0)].target_dose if (finite.target_dose == d).any()]
     per_dose = [set(finite[finite.target_dose == d].M) for d in [0.0, *inside]]
     ladder = sorted(set.intersection(*per_dose)) if per_dose else []
     fit = finite[finite.target_dose.isin(inside) & finite.M.isin(ladder)]
