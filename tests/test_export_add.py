@@ -17,6 +17,7 @@ from iclnoise.commands.results import export as export_cmd
 from iclnoise.config import typed
 from iclnoise.io import read_parquet
 from iclnoise.paper import AGGREGATE_TABLES, export, finished_runs, origin, verify
+from iclnoise.report import code_version
 
 ROOT = Path(__file__).resolve().parents[1]
 SCIENCE = ROOT / "reference" / "science"
@@ -62,6 +63,8 @@ def test_a_set_grown_over_two_sessions_equals_one_export_of_all_its_runs(tmp_pat
     for name in AGGREGATE_TABLES:
         pd.testing.assert_frame_equal(read_parquet(out / "aggregate" / name), read_parquet(once / name))
     assert len(read_parquet(out / "summary.parquet")) == 9 and (out / "report.md").read_text().startswith("# Does")
+    # the report names the code that computed it (this checkout), not the workdir's (here no checkout at all)
+    assert f"from {code_version(ROOT / 'src' / 'iclnoise')}." in (out / "report.md").read_text().splitlines()[2]
 
 
 def test_the_command_grows_the_set_and_takes_only_finished_runs_of_its_spec(tmp_path, params):

@@ -277,7 +277,7 @@ def add_runs(results: Path, out: Path, params: dict, workdir: Path) -> dict:
         training_figures([r / "metrics.parquet" for r in runs], draw)
         for name in ("summary.parquet", "summary.md"):
             shutil.copy2(draw / name, tmp / name)
-        write_text(build(tmp, params, workdir), tmp / "report.md")
+        write_text(build(tmp, params, Path(__file__).parent), tmp / "report.md")   # this code's checkout, not workdir's
         trained = [read_metadata(r / "metrics.parquet") for r in runs]
         commits = pd.Series([m.get("iclnoise.commit") for m in trained]).value_counts()
         jobs = _job_seconds(workdir / "benchmarks")["jobs"]
