@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"iclnoise each: {cmd[:1]} is not a command; allowed: {', '.join(COMMANDS)}")
     from .io import code_commit
 
-    code_commit()   # the commit of the code this process runs, read before a commit made while it runs could be
+    code_commit()   # the commit of the code this process runs: read now, not when a later commit may have landed
     for cmd in cmds:
         run_command(level, cmd)
 
