@@ -4,8 +4,8 @@
   python bench/dose_device.py pack RESULTS OUT.tar  the finished runs' files, checkpoints reduced to the first and last
 
 `plan` reads params.yaml with the CONFIG files on top (as `snakemake --configfile` does) and orders the jobs as the
-dose-response needs them: the threshold ladder (M 8-32) of dose 0 and of every dose from the top, with 0.3x's M = inf
-(the regime's evidence) after the first two, H2, then the rest of the full M grids and M = inf. Each job is what the
+dose-response needs them (ORDER): the threshold ladder (M 8-32) of dose 0 and of every dose inside the regime, the
+widest span first, H2, then the rest of the full M grids, and last the doses beyond the regime. Each job is what the
 workflow's train rule runs (`iclnoise train --spec --runs`), so its runs are the workflow's runs for the same configs
 (with configs/dose_gpu.yaml: CUDA runs, a set of their own).
 `pack` takes a run whose training outputs are all there (a killed job's runs are not) and leaves out the resume
@@ -24,22 +24,22 @@ from iclnoise.grid import ensemble_groups, shared_spec  # noqa: E402
 from iclnoise.runs import read_spec  # noqa: E402
 from iclnoise.sections import RunSpec  # noqa: E402
 
-# Dose labels from the top down: the ladder's extremes first, so a deadline leaves the widest span done. "<dose>:inf"
-# is that dose's M = inf job: a dose counts only below one where M = inf converges (iclnoise.dose.regime), so 0.3x's
-# M = inf runs come right after the first two ladder doses of each source (1x's: grad saturates there).
-ORDER = ["none", "param_x1", "grad_x1", "param_x0p01", "grad_x0p01", "param_x0p1", "grad_x0p1", "param_x0p3:inf",
-         "grad_x0p3:inf", "h2_early", "h2_late", "param_x0p3", "grad_x0p3", "param_x0p03", "grad_x0p03", "grad_x0p003",
-         "param_x3", "grad_x2"]
+# Dose labels in the order they are wanted: first each one's threshold ladder (M 8-32), dose 0 and 1x (where the scan
+# put the regime's top), 0.01x and 0.1x (a decade below), H2, then 0.3x, 0.03x and 0.003x (the regime, measured on 3
+# seeds, ends at 0.3x); then the rest of their runs (the full M grids at dose 0 and at 0.3x, whose M = inf runs were
+# trained as 3-run jobs when they were the regime's evidence); the doses in LAST (outside the regime) after the rest.
+ORDER = ["none", "param_x1", "grad_x1", "param_x0p01", "grad_x0p01", "param_x0p1", "grad_x0p1", "h2_early", "h2_late",
+         "param_x0p3", "grad_x0p3", "param_x0p03", "grad_x0p03", "param_x0p003", "grad_x0p003"]
+LAST = ["param_x3", "grad_x2"]
 
 
 def rank(group: str, runs: list[str]) -> tuple:
-    """Ladder jobs (holding M 8-32; H2's M 16-32) and the M = inf jobs ORDER names before the rest, then by ORDER,
-    then by chunk."""
+    """Ladder jobs (holding M 8-32; H2's M 16-32) of ORDER's doses, by ORDER; then the rest of ORDER's doses' jobs,
+    by ORDER; then the other doses' (LAST's in its order); within one place, by chunk."""
     noise = runs[0].split("-")[2]
-    key = f"{noise}:inf" if all(r.startswith("Minf-") for r in runs) else noise
-    first = key in ORDER and (key.endswith(":inf") or any(r.startswith(("M8-", "M16-", "M32-")) for r in runs))
-    key = key if key in ORDER else noise
-    return (not first, ORDER.index(key) if key in ORDER else len(ORDER), group)
+    first = noise in ORDER and any(r.startswith(("M8-", "M16-", "M32-")) for r in runs)
+    place = ORDER.index(noise) if noise in ORDER else len(ORDER) + (LAST.index(noise) if noise in LAST else len(LAST))
+    return (not first, place, group)
 
 
 def plan(configs: list[str]) -> None:
