@@ -79,7 +79,7 @@ def test_the_regime_leaves_out_unconverged_saturated_and_unchecked_doses():
     (_, g), = dose.series(dose.dose_runs(out, GATES["regime_tol"]))
     lv = dose.regime(g, GATES["dose_tol"]).set_index("target_dose")
     assert list(lv.index[lv.in_regime]) == [0.0, 0.01, 0.1]
-    assert "1.12× ridge's" in lv.regime[1.0] and "saturated" in lv.regime[0.03]
+    assert "1.120× ridge's" in lv.regime[1.0] and "saturated" in lv.regime[0.03]
     assert "no M = ∞ run at or above" in lv.regime[0.3]
 
 
@@ -244,7 +244,7 @@ def test_figure_6_against_dose_and_the_report_opening_with_the_answer(tmp_path):
     write_parquet(lv, agg / "dose_levels.parquet", dose.LEVELS_SCHEMA)
     text = build(tmp_path, {}, tmp_path)
     assert text.index("## The answer: ICL against the injected noise dose") < text.index("## What this run shows")
-    assert "operating regime: doses 0.01–0.3 (4 doses, 1.5 decades); outside: dose 1 (M = ∞ 1.2× ridge's" in text
+    assert "operating regime: doses 0.01–0.3 (4 doses, 1.5 decades); outside: dose 1 (M = ∞ 1.200× ridge's" in text
     assert "threshold ladder" in text and "fig06_threshold_vs_noise_dose.png" in text
 
 

@@ -100,7 +100,7 @@ def regime(g: pd.DataFrame, dose_tol: float) -> pd.DataFrame:
         if lv.diverged.any():
             why.append(f"{int(lv.diverged.sum())} of {len(lv)} runs diverged")
         if len(inf) and not inf.converged.astype(bool).all():
-            why.append(f"M = ∞ {ratio.max():.3g}× ridge's OOD loss")
+            why.append(f"M = ∞ {ratio.max():.3f}× ridge's OOD loss")
         rows.append({"target_dose": d, "noise": lv.noise.iloc[0], "realised_dose": real, "n_runs": len(lv),
                      "n_seeds": lv.seed.nunique(), "ood_loss_over_ridge": float(ratio.max()) if len(inf) else math.nan,
                      "has_inf": len(inf) > 0, "why": why})

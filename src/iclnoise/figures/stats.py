@@ -8,7 +8,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 from matplotlib.lines import Line2D
-from matplotlib.ticker import NullFormatter, ScalarFormatter
+from matplotlib.ticker import MaxNLocator, NullFormatter, ScalarFormatter
 
 from ..dose import SERIES
 from ..tasks import M_INF
@@ -171,7 +171,9 @@ def _dose_column(top: plt.Axes, bottom: plt.Axes, g: pd.DataFrame, key: tuple) -
     notes = [f"{key[0]} dose {d.target_dose:.3g}: outside the regime ({d.regime})" for d in outside.itertuples()]
     if any(np.isfinite(line.get_ydata()).any() for line in top.get_lines()):
         top.set_yscale("log", base=2)
+        top.yaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))   # M* spans well under a decade: plain ticks
         top.yaxis.set_major_formatter(ScalarFormatter())
+        top.yaxis.set_minor_formatter(NullFormatter())
     else:
         top.text(0.5, 0.5, "no M* at any dose", transform=top.transAxes, ha="center", color="grey")
     top.set_title(f"{key[0]} ({key[1]}), batch {key[2]}{optimizer_note(key[3])}", fontsize=10)
@@ -181,6 +183,7 @@ def _dose_column(top: plt.Axes, bottom: plt.Axes, g: pd.DataFrame, key: tuple) -
     ticks = [x0, *pos.realised_dose]
     bottom.set_xticks(ticks, ["0", *[f"{v:.2g}" for v in pos.realised_dose]])
     bottom.xaxis.set_minor_formatter(NullFormatter())
+    bottom.tick_params(axis="x", labelrotation=35)   # neighbouring doses a factor 2 apart would overlap
     top.legend(fontsize=7, loc="best")
     return notes
 
