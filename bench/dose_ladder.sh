@@ -3,12 +3,14 @@
 # probe each job's runs as soon as it ends, so that a session's finished jobs can be added to reference/dose
 # (`iclnoise export --add`) before the session stops:
 #   nohup bench/dose_ladder.sh 2 > dose_ladder.log 2>&1 &
-# The order is bench/dose_device.py's plan (the threshold ladder first: dose 0, then the doses from the ends of the
-# range inwards, H2; then the rest of the full M grids and M = inf). A lane takes the next job no lane has claimed
+# The order is bench/dose_device.py's plan (the threshold ladders first, dose 0's and then every dose's, H2 among them;
+# then the rest of the full M grids; the doses beyond the regime last). A lane takes the next job no lane has claimed
 # (mkdir is atomic; DOSE_CLAIMS names the claims directory, shared by invocations started apart); the lanes'
 # snakemake runs take no lock (--nolock), which is safe because each job writes only its own runs and reads nothing
 # another job writes. A job whose runs reference/dose holds (a session before this one trained them and added them
-# with `iclnoise export --add`) is not run again; DOSE_SKIP names another file of run ids to skip.
+# with `iclnoise export --add`) is not run again; DOSE_SKIP names another file of run ids to skip. An invocation
+# reads the plan once, at its start, and walks it to the end: to hold a job back from lanes already running, claim it
+# yourself (mkdir "$DOSE_CLAIMS/<group>"); removing a claim lets only a lane that has not yet passed it take it.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}   # this checkout's code (a worktree's, not the editable install's)
