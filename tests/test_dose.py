@@ -244,7 +244,7 @@ def test_figure_6_against_dose_and_the_report_opening_with_the_answer(tmp_path):
     write_parquet(lv, agg / "dose_levels.parquet", dose.LEVELS_SCHEMA)
     text = build(tmp_path, {}, tmp_path)
     assert text.index("## The answer: ICL against the injected noise dose") < text.index("## What this run shows")
-    assert "operating regime: doses 0.01–0.3 (4 doses, 1.5 decades); outside: dose 1 (M = ∞ 1.200× ridge's" in text
+    assert "operating regime: doses 0.01–0.3 (4 doses, 1.48 decades); outside: dose 1 (M = ∞ 1.200× ridge's" in text
     assert "threshold ladder" in text and "fig06_threshold_vs_noise_dose.png" in text
 
 

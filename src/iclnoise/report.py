@@ -175,7 +175,7 @@ def dose_answer(tests, levels) -> list[str]:
         inside = g[g.in_regime.astype(bool) & (g.target_dose > 0)].realised_dose
         out = g[~g.in_regime.astype(bool)]
         span = (f"doses {inside.min():.3g}–{inside.max():.3g} ({len(inside)} doses, "
-                f"{np.log10(inside.max() / inside.min()):.1f} decades)" if len(inside) >= 2 else
+                f"{np.log10(inside.max() / inside.min()):.2f} decades)" if len(inside) >= 2 else
                 f"{len(inside)} positive dose(s) inside")
         outside = "; ".join(f"{'dose 0' if d.target_dose == 0 else f'dose {d.target_dose:.3g}'} ({d.regime})"
                             for d in out.itertuples())
