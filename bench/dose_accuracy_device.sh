@@ -13,11 +13,11 @@ OUT=${OUT:-/tmp/dose_accuracy}; mkdir -p "$OUT" /tmp/acc
 DEVICE=${DEVICE:-cuda}; STOP=${STOP:-20000}; DEADLINE=${DEADLINE:-420}; EXTRA=${EXTRA:-}; HELDOUT=${HELDOUT:-32 256}
 exec > >(tee -a "$OUT/dose_accuracy_device.log") 2>&1
 . bench/device_env.sh
-# configs/dose.yaml's budgets: 0.01x-1x both sources, param 3x, grad 2x (x 0.055, the batch noise's own P-NE*)
+# configs/dose.yaml's budgets: 0.003x-1x both sources, param 3x, grad 2x (x 0.055, the batch noise's own P-NE*)
 pids=()
 for s in param grad; do
     top=$([ $s = param ] && echo 0.165 || echo 0.11)
-    for d in 0.00055 0.00165 0.0055 0.0165 0.055 $top; do
+    for d in 0.000165 0.00055 0.00165 0.0055 0.0165 0.055 $top; do
         # shellcheck disable=SC2086
         $PY bench/bench_dose_accuracy.py --device "$DEVICE" --stop "$STOP" --settings 16:10 --sources $s --dose $d \
             --heldout $HELDOUT --deadline "$DEADLINE" --out "/tmp/acc/$s-$d.csv" $EXTRA > "/tmp/acc/$s-$d.log" 2>&1 &
