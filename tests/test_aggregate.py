@@ -338,3 +338,17 @@ def test_an_arm_run_at_one_m_is_judged_converged_by_the_batch_noise_runs_at_its_
                         "late/B64: no M = ∞ run; batch noise's at batch 64 1.30× ridge's")]
     alone = out(1.05)[lambda d: d.noise != "none"]
     assert "nor batch-noise M = ∞ runs at batch 64" in gate_convergence(alone, convergence(alone))[0][1]
+
+
+def test_the_opening_states_the_convergence_gate_it_applied():
+    """'every condition converged' names its gate (1 + GATES['convergence_tol']), so that a dose set's report, whose
+    operating regime asks ≤ 1.10× of M = ∞, does not read as contradicting itself at 1.14×."""
+    from iclnoise.report import what_this_run_shows
+    from iclnoise.verdicts import GATES, convergence
+
+    ratio = 1 + GATES["convergence_tol"] - 0.01
+    out = pd.DataFrame([{"batch": 64, "noise": "none", "M": M, "ood_loss": ratio * 0.4 if M == -1 else 0.6,
+                         "ood_loss_ridge": 0.4, "diverged": False, "optimizer": "adamw"} for M in (1, 16, -1)])
+    text = "\n".join(what_this_run_shows(None, None, convergence(out)))
+    assert f"none/B64 {ratio:.2f}×; every condition converged (worst seed ≤ " \
+           f"{1 + GATES['convergence_tol']:.2f}× ridge's, the verdicts' gate" in text, text
