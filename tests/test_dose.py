@@ -293,3 +293,27 @@ def test_the_dose_grid_is_the_issues_design():
     assert full == {"none", "param_x0p3", "grad_x0p3"}
     assert all(len({k.M for k in runs if k.noise == n}) == len(p["grid"]["M"]) for n in full)
     assert all({"llc", "geometry", "mech"} <= set(probe_sections(p, k)) for k in runs)
+
+
+def test_figure_6_draws_the_ladder_reading_beside_a_full_grid_m_star():
+    """Where a dose has a full M grid, its own M* and the ladder's reading are both drawn (the ladder's a little to
+    the right), so that the conversion can be checked against a direct estimate; where it has only the ladder, the
+    ladder's reading sits at the dose."""
+    import matplotlib.pyplot as plt
+
+    from iclnoise.figures.stats import _plot_dose_mstar
+
+    nan = np.nan
+    g = pd.DataFrame({"target_dose": [0.0, 0.01, 0.1], "ladder_shift": [nan, 0.1, -0.2],
+                      "ladder_shift_lo": [nan, 0.0, -0.3], "ladder_shift_hi": [nan, 0.2, -0.1]})
+    for point, m in (("r50", 16.0), ("midpoint", 12.0)):
+        g[f"M_star_{point}"], g[f"M_star_{point}_lo"], g[f"M_star_{point}_hi"] = \
+            [m, nan, m * 0.9], [m - 1, nan, m * 0.9 - 1], [m + 1, nan, m * 0.9 + 1]
+    fig, top = plt.subplots()
+    _plot_dose_mstar(top, g, np.array([0.001, 0.01, 0.1]))
+    drawn = {c.get_label(): c.lines[0] for c in top.containers}
+    own, lad = drawn["M* (r50)"], drawn["M* (r50) read from the ladder"]
+    assert np.isfinite(own.get_ydata()).tolist() == [True, False, True]
+    np.testing.assert_allclose(lad.get_xdata(), [0.01, 0.1 * 1.12])
+    np.testing.assert_allclose(lad.get_ydata(), [16 * 2 ** 0.1, 16 * 2 ** -0.2])
+    plt.close(fig)

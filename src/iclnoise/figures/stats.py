@@ -189,8 +189,9 @@ def _dose_column(top: plt.Axes, bottom: plt.Axes, g: pd.DataFrame, key: tuple) -
 
 
 def _plot_dose_mstar(top: plt.Axes, g: pd.DataFrame, x: np.ndarray) -> None:
-    """M* by r50 and by midpoint at each dose (x: where the doses sit), and where a dose has none of its own the
-    ladder's reading: dose 0's M* moved by the ladder's shift (hollow, dashed)."""
+    """M* by r50 and by midpoint at each dose (x: where the doses sit), and at every positive dose the ladder's
+    reading: dose 0's M* moved by the ladder's shift (hollow, dashed; a little to the right where the dose has a full
+    M grid of its own, so that the two readings of one dose can be compared)."""
     zero = g[g.target_dose == 0]
     for k, (point, mk, ls) in enumerate((("r50", "o", "-"), ("midpoint", "^", ":"))):
         m, lo, hi = (g[f"M_star_{point}{s}"].to_numpy() for s in ("", "_lo", "_hi"))
@@ -200,9 +201,10 @@ def _plot_dose_mstar(top: plt.Axes, g: pd.DataFrame, x: np.ndarray) -> None:
         base = float(zero[f"M_star_{point}"].iloc[0]) if len(zero) else np.nan
         own = np.isfinite(m)
         lad = base * 2.0 ** g.ladder_shift.to_numpy()
-        ok = ~own & np.isfinite(lad)
+        ok = np.isfinite(lad)
         if ok.any():
             err = np.vstack([lad - base * 2.0 ** g.ladder_shift_lo.to_numpy(),
                              base * 2.0 ** g.ladder_shift_hi.to_numpy() - lad])[:, ok]
-            top.errorbar(xk[ok], lad[ok], yerr=np.nan_to_num(err).clip(min=0), marker=mk, ls="--", mfc="white",
+            xl = np.where(own, xk * 1.12, xk)
+            top.errorbar(xl[ok], lad[ok], yerr=np.nan_to_num(err).clip(min=0), marker=mk, ls="--", mfc="white",
                          color=f"C{k}", capsize=3, label=f"M* ({point}) read from the ladder")
