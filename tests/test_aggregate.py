@@ -351,4 +351,4 @@ def test_the_opening_states_the_convergence_gate_it_applied():
                          "ood_loss_ridge": 0.4, "diverged": False, "optimizer": "adamw"} for M in (1, 16, -1)])
     text = "\n".join(what_this_run_shows(None, None, convergence(out)))
     assert f"none/B64 {ratio:.2f}×; every condition converged (worst seed ≤ " \
-           f"{1 + GATES['convergence_tol']:.2f}× ridge's, the verdicts' gate" in text, text
+           f"{1 + GATES['convergence_tol']:.2f}× ridge's, the verdicts' gate)." in text, text

@@ -119,7 +119,7 @@ def what_this_run_shows(th, tests, conv=None) -> list[str]:
         lines += [f"Convergence (final OOD loss of the M = ∞ runs over ridge's, worst seed): {', '.join(parts)}; "
                   + ("not every condition converged (see below)." if bad else
                      f"every condition converged (worst seed ≤ {1 + GATES['convergence_tol']:.2f}× ridge's, the "
-                     "verdicts' gate; the dose set's operating regime, above, is stricter)."), ""]
+                     "verdicts' gate)."), ""]
         failures += [f"unconverged ({', '.join(bad)})"] if bad else []
     if th is not None and len(th):
         lines += ["Task-diversity threshold M* by three methods (95 % t-intervals over seeds): r50, where "
