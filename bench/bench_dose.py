@@ -6,8 +6,8 @@ power elsewhere), and the mean reported mde.
 
 Cells: r's slope (dose.r_slope) at 0 (size), at 0.03 per decade (coverage) and at the null's mean mde (its claimed
 80 % power); the ladder's log2 M* slope (dose.ladder_conversion, delta method) at a planted translation of the r
-curve by 0, −0.25 and −0.5 octave per decade; dose.monotonicity's rejection rate under a line in log dose (size)
-and under a step.
+curve by 0, −0.25 and −0.5 octave per decade; the ladder's shift at each dose (dose.ladder_shifts) at 0 and −0.25;
+dose.monotonicity's rejection rate under a line in log dose (size) and under a step.
 
 Usage: OMP_NUM_THREADS=1 python bench/bench_dose.py [replications per cell, default 200]
 
@@ -20,10 +20,14 @@ Measured (2026-11-27, 200 per cell; the ladder rows with local_slope's logistic 
 | ladder log2 M* slope 0 (size) | +0.0020 | 0.960 | 0.040 | 0.0682 |
 | ladder log2 M* slope −0.25 per decade | −0.245 | 0.965 | 1.000 | 0.0724 |
 | ladder log2 M* slope −0.5 per decade | −0.475 | 0.935 | 1.000 | 0.0873 |
+| ladder shift per dose, none planted (coverage over 5 doses; top dose) ¹ | +0.0007 | 0.960 | 0.050 | – |
+| ladder shift per dose, −0.25 octave per decade (top dose −0.5) ¹ | −0.494 | 0.968 | 0.955 | – |
 | monotonicity, r linear in log dose (size) | – | – | 0.065 | – |
 | monotonicity, a step of 0.1 between doses 0.03 and 0.1 | – | – | 0.970 | – |
 (With the secant over the ladder as the local slope, the ladder rows read +0.0018 / −0.228 / −0.441, coverage
 0.960 / 0.855 / 0.550.)
+¹ dose.ladder_shifts' per-dose intervals, figure 6's ladder points (2026-11-29, 200 per cell, commit 5e43026): the
+mean estimate and the share of intervals excluding 0 are the top dose's, the coverage is over all 5 doses.
 """
 from __future__ import annotations
 
@@ -64,6 +68,23 @@ def cell(name, n, key, truth, **kw):
     return float(np.mean(mde))
 
 
+def shift_cell(name, n, shift):
+    """dose.ladder_shifts' per-dose intervals (figure 6's ladder points) against the planted shift at each positive
+    dose, shift·log10(d/d₁) octaves: coverage pooled over the 5 doses, and at the top dose the mean estimate and the
+    share of intervals that exclude 0."""
+    rng = np.random.default_rng(10)
+    cover, top, excl = [], [], []
+    for _ in range(n):
+        lv = fits(rng, shift=shift)["levels"]
+        lv = lv[lv.target_dose > 0]
+        truth = shift * np.log10(lv.target_dose / DOSES[0])
+        cover.extend((lv.ladder_shift_lo <= truth) & (truth <= lv.ladder_shift_hi))
+        hi = lv.iloc[-1]
+        top.append(hi.ladder_shift)
+        excl.append(not hi.ladder_shift_lo <= 0 <= hi.ladder_shift_hi)
+    print(f"| {name} | {n} | {np.mean(top):+.3g} | {np.mean(cover):.3f} | {np.mean(excl):.3f} | – |", flush=True)
+
+
 def mono_cell(name, n, shape):
     """dose.monotonicity's rejection rate on the seed means of a planted response `shape`(log10 dose) (the cells of
     test_dose's monotonicity test: run noise 0.02, seed sd 0.03, 3 seeds, 5 doses)."""
@@ -86,6 +107,8 @@ def main(n: int) -> None:
     cell("ladder log2 M* slope 0 (size)", n, "ladder", 0.0, shift=0.0)
     cell("ladder log2 M* slope −0.25 per decade", n, "ladder", -0.25, shift=-0.25)
     cell("ladder log2 M* slope −0.5 per decade", n, "ladder", -0.5, shift=-0.5)
+    shift_cell("ladder shift per dose, none planted (coverage over 5 doses; top dose)", n, 0.0)
+    shift_cell("ladder shift per dose, −0.25 octave per decade (top dose −0.5)", n, -0.25)
     mono_cell("monotonicity, r linear in log dose (0.05 per decade; size)", n, lambda x: 0.05 * (x - x[0]))
     mono_cell("monotonicity, a step of 0.1 between doses 0.03 and 0.1", n, lambda x: np.where(x > -1.7, 0.1, 0.0))
 
