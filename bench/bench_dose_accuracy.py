@@ -22,12 +22,21 @@ Usage: python bench/bench_dose_accuracy.py [--stop 1500] [--ref-every 10] [--dos
 `--deadline S`: after S seconds (or on SIGTERM) the run stops and its row covers the steps it reached
 (`steps_reached`); windows it did not reach read NaN. bench/dose_accuracy_device.sh runs every dose level at once on a
 lent GPU.
+
+The late window on a CPU, from finished runs (bench/results/dose_accuracy_late.csv):
+       python bench/bench_dose_accuracy.py --heldout 32 256 --resume results/runs/Minf-B64-grad_x0p3-s0 ...
+each run resumes alone from its resume.prev.pt (its ensemble's last commit but one: step 18 333 of 20 000 in
+configs/dose.yaml) under its own spec, with the references beside it, to the end of its schedule; its row also gives
+the resumed run's books over those steps against the original run's (injection.parquet), near 1 when the resumed run
+is the run (an ensemble of one rounds otherwise, README "Determinism").
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import csv
+import json
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -42,6 +51,8 @@ import iclnoise.ensemble as ensemble
 from iclnoise.config import validate_params
 from iclnoise.grid import run_spec
 from iclnoise.injection import DoseReference
+from iclnoise.io import read_parquet
+from iclnoise.runs import load_torch, save_torch
 from iclnoise.train import train_run
 
 
@@ -56,6 +67,7 @@ class Deadline(Exception):
 
 
 EXPIRED = []   # set once the deadline has passed: the measurements after it are not started
+OUT = "bench/results/dose_accuracy_heldout.csv"
 
 
 def stop_here(signum, frame):
@@ -75,6 +87,34 @@ def measure(base: dict, source: str, probes: int, every: int | str, a) -> list[d
     p["noise"]["conditions"]["dose"] = {"source": source, "shape": "diagonal", "schedule": "constant",
                                         "budget": a.dose, "batch_sizes": [64]}
     p = validate_params(p)
+    with tempfile.TemporaryDirectory() as d:
+        return referenced(a, lambda: train_run(run_spec(p, "Minf-B64-dose-s0"), Path(d), progress=False))
+
+
+def measure_resumed(run_dir: Path, a) -> tuple[dict, int, float, list[dict]]:
+    """A finished run's last stretch measured: a copy of its directory resumes alone from its resume.prev.pt (the
+    ensemble's last commit but one) under its own run.json, untouched, with the references beside its injector
+    (their empty states put in front of the run's hooks' states, as build_hooks puts the references in front);
+    the spec, the step it resumed at, the resumed run's booked P-NE* over those steps / the original run's (the
+    same run to float32 round-off: near 1), and `referenced`'s rows."""
+    spec = {k: v for k, v in json.loads((run_dir / "run.json").read_text()).items() if k != "spec_hash"}
+    with tempfile.TemporaryDirectory() as d:
+        rd = Path(d) / run_dir.name
+        shutil.copytree(run_dir, rd, ignore=shutil.ignore_patterns("resume.pt"))
+        state = load_torch(rd / "resume.prev.pt")
+        state["hooks"] = [{}] * len(a.heldout) + state["hooks"]
+        save_torch(state, rd / "resume.pt")
+        (rd / "resume.prev.pt").unlink()
+        outs = referenced(a, lambda: train_run(spec, rd, progress=False))
+        ours, theirs = (read_parquet(x / "injection.parquet") for x in (rd, run_dir))
+        reached = outs[0]["reached"] if outs else 0
+        same = [x[(x.step >= state["step"]) & (x.step < reached)].pne_injected.sum() for x in (ours, theirs)]
+        return spec, state["step"], float(same[0] / same[1]) if same[1] else float("nan"), outs
+
+
+def referenced(a, train) -> list[dict]:
+    """train() with a DoseReference on each --heldout size in front of every injecting run's hooks; per reference,
+    realised / booked summed over each period of the steps it measured."""
     made, build = [], ensemble.build_hooks
 
     def with_reference(spec, device):
@@ -88,8 +128,7 @@ def measure(base: dict, source: str, probes: int, every: int | str, a) -> list[d
     ensemble.build_hooks = with_reference
     t0 = time.perf_counter()
     try:
-        with tempfile.TemporaryDirectory() as d:
-            train_run(run_spec(p, "Minf-B64-dose-s0"), Path(d), progress=False)
+        train()
     except Deadline:
         pass
     finally:
@@ -108,6 +147,27 @@ def measure(base: dict, source: str, probes: int, every: int | str, a) -> list[d
     return outs
 
 
+def resumed_rows(a, commit: str) -> list[dict]:
+    """--resume: one row per (run, reference) over the steps from the run's resume.prev.pt to its end."""
+    rows = []
+    for run_dir in map(Path, a.resume):
+        spec, at, books, outs = measure_resumed(run_dir, a)
+        exp, cond = spec["exposure"], spec["noise"]
+        for r in outs:
+            print(f"{run_dir.name}: from step {at}, reference on {r['heldout']} sequences, realised/booked "
+                  f"{r['all'][0]:.3f} ({r['all'][1]} steps; late window from {a.late}: {r['late'][0]:.3f}); its "
+                  f"books / the original run's {books:.4f}  "
+                  f"[{r['reached']} steps reached, {r['wall_s']:.0f} s]", flush=True)
+            rows.append({"run_id": run_dir.name, "source": cond["source"], "dose": cond["budget"],
+                         "probes": exp["curvature_probes"], "curvature_every": exp["curvature_every"],
+                         "resumed_at": at, "steps_reached": r["reached"], "books_vs_original": round(books, 5),
+                         "ref_every": a.ref_every,
+                         "ref_heldout": r["heldout"], "ref_steps": r["all"][1], "ratio": round(r["all"][0], 4),
+                         "ratio_late": round(r["late"][0], 4), "late_from": a.late, "wall_s": round(r["wall_s"], 1),
+                         "device": device_name(a.device), "commit": commit})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stop", type=int, default=1500, help="train the first N steps of the schedule")
@@ -120,10 +180,13 @@ def main() -> None:
     ap.add_argument("--settings", nargs="*", default=["8:25", "16:10"],
                     help="probes:every (every = auto: adaptive refresh at --tol)")
     ap.add_argument("--sources", nargs="*", default=["param", "grad"])
-    ap.add_argument("--out", default="bench/results/dose_accuracy_heldout.csv")
+    ap.add_argument("--out", default=OUT)
     ap.add_argument("--late", type=int, default=16000, help="the late window starts here (the schedule's last 20 %%)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--deadline", type=float, help="stop after this many seconds (also on SIGTERM)")
+    ap.add_argument("--resume", nargs="+", metavar="RUN_DIR",
+                    help="instead: the last stretch of these finished runs, each resumed alone from its "
+                         "resume.prev.pt under its own spec (--out default bench/results/dose_accuracy_late.csv)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, stop_here)
@@ -138,6 +201,9 @@ def main() -> None:
     for probe in ("ed", "llc", "geometry", "mech"):
         base[probe]["enabled"] = False
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    if a.resume:
+        write_rows(resumed_rows(a, commit), a.out if a.out != OUT else "bench/results/dose_accuracy_late.csv")
+        return
     rows = []
     for setting in a.settings:
         probes, every = setting.split(":")
@@ -157,11 +223,16 @@ def main() -> None:
                              "ratio_rest": round(r["rest"][0], 4), "ratio_all": round(r["all"][0], 4),
                              "late_from": a.late, "wall_s": round(r["wall_s"], 1), "device": device_name(a.device),
                              "commit": commit, "ref_heldout": r["heldout"]})
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    new = not Path(a.out).exists()
-    if not new and open(a.out).readline().strip().split(",") != list(rows[0]):
-        raise SystemExit(f"{a.out} has other columns (an older version of this bench); pass another --out")
-    with open(a.out, "a", newline="") as f:
+    write_rows(rows, a.out)
+
+
+def write_rows(rows: list[dict], out: str) -> None:
+    """Append rows to the CSV `out` (its header first when new)."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    new = not Path(out).exists()
+    if not new and open(out).readline().strip().split(",") != list(rows[0]):
+        raise SystemExit(f"{out} has other columns (an older version of this bench); pass another --out")
+    with open(out, "a", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         if new:
             w.writeheader()
