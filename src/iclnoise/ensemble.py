@@ -387,8 +387,8 @@ class Ensemble:
         """Per-run gradient-norm clipping to train.grad_clip (frozen runs get a zero gradient); the pre-clip norms
         and the factors applied (R,), on the device."""
         R, clip = len(self.members), self.t.grad_clip
-        # every sum runs along a run's own row, so a run's norm has the same bits in an ensemble of any size (a sum
-        # over the first axis of a stacked (tensors, R) does not: its order depends on R)
+        # every sum runs along a run's own row, so on one CPU thread a run's norm has the same bits in an ensemble of
+        # any size (a sum over the first axis of a stacked (tensors, R) does not: its order depends on R)
         norms = torch.stack([g.grad.reshape(R, -1).square().sum(1) for g in self.P], 1).sum(1).sqrt()
         coef = torch.ones(R, device=self.device) if clip is None else (clip / (norms + 1e-6)).clamp(max=1.0)
         coef = torch.where(self.frozen, torch.zeros_like(coef), coef)
