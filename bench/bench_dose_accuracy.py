@@ -67,7 +67,7 @@ class Deadline(Exception):
 
 
 EXPIRED = []   # set once the deadline has passed: the measurements after it are not started
-OUT = "bench/results/dose_accuracy_heldout.csv"
+OUT, OUT_LATE = "bench/results/dose_accuracy_heldout.csv", "bench/results/dose_accuracy_late.csv"
 
 
 def stop_here(signum, frame):
@@ -180,13 +180,13 @@ def main() -> None:
     ap.add_argument("--settings", nargs="*", default=["8:25", "16:10"],
                     help="probes:every (every = auto: adaptive refresh at --tol)")
     ap.add_argument("--sources", nargs="*", default=["param", "grad"])
-    ap.add_argument("--out", default=OUT)
+    ap.add_argument("--out", help=f"CSV to append to (default {OUT}; with --resume {OUT_LATE})")
     ap.add_argument("--late", type=int, default=16000, help="the late window starts here (the schedule's last 20 %%)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--deadline", type=float, help="stop after this many seconds (also on SIGTERM)")
     ap.add_argument("--resume", nargs="+", metavar="RUN_DIR",
                     help="instead: the last stretch of these finished runs, each resumed alone from its "
-                         "resume.prev.pt under its own spec (--out default bench/results/dose_accuracy_late.csv)")
+                         "resume.prev.pt under its own spec")
     a = ap.parse_args()
     torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, stop_here)
@@ -202,7 +202,7 @@ def main() -> None:
         base[probe]["enabled"] = False
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     if a.resume:
-        write_rows(resumed_rows(a, commit), a.out if a.out != OUT else "bench/results/dose_accuracy_late.csv")
+        write_rows(resumed_rows(a, commit), a.out or OUT_LATE)
         return
     rows = []
     for setting in a.settings:
@@ -223,7 +223,7 @@ def main() -> None:
                              "ratio_rest": round(r["rest"][0], 4), "ratio_all": round(r["all"][0], 4),
                              "late_from": a.late, "wall_s": round(r["wall_s"], 1), "device": device_name(a.device),
                              "commit": commit, "ref_heldout": r["heldout"]})
-    write_rows(rows, a.out)
+    write_rows(rows, a.out or OUT)
 
 
 def write_rows(rows: list[dict], out: str) -> None:
