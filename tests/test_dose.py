@@ -271,8 +271,9 @@ def test_the_dose_grid_is_the_issues_design():
     """configs/dose.yaml (issue 43 item 2, CPU plan): per injected source ≥ 5 positive doses inside the operating
     regime measured on 3 seeds (reference/dose: M = ∞ within 1.10× ridge's OOD loss at 0.3× and not at param 1×; grad
     1× saturated) spanning ≥ 1.5 decades, each at the threshold ladder M ∈ {8, 16, 32} on 3 seeds; the H2 pair at
-    equal budgets ≥ 50 % of the batch noise's integrated P-NE* (0.055); the full M grid at dose 0 and at each
-    source's highest dose inside the regime (0.3×); and every run of every seed probed (item 5: H4's seed gate)."""
+    equal budgets ≥ 50 % of the batch noise's integrated P-NE* (0.055); the full M grid at dose 0 and at two doses
+    of each source a decade apart inside the regime (0.03× and 0.3×: log M* has a slope against log dose from full
+    grids); and every run of every seed probed (item 5: H4's seed gate)."""
     from iclnoise.config import load_params
     from iclnoise.grid import expand_grid, probe_sections
 
@@ -289,8 +290,8 @@ def test_the_dose_grid_is_the_issues_design():
     assert early["budget"] == late["budget"] >= 0.5 * 0.055 and early["M"] == late["M"]
     runs = expand_grid(p)
     assert {k.seed for k in runs} == {0, 1, 2}
-    full = {k.noise for k in runs if k.M == 1}   # the full M grid at dose 0 and at each source's top dose in the regime
-    assert full == {"none", "param_x0p3", "grad_x0p3"}
+    full = {k.noise for k in runs if k.M == 1}   # the full M grid at dose 0 and at two doses of each source
+    assert full == {"none", "param_x0p03", "param_x0p3", "grad_x0p03", "grad_x0p3"}
     assert all(len({k.M for k in runs if k.noise == n}) == len(p["grid"]["M"]) for n in full)
     assert all({"llc", "geometry", "mech"} <= set(probe_sections(p, k)) for k in runs)
 
