@@ -28,7 +28,8 @@ The late window on a CPU, from finished runs (bench/results/dose_accuracy_late.c
 each run resumes alone from its resume.prev.pt (its ensemble's last commit but one: step 18 333 of 20 000 in
 configs/dose.yaml) under its own spec, with the references beside it, to the end of its schedule; its row also gives
 the resumed run's books over those steps against the original run's (injection.parquet), near 1 when the resumed run
-is the run (an ensemble of one rounds otherwise, README "Determinism"). `--states FILE...` starts each run instead
+is the run (the same bits where the run was trained on one thread by code that keeps a run's bits alone, README
+"Determinism"; the runs of reference/dose were not). `--states FILE...` starts each run instead
 from a copy of its resume.pt kept from an earlier commit (step 15 000: the whole late window), and the row splits the
 late window at `--cut` (18 333) as well.
 """

@@ -12,7 +12,7 @@ from iclnoise.config import read_yaml, validate_params
 from iclnoise.exposure import AdamState, grad_noise, group_grads, injected_dose_se, preconditioner, summarize
 from iclnoise.grid import run_spec
 from iclnoise.hooks import ExposureState, NoiseMeter, StepContext
-from iclnoise.injection import MAX_LOG_SCALE, DoseReference, NoiseInjector, closed_loop_scale
+from iclnoise.injection import MAX_LOG_SCALE, SATURATION, DoseReference, NoiseInjector, closed_loop_scale
 from iclnoise.io import read_parquet
 from iclnoise.noise import CovModel, psd_clip, shaped_covariance, target_at
 from iclnoise.sections import Exposure, RunSpec
@@ -259,16 +259,21 @@ def test_early_and_late_realise_their_budget_by_specs_definition_where_A_moves_f
     """Rows logged every 40 steps, 32-step windows at the start (A moves fast: v̂ fills from g², and the injected
     noise enters it) and at the end, clipping at 0.3. Each run's realised injected P-NE*, recomputed per step by
     SPEC §6 with that step's A and the exact Gauss–Newton diagonal (`DoseReference`), meets the budget:
-    - dense (32 Hutchinson probes, diag Ĥ re-measured every 2 steps): within 5 % (measured: early −2.4 %, late
-      −1.6 %; the books' own SE from the probes' error, 2.7 % and 2.6 %). Before issue 27's fix the loop divided
-      by the last logged row's Curv: by this reference early realised 8.6× the budget and late 0.87×.
+    - dense (32 Hutchinson probes, diag Ĥ re-measured every 2 steps): within 5 % (measured on seed 0: early
+      −2.5 %, late −1.6 %; the books' own SE from the probes' error, 2.7 % and 2.6 %). Before issue 27's fix the loop
+      divided by the last logged row's Curv: by this reference early realised 8.6× the budget and late 0.87×.
+      Seed 0 is the case this was first measured on; over seeds 0-11 (2026-11-29) the reference reads 0.93-1.03 of
+      the books early and 0.90-1.09 late: within 5 % in 21 of 24 windows (seed 1 early 0.928, seed 6 late 1.087,
+      seed 10 late 0.900; delta-method SEs over the 32 steps 2-4 %), and the late window is unreachable under this
+      clipping in 2 seeds (the books saturate at 0.79 and 0.80 of the budget; seed 11's reach 0.967).
     - the default's 8 probes every 25 steps: early realised 1.96× the budget (diag Ĥ from the window's first step
       held while the curvature grows; the books' SE 26 %). With `curvature_tol` 0.05 (refresh from every step at
       the window's opening, the interval adapting to the drift, at most 25) early realises 0.97× and late 0.75×
       with SEs of 6.7 % and 11.3 %: what remains is the probes' error, which the books now state (within 3 SE).
-    The injection never swamps the gradient: the clipping factor c² of every injecting step is ≥ 0.2 of what it
-    would be without the injected noise (measured minimum 0.25; the loop caps the scale at
-    SATURATION·max(|g|², G²/10)/Tr R', which bounds the expected ratio at 1/(1 + SATURATION) = 0.1)."""
+    The injection never swamps the gradient: the loop caps the scale at SATURATION·max(|g|², G²/10)/Tr R', which
+    bounds each step's expected clipping factor c² at ≥ 1/(1 + SATURATION) = 0.1 of what it would be without the
+    injected noise, so a window's mean is ≥ 0.1 (measured over seeds 0-11: window means 0.27-0.99; single steps go
+    lower, to 0.064, in the saturated late windows)."""
     import iclnoise.ensemble as train_mod  # Member.setup builds the hooks
     made, build = [], train_mod.build_hooks
 
@@ -294,7 +299,7 @@ def test_early_and_late_realise_their_budget_by_specs_definition_where_A_moves_f
         assert inj.pne_injected.sum() == pytest.approx(E, rel=0.02)               # the run's own books
         bound = 0.05 if probes >= 32 else 3 * se / E                                # SPEC's definition
         assert abs(sum(ref.pne) / E - 1) <= bound, (name, sum(ref.pne) / E, se / E)
-        assert min(ref.c2) >= 0.2, (name, np.round(ref.c2, 3).tolist())
+        assert np.mean(ref.c2) >= 1 / (1 + SATURATION), (name, np.round(ref.c2, 3).tolist())
 
 
 @pytest.mark.parametrize("trajectory", [False, True])

@@ -242,8 +242,8 @@ def test_export_then_paper_redraws_every_figure_from_the_reference_tables_alone(
 def test_a_deleted_run_is_rebuilt(finished):
     """Delete one run directory: plain `snakemake` reruns its ensemble (issue 20). The members that were
     complete rewrite their tables from their final resume state, byte for byte; the deleted run trains again,
-    now in an ensemble of one, and equals the original to float32 round-off (vmap over another number of runs
-    may change the last bits)."""
+    now in an ensemble of one, and equals the original to float32 round-off (the same bits on one thread, README
+    "Determinism"; a job's other thread counts may change the last bits)."""
     import pandas as pd
     d = finished
     runs = d / "results/runs"

@@ -434,7 +434,8 @@ class Ensemble:
         """The exposure measurements of the runs whose loggers measure at this step, each kind in one stacked call
         per shape, into their contexts: the group gradients (exposure.stacked_group_grads) and the Gauss–Newton
         diag Ĥ probes (exposure.stacked_ggn_curvature), each run's own batch, held-out batch and probe draws, its
-        numbers its own measurement's to float32 round-off. A kind fewer than two runs measure: each its own."""
+        numbers its own measurement's to float32 round-off. A kind one run measures takes the same stacked call (the
+        run's own measurement rounds otherwise), so a run measures the same bits alone as in an ensemble."""
         grads: dict[int, list[int]] = {}
         curvs: dict[tuple[int, int], list[tuple[int, ExposureLogger]]] = {}
         for r in ctxs:
@@ -445,19 +446,17 @@ class Ensemble:
                     curvs.setdefault((h.n_heldout, h.probes), []).append((r, h))
         model = self.members[0].model
         for K, rs in grads.items():
-            if len(rs) > 1:
-                idx = torch.tensor(rs, device=self.device)
-                G = stacked_group_grads(model, mse_loss, self._params(rs), batch.xs[idx], batch.ys[idx], K)
-                for r, g in zip(rs, G):
-                    ctxs[r].group_grads = g
+            idx = torch.tensor(rs, device=self.device)
+            G = stacked_group_grads(model, mse_loss, self._params(rs), batch.xs[idx], batch.ys[idx], K)
+            for r, g in zip(rs, G):
+                ctxs[r].group_grads = g
         for (n, probes), due in curvs.items():
-            if len(due) > 1:
-                rs = [r for r, _ in due]
-                held = stacked_batch([self.members[r].heldout for r in rs], step, n)
-                hess = stacked_ggn_curvature(model, self._params(rs), held.xs, held.ys, probes,
-                                             [h.probe_generator(step) for _, h in due], 1.0 / due[0][1].D)
-                for r, c in zip(rs, hess):
-                    ctxs[r].curvature = c
+            rs = [r for r, _ in due]
+            held = stacked_batch([self.members[r].heldout for r in rs], step, n)
+            hess = stacked_ggn_curvature(model, self._params(rs), held.xs, held.ys, probes,
+                                         [h.probe_generator(step) for _, h in due], 1.0 / due[0][1].D)
+            for r, c in zip(rs, hess):
+                ctxs[r].curvature = c
 
     def _params(self, rs: list[int]) -> dict[str, torch.Tensor]:
         """The stacked parameters of runs `rs` (detached copies)."""

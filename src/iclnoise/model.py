@@ -75,7 +75,10 @@ class Linear(nn.Linear):
         if self.weight.dim() == 2:
             return F.linear(x, self.weight, self.bias)
         R, o, i = self.weight.shape
-        y = torch.bmm(x.reshape(R, -1, i), self.weight.transpose(1, 2)).view(*x.shape[:-1], o)
+        x2, w = x.reshape(R, -1, i), self.weight
+        if R == 1 and o == 1:   # one run's one-column bmm takes the gemv kernel, which rounds otherwise: run it as
+            x2, w = x2.expand(2, -1, -1), w.expand(2, -1, -1)   # two, so a run has the same bits alone as in ensembles
+        y = torch.bmm(x2, w.transpose(1, 2))[:R].view(*x.shape[:-1], o)
         return y if self.bias is None else y + per_run(self.bias, y)
 
 
