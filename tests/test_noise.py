@@ -270,10 +270,10 @@ def test_early_and_late_realise_their_budget_by_specs_definition_where_A_moves_f
       held while the curvature grows; the books' SE 26 %). With `curvature_tol` 0.05 (refresh from every step at
       the window's opening, the interval adapting to the drift, at most 25) early realises 0.97× and late 0.75×
       with SEs of 6.7 % and 11.3 %: what remains is the probes' error, which the books now state (within 3 SE).
-    The injection does not swamp the gradient on average: the loop caps the scale at SATURATION·max(|g|², G²/10)/Tr R', which
-    bounds each step's expected clipping factor c² at ≥ 1/(1 + SATURATION) = 0.1 of what it would be without the
-    injected noise, so a window's mean is ≥ 0.1 (measured over seeds 0-11: window means 0.27-0.99; single steps go
-    lower, to 0.064, in the saturated late windows)."""
+    The injection does not swamp the gradient on average: the loop caps the scale at
+    SATURATION·max(|g|², G²/10)/Tr R', which bounds each step's expected clipping factor c² at ≥ 1/(1 + SATURATION)
+    = 0.1 of what it would be without the injected noise, so a window's mean is ≥ 0.1 (measured over seeds 0-11:
+    window means 0.27-0.99; single steps go lower, to 0.064, in the saturated late windows)."""
     import iclnoise.ensemble as train_mod  # Member.setup builds the hooks
     made, build = [], train_mod.build_hooks
 
