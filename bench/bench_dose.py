@@ -9,7 +9,7 @@ Cells: r's slope (dose.r_slope) at 0 (size), at 0.03 per decade (coverage) and a
 curve by 0, −0.25 and −0.5 octave per decade; the ladder's shift at each dose (dose.ladder_shifts) at 0 and −0.25;
 dose.monotonicity's rejection rate under a line in log dose (size) and under a step.
 
-Usage: OMP_NUM_THREADS=1 python bench/bench_dose.py [replications per cell, default 200]
+Usage: OMP_NUM_THREADS=1 python bench/bench_dose.py [replications per cell, default 200] [mstar]
 
 Measured (2026-11-27, 200 per cell; the ladder rows with local_slope's logistic derivative, commit 1bd3787):
 | cell | mean estimate | coverage (95 %) | rejection rate (α 0.05) | mean mde |
@@ -28,6 +28,15 @@ Measured (2026-11-27, 200 per cell; the ladder rows with local_slope's logistic 
 0.960 / 0.855 / 0.550.)
 ¹ dose.ladder_shifts' per-dose intervals, figure 6's ladder points (2026-11-29, 200 per cell, commit 5e43026): the
 mean estimate and the share of intervals excluding 0 are the top dose's, the coverage is over all 5 doses.
+
+dose.mstar_slope (each seed's least-squares slope of log2 M* on log10 dose, t over 3 seeds) on planted per-seed log2 M*
+(seed sd 0.03, each estimate's error sd 0.03 octaves), against the random-intercept MixedLM it replaced
+(2026-11-29, 2 000 per cell, `python bench/bench_dose.py 2000 mstar`, which runs these cells alone):
+| cell | mean estimate | coverage (95 %) | rejection rate (α 0.05) | mean mde | MixedLM coverage, rejection rate |
+|---|---|---|---|---|---|
+| slope 0, 2 doses a decade apart (configs/dose.yaml's grids; size) | −0.0003 | 0.945 | 0.056 | 0.121 | 0.797, 0.203 |
+| slope −0.1 per decade, 2 doses | −0.100 | 0.945 | 0.586 | 0.121 | 0.797, 0.969 |
+| slope 0, 5 doses over 2 decades (size) | +0.0006 | 0.943 | 0.057 | 0.0547 | 0.920, 0.080 |
 """
 from __future__ import annotations
 
@@ -37,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from iclnoise import dose
+from iclnoise import dose, stats
 from iclnoise.verdicts import GATES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -98,9 +107,38 @@ def mono_cell(name, n, shape):
     print(f"| {name} | {n} | – | – | {np.mean(reject):.3f} | – |", flush=True)
 
 
-def main(n: int) -> None:
+def mstar_cell(name, n, doses, slope, seed_sd=0.03, sd=0.03):
+    """dose.mstar_slope on planted per-seed log2 M* (a seed offset of sd `seed_sd`, each estimate's error sd `sd`, 3
+    seeds) at `doses`; the MixedLM random-intercept fit it replaced (stats.mixed_model) on the same draws, its
+    coverage and rejection rate in the name's brackets."""
+    rng = np.random.default_rng(11)
+    x = np.log10(doses)
+    cover, reject, mde, est, old = [], [], [], [], []
+    for _ in range(n):
+        d = pd.DataFrame([{"log10_dose": xi, "seed": s,
+                           "log2_M_star": 4.1 + u + slope * xi + sd * rng.standard_normal()}
+                          for s, u in enumerate(seed_sd * rng.standard_normal(3)) for xi in x])
+        e = dose.mstar_slope(d, 0.05)
+        m = stats.mixed_model(d, "log2_M_star ~ log10_dose").set_index("term").loc["log10_dose"]
+        cover.append(e.ci_lo <= slope <= e.ci_hi)
+        reject.append(e.p < 0.05)
+        mde.append(e.mde)
+        est.append(e.estimate)
+        old.append((m.ci_lo <= slope <= m.ci_hi, m.p < 0.05))
+    o = np.mean(old, axis=0)
+    print(f"| {name} [MixedLM: {o[0]:.3f}, {o[1]:.3f}] | {n} | {np.mean(est):+.3g} | {np.mean(cover):.3f} | "
+          f"{np.mean(reject):.3f} | {np.mean(mde):.3g} |", flush=True)
+
+
+def main(n: int, only: str = "") -> None:
     print("| cell | replications | mean estimate | coverage (95 %) | rejection rate (α 0.05) | mean mde |\n"
           "|---|---|---|---|---|---|")
+    cpu = [0.00165, 0.0165]   # configs/dose.yaml's full M grids: 0.03x and 0.3x
+    mstar_cell("log2 M* slope 0, 2 doses a decade apart (size)", n, cpu, 0.0)
+    mstar_cell("log2 M* slope −0.1 per decade, 2 doses", n, cpu, -0.1)
+    mstar_cell("log2 M* slope 0, 5 doses over 2 decades (size)", n, DOSES, 0.0)
+    if only == "mstar":
+        return
     mde = cell("r slope 0 (size)", n, "r", 0.0, slope=0.0)
     cell("r slope 0.03 per decade", n, "r", 0.03, slope=0.03)
     cell(f"r slope at the null's mde ({mde:.3g}; power)", n, "r", mde, slope=mde)
@@ -114,4 +152,4 @@ def main(n: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 200)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 200, sys.argv[2] if len(sys.argv) > 2 else "")

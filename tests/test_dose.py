@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 from test_gates import table
 
-from iclnoise import dose
+from iclnoise import dose, stats
 from iclnoise.grid import has_dose_series
 from iclnoise.sections import Stats
 from iclnoise.tasks import M_INF
@@ -119,7 +119,7 @@ def test_the_ladder_reads_a_planted_shift_of_m_star():
     t = h1(out)
     lad = t[t.test.str.contains("threshold ladder")].iloc[0]
     assert lad.ci_lo < -0.25 < lad.ci_hi and lad.ci_hi < 0 and not lad.in_family
-    assert t[t.test.str.contains(r"MixedLM log2 M\* \(r50\)")].status.iloc[0].startswith("not run")
+    assert t[t.test.str.contains(r"slope of log2 M\* \(r50\)")].status.iloc[0].startswith("not run")
     (_, g), = dose.series(dose.dose_runs(out, GATES["regime_tol"]))
     lv = dose.analyse(g, 0.05, GATES["dose_tol"], 3)["levels"].set_index("target_dose")
     want = -0.25 * np.log10(np.array(DOSES) / 0.01)
@@ -130,18 +130,42 @@ def test_the_ladder_reads_a_planted_shift_of_m_star():
 def test_the_cpu_plan_checks_the_ladder_against_m_star_at_its_full_grid_dose():
     """The CPU plan: the full M grid at dose 0 and at the highest dose (1, 2 decades above the lowest), the ladder
     elsewhere. M* moves −0.25 octave per decade: log2 M* at dose 1 − dose 0 ≈ −0.5 (paired by seed), and the
-    MixedLM M* slope does not run (one positive dose with a full grid)."""
+    M* slope does not run (one positive dose with a full grid)."""
     t = h1(planted(np.random.default_rng(9), shift=-0.25, noise=0.01, full_at=(0.0, 1.0)))
     z = t[t.test.str.contains(r"paired t of log2 M\* \(r50\)")].iloc[0]
     assert z.status == "run" and z.ci_lo < -0.5 < z.ci_hi and z.gates_passed
-    assert t[t.test.str.contains(r"MixedLM log2 M\* \(r50\)")].status.iloc[0].startswith("not run")
+    assert t[t.test.str.contains(r"slope of log2 M\* \(r50\)")].status.iloc[0].startswith("not run")
+
+
+def test_m_star_slope_takes_seeds_as_the_unit():
+    """Two doses a decade apart: the slope is the paired t of log2 M* between them (estimate, interval, p, mde), the
+    interval on n − 1 = 2 df; three doses: each seed's least-squares slope, cov/var, averaged. (A random-intercept
+    MixedLM's Wald interval, the fit before, covered 0.79 at the two-dose design: bench/bench_dose.py.)"""
+    lo, hi = np.array([4.02, 4.11, 3.95]), np.array([3.97, 3.99, 3.93])
+    d = pd.DataFrame({"seed": [0, 1, 2] * 2, "log10_dose": [-2.0] * 3 + [-1.0] * 3, "log2_M_star": [*lo, *hi]})
+    e, z = dose.mstar_slope(d, 0.05), stats.paired_test(hi, lo)
+    for k in ("estimate", "ci_lo", "ci_hi", "p", "mde"):
+        assert math.isclose(e[k], z[k], rel_tol=1e-9), k
+    x = np.array([-3.0, -2.0, -1.0])
+    y = {0: [4.0, 3.9, 3.7], 1: [4.2, 4.2, 4.0], 2: [3.8, 3.8, 3.8]}
+    d = pd.DataFrame([{"seed": s, "log10_dose": xi, "log2_M_star": yi} for s, v in y.items() for xi, yi in zip(x, v)])
+    by_hand = [np.sum((x - x.mean()) * (np.array(v) - np.mean(v))) / np.sum((x - x.mean()) ** 2) for v in y.values()]
+    assert math.isclose(dose.mstar_slope(d, 0.05).estimate, np.mean(by_hand))
+
+
+def test_full_grids_at_two_positive_doses_give_m_star_a_slope():
+    """configs/dose.yaml's full M grids at 0.03x and 0.3x: here at 0.1 and 1 (a decade apart) and dose 0. M* moves
+    −0.25 octave per decade: the r50 slope runs over those 2 doses and its interval covers −0.25."""
+    t = h1(planted(np.random.default_rng(9), shift=-0.25, noise=0.01, full_at=(0.0, 0.1, 1.0)))
+    row = t[t.test.str.contains(r"slope of log2 M\* \(r50\)")].iloc[0]
+    assert row.status == "run" and row.n == 2 and row.in_family and row.ci_lo < -0.25 < row.ci_hi
 
 
 def test_with_a_full_grid_at_every_dose_m_star_slope_is_fitted_by_both_definitions():
     out = planted(np.random.default_rng(3), shift=-0.5, noise=0.01, full_at=(0.0, *DOSES))
     t = h1(out)
     for point, family in (("r50", True), ("midpoint", False)):
-        row = t[t.test.str.contains(rf"MixedLM log2 M\* \({point}\)")].iloc[0]
+        row = t[t.test.str.contains(rf"slope of log2 M\* \({point}\)")].iloc[0]
         assert row.status == "run" and row.ci_lo < -0.5 < row.ci_hi and row.ci_hi < 0 and row.in_family == family
         z = t[t.test.str.contains(rf"paired t of log2 M\* \({point}\)")].iloc[0]   # dose 1 against dose 0: −1 octave
         assert z.term == "dose 1 − dose 0" and z.ci_lo < -1 < z.ci_hi and z.ci_hi < 0 and z.in_family == family

@@ -532,7 +532,8 @@ def _dose_mstar_rows(res: dict, at: dict) -> list[dict]:
     rows, src = [], at["src"]
     for point in ("r50", "midpoint"):
         fam = point == "r50"
-        test = f"dose-response {at['name']}: MixedLM log2 M* ({point}) ~ log10(dose) + (1|seed), {at['where']}"
+        test = (f"dose-response {at['name']}: slope of log2 M* ({point}) on log10(dose), per seed, t over seeds, "
+                f"{at['where']}")
         if point in res["mstar"]:
             e, k = res["mstar"][point]
             rows.append(_row("H1", test, "log2 M*", "log10 dose", n=k, estimate=e.estimate, ci_lo=e.ci_lo,
