@@ -137,23 +137,19 @@ def r_slope(d: pd.DataFrame, alpha: float) -> pd.Series:
 def mstar_slope(per_seed: pd.DataFrame, alpha: float) -> pd.Series:
     """The slope of log2 M* against log10 dose, seeds the unit: b_s = each seed's least-squares slope of its
     per-seed threshold estimates (thresholds.threshold_with_ci's log2_per_seed) on log10 dose (seeds with ≥ 2
-    doses), b = mean b_s, se = sd(b_s)/√n, t-interval and p on n − 1 df, mde = stats.mde_paired_t; std_effect =
+    doses); estimate, t-interval on n − 1 df, p and mde = stats.paired_test of the b_s against 0; std_effect =
     b·sd(log10 dose)/sd(log2 M*) over all rows, as stats.mixed_model's. A MixedLM with a random intercept per seed
     gives the same b on a balanced design, but its Wald interval assumes many seeds: at the CPU plan's design (2
     doses a decade apart, 3 seeds; seed sd and estimate sd 0.03 octaves) it covered a planted slope in 0.797 of 2 000
     replications (size 0.20), this interval in 0.945 (size 0.056); at 5 doses over 2 decades 0.920 against 0.943
     (bench/bench_dose.py)."""
-    per = [np.polyfit(h.log10_dose.astype(float), h.log2_M_star.astype(float), 1)[0]
-           for _, h in per_seed.groupby("seed") if h.log10_dose.nunique() >= 2]
-    n = len(per)
-    if n < 2:
-        raise ValueError(f"a slope needs ≥ 2 seeds with ≥ 2 doses each, not {n}")
-    b, sd = float(np.mean(per)), float(np.std(per, ddof=1))
-    se, tq = sd / math.sqrt(n), float(sps.t.ppf(1 - alpha / 2, n - 1))
-    p = float(2 * sps.t.sf(abs(b) / se, n - 1)) if se > 0 else float(b == 0)
-    return pd.Series({"estimate": b, "se": se, "ci_lo": b - tq * se, "ci_hi": b + tq * se, "p": p,
-                      "mde": stats.mde_paired_t(sd, n, alpha),
-                      "std_effect": b * per_seed.log10_dose.std() / per_seed.log2_M_star.std()})
+    per = np.array([np.polyfit(h.log10_dose.astype(float), h.log2_M_star.astype(float), 1)[0]
+                    for _, h in per_seed.groupby("seed") if h.log10_dose.nunique() >= 2])
+    if len(per) < 2:
+        raise ValueError(f"a slope needs ≥ 2 seeds with ≥ 2 doses each, not {len(per)}")
+    t = stats.paired_test(per, np.zeros(len(per)), alpha)
+    return pd.Series({k: t[k] for k in ("estimate", "ci_lo", "ci_hi", "p", "mde")}
+                     | {"std_effect": t["estimate"] * per_seed.log10_dose.std() / per_seed.log2_M_star.std()})
 
 
 def local_slope(zero: pd.DataFrame, ladder: list[int]) -> dict:
