@@ -5,7 +5,8 @@ BIN := $(VENV)/bin
 CORES ?= 2
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup run test test-float test-slurm bench figures paper clean-results lint
+.PHONY: setup run test test-all test-integration test-validation test-float test-slurm bench figures paper \
+	clean-results lint
 
 setup: $(VENV)/.installed
 
@@ -30,19 +31,34 @@ $(VENV)/.installed: requirements.lock pyproject.toml
 
 # Style (ruff: pycodestyle, pyflakes, import order) and layering (import-linter contracts in pyproject).
 lint: setup
-	ruff check --no-cache src tests bench; status=$$?; \
+	ruff check --no-cache src tests bench experiments; status=$$?; \
 	PYTHONPATH=src lint-imports --no-cache || status=1; exit $$status
 
 run: setup
 	snakemake --cores $(CORES)
 	@echo "Done. Figures: results/figures/  Summary: results/summary.md  Report: results/report.md"
 
+# The tiers (docs/development.md, "Test tiers"): every test is unit, integration or validation; numerics marks
+# those whose numbers depend on float32 reduction order. `make test` is the README's test command: lint, then the
+# unit tier on every core (pytest-xdist, one torch thread per worker).
+PYTEST := pytest -q -p no:cacheprovider
 test: lint
-	pytest -q -p no:cacheprovider
+	$(PYTEST) -m unit -n $(CORES)
 
-# The unit tests under other float32 reduction orders (portable kernels, 1 thread; AVX2, 2 threads): CI runs it.
+# Snakemake, DVC, subprocesses, end-to-end training (the SLURM tests skip here: make test-slurm runs them).
+test-integration: setup
+	$(PYTEST) -m integration
+
+# Monte-Carlo coverage, power and size of the estimators.
+test-validation: setup
+	$(PYTEST) -m validation -n $(CORES)
+
+# The numerics tests under other float32 reduction orders (portable kernels, 1 thread; AVX2, 2 threads).
 test-float: setup
 	scripts/test-float.sh
+
+# Every tier, each timed: what CI runs (then make test-slurm).
+test-all: test test-integration test-validation test-float
 
 # The tiny DAG through `snakemake --profile slurm-cpu` on a real single-node SLURM cluster started on this
 # machine (needs root: apt-get installs slurm-wlm and munge if missing); the cluster is stopped at the end.
@@ -57,12 +73,13 @@ bench: setup
 	$(BIN)/python bench/bench_noise.py
 	test -d results/runs/M16-B64-none-s0 && $(BIN)/python bench/bench_probes.py || echo "bench_probes: needs a finished make run"
 
-# The paper's figures and a report per committed reference set (reference/*/), from their tables alone:
+# The paper's figures and a report per committed reference set (reference/*/ with a provenance.json; reference/
+# measurements and reference/reproductions hold the benchmarks' and reproductions' tables), from their tables alone:
 # nothing trains; $(PAPER_OUT)/<set>/figures/*.png and $(PAPER_OUT)/<set>/report.md. Each set is first checked
 # against its provenance.json. PAPER_OUT=/elsewhere: from a read-only checkout, or beside another make paper.
 PAPER_OUT ?= paper
 paper: setup
-	iclnoise paper $(wildcard reference/*/) --out $(PAPER_OUT)
+	iclnoise paper $(dir $(wildcard reference/*/provenance.json)) --out $(PAPER_OUT)
 
 # Rerun only aggregation, figures and the report from existing per-run artifacts.
 figures: setup

@@ -18,12 +18,12 @@ from iclnoise.config import (
     switch,
     validate_params,
 )
-from iclnoise.cost import PARAMS_RECORD, check_cost, format_cost, rerun_note
-from iclnoise.io import write_json
-from iclnoise.grid import (
+from iclnoise.config.cost import PARAMS_RECORD, check_cost, format_cost, rerun_note
+from iclnoise.core.io import write_json
+from iclnoise.config.grid import (
     PROBE_TABLES, ed_families, expand_grid, has_dose_series, job_cfg, jobs, shared_spec, typed_spec,
 )
-from iclnoise.runs import missing_checkpoints
+from iclnoise.run.runs import missing_checkpoints
 
 min_version("9.0")
 
@@ -53,7 +53,7 @@ if COST:
         logger.info(NOTE)
 
 RUNS = [k.run_id for k in expand_grid(PARAMS)]
-JOBS = jobs(PARAMS)   # the jobs of the DAG, by kind (iclnoise.grid.jobs, which iclnoise.cost counts)
+JOBS = jobs(PARAMS)   # the jobs of the DAG, by kind (iclnoise.config.grid.jobs, which iclnoise.config.cost counts)
 GROUPS = JOBS["train"]
 RES = "results"
 

@@ -2,7 +2,7 @@
 this process's CPU seconds (one thread: a shared machine's other load does not enter).
 
   probes : the Gauss–Newton diag Ĥ probes of R runs (params' model, exposure.heldout sequences,
-           exposure.curvature_probes probes): R calls of exposure.ggn_curvature against one stacked_ggn_curvature
+           exposure.curvature_probes probes): R calls of curvature.ggn_curvature against one stacked_ggn_curvature
   grads  : the group gradients of R runs (batch 64, exposure.groups groups): R calls of exposure.group_grads against
            one stacked_group_grads
   step   : a measuring step (a row or diag Ĥ due, no checkpoint) in `--steps` steps of R runs of the `early`
@@ -23,11 +23,12 @@ import yaml
 from bench_ensemble import runs_for, timed
 from bench_step import best_of
 
-import iclnoise.ensemble as ens
+import iclnoise.run.ensemble as ens
 from iclnoise.config import validate_params
-from iclnoise.exposure import ggn_curvature, group_grads, stacked_ggn_curvature, stacked_group_grads
-from iclnoise.grid import run_spec
-from iclnoise.model import ModelConfig, build_model, mse_loss
+from iclnoise.config.grid import run_spec
+from iclnoise.core.model import ModelConfig, build_model, mse_loss
+from iclnoise.noise.curvature import ggn_curvature, stacked_ggn_curvature
+from iclnoise.noise.exposure import group_grads, stacked_group_grads
 
 
 def measure(params: dict, R: int) -> list[float]:

@@ -41,15 +41,17 @@ from pathlib import Path
 
 import torch
 
-import iclnoise.ensemble as ens
+import iclnoise.run.ensemble as ens
 from iclnoise.config import load_params
-from iclnoise.ensemble import Ensemble, Member
-from iclnoise.grid import ensemble_groups, run_spec, spec_hash
-from iclnoise.model import ModelConfig, build_model, mse_loss
-from iclnoise.probes import sampling_data
-from iclnoise.schedules import checkpoints_until
-from iclnoise.sections import LLCConfig, RunSpec
-from iclnoise.train import train_ensemble
+from iclnoise.config.grid import ensemble_groups, run_spec, spec_hash
+from iclnoise.core.model import ModelConfig, build_model, mse_loss
+from iclnoise.core.probe_sections import LLCConfig
+from iclnoise.core.runspec import RunSpec
+from iclnoise.core.schedules import checkpoints_until
+from iclnoise.run.ensemble import Ensemble
+from iclnoise.run.member import Member
+from iclnoise.run.probing import sampling_data
+from iclnoise.run.train import train_ensemble
 
 
 def train_rate(params: dict, runs: list[str], steps: int, device: str) -> float:
@@ -76,7 +78,7 @@ def llc_rate(params: dict, run: str, sgld_steps: int, device: str) -> float:
     cfg = LLCConfig.from_dict({**params["llc"]["sampler"], "burn_in": 0, "draws": sgld_steps})
     d = spec["data"]
     model = build_model(ModelConfig(D=d["D"], K=d["K"], **spec["model"]), 0, device)
-    from iclnoise.llc import estimate_llcs
+    from iclnoise.probes.llc import estimate_llcs
     xs, ys = sampling_data(RunSpec.of(spec), cfg.n, device)
     center = [{k: v.detach() for k, v in model.named_parameters()}]
     short = LLCConfig.from_dict({**params["llc"]["sampler"], "burn_in": 0, "draws": 2})
@@ -291,10 +293,10 @@ def main() -> None:
     ap.add_argument("--runs", nargs="+", type=int, default=[18, 72, 288], help="--science: ensemble sizes")
     ap.add_argument("--batches", nargs="+", type=int, default=[16, 64], help="--science: batch sizes")
     ap.add_argument("--workers", type=int, default=12, help="--science: parallel CPU processes")
-    ap.add_argument("--csv", default="bench/results/device.csv")
+    ap.add_argument("--csv", default="reference/measurements/device.csv")
     ap.add_argument("--science-train", type=float, default=0, metavar="S",
                     help="--science: also train configs/science.yaml for at most S seconds")
-    ap.add_argument("--science-csv", default="bench/results/device_science.csv")
+    ap.add_argument("--science-csv", default="reference/measurements/device_science.csv")
     ap.add_argument("--train-only", action="store_true", help="--science: only --science-train (no rows)")
     ap.add_argument("--engine", choices=list(ENGINES), default="eager",
                     help="--science: train.cuda_graphs / train.tf32 on the GPU rows and training (the CPU: eager)")

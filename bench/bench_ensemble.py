@@ -2,7 +2,7 @@
 
   alone    : N runs trained one after another, each an ensemble of one (today's one-run-per-job path,
              without the process start-up, which only favours it)
-  ensemble : the same N runs trained together (iclnoise.train.train_ensemble)
+  ensemble : the same N runs trained together (iclnoise.run.train.train_ensemble)
 
 Both arms are the real training path (data, hooks and exposure logging, evaluation, checkpoints) for
 `--steps` steps of runs of one ensemble group of the params (default: params.yaml, first group), and
@@ -25,8 +25,8 @@ import torch
 import yaml
 
 from iclnoise.config import validate_params
-from iclnoise.grid import ensemble_groups, run_spec
-from iclnoise.train import train_ensemble
+from iclnoise.config.grid import ensemble_groups, run_spec
+from iclnoise.run.train import train_ensemble
 
 
 def merge(a: dict, b: dict) -> dict:

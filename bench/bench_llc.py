@@ -1,6 +1,6 @@
 """Our vmapped LLC estimator against devinterp 2.0.1 on one Hoogland-setting checkpoint.
 
-The checkpoint: iclnoise.model with D = 4, K = 16, 2 layers, 4 heads, d_model 64, MLP 64, layer norm,
+The checkpoint: iclnoise.core.model with D = 4, K = 16, 2 layers, 4 heads, d_model 64, MLP 64, layer norm,
 trained with Adam (lr 3e-3, batch 64) on q_∞ for --train-steps steps so it is not at initialisation.
 Both estimators run in this process, one after the other, on the same sampling set with the same
 hyperparameters (Hoogland et al.'s ε = 1e-3, γ = 6, nβ = 60 in their loss units = 240 in ours, see
@@ -19,10 +19,10 @@ import time
 import torch
 from torch import nn
 
-from iclnoise.llc import LLCConfig, estimate_llc
-from iclnoise.model import ModelConfig, build_model, mse_loss
-from iclnoise.sgld import sgld_chains
-from iclnoise.tasks import BatchSampler
+from iclnoise.core.model import ModelConfig, build_model, mse_loss
+from iclnoise.core.tasks import BatchSampler
+from iclnoise.probes.llc import LLCConfig, estimate_llc
+from iclnoise.probes.sgld import sgld_chains
 
 
 class DevinterpAdapter(nn.Module):
@@ -76,7 +76,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     if a.run_dir:
-        from iclnoise import runs
+        from iclnoise.run import runs
         model, K, D = runs.load_model(a.run_dir, a.step, a.device), 16, 4
         a.train_steps = a.step
     else:

@@ -1,6 +1,6 @@
 """Cost of exposure logging and of each injection shape, relative to plain training, side by side in one run.
 
-Every variant is the real training loop (iclnoise.train.train_run) on the default model, with checkpoints
+Every variant is the real training loop (iclnoise.run.train.train_run) on the default model, with checkpoints
 only at the start and the end so evaluation does not dilute the per-step cost; rounds are interleaved
 and the fastest of each variant kept (machines here are noisy: read the ratios).
 
@@ -10,7 +10,7 @@ under the closed loop of the early and late arms (the realised-exposure budget, 
 `exposure.curvature_every` steps from `exposure.curvature_probes` probes); compare it with `exposure`, the plain arm
 of the noise experiment; `budget_param_diagonal` is the same in parameter space (configs/dose.yaml's param source).
 `budget_nap` is the same closed loop with NAP's shape (issue 45: rank 4, 16 tasks × 4 sequences per refresh, every
-`--every` steps, iclnoise.nap); compare it with `budget_lowrank` and `budget_diagonal`, plain injecting steps (the
+`--every` steps, iclnoise.noise.nap); compare it with `budget_lowrank` and `budget_diagonal`, plain injecting steps (the
 issue asks ≤ 1.3x; measured 1.05-1.10x at --every 100, 1.27-1.38x at --every 25: cost.py). `sgd_momentum` is
 `exposure` trained with SGD and heavy-ball momentum instead of AdamW (measured 1.01x).
 
@@ -31,9 +31,9 @@ import torch
 import yaml
 
 from iclnoise.config import validate_params
-from iclnoise.grid import run_spec
-from iclnoise.model import ModelConfig, build_model
-from iclnoise.train import train_ensemble
+from iclnoise.config.grid import run_spec
+from iclnoise.core.model import ModelConfig, build_model
+from iclnoise.run.train import train_ensemble
 
 
 def deep_update(base: dict, over: dict) -> dict:

@@ -18,12 +18,13 @@ import time
 import torch
 import yaml
 
-from iclnoise import runs
-from iclnoise.geometry import FlatLoss
-from iclnoise.llc import LLCConfig, estimate_llc, estimate_llcs
-from iclnoise.model import mse_loss
-from iclnoise.probes import sampling_data
-from iclnoise.sections import RunSpec
+from iclnoise.core.model import mse_loss
+from iclnoise.core.runspec import RunSpec
+from iclnoise.core.schedules import select_steps
+from iclnoise.probes.geometry import FlatLoss
+from iclnoise.probes.llc import LLCConfig, estimate_llc, estimate_llcs
+from iclnoise.run import runs
+from iclnoise.run.probing import sampling_data
 
 
 def main() -> None:
@@ -39,7 +40,7 @@ def main() -> None:
     cfg = LLCConfig(**llc["sampler"])
     spec = runs.read_spec(a.run_dir)
     xs, ys = sampling_data(RunSpec.of(spec), cfg.n)
-    steps = runs.select_steps(runs.saved_steps(a.run_dir), llc["every"])
+    steps = select_steps(runs.saved_steps(a.run_dir), llc["every"])
     models = [runs.load_model(a.run_dir, s) for s in steps]
     centers = [{k: v.detach() for k, v in m.named_parameters()} for m in models]
     times: dict[str, list[float]] = {"one at a time": [], "batched": []}

@@ -18,7 +18,7 @@ import torch
 import yaml
 from torch.func import functional_call, grad, stack_module_state, vmap
 
-from iclnoise.model import ModelConfig, build_model, mse_loss
+from iclnoise.core.model import ModelConfig, build_model, mse_loss
 
 
 def best_of(*fns, reps: int = 20, rounds: int = 3, clock=time.perf_counter) -> list[float]:

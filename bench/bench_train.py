@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset
 
-from iclnoise.model import ICLTransformer, ModelConfig, build_model, encode
-from iclnoise.tasks import BatchSampler, task_pool
+from iclnoise.core.model import ICLTransformer, ModelConfig, build_model, encode
+from iclnoise.core.tasks import BatchSampler, task_pool
 
 
 def plain_forward(m: ICLTransformer, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,36 @@
-"""Shared fixtures: the shipped params.yaml shrunk to a few seconds of training; one torch thread for a module."""
+"""Shared fixtures: the shipped params.yaml shrunk to a few seconds of training; one torch thread for a module.
+
+The tiers (docs/development.md, "Test tiers"): every test carries exactly one of the markers `unit` (`make test`),
+`integration` (Snakemake, DVC, subprocesses, end-to-end training) or `validation` (Monte-Carlo coverage, power,
+size); collection fails naming any test that has none or several. `numerics` is added to tests whose results depend
+on float32 reduction order: `make test-float` reruns them under other kernels and thread counts.
+"""
+import os
+
 import pytest
 import torch
 import yaml
 
 from iclnoise.config import validate_params
+
+TIERS = ("unit", "integration", "validation")
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):   # one torch thread per worker: the workers share the cores
+        torch.set_num_threads(1)
+
+
+@pytest.hookimpl(tryfirst=True)   # before `-m` deselects: a test without a tier is refused, whatever is selected
+def pytest_collection_modifyitems(config, items):
+    bad = []
+    for item in items:
+        tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
+        if len(tiers) != 1:
+            bad.append(f"{item.nodeid}: {', '.join(tiers) or 'no tier'}")
+    if bad:
+        raise pytest.UsageError("every test needs exactly one tier marker, pytest.mark.unit, integration or "
+                                "validation (tests/conftest.py):\n  " + "\n  ".join(bad))
 
 
 @pytest.fixture(scope="module")

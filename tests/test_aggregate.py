@@ -5,17 +5,19 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from iclnoise.aggregate import OUTCOMES_SCHEMA
+from iclnoise.analysis.aggregate import OUTCOMES_SCHEMA
+from iclnoise.analysis.thresholds import logistic
 from iclnoise.commands.results import aggregate as aggregate_cli
 from iclnoise.commands.results import aggregate_figures as aggregate_figures_cli
 from iclnoise.commands.results import report as report_cli
 from iclnoise.config import load_params
-from iclnoise.evaluate import METRICS_SCHEMA
-from iclnoise.grid import run_spec
-from iclnoise.io import read_parquet, write_json, write_parquet
-from iclnoise.llc import LLC_SCHEMA
-from iclnoise.sections import RunKeys
-from iclnoise.thresholds import logistic
+from iclnoise.config.grid import run_spec
+from iclnoise.core.io import read_parquet, write_json, write_parquet
+from iclnoise.core.runspec import RunKeys
+from iclnoise.probes.llc import LLC_SCHEMA
+from iclnoise.run.evaluate import METRICS_SCHEMA
+
+pytestmark = pytest.mark.unit
 
 STATS = json.dumps({"stats": {"alpha": 0.05, "equivalence_fraction": 0.5, "equivalence_margin": None,
                               "transient_tol": 0.05}})  # params.yaml
@@ -73,6 +75,7 @@ def runs(tmp_path):
     return tmp_path, dirs
 
 
+@pytest.mark.numerics
 def test_aggregate_outcomes_thresholds_tests_and_report(runs):
     """An unconverged grid (M = ∞ OOD loss 2× ridge's) whose batch sizes saw different data: thresholds are still
     fitted, but every threshold and every verdict that ran is gated and reads 'inconclusive'."""
@@ -130,6 +133,7 @@ def two_optimizers(root, optimizers=("adamw", "sgd_momentum")):
             for seed in range(3) for M in (1, 4, 8, 16, 32, 64, 256, 1024, -1)]
 
 
+@pytest.mark.numerics
 def test_two_optimizers_of_one_condition_are_kept_apart(tmp_path):
     """Issue 45: runs of one noise condition under AdamW and SGD with momentum are two arms. Each gets its own
     thresholds (M* 16 and 64, not one pooled M* near 32), convergence row, metrics.json entry and tests."""
@@ -160,6 +164,7 @@ def test_two_optimizers_of_one_condition_are_kept_apart(tmp_path):
     assert "r50, noise none, batch 16 (sgd_momentum): M* = " in text and "r50, noise none, batch 16: M* = " in text
 
 
+@pytest.mark.numerics
 def test_an_optimizers_tables_are_those_of_its_runs_alone(tmp_path):
     """A one-optimizer grid's tables are the per-condition tables of before plus the `optimizer` column, and adding
     another optimizer's runs of the same condition changes none of its rows (outcomes, thresholds, tests; the tests
@@ -177,6 +182,7 @@ def test_an_optimizers_tables_are_those_of_its_runs_alone(tmp_path):
     assert set(m["thresholds"]) == {"none/B16"} and not any(k.endswith(")") for k in m["tests"])
 
 
+@pytest.mark.numerics
 def test_planted_clean_transition_passes_every_gate_and_recovers_m_star(tmp_path):
     """Converged (M = ∞ OOD loss 5 % above ridge), equal data, 3 seeds, r from 0.02 to 0.98 around a planted
     M* = 2^5 = 32 with seed-to-seed sd 0.3 octave: every gate passes and the interval covers 32."""
@@ -209,7 +215,7 @@ def test_planted_clean_transition_passes_every_gate_and_recovers_m_star(tmp_path
 def test_figure_1_has_one_panel_per_trained_condition(tmp_path, monkeypatch):
     """Batch noise at batches 8 and 16, injection only at 16, and batch 16's batch noise under SGD with momentum too:
     four panels in one row (the optimizers apart: each panel's mean is one optimizer's runs), no empty slot."""
-    from iclnoise.figures import style, training
+    from iclnoise.output.figures import style, training
     assert training.panel_grid(3) == (1, 3) and training.panel_grid(6) == (2, 3) and training.panel_grid(7) == (3, 3)
     rows = []
     for noise, B, opt in (("none", 8, "adamw"), ("none", 16, "adamw"), ("inj", 16, "adamw"),
@@ -238,16 +244,17 @@ def _rows_for(schema, keys, n):
                           for f in schema} for i in range(n)])
 
 
+@pytest.mark.numerics
 def test_exposure_and_geometry_tables_reach_the_outcomes(tmp_path):
     """The outcome columns come from the probes' own tables and summaries (plumbing, not the formulas)."""
-    from iclnoise.exposure import EXPOSURE_SCHEMA, summarize
-    from iclnoise.geometry import GEOMETRY_SCHEMA
+    from iclnoise.noise.exposure import EXPOSURE_SCHEMA, summarize
+    from iclnoise.probes.geometry import GEOMETRY_SCHEMA
     d = fake_run(tmp_path / "runs", 4, 16, 0, 0.3)
     keys = {"run_id": d.name, "M": 4, "seed": 0, "batch": 16, "noise": "none"}
     exp = _rows_for(EXPOSURE_SCHEMA, keys, 3)
     write_parquet(exp, d / "exposure.parquet", EXPOSURE_SCHEMA)
     write_parquet(_rows_for(GEOMETRY_SCHEMA, keys, 2), d / "geometry.parquet", GEOMETRY_SCHEMA)
-    from iclnoise.aggregate import outcomes
+    from iclnoise.analysis.aggregate import outcomes
     o, _ = outcomes([d], transient_tol=0.05)
     s = summarize(read_parquet(d / "exposure.parquet"))
     assert o.integrated_pne.iloc[0] == pytest.approx(s["integrated_pne"]) and np.isfinite(o.integrated_pne.iloc[0])
@@ -255,6 +262,7 @@ def test_exposure_and_geometry_tables_reach_the_outcomes(tmp_path):
     assert o.hessian_trace.iloc[0] == 2.0 and o.llc_final.isna().all() and o.sequences.iloc[0] == 16_000
 
 
+@pytest.mark.numerics
 def test_runs_that_diverged_at_their_first_update_are_reported_not_crashed_on(tiny, tmp_path):
     """Real runs whose first loss is above train.diverge_loss stop at step 0 with one metrics row. Aggregate, its
     figures, figure 1 and the report go through: no t_crit (−1), the condition's thresholds say 'every run
@@ -262,8 +270,8 @@ def test_runs_that_diverged_at_their_first_update_are_reported_not_crashed_on(ti
     import copy
 
     from iclnoise.commands.results import figures as figures_cli
-    from iclnoise.grid import run_spec
-    from iclnoise.train import train_ensemble
+    from iclnoise.config.grid import run_spec
+    from iclnoise.run.train import train_ensemble
 
     p = copy.deepcopy(tiny)
     p["train"]["diverge_loss"] = 0.01
@@ -295,6 +303,7 @@ def opening(tmp_path, dirs) -> str:
     return text[start:text.index("\n## ", start)]
 
 
+@pytest.mark.numerics
 def test_the_opening_says_m_inf_runs_diverged_not_that_every_condition_converged(tmp_path):
     """Issue 48, case 5 (lr 50): every run diverged, M = ∞ included. The opening said "no M = ∞ run ... every
     condition converged"; it says the M = ∞ runs diverged, not every condition converged, and names it below."""
@@ -306,6 +315,7 @@ def test_the_opening_says_m_inf_runs_diverged_not_that_every_condition_converged
     assert "no M* (every run diverged)" in text and "passed its validity gates" not in text, text
 
 
+@pytest.mark.numerics
 def test_the_opening_claims_no_passed_gate_where_no_threshold_or_test_ran(tmp_path):
     """Issue 48, case 6: a grid of M = ∞ only (2 seeds, 2× ridge's loss) has no threshold and runs no test. The
     opening ended "Every threshold and verdict above passed its validity gates"; it says that no threshold was
@@ -322,7 +332,7 @@ def test_the_opening_claims_no_passed_gate_where_no_threshold_or_test_ran(tmp_pa
 def test_an_arm_run_at_one_m_is_judged_converged_by_the_batch_noise_runs_at_its_batch():
     """configs/science.yaml's early/late pair runs at M = 16 only: no M = ∞ run of its own. The batch-noise
     M = ∞ runs at the same batch size (same model, data and budget) stand for it, and their failure is named."""
-    from iclnoise.verdicts import convergence, gate_convergence
+    from iclnoise.analysis.verdicts import convergence, gate_convergence
 
     def out(ratio_inf):
         rows = [{"batch": 64, "noise": "none", "M": M, "ood_loss": ratio_inf * 0.4 if M == -1 else 0.6,
@@ -343,8 +353,8 @@ def test_an_arm_run_at_one_m_is_judged_converged_by_the_batch_noise_runs_at_its_
 def test_the_opening_states_the_convergence_gate_it_applied():
     """'every condition converged' names its gate (1 + GATES['convergence_tol']), so that a dose set's report, whose
     operating regime asks ≤ 1.10× of M = ∞, does not read as contradicting itself at 1.14×."""
-    from iclnoise.report import what_this_run_shows
-    from iclnoise.verdicts import GATES, convergence
+    from iclnoise.analysis.verdicts import GATES, convergence
+    from iclnoise.output.report import what_this_run_shows
 
     ratio = 1 + GATES["convergence_tol"] - 0.01
     out = pd.DataFrame([{"batch": 64, "noise": "none", "M": M, "ood_loss": ratio * 0.4 if M == -1 else 0.6,

@@ -1,11 +1,13 @@
-"""Counterfactual noise replay (iclnoise.cnr) against known answers: linear dynamics with a quadratic metric (the
+"""Counterfactual noise replay (iclnoise.noise.cnr) against known answers: linear dynamics with a quadratic metric (the
 closed form ½ Σ tr(Jᵀ H J ΔΛ)), the drift a quadratic update map induces, and Hutchinson within its standard error."""
 import math
 
 import pytest
 import torch
 
-from iclnoise.cnr import bound_terms, exact_change, path, replay
+from iclnoise.noise.cnr import bound_terms, exact_change, path, replay
+
+pytestmark = [pytest.mark.unit, pytest.mark.numerics]
 
 P, T = 5, 7
 

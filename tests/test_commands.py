@@ -14,11 +14,13 @@ import yaml
 from iclnoise.cli import COMMANDS, split_each
 from iclnoise.commands import sections
 from iclnoise.config import ParamsError, every_at, typed
-from iclnoise.sections import LLCConfig, Refined, schema
+from iclnoise.core.probe_sections import LLCConfig, Refined
+from iclnoise.core.sections import schema
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.unit
 def test_every_command_is_a_function_of_the_commands_package():
     """COMMANDS: `iclnoise.commands.<topic>:<the command with - as _>`, every one importable."""
     for command, (target, _) in COMMANDS.items():
@@ -27,6 +29,7 @@ def test_every_command_is_a_function_of_the_commands_package():
         assert callable(getattr(importlib.import_module(module), name)), target
 
 
+@pytest.mark.unit
 def test_cfg_holds_exactly_the_sections_a_command_reads(tmp_path):
     geometry = {"enabled": True, "every": 6, "probes": 8}
     assert sections(json.dumps({"geometry": geometry}), "geometry") == {"geometry": geometry}
@@ -43,6 +46,7 @@ def test_cfg_holds_exactly_the_sections_a_command_reads(tmp_path):
         sections("[1]")
 
 
+@pytest.mark.unit
 def test_a_command_gets_typed_sections_and_a_misspelled_key_is_an_error():
     llc = yaml.safe_load((ROOT / "params.yaml").read_text())["llc"]
     cfg = sections(json.dumps({"llc": llc}), "llc")
@@ -59,17 +63,19 @@ def test_a_command_gets_typed_sections_and_a_misspelled_key_is_an_error():
         every_at({"geometry": {"probes": 8}}, "geometry")
 
 
+@pytest.mark.unit
 def test_commands_and_paper_read_no_params_section_raw():
     """`cfg["llc"]["sampler"]` outside the config layer would bypass the typed sections' key checks: the commands
-    and iclnoise.paper read params through iclnoise.config.typed and every_at only."""
+    and iclnoise.output.paper read params through iclnoise.config.typed and every_at only."""
     names = set(schema()["properties"]) | {"sampler", "stages", "refined", "budget", "conditions"}
     pkg = ROOT / "src" / "iclnoise"
-    raw = [(p.name, n.lineno) for p in [*sorted((pkg / "commands").glob("*.py")), pkg / "paper.py"]
+    raw = [(p.name, n.lineno) for p in [*sorted((pkg / "commands").glob("*.py")), pkg / "output" / "paper.py"]
            for n in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
            if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant) and n.slice.value in names]
     assert raw == []
 
 
+@pytest.mark.integration
 def test_rules_pass_each_command_its_sections_as_in_params(tmp_path):
     """Every `--cfg` of the planned DAG (a dry run) holds exactly the sections its command reads, each equal to
     params.yaml's less the keys that only select jobs (seeds, families), so Snakemake's params trigger reruns a rule
@@ -97,11 +103,12 @@ def test_rules_pass_each_command_its_sections_as_in_params(tmp_path):
     assert seen == set(reads), seen
 
 
+@pytest.mark.integration
 def test_refined_covers_the_probed_runs_of_its_m_only(tmp_path):
     """llc.refined.M selects jobs: with M = [16] a dry run plans `iclnoise refined` in the probe jobs of the M = 16
     runs llc probes and in no other; a value grid.M lacks warns and covers nothing."""
     from iclnoise.config import validate_params
-    from iclnoise.grid import parse_run_id, refined_covers
+    from iclnoise.config.grid import parse_run_id, refined_covers
 
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["llc"]["refined"].update(enabled=True, M=[16])
@@ -121,6 +128,7 @@ def test_refined_covers_the_probed_runs_of_its_m_only(tmp_path):
     assert refined_covers(p, parse_run_id("M8-B64-none-s0"))
 
 
+@pytest.mark.unit
 def test_check_names_the_jobs_a_change_reruns_with_their_cost(tmp_path, capsys):
     """Issue 48 (16): against the params the results were made with (<results>/params.last.json, which the Snakefile
     writes after a successful run), `iclnoise check` prints the changed keys and the jobs they rerun before any
@@ -130,9 +138,9 @@ def test_check_names_the_jobs_a_change_reruns_with_their_cost(tmp_path, capsys):
 
     from iclnoise.commands.runs import check
     from iclnoise.config import validate_params
-    from iclnoise.cost import PARAMS_RECORD, rerun_plan
-    from iclnoise.grid import ed_families, ensemble_groups
-    from iclnoise.io import write_json
+    from iclnoise.config.cost import PARAMS_RECORD, rerun_plan
+    from iclnoise.config.grid import ed_families, ensemble_groups
+    from iclnoise.core.io import write_json
 
     old = validate_params(yaml.safe_load((ROOT / "params.yaml").read_text()))
     write_json(old, tmp_path / "results" / PARAMS_RECORD)

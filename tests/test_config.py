@@ -14,10 +14,10 @@ import yaml
 
 from iclnoise import cli as iclnoise_cli
 from iclnoise.config import ParamsError, check_yaml_files, load_params, merge_params, read_yaml, validate_params
-from iclnoise.cost import COST_CONFIRM_CORE_HOURS, check_cost, cost_estimate
-from iclnoise.grid import ed_families, expand_grid, parse_run_id, run_spec
-from iclnoise.memory import job_memory
-from iclnoise.sections import Data, Eval, Model, schema
+from iclnoise.config.cost import COST_CONFIRM_CORE_HOURS, check_cost, cost_estimate
+from iclnoise.config.grid import ed_families, expand_grid, parse_run_id, run_spec
+from iclnoise.config.memory import job_memory
+from iclnoise.core.sections import Data, Eval, Model, schema
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,7 @@ def bad(params, path, value):
     return str(e.value)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("path,value,expect", [
     (("train", "lr_schedule", "kind"), "cyclic", ["train.lr_schedule.kind", "constant", "warmup_cosine", "triangle"]),
     (("grid", "M"), [0, 4], ["grid.M.0", "inf"]),
@@ -58,6 +59,7 @@ def test_rejections_name_the_key_and_the_allowed_values(params, path, value, exp
         assert fragment in msg, msg
 
 
+@pytest.mark.unit
 def test_budget_modes(params):
     p = copy.deepcopy(params)
     p["train"]["budget"] = {"mode": "sequences", "sequences": 64 * 100}
@@ -69,6 +71,7 @@ def test_budget_modes(params):
         validate_params(p)
 
 
+@pytest.mark.unit
 def test_grid_and_run_ids(params):
     runs = expand_grid(params)
     g = params["grid"]
@@ -84,6 +87,7 @@ def test_grid_and_run_ids(params):
     assert spec["train"]["micro_batch"] == 16
 
 
+@pytest.mark.unit
 def test_condition_restricted_to_some_m(params):
     """A condition with `M` runs only at those grid M (configs/science.yaml's early/late pair at M = 16); the
     run's spec does not carry the restriction, and an M outside the grid is refused."""
@@ -101,6 +105,7 @@ def test_condition_restricted_to_some_m(params):
         validate_params(p)
 
 
+@pytest.mark.unit
 def test_steps_as_batch_trains_another_batch_s_steps(params):
     """configs/noise.yaml's grad_b16_steps: at batch 64 it trains the steps batch 16 takes on the sequence budget
     (4× the sequences), and the cost estimate counts them; with a budget in steps the key is refused."""
@@ -118,6 +123,7 @@ def test_steps_as_batch_trains_another_batch_s_steps(params):
         validate_params(p)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("edit, key, allowed", [
     (lambda p: p["noise"]["conditions"]["early"].pop("budget"), "noise.conditions.early", "budget"),
     (lambda p: p["noise"]["conditions"]["grad_b16"].update(shape="spiky"), "noise.conditions.grad_b16.shape",
@@ -299,6 +305,7 @@ BAD_FILES = [
 ]
 
 
+@pytest.mark.unit
 def test_a_file_that_is_not_utf8_is_refused_naming_the_line(tmp_path):
     path = tmp_path / "latin1.yaml"
     path.write_bytes(TEXT.encode() + "# réglages\n".encode("latin-1"))
@@ -306,6 +313,7 @@ def test_a_file_that_is_not_utf8_is_refused_naming_the_line(tmp_path):
         load_params(path)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("edit, expect", [c[1:] for c in BAD_FILES], ids=[c[0] for c in BAD_FILES])
 def test_bad_files_are_rejected_naming_key_and_allowed_values(tmp_path, edit, expect):
     path = write(tmp_path, edit(TEXT))
@@ -317,6 +325,7 @@ def test_bad_files_are_rejected_naming_key_and_allowed_values(tmp_path, edit, ex
         assert fragment in msg, f"{fragment!r} not in:\n{msg}"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["exposure", "llc", "ed", "geometry", "mech"])
 def test_a_section_switched_off_needs_no_other_keys(tmp_path, name):
     text = replace_section(name, f"{name}: {{enabled: false}}")(TEXT)
@@ -326,6 +335,7 @@ def test_a_section_switched_off_needs_no_other_keys(tmp_path, name):
     assert p[name] == {"enabled": False}
 
 
+@pytest.mark.unit
 def test_the_shipped_configs_are_valid_with_their_overrides():
     for override in ("configs/noise.yaml", "configs/carroll.yaml"):
         p = load_params("params.yaml", [override])
@@ -341,6 +351,7 @@ def test_the_shipped_configs_are_valid_with_their_overrides():
     assert run_spec(science, "M16-B16-none-s0")["train"]["steps"] == 1_280_000 // 16
 
 
+@pytest.mark.unit
 def test_schema_is_draft_2020_12_and_validated_once():
     s = schema()
     assert s["$schema"] == "https://json-schema.org/draft/2020-12/schema"
@@ -366,6 +377,7 @@ def snakemake_jobs(*configfiles: str) -> int:
     return int(re.findall(r"(?m)^total\s+(\d+)", out)[-1])
 
 
+@pytest.mark.integration
 def test_cost_estimate_counts_the_dag():
     """Job counts equal Snakemake's own dry-run DAG for params.yaml, configs/noise.yaml and configs/carroll.yaml."""
     import shutil
@@ -387,10 +399,11 @@ def test_cost_estimate_counts_the_dag():
     assert default["train_core_hours"] < default["core_hours"] < COST_CONFIRM_CORE_HOURS < carroll["core_hours"]
 
 
+@pytest.mark.unit
 def test_cost_prices_only_the_injection_windows_steps_at_the_injected_rate():
     """An early or late arm injects on `fraction` of its steps: its training costs plain · (1 + (f − 1) · fraction),
     f = injected_factor(params, source) (measured, bench/bench_noise.py); a constant schedule pays f on every step."""
-    from iclnoise.cost import injected_factor, step_ms
+    from iclnoise.config.cost import injected_factor, step_ms
 
     def train_hours(noise, **cond):
         p = load_params("params.yaml")
@@ -406,11 +419,12 @@ def test_cost_prices_only_the_injection_windows_steps_at_the_injected_rate():
     assert early == pytest.approx(plain + 0.3 * extra, rel=1e-9) and const == pytest.approx(plain + extra, rel=1e-9)
 
 
+@pytest.mark.unit
 def test_cost_counts_the_closed_loops_curvature_probes():
     """Issue 43: the estimate priced an injecting step alike at any exposure.curvature_probes / curvature_every,
     so configs/dose.yaml's 16 probes every 10 steps (5x the default's 8 every 25) read as the default's cost. Each
     probe per step costs CURVATURE_PROBE_COST plain steps (measured, cost.py)."""
-    from iclnoise.cost import CURVATURE_PROBE_COST, injected_factor, step_ms
+    from iclnoise.config.cost import CURVATURE_PROBE_COST, injected_factor, step_ms
 
     def hours(probes, every, noise="param_x1"):
         p = load_params("params.yaml", ["configs/science.yaml", "configs/dose.yaml"])
@@ -425,19 +439,21 @@ def test_cost_counts_the_closed_loops_curvature_probes():
     assert dose - default == pytest.approx(extra, rel=1e-9)
 
 
+@pytest.mark.unit
 def test_probed_checkpoints_match_a_real_run():
     """The default's probed checkpoints per batch-64 run equal what the probes select from the training
-    schedule (runs.select_steps on schedules.checkpoint_steps, as iclnoise.probes does): 7 LLC, 5 geometry
+    schedule (runs.select_steps on schedules.checkpoint_steps, as iclnoise.run.probing does): 7 LLC, 5 geometry
     and 2 mech checkpoints of 24 (checked against llc.parquet, geometry.parquet and mech.parquet of
     M16-B64-none-s0 in a default DAG run of 9baea51)."""
-    from iclnoise.cost import probed_checkpoints
-    from iclnoise.grid import typed_spec
+    from iclnoise.config.cost import probed_checkpoints
+    from iclnoise.config.grid import typed_spec
     p = load_params("params.yaml")
     spec = typed_spec(p, "M16-B64-none-s0")
     assert len(spec.train.checkpoints_planned) == 25   # step 0 and 24 after it
     assert [probed_checkpoints(p, spec, s) for s in ("llc", "geometry", "mech")] == [7, 5, 2]
 
 
+@pytest.mark.integration
 def test_confirm_cost_takes_only_true_or_false():
     """Issue 30: `--config confirm_cost=false` (or no, off) confirmed a 330 core-hour grid. A real dry run of the
     Carroll grid: the words for no refuse with the cost message, other words are refused naming the key."""
@@ -462,6 +478,7 @@ def test_confirm_cost_takes_only_true_or_false():
             switch(word, "k")
 
 
+@pytest.mark.unit
 def test_check_cost_refuses_a_large_grid_without_confirmation():
     check_cost(load_params("params.yaml"), confirmed=False)
     carroll = load_params("params.yaml", ["configs/carroll.yaml"])
@@ -473,6 +490,7 @@ def test_check_cost_refuses_a_large_grid_without_confirmation():
     assert check_cost(carroll, confirmed=True)["runs"] == 595
 
 
+@pytest.mark.unit
 def test_check_command_prints_the_estimate(capsys):
     from iclnoise.commands.runs import check as cli
     cli(["params.yaml"])
@@ -483,6 +501,7 @@ def test_check_command_prints_the_estimate(capsys):
     assert "above the 2 core-hour threshold" in capsys.readouterr().out
 
 
+@pytest.mark.unit
 def test_log_level_option_env_and_format(monkeypatch, capsys):
     monkeypatch.delenv("ICLNOISE_LOG_LEVEL", raising=False)
     assert iclnoise_cli.pop_log_level(["train", "--spec", "x"]) == ("INFO", ["train", "--spec", "x"])
@@ -497,16 +516,16 @@ def test_log_level_option_env_and_format(monkeypatch, capsys):
     saved = (root.handlers[:], root.level, pkg.level)
     try:
         iclnoise_cli.setup_logging("WARNING", "llc")
-        logging.getLogger("iclnoise.llc").info("hidden")
-        logging.getLogger("iclnoise.llc").warning("shown")
+        logging.getLogger("iclnoise.probes.llc").info("hidden")
+        logging.getLogger("iclnoise.probes.llc").warning("shown")
         err = capsys.readouterr().err
-        assert "hidden" not in err and "WARNING iclnoise llc iclnoise.llc: shown" in err
+        assert "hidden" not in err and "WARNING iclnoise llc iclnoise.probes.llc: shown" in err
         iclnoise_cli.setup_logging("DEBUG", "train")
-        logging.getLogger("iclnoise.train").debug("step detail")
+        logging.getLogger("iclnoise.run.train").debug("step detail")
         logging.getLogger("pydot").debug("third-party chatter")
         warnings.warn("a warning becomes a log record")
         err = capsys.readouterr().err
-        assert "DEBUG iclnoise train iclnoise.train: step detail" in err and "chatter" not in err
+        assert "DEBUG iclnoise train iclnoise.run.train: step detail" in err and "chatter" not in err
         assert "a warning becomes a log record" in err
     finally:
         root.handlers[:] = saved[0]
@@ -515,6 +534,8 @@ def test_log_level_option_env_and_format(monkeypatch, capsys):
         logging.captureWarnings(False)
 
 
+@pytest.mark.integration
+@pytest.mark.numerics
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to reset the peak RSS")
 def test_pool_memory_estimate_matches_a_measured_peak():
     """The pool term against the peak RSS (VmHWM, reset first) of drawing a pool and running dMMSE on it (one
@@ -522,7 +543,7 @@ def test_pool_memory_estimate_matches_a_measured_peak():
     for M = 2^17, D = 64 (ratio 1.14, three runs)."""
     M, D = 2**17, 64
     code = ("import torch; torch.set_num_threads(1)\n"
-            "from iclnoise.tasks import task_pool, eval_set\nfrom iclnoise.predictors import dmmse\n"
+            "from iclnoise.core.tasks import task_pool, eval_set\nfrom iclnoise.core.predictors import dmmse\n"
             "def kb(k): return next(int(x.split()[1]) for x in open('/proc/self/status') if x.startswith(k))\n"
             "open('/proc/self/clear_refs', 'w').write('5')\nr0 = kb('VmRSS:')\n"
             f"pool = task_pool(0, {M}, {D}); b = eval_set('id', {M}, 32, 8, {D}, 0.125, 0, 1)\n"
@@ -535,6 +556,7 @@ def test_pool_memory_estimate_matches_a_measured_peak():
     assert 0.7 * evaluator_part < measured < 1.3 * evaluator_part, (measured, evaluator_part)
 
 
+@pytest.mark.integration
 def test_overrides_merge_as_snakemake_does_and_are_read_strictly(tmp_path):
     """merge_params against Snakemake's own update_config (the reference: what --configfile does)."""
     update_config = pytest.importorskip("snakemake.utils").update_config
@@ -551,6 +573,7 @@ def test_overrides_merge_as_snakemake_does_and_are_read_strictly(tmp_path):
             call()
 
 
+@pytest.mark.unit
 def test_each_runs_several_commands_in_one_process(monkeypatch, capsys):
     """`iclnoise each -- A -- B` (one probe job per run): both commands run, in order, under their own
     log prefix; a list without a leading -- or with an unknown command is refused before anything runs."""
@@ -576,6 +599,7 @@ def test_each_runs_several_commands_in_one_process(monkeypatch, capsys):
         logging.captureWarnings(False)
 
 
+@pytest.mark.unit
 def test_params_sources_are_read_bounded_devices_and_pipes_included(tmp_path):
     """Issue 48, case 11: the size cap used stat, which is 0 for a pipe or a device, so `iclnoise check /dev/zero`
     read without bound (7 GB in 12 s). At most MAX_YAML_BYTES + 1 bytes are read from any source: a pipe that
@@ -612,6 +636,7 @@ def test_params_sources_are_read_bounded_devices_and_pipes_included(tmp_path):
         check([str(tmp_path)])   # a directory: named, no traceback
 
 
+@pytest.mark.unit
 def test_config_values_are_read_as_yaml_scalars_and_errors_name_key_and_value():
     """Issue 48, case 14: Snakemake reads `--config stats={alpha: 0.05}` with YAML's BaseLoader, so 0.05 arrived as
     the string '0.05' and was refused as not a number. parse_overrides reads each string as a YAML scalar (safe
@@ -637,6 +662,7 @@ def test_config_values_are_read_as_yaml_scalars_and_errors_name_key_and_value():
         "params.yaml + configs/noise.yaml + --config data, confirm_cost"
 
 
+@pytest.mark.integration
 def test_snakemake_config_values_arrive_as_numbers(tmp_path):
     """Issue 48, case 14, through Snakemake's own --config parsing (a dry run stopped at parse time): the numbers of
     a mapping are numbers (stats.alpha is not named), a wrong value names its key and what it got, and the message
@@ -653,12 +679,14 @@ def test_snakemake_config_values_arrive_as_numbers(tmp_path):
     assert "params.yaml + params.yaml" not in text
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_ensemble_runs_auto_on_the_cpu_is_the_default_grouping(monkeypatch):
     """`train.ensemble_runs: auto` on the CPU (train.device cpu, or auto with no CUDA device visible) gives the
     default's groups (18 runs per ensemble: CPU_ENSEMBLE_RUNS), and no run's spec hash moves with the key."""
     import torch
 
-    from iclnoise.grid import CPU_ENSEMBLE_RUNS, ensemble_groups, spec_hash
+    from iclnoise.config.grid import CPU_ENSEMBLE_RUNS, ensemble_groups, spec_hash
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     p = load_params("params.yaml")
@@ -675,12 +703,14 @@ def test_ensemble_runs_auto_on_the_cpu_is_the_default_grouping(monkeypatch):
         spec_hash(run_spec(p, r)) for r in sum(default.values(), [])]
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_ensemble_runs_auto_fills_a_planted_gpu_memory():
     """On a GPU of planted memory G, `auto` packs runs (grid order) while the ensemble's job_memory stays within
     0.8 G: at one M job_memory = c + R·u, so a GPU of (c + 5u + u/2)/0.8 bytes takes ensembles of 5 runs across
     seeds; with several M every ensemble fits and would not fit with the next run; the limit is 32 GiB per job."""
-    from iclnoise.grid import ensemble_groups
-    from iclnoise.memory import MAX_JOB_MEMORY, ensemble_memory
+    from iclnoise.config.grid import ensemble_groups
+    from iclnoise.config.memory import MAX_JOB_MEMORY, ensemble_memory
 
     def need(runs):
         return ensemble_memory(p, 16, [parse_run_id(r).M for r in runs])["total"]
@@ -716,6 +746,8 @@ def test_ensemble_runs_auto_fills_a_planted_gpu_memory():
     assert [len(r) for r in ensemble_groups(validate_params(p)).values()] == [fit, 150 - fit] and 64 < fit < 150
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_ensemble_runs_auto_on_cuda_without_a_gpu_names_the_key(monkeypatch):
     """Planning `auto` for cuda where no CUDA device is visible and gpu_memory_gib is unset: a ParamsError that
     names train.gpu_memory_gib; a run too large for the GPU alone is named."""
@@ -731,6 +763,7 @@ def test_ensemble_runs_auto_on_cuda_without_a_gpu_names_the_key(monkeypatch):
         validate_params(p)
 
 
+@pytest.mark.unit
 def test_the_slurm_profile_asks_for_a_gpu_only_for_cuda():
     """slurm/config.yaml's train_gpu_resources join a training job's resources only where train.device is cuda;
     the CPU profile has none."""

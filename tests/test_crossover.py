@@ -1,4 +1,4 @@
-"""The anchor's crossover threshold (SPEC §11): Δ on new tasks per checkpoint, the late pull, and M* where it
+"""The anchor's crossover threshold (method §11): Δ on new tasks per checkpoint, the late pull, and M* where it
 changes sign, validated on planted trajectories.
 
 Planted grids: per seed a crossover x*_s = x* + 0.3·N(0, 1) (octaves), per run (M, seed) a pull
@@ -13,14 +13,14 @@ import pandas as pd
 import pytest
 import torch
 
+from iclnoise.analysis.thresholds import crossover_threshold, crossover_windows, pull_slopes, sign_change
 from iclnoise.config import load_params
-from iclnoise.evaluate import Evaluator
-from iclnoise.grid import run_spec
-from iclnoise.predictors import delta, dmmse, ridge
-from iclnoise.schedules import checkpoint_steps
-from iclnoise.sections import RunSpec
-from iclnoise.tasks import M_INF, eval_set, m_label, task_pool
-from iclnoise.thresholds import crossover_threshold, crossover_windows, pull_slopes, sign_change
+from iclnoise.config.grid import run_spec
+from iclnoise.core.predictors import delta, dmmse, ridge
+from iclnoise.core.runspec import RunSpec
+from iclnoise.core.schedules import checkpoint_steps
+from iclnoise.core.tasks import M_INF, eval_set, m_label, task_pool
+from iclnoise.run.evaluate import Evaluator
 
 DEFAULT_CK = np.array(checkpoint_steps(10_000, 12, 16)[1:]) * 16   # the default's batch-16 checkpoints
 SPARSE_CK = np.array(checkpoint_steps(10_000, 4, 4)[1:]) * 16      # 7 checkpoints, 3 in the late half
@@ -57,6 +57,8 @@ def rates(n, rng, x_star, Ms, **kw):
     return got / n, cover / max(got, 1), none / n
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_pull_reads_the_direction_and_ignores_a_common_shrink():
     """d = ln Δ(f, ridge) − ln Δ(f, dMMSE_M) with slope +0.4 per e-fold of data while both distances halve every
     e-fold: pull +0.4 from the late half only (the early half, planted with the opposite slope, is left out)."""
@@ -70,6 +72,7 @@ def test_pull_reads_the_direction_and_ignores_a_common_shrink():
     assert np.isnan(pull_slopes(traj.tail(2)).slope.iloc[0])                  # < 3 late checkpoints: no pull
 
 
+@pytest.mark.unit
 def test_sign_change_pools_noise_and_says_which_side():
     x = np.arange(6.0)
     assert sign_change(x, np.array([1.0, 0.5, -0.5, -1, -1, -1]))[0] == pytest.approx(1.5)
@@ -79,6 +82,7 @@ def test_sign_change_pools_noise_and_says_which_side():
     assert "below the grid" in sign_change(x, np.full(6, -0.3))[1]
 
 
+@pytest.mark.validation
 def test_crossover_interval_covers_planted_thresholds():
     """Crossovers planted anywhere in the interior of an 8-M grid (log2 M* ~ U(1.5, 5.5)), 3 seeds, 100 grids;
     measured (seed 0): an interval in 99, coverage 97 of 99 with the gap allowance (issue 42; the t-interval alone:
@@ -113,10 +117,12 @@ def asymmetric(rng, x_star, Ms, seeds, wl=1.0, wr=2.5, seed_sd=0.3, run_sd=0.15,
     return pd.concat(rows, ignore_index=True)
 
 
+@pytest.mark.validation
 def test_crossover_interval_covers_asymmetric_pulls_on_an_uneven_grid():
     """Issue 42: asymmetric pulls (widths 1 and 2.5 octaves), heteroscedastic run noise, the crossing inside a gap of
     the science grid {1, 4, 8, 16, 32, 64, 256}, 6 seeds: linear interpolation reads log2 M* high, the t-interval
-    alone under-covers, and the allowance of GAP_SHARE × the gap restores it. Measured by bench/bench_crossover.py
+    alone under-covers, and the allowance of GAP_SHARE × the gap restores it. Measured by
+    experiments/crossover_coverage.py
     (200 grids per cell, seed 1; bias of log2 M*, coverage of the t-interval alone → of the reported interval):
     8 M, 3 seeds: +0.215, 0.911 → 0.950; uneven, 3 seeds: +0.211, 0.932 → 0.983; uneven, 4 seeds: +0.213,
     0.904 → 0.960; uneven, 6 seeds: +0.189, 0.879 → 0.990. Here, 40 grids at 6 seeds: the reported interval covers
@@ -137,6 +143,7 @@ def test_crossover_interval_covers_asymmetric_pulls_on_an_uneven_grid():
     assert got >= 36 and cover / got >= 0.975, (got, cover)
 
 
+@pytest.mark.validation
 def test_no_crossover_grids_give_no_m_star():
     """Pulls of one sign or none: crossover 0.5-2 octaves above or below an 8-M grid, or just above it (0.1-0.5
     octave: the largest M's pull is +0.07 to +0.32), or a flat pull (+0.3, 0: noise only). 40 grids each, 200 in
@@ -151,6 +158,7 @@ def test_no_crossover_grids_give_no_m_star():
     assert sum(none.values()) / len(none) >= 0.95 and min(none.values()) >= 0.9, none
 
 
+@pytest.mark.unit
 def test_crossover_edge_cases():
     """Unlike the cases above: a 5-M grid like the default's (x* = 2.2), sparse checkpoints (3 in the late half),
     5 seeds, and a crossover 0.7 octave from the grid's edge. Measured (seed 2, 30 grids each, with the gap
@@ -168,6 +176,7 @@ def test_crossover_edge_cases():
     assert edge[0] >= 0.3 and edge[1] >= 0.8, edge   # the interval, where there is one, still covers
 
 
+@pytest.mark.unit
 def test_crossover_reasons():
     rng = np.random.default_rng(3)
     p = pull_slopes(planted(rng, 3.5, G8))
@@ -183,6 +192,7 @@ def test_crossover_reasons():
                           "(M* above the grid))"
 
 
+@pytest.mark.unit
 def test_a_crossover_that_depends_on_the_window_is_flagged():
     """Issue 42: the estimate at the last ½, ⅔ and ⅓ of training; where the pull stops changing with data in the
     last 40 % (d frozen there), the last third and the last half find no threshold while the last two thirds do
@@ -203,11 +213,12 @@ def test_a_crossover_that_depends_on_the_window_is_flagged():
     assert np.isfinite(e["M_star_last_two_thirds"]) and not np.isfinite(e["M_star_last_third"])
 
 
+@pytest.mark.unit
 def test_no_delta_logged_is_a_reason_not_a_crash():
     """Issue 42: runs without Δ on new tasks (None in the trajectory table, or no trajectory at all) raised a
     TypeError in crossover_threshold; now they give the documented 'no threshold' reason, in threshold_table too."""
-    from iclnoise.aggregate import TRAJECTORY_COLUMNS, threshold_table
-    from iclnoise.sections import Stats
+    from iclnoise.analysis.aggregate import TRAJECTORY_COLUMNS, threshold_table
+    from iclnoise.core.probe_sections import Stats
 
     empty = pd.DataFrame(columns=TRAJECTORY_COLUMNS)
     unlogged = pd.DataFrame({"run_id": "a", "M": 4, "seed": 0, "batch": 16, "noise": "none", "sequences": [1, 2, 3],
@@ -225,6 +236,8 @@ def test_no_delta_logged_is_a_reason_not_a_crash():
     assert not th.loc["crossover", "gates_passed"] and "crossover fit" in th.loc["crossover", "gate_failures"]
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 @pytest.mark.parametrize("M", [4, M_INF])
 def test_evaluator_logs_delta_on_new_tasks(M):
     """ood_delta_* = Δ(f, dMMSE_M of the run's pool) and Δ(f, ridge) on the OOD sequences; NaN dMMSE for M = ∞."""

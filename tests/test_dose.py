@@ -1,17 +1,19 @@
 """The dose–response (issue 43): the per-run dose table, the operating regime and the slopes of r and log2 M* against
-log dose, on planted outcome tables with known slopes (coverage, size and power measured by bench/bench_dose.py)."""
+log dose, on planted outcome tables with known slopes (coverage, size and power measured by
+experiments/dose_coverage.py)."""
 import math
 
 import numpy as np
 import pandas as pd
+import pytest
 from test_gates import table
 
-from iclnoise import dose, stats
-from iclnoise.grid import has_dose_series
-from iclnoise.sections import Stats
-from iclnoise.tasks import M_INF
-from iclnoise.thresholds import logistic4
-from iclnoise.verdicts import GATES, hypothesis_tests
+from iclnoise.analysis import dose, stats
+from iclnoise.analysis.thresholds import logistic4
+from iclnoise.analysis.verdicts import GATES, hypothesis_tests
+from iclnoise.config.grid import has_dose_series
+from iclnoise.core.probe_sections import Stats
+from iclnoise.core.tasks import M_INF
 
 CFG = Stats(alpha=0.05, equivalence_fraction=0.5, equivalence_margin=None, transient_tol=0.05)
 DOSES = (0.01, 0.03, 0.1, 0.3, 1.0)   # 2 decades, 5 levels
@@ -55,6 +57,8 @@ def h1(out):
     return t[t.test.str.startswith("dose-response")].reset_index(drop=True)
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_the_dose_table_has_a_row_per_run_of_the_series_and_dose_zero():
     out = planted(np.random.default_rng(0), booked={0.01: 1.02})
     runs = dose.dose_runs(out, GATES["regime_tol"])
@@ -65,6 +69,8 @@ def test_the_dose_table_has_a_row_per_run_of_the_series_and_dose_zero():
     assert runs[runs.M == M_INF].converged.astype(bool).all() and runs[runs.M != M_INF].converged.isna().all()
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_no_dose_series_changes_nothing():
     """One positive dose is no series: no dose runs, no dose rows, the other tests as before."""
     out = planted(np.random.default_rng(0), doses=(0.1,))
@@ -72,6 +78,8 @@ def test_no_dose_series_changes_nothing():
     assert not hypothesis_tests(out, CFG).test.str.startswith("dose-response").any()
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_the_regime_leaves_out_unconverged_saturated_and_unchecked_doses():
     """M = ∞ 1.12× ridge's at dose 1 leaves out 1; the dose 0.3 (no M = ∞ run) lies above the highest converged dose
     checked (0.1), so it is out too; 0.03 books 0.5× its target (saturated)."""
@@ -83,6 +91,8 @@ def test_the_regime_leaves_out_unconverged_saturated_and_unchecked_doses():
     assert "no M = ∞ run at or above" in lv.regime[0.3]
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_a_planted_slope_of_r_is_recovered_and_a_null_is_a_null():
     rng = np.random.default_rng(1)
     t = h1(planted(rng, slope=0.05)).set_index("outcome")
@@ -96,6 +106,8 @@ def test_a_planted_slope_of_r_is_recovered_and_a_null_is_a_null():
     assert row.ci_lo < 0 < row.ci_hi and row.verdict.startswith("no evidence") and "could detect a slope" in row.verdict
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_a_dose_with_m_inf_runs_only_vouches_for_the_regime_and_the_slope_reads_the_rest():
     """The CPU plan's order: the ladder at 0.01 and 0.1, and at 0.3 M = ∞ alone (trained early to show the regime
     reaches that far). 0.3 stays inside the regime; the r slope is fitted over 0.01 and 0.1 at the ladder (before,
@@ -111,10 +123,13 @@ def test_a_dose_with_m_inf_runs_only_vouches_for_the_regime_and_the_slope_reads_
     assert (t.test.str.contains("paired t \\(dose 0.1 − dose 0\\)")).sum() == 1
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_the_ladder_reads_a_planted_shift_of_m_star():
     """M* moves by −0.25 octave per decade (r's curve translates): the ladder's converted slope covers it, M* by r50
     is not fitted (3 M at the positive doses), and the shift per dose follows −0.25·log10(d/0.01). (The conversion
-    is first order: at −0.5 per decade, a 1-octave shift over the 2 decades, it reads 5 % low; bench/bench_dose.py.)"""
+    is first order: at −0.5 per decade, a 1-octave shift over the 2 decades, it reads 5 % low;
+    experiments/dose_coverage.py.)"""
     out = planted(np.random.default_rng(2), shift=-0.25, noise=0.01)
     t = h1(out)
     lad = t[t.test.str.contains("threshold ladder")].iloc[0]
@@ -127,6 +142,8 @@ def test_the_ladder_reads_a_planted_shift_of_m_star():
     assert np.isfinite(lv.M_star_r50[0.0]) and np.isnan(lv.M_star_r50[0.1]) and np.isfinite(lv.r16[0.1])
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_the_cpu_plan_checks_the_ladder_against_m_star_at_its_full_grid_dose():
     """The CPU plan: the full M grid at dose 0 and at the highest dose (1, 2 decades above the lowest), the ladder
     elsewhere. M* moves −0.25 octave per decade: log2 M* at dose 1 − dose 0 ≈ −0.5 (paired by seed), and the
@@ -137,10 +154,11 @@ def test_the_cpu_plan_checks_the_ladder_against_m_star_at_its_full_grid_dose():
     assert t[t.test.str.contains(r"slope of log2 M\* \(r50\)")].status.iloc[0].startswith("not run")
 
 
+@pytest.mark.unit
 def test_m_star_slope_takes_seeds_as_the_unit():
     """Two doses a decade apart: the slope is the paired t of log2 M* between them (estimate, interval, p, mde), the
     interval on n − 1 = 2 df; three doses: each seed's least-squares slope, cov/var, averaged. (A random-intercept
-    MixedLM's Wald interval, the fit before, covered 0.79 at the two-dose design: bench/bench_dose.py.)"""
+    MixedLM's Wald interval, the fit before, covered 0.79 at the two-dose design: experiments/dose_coverage.py.)"""
     lo, hi = np.array([4.02, 4.11, 3.95]), np.array([3.97, 3.99, 3.93])
     d = pd.DataFrame({"seed": [0, 1, 2] * 2, "log10_dose": [-2.0] * 3 + [-1.0] * 3, "log2_M_star": [*lo, *hi]})
     e, z = dose.mstar_slope(d, 0.05), stats.paired_test(hi, lo)
@@ -153,6 +171,8 @@ def test_m_star_slope_takes_seeds_as_the_unit():
     assert math.isclose(dose.mstar_slope(d, 0.05).estimate, np.mean(by_hand))
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_full_grids_at_two_positive_doses_give_m_star_a_slope():
     """configs/dose.yaml's full M grids at 0.03x and 0.3x: here at 0.1 and 1 (a decade apart) and dose 0. M* moves
     −0.25 octave per decade: the r50 slope runs over those 2 doses and its interval covers −0.25."""
@@ -161,6 +181,8 @@ def test_full_grids_at_two_positive_doses_give_m_star_a_slope():
     assert row.status == "run" and row.n == 2 and row.in_family and row.ci_lo < -0.25 < row.ci_hi
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_with_a_full_grid_at_every_dose_m_star_slope_is_fitted_by_both_definitions():
     out = planted(np.random.default_rng(3), shift=-0.5, noise=0.01, full_at=(0.0, *DOSES))
     t = h1(out)
@@ -171,6 +193,8 @@ def test_with_a_full_grid_at_every_dose_m_star_slope_is_fitted_by_both_definitio
         assert z.term == "dose 1 − dose 0" and z.ci_lo < -1 < z.ci_hi and z.ci_hi < 0 and z.in_family == family
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_the_dose_zero_contrast_and_an_unconverged_dose_zero():
     out = planted(np.random.default_rng(4), slope=0.05)
     z = h1(out).set_index("term").loc["dose 1 − dose 0"]
@@ -179,6 +203,7 @@ def test_the_dose_zero_contrast_and_an_unconverged_dose_zero():
     assert bad[bad.status == "run"].verdict.str.startswith("inconclusive: unconverged").all()
 
 
+@pytest.mark.validation
 def test_monotonicity_holds_its_size_on_a_line_and_finds_a_step():
     """Linear in log dose: p roughly uniform (rejections near α); a step between 0.03 and 0.1: rejected."""
     rng = np.random.default_rng(5)
@@ -193,6 +218,8 @@ def test_monotonicity_holds_its_size_on_a_line_and_finds_a_step():
     assert step["p"] < 0.05 and step["estimate"] > 0
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_an_m_inf_only_scan_reports_its_regime_and_runs_no_slope():
     """configs/dose_scan.yaml's shape: M = ∞ only at every dose: the regime is read, every slope says why not."""
     out = planted(np.random.default_rng(6), inf_at=DOSES, ratio={1.0: 1.2})
@@ -204,13 +231,14 @@ def test_an_m_inf_only_scan_reports_its_regime_and_runs_no_slope():
     assert list(lv.index[~lv.in_regime]) == [1.0] and np.isnan(lv.r16).all()
 
 
+@pytest.mark.unit
 def test_reference_sets_have_no_dose_series_and_their_tests_are_unchanged():
     """The committed reference sets (no dose series): no dose runs, and hypothesis_tests gives their tests.parquet."""
     import json
 
-    from iclnoise.aggregate import read_outcomes
+    from iclnoise.analysis.aggregate import read_outcomes
     from iclnoise.config import typed
-    from iclnoise.io import read_parquet
+    from iclnoise.core.io import read_parquet
 
     for ref in ("science", "noise"):
         out = read_outcomes(f"reference/{ref}/aggregate/outcomes.parquet")
@@ -220,6 +248,7 @@ def test_reference_sets_have_no_dose_series_and_their_tests_are_unchanged():
                                       read_parquet(f"reference/{ref}/aggregate/tests.parquet"))
 
 
+@pytest.mark.unit
 def test_has_dose_series_reads_the_grid_as_dose_runs_reads_the_outcomes():
     from iclnoise.config import load_params
 
@@ -229,12 +258,14 @@ def test_has_dose_series_reads_the_grid_as_dose_runs_reads_the_outcomes():
     assert has_dose_series(load_params("params.yaml", ["configs/science.yaml", "configs/dose.yaml"]))
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_aggregate_writes_the_dose_tables_only_for_a_dose_series(tmp_path, monkeypatch):
     from test_gates import planted as no_dose
 
-    from iclnoise import aggregate as agg
-    from iclnoise.aggregate import OUTCOMES_SCHEMA
-    from iclnoise.io import read_parquet
+    from iclnoise.analysis import aggregate as agg
+    from iclnoise.analysis.aggregate import OUTCOMES_SCHEMA
+    from iclnoise.core.io import read_parquet
 
     for name, out in (("dose", planted(np.random.default_rng(7), slope=0.03)),
                       ("none", no_dose(np.random.default_rng(7)))):
@@ -252,11 +283,13 @@ def test_aggregate_writes_the_dose_tables_only_for_a_dose_series(tmp_path, monke
     assert list(lv.target_dose) == [0.0, *DOSES] and lv.in_regime.all()
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_figure_6_against_dose_and_the_report_opening_with_the_answer(tmp_path):
-    from iclnoise.figures.stats import fig_dose
-    from iclnoise.io import write_parquet
-    from iclnoise.report import build
-    from iclnoise.verdicts import TESTS_SCHEMA
+    from iclnoise.analysis.verdicts import TESTS_SCHEMA
+    from iclnoise.core.io import write_parquet
+    from iclnoise.output.figures.stats import fig_dose
+    from iclnoise.output.report import build
 
     out = planted(np.random.default_rng(8), shift=-0.25, noise=0.01, inf_at=(0.3, 1.0), ratio={1.0: 1.2})
     (_, g), = dose.series(dose.dose_runs(out, GATES["regime_tol"]))
@@ -272,6 +305,8 @@ def test_figure_6_against_dose_and_the_report_opening_with_the_answer(tmp_path):
     assert "threshold ladder" in text and "fig06_threshold_vs_noise_dose.png" in text
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_a_series_under_two_optimizers_is_two_series_each_with_its_own_dose_zero():
     """grid.optimizer (issue 45): a dose series trained under AdamW and SGD with momentum is two series; each takes
     dose 0 from its own optimizer's batch-noise runs, and AdamW's levels are those of its runs alone (SGD's planted
@@ -291,6 +326,7 @@ def test_a_series_under_two_optimizers_is_two_series_each_with_its_own_dose_zero
     pd.testing.assert_frame_equal(alone, lv[lv.optimizer == "adamw"].reset_index(drop=True))
 
 
+@pytest.mark.unit
 def test_the_dose_grid_is_the_issues_design():
     """configs/dose.yaml (issue 43 item 2, CPU plan): per injected source ≥ 5 positive doses inside the operating
     regime measured on 3 seeds (reference/dose: M = ∞ within 1.10× ridge's OOD loss at 0.3× and not at param 1×; grad
@@ -299,7 +335,7 @@ def test_the_dose_grid_is_the_issues_design():
     of each source a decade apart inside the regime (0.03× and 0.3×: log M* has a slope against log dose from full
     grids); and every run of every seed probed (item 5: H4's seed gate)."""
     from iclnoise.config import load_params
-    from iclnoise.grid import expand_grid, probe_sections
+    from iclnoise.config.grid import expand_grid, probe_sections
 
     p = load_params("params.yaml", ["configs/science.yaml", "configs/dose.yaml"])
     conds = {c: p["noise"]["conditions"][c] for c in p["grid"]["noise"] if c != "none"}
@@ -320,13 +356,14 @@ def test_the_dose_grid_is_the_issues_design():
     assert all({"llc", "geometry", "mech"} <= set(probe_sections(p, k)) for k in runs)
 
 
+@pytest.mark.unit
 def test_figure_6_draws_the_ladder_reading_beside_a_full_grid_m_star():
     """Where a dose has a full M grid, its own M* and the ladder's reading are both drawn (the ladder's a little to
     the right), so that the conversion can be checked against a direct estimate; where it has only the ladder, the
     ladder's reading sits at the dose."""
     import matplotlib.pyplot as plt
 
-    from iclnoise.figures.stats import _plot_dose_mstar
+    from iclnoise.output.figures.stats import _plot_dose_mstar
 
     nan = np.nan
     g = pd.DataFrame({"target_dose": [0.0, 0.01, 0.1], "ladder_shift": [nan, 0.1, -0.2],

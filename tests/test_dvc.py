@@ -18,9 +18,13 @@ import pytest
 import yaml
 from test_pipeline import ENV, ROOT, tiny_params
 
-from iclnoise.io import read_parquet
+from iclnoise.core.io import read_parquet
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("git") is None, reason="git is required")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("git") is None, reason="git is required"),
+]
 
 # TODO(lead): results/aggregate/metrics.json is written by `iclnoise aggregate` on the stats branch. Once it
 # is merged, set this to False so that `dvc metrics show` / `dvc exp show` must print the metric.

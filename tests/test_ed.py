@@ -27,7 +27,12 @@ import pandas as pd
 import pytest
 
 from iclnoise.config import load_params, read_yaml
-from iclnoise.ed import (
+from iclnoise.config.grid import run_spec
+from iclnoise.core.io import read_parquet, write_json, write_parquet
+from iclnoise.core.probe_sections import ED
+from iclnoise.core.schedules import checkpoint_steps
+from iclnoise.core.sections import Data, Eval
+from iclnoise.probes.ed import (
     bootstrap_curves,
     cusps,
     detect_events,
@@ -41,11 +46,7 @@ from iclnoise.ed import (
     smooth_curve,
     vertices,
 )
-from iclnoise.evaluate import METRICS_SCHEMA, root_preds_schema
-from iclnoise.grid import run_spec
-from iclnoise.io import read_parquet, write_json, write_parquet
-from iclnoise.schedules import checkpoint_steps
-from iclnoise.sections import ED, Data, Eval
+from iclnoise.run.evaluate import METRICS_SCHEMA, root_preds_schema
 
 TOTAL = 2500
 NOISE = 0.005   # per-checkpoint noise of the observed curve, as a fraction of each PC's standard deviation
@@ -109,10 +110,12 @@ CASES = {"one form": (lambda t: planted(t, ONE), ONE), "two forms": (lambda t: p
          "event-free": (event_free, [])}
 
 
+@pytest.mark.unit
 def test_defaults_put_two_forms_a_window_apart():
     assert TWO[1] - TWO[0] == 2 * DEFAULTS.tolerance > 2 * DEFAULTS.bandwidth
 
 
+@pytest.mark.unit
 def test_event_free_curve_is_event_free():
     """Closed form: for (cosh, sinh), (cosh, 3u), (sinh, 3u) on u ∈ [1.6, 3], d|κ|/du has one sign."""
     u = np.linspace(1.6, 3, 2001)
@@ -123,6 +126,8 @@ def test_event_free_curve_is_event_free():
         assert (d < 0).all() or (d > 0).all()
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_same_continuous_curve_same_forms_at_every_density():
     for name, (fn, truth) in CASES.items():
         found = []
@@ -136,6 +141,8 @@ def test_same_continuous_curve_same_forms_at_every_density():
         np.testing.assert_allclose(found[1], found[2], atol=0.1)
 
 
+@pytest.mark.validation
+@pytest.mark.numerics
 @pytest.mark.parametrize("n_points", [20, 50, 200])
 def test_detection_rates_on_noisy_planted_curves(n_points):
     """Planted forms found (exactly, each within ± tolerance) in ≥ 90 % of noisy replicates; the
@@ -145,6 +152,8 @@ def test_detection_rates_on_noisy_planted_curves(n_points):
         assert hit >= (0.95 if not truth else 0.9), (name, n_points, hit)
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_event_free_curve_at_the_pipeline_schedule_with_near_duplicate_steps():
     """The old default schedule (…, 296, 312, 603, 625, 1228, 1250, …) made vertices; the smoother
     does not care about uneven spacing. The new schedule has no near-duplicates."""
@@ -155,6 +164,8 @@ def test_event_free_curve_at_the_pipeline_schedule_with_near_duplicate_steps():
     assert hit >= 0.9
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_end_effects_give_no_vertex():
     """Arcs whose |κ| grows toward an end (parabola, cubic, clothoid) have no interior vertex."""
     tau = log_time(log_spaced(50))
@@ -172,6 +183,8 @@ def test_end_effects_give_no_vertex():
     assert forms(detect_events(tau, planted(tau, ONE, 2.5), DEFAULTS), 3, 1.0) == [pytest.approx(4.0, abs=0.2)]
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_curvature_of_a_circle_and_ellipse_vertices_exactly():
     th = np.linspace(0, 2 * np.pi, 400)
     h = th[1] - th[0]
@@ -185,6 +198,8 @@ def test_curvature_of_a_circle_and_ellipse_vertices_exactly():
     np.testing.assert_allclose(np.sort(found), [0, np.pi / 2, np.pi, 3 * np.pi / 2, 2 * np.pi], atol=0.03)
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_semicubical_parabola_cusp():
     t = np.linspace(-1, 1, 101)
     inner = np.ones(101, bool)
@@ -194,6 +209,8 @@ def test_semicubical_parabola_cusp():
     assert len(cusps(g2["dx"], g2["dy"], inner, 0.3, 2)) == 0
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_local_quadratic_smoother_reproduces_quadratics_on_uneven_grids():
     tau = log_time(np.array([0, 1, 2, 4, 9, 17, 35, 72, 146, 296, 312, 603, 625, 2500.]))
     grid, sm = smooth_curve(tau, np.stack([2 * tau + 1, -tau ** 2], -1), 0.7)
@@ -202,6 +219,8 @@ def test_local_quadratic_smoother_reproduces_quadratics_on_uneven_grids():
     assert max_inner_gap(np.array([0, 1, 2.]), 1.5) == float("inf")
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_forms_clustering_keeps_distinct_forms_and_places_them_at_events():
     def ev(pair, t):
         return {"pc_i": pair[0], "pc_j": pair[1], "log_step": t, "kept": True}
@@ -215,6 +234,8 @@ def test_forms_clustering_keeps_distinct_forms_and_places_them_at_events():
     assert forms([ev((1, 2), 5.0), ev((1, 3), 5.0), {**ev((2, 3), 5.0), "kept": False}], 3, 2.0) == []
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_bootstrap_replicate_zero_is_the_projection_and_resamples_by_sequence():
     rng = np.random.default_rng(0)
     X = rng.standard_normal((6, 5 * 4))
@@ -228,6 +249,8 @@ def test_bootstrap_replicate_zero_is_the_projection_and_resamples_by_sequence():
     np.testing.assert_allclose(c[1:], np.broadcast_to(c[0], c[1:].shape), atol=1e-12)
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_joint_pca_is_exact_on_a_flat_spectrum():
     """120 × 4096 with a flat spectrum (the shape where svd_lowrank was 63° off): same subspace as
     numpy's dense SVD (principal angles ~0). Time measured: 0.09 s on one core (not asserted: shared CPUs)."""
@@ -265,6 +288,8 @@ def fake_run(root, M, seed=0, steps=(0, 1, 2, 4, 8, 17, 35, 71, 145, 296, 603, 9
     return d
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_cli_end_to_end_and_predictor_projection(tmp_path):
     from iclnoise.commands.probes import ed as cli
     from iclnoise.commands.results import ed_figures as cli_ed_figures
@@ -289,11 +314,13 @@ def test_cli_end_to_end_and_predictor_projection(tmp_path):
         assert (tmp_path / "fig" / f"{stem}.png").stat().st_size > 10_000
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_ed_does_not_import_figures():
     import ast
     import inspect
 
-    import iclnoise.ed as ed
+    import iclnoise.probes.ed as ed
     tree = ast.parse(inspect.getsource(ed))
     mods = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert not any("figures" in m for m in mods)

@@ -1,4 +1,4 @@
-"""Forms on planted polygons whose vertices are known exactly per PC pair (SPEC §8, issue 27 items 2-3).
+"""Forms on planted polygons whose vertices are known exactly per PC pair (method §8, issue 27 items 2-3).
 
 Each PC is continuous and piecewise linear in τ = log(step + 1), so every PC pair (i, j) is a polygon
 whose vertices are exactly the kink times of PC i and PC j. A turn at t kinks PC p at t + o_p with
@@ -13,7 +13,7 @@ n − 1 log-spaced in [1, 2500], τ ∈ [0, 7.82]):
 
 Noisy replicates go through the pipeline's bootstrap exactly as in test_ed.py (B = 64 sequences,
 noise NOISE × each PC's standard deviation per checkpoint, 50 resamples, z_min 3). Measured with
-`python bench/bench_forms.py` (200 replicates per cell, seed 0; ed.py local-cubic smoother):
+`python experiments/forms_rates.py` (200 replicates per cell, seed 0; ed.py local-cubic smoother):
 
     rate                      noise    n=20   n=50   n=200
     two-forms hit             free     1.000  1.000  1.000
@@ -33,8 +33,8 @@ import numpy as np
 import pytest
 
 from iclnoise.config import read_yaml
-from iclnoise.ed import bootstrap_curves, detect_events, forms, log_time
-from iclnoise.sections import ED
+from iclnoise.core.probe_sections import ED
+from iclnoise.probes.ed import bootstrap_curves, detect_events, forms, log_time
 
 TOTAL = 2500
 B_SEQ = 64
@@ -110,6 +110,7 @@ def form_rate(name: str, n_points: int, reps: int, noise: float, seed: int, cfg:
     return score / reps
 
 
+@pytest.mark.unit
 def test_planted_polygon_has_its_vertices_exactly_at_the_kinks():
     """Closed form: every kink turns every pair containing its PC (the direction changes), and between
     kinks each pair is straight (no other vertex)."""
@@ -126,25 +127,30 @@ def test_planted_polygon_has_its_vertices_exactly_at_the_kinks():
         assert all(np.abs(turned - t).min() <= tau[1] for t in exact)
 
 
+@pytest.mark.validation
+@pytest.mark.numerics
 @pytest.mark.parametrize("noise", [0.0, NOISE])
 @pytest.mark.parametrize("n_points", [20, 50, 200])
 def test_two_forms_a_window_apart_stay_two(n_points, noise):
     """Resolution = the tolerance window: two opposite turns 2 × tolerance apart (in-pair vertex
     separations ≥ 1.7 log-step) are two forms. Measured 1.000 at every density, noise-free and noisy
-    (bench/bench_forms.py, 200 replicates); the ringing local-quadratic smoother merged such turns."""
+    (experiments/forms_rates.py, 200 replicates); the ringing local-quadratic smoother merged such turns."""
     assert form_rate("two", n_points, REPS, noise, seed=10 + n_points) >= 0.9
 
 
+@pytest.mark.validation
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", ["lobe", "start", "end"])
 @pytest.mark.parametrize("noise", [0.0, NOISE])
 @pytest.mark.parametrize("n_points", [20, 50, 200])
 def test_no_false_forms_from_side_lobes_or_end_margins(n_points, noise, name):
     """A sharp turn has no side-lobe form, and a turn inside an end margin gives no form anywhere.
-    Measured ≤ 0.005 in every cell (bench/bench_forms.py, 200 replicates; the ringing local-quadratic
+    Measured ≤ 0.005 in every cell (experiments/forms_rates.py, 200 replicates; the ringing local-quadratic
     smoother: 0.25-0.38 side-lobe and 0.95-1.0 margin false forms noise-free, 0.05-0.63 noisy, at 40)."""
     assert form_rate(name, n_points, REPS, noise, seed=20 + n_points) <= 0.05
 
 
+@pytest.mark.unit
 def test_defaults_are_what_the_measurements_assume():
     assert (DEFAULTS.bandwidth, DEFAULTS.tolerance, DEFAULTS.margin) == (0.7, 1.0, 1.4)
     assert 1.1 + JITTER < DEFAULTS.margin                # end-margin turns lie wholly inside the margin

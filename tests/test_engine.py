@@ -8,20 +8,23 @@ import pandas as pd
 import pytest
 import torch
 
-import iclnoise.ensemble as ens
-import iclnoise.hooks as hooks
-from iclnoise.ensemble import Member
-from iclnoise.evaluate import Evaluator
-from iclnoise.exposure import AdamState
-from iclnoise.grid import run_spec, spec_hash
-from iclnoise.hooks import StepContext
-from iclnoise.io import read_parquet
-from iclnoise.model import mse_loss
-from iclnoise.runs import manifest
-from iclnoise.schedules import lr_lambda
-from iclnoise.sections import RunSpec, TaskPrior
-from iclnoise.tasks import BatchSampler, stacked_batch, task_pool
-from iclnoise.train import train_ensemble
+import iclnoise.noise.hooks as hooks
+import iclnoise.run.ensemble as ens
+from iclnoise.config.grid import run_spec, spec_hash
+from iclnoise.core.io import read_parquet
+from iclnoise.core.model import mse_loss
+from iclnoise.core.runspec import RunSpec
+from iclnoise.core.schedules import lr_lambda
+from iclnoise.core.sections import TaskPrior
+from iclnoise.core.tasks import BatchSampler, stacked_batch, task_pool
+from iclnoise.noise.exposure import AdamState
+from iclnoise.noise.hooks import StepContext
+from iclnoise.run.evaluate import Evaluator
+from iclnoise.run.member import Member
+from iclnoise.run.runs import manifest
+from iclnoise.run.train import train_ensemble
+
+pytestmark = [pytest.mark.unit, pytest.mark.numerics]
 
 RUNS = ["M4-B16-early-s0", "M1-B16-early-s1", "Minf-B16-early-s2"]
 
@@ -97,7 +100,7 @@ def test_the_stacked_ensemble_equals_each_run_trained_alone_through_its_hooks(in
     parameters, exposure rows, injection rows and final metrics equal the run trained alone the per-run way, to
     float32 round-off (the two differ in summation order: bmm against F.linear, fused AdamW against foreach).
     The ensemble measured every group gradient and diag Ĥ of its runs in stacked calls (exposure.stacked_group_grads,
-    exposure.stacked_ggn_curvature), none per run."""
+    curvature.stacked_ggn_curvature), none per run."""
     calls = {"stacked": 0, "own": 0, "stacked_grads": 0, "own_grads": 0}
 
     def counted(key, f):
@@ -251,7 +254,7 @@ def test_the_cuda_switches_are_logged_no_ops_off_cuda_and_leave_the_default_spec
     assert all(k not in specs[0]["train"] for k in ("cuda_graphs", "tf32"))
     on = copy.deepcopy(off)
     on["train"].update(cuda_graphs=True, tf32=True)
-    with caplog.at_level("INFO", logger="iclnoise.ensemble"):
+    with caplog.at_level("INFO", logger="iclnoise.run.ensemble"):
         a = train_ensemble([run_spec(on, "M4-B16-none-s0")], [tmp_path / "on"], progress=False, stop_after=20)
     assert a == [None]
     said = [r.getMessage() for r in caplog.records]
@@ -272,7 +275,7 @@ def test_cuda_graphs_replay_the_eager_step(tiny, tmp_path, caplog):
         p = copy.deepcopy(tiny)
         p["train"].update(device="cuda", cuda_graphs=graphs)
         specs = [run_spec(p, r) for r in ("M4-B16-none-s0", "Minf-B16-none-s0")]
-        with caplog.at_level("INFO", logger="iclnoise.ensemble"):
+        with caplog.at_level("INFO", logger="iclnoise.run.ensemble"):
             out[graphs] = train_ensemble(specs, [tmp_path / str(graphs) / s["keys"]["run_id"] for s in specs],
                                          progress=False)
     assert any("the step is captured" in r.getMessage() for r in caplog.records), caplog.text
@@ -288,7 +291,7 @@ def test_a_run_frozen_between_the_hosts_looks_is_recorded_as_when_it_looks_every
     from test_train import RUNS as TRAIN_RUNS
     from test_train import _diverging_at_30, assert_same_states, final_states
 
-    import iclnoise.train as tr
+    import iclnoise.run.train as tr
 
     monkeypatch.setattr(tr.Member, "setup", _diverging_at_30(tr.Member.setup))
     specs = [run_spec(tiny, r) for r in TRAIN_RUNS]
@@ -387,7 +390,7 @@ def test_the_batched_closed_loop_equals_the_per_run_path_run_by_run(closed_loop,
     integrated P-NE*, to float32 round-off (measured: bitwise on the CPU at 1 thread; the two sum |g|², Σ a² Ĥ and
     Σ a² R' over the run axis of one tensor against each run's own)."""
     runs = [f"M4-B16-{noise}-s0", f"Minf-B16-{noise}-s1"]
-    with caplog.at_level("INFO", logger="iclnoise.ensemble"):
+    with caplog.at_level("INFO", logger="iclnoise.run.ensemble"):
         per_run = trained(closed_loop, runs, tmp_path / "per_run", False, monkeypatch)
         assert f"2 runs ({noise}) per run" in caplog.text
         caplog.clear()

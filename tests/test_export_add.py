@@ -12,12 +12,15 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from iclnoise.aggregate import aggregate
+from iclnoise.analysis.aggregate import aggregate
 from iclnoise.commands.results import export as export_cmd
 from iclnoise.config import typed
-from iclnoise.io import read_parquet
-from iclnoise.paper import AGGREGATE_TABLES, export, finished_runs, origin, verify
-from iclnoise.report import code_version
+from iclnoise.core.io import read_parquet
+from iclnoise.output.export import export, finished_runs
+from iclnoise.output.paper import AGGREGATE_TABLES, origin, verify
+from iclnoise.output.report import code_version
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 SCIENCE = ROOT / "reference" / "science"

@@ -6,25 +6,24 @@ import pytest
 import torch
 from torch import nn
 
-from iclnoise.adam import adam_preconditioner
-from iclnoise.exposure import (
+from iclnoise.core.adam import adam_preconditioner
+from iclnoise.core.model import ModelConfig, build_model, mse_loss
+from iclnoise.noise.curvature import exact_ggn_diag, ggn_curvature, hessian_curvature, stacked_ggn_curvature
+from iclnoise.noise.exposure import (
     AdamState,
     b_simple,
-    exact_ggn_diag,
-    ggn_curvature,
     grad_noise,
     group_grads,
-    hessian_curvature,
     injected_dose_se,
     leading_eigs,
     pne_columns,
     preconditioner,
     refresh_interval,
-    stacked_ggn_curvature,
     stacked_group_grads,
     summarize,
 )
-from iclnoise.model import ModelConfig, build_model, mse_loss
+
+pytestmark = pytest.mark.numerics
 
 
 class Linear(nn.Module):
@@ -59,6 +58,7 @@ def linreg_case(P=6, sigma2=0.25, seed=0):
     return model, C, delta, batch
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("groups", [16, 256])  # micro-batch groups of 16 sequences, and per-example
 def test_diag_and_trace_of_c_match_the_closed_form_within_sampling_error(groups):
     model, C, _, batch = linreg_case()
@@ -76,6 +76,7 @@ def test_diag_and_trace_of_c_match_the_closed_form_within_sampling_error(groups)
     assert tr_se / truth.sum() < 0.05  # and the check has teeth: a 20 % error would fail
 
 
+@pytest.mark.unit
 def test_group_gradients_average_to_the_batch_gradient():
     model, _, _, batch = linreg_case()
     xs, ys = batch(64, 0)
@@ -85,6 +86,7 @@ def test_group_gradients_average_to_the_batch_gradient():
     torch.testing.assert_close(G.mean(0), model.w.grad)
 
 
+@pytest.mark.unit
 def test_b_simple_matches_its_formula():
     model, C, delta, batch = linreg_case()
     vals = []
@@ -95,6 +97,7 @@ def test_b_simple_matches_its_formula():
     assert np.mean(vals) == pytest.approx(truth, rel=0.1)
 
 
+@pytest.mark.unit
 def test_leading_eigenvalues_match_a_dense_eigendecomposition():
     g = torch.Generator().manual_seed(0)
     F = torch.randn(12, 30, generator=g, dtype=torch.float64)
@@ -146,6 +149,7 @@ def three_runs(tiny):
     return models, {n: torch.stack([dict(mod.named_parameters())[n].detach() for mod in models]) for n in names}, xs, ys
 
 
+@pytest.mark.unit
 def test_stacked_group_gradients_equal_each_runs_own(three_runs):
     """Each run's group gradients of one stacked pass equal its own group_grads to float32 round-off (measured:
     ≤ 1.6e-7 of the largest entry), per-example and in groups; a run's rows are not another run's."""
@@ -161,6 +165,7 @@ def test_stacked_group_gradients_equal_each_runs_own(three_runs):
         stacked_group_grads(models[0], mse_loss, params, xs, ys, 5)
 
 
+@pytest.mark.unit
 def test_stacked_gauss_newton_probes_equal_each_runs_own(tiny, three_runs):
     """Three runs with their own weights, held-out batches and probe streams, measured in one stacked call: each
     run's Jᵀu samples, diag Ĥ and Curv(A) equal its own ggn_curvature to float32 round-off (measured: ≤ 4e-7 of the
@@ -181,6 +186,7 @@ def test_stacked_gauss_newton_probes_equal_each_runs_own(tiny, three_runs):
     assert not torch.allclose(stacked[1].left, other.left, rtol=1e-2, atol=1e-2 * scale)
 
 
+@pytest.mark.unit
 def test_exact_gauss_newton_diagonal_is_the_full_jacobians(tiny_model):
     """exact_ggn_diag (per-sequence Jacobians, DoseReference's curvature) equals diag((2 / (D N)) JᵀJ) from the whole
     batch's Jacobian, to float64 round-off: each output depends on its own sequence only."""
@@ -192,6 +198,7 @@ def test_exact_gauss_newton_diagonal_is_the_full_jacobians(tiny_model):
     torch.testing.assert_close(diag, torch.diagonal(G), rtol=1e-10, atol=1e-14 * float(G.diagonal().max()))
 
 
+@pytest.mark.unit
 def test_curvature_estimators_match_exact_hessian_and_gauss_newton(tiny_model):
     model, xs, ys, w0, a = tiny_model
     H = torch.autograd.functional.hessian(_flat(model, lambda fm: mse_loss(fm, xs, ys)), w0)
@@ -209,6 +216,7 @@ def test_curvature_estimators_match_exact_hessian_and_gauss_newton(tiny_model):
     assert abs(est - float(torch.trace(G))) < 4 * se
 
 
+@pytest.mark.unit
 def test_live_preconditioner_matches_the_checkpointed_one(tiny_model):
     model = tiny_model[0]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -220,6 +228,7 @@ def test_live_preconditioner_matches_the_checkpointed_one(tiny_model):
     torch.testing.assert_close(preconditioner(AdamState.of_torch(opt)), want)
 
 
+@pytest.mark.unit
 def test_summaries_integrate_rows_over_their_intervals():
     import pandas as pd
     df = pd.DataFrame({"interval": [10, 10, 5], "pne_postclip": [1.0, 2.0, 4.0], "pne": [1, 1, 1],
@@ -230,12 +239,14 @@ def test_summaries_integrate_rows_over_their_intervals():
     assert s["integrated_pne_injected"] == 5
 
 
+@pytest.mark.unit
 def test_kappa_is_the_optimizers_long_run_diffusion_factor():
     """AdamW's dampened momentum: κ = 1 by default (not the heavy-ball 1/(1 − β1)² = 100 at β1 = 0.9)."""
-    from iclnoise.exposure import kappa
+    from iclnoise.noise.exposure import kappa
     assert kappa(None, 0.99) == 1.0 and kappa("calibrated", 0.9) == 1.0 and kappa(2.5, 0.9) == 2.5
 
 
+@pytest.mark.unit
 def test_preconditioner_uses_each_param_groups_own_eps_and_zeroes_dead_coordinates():
     a_, b_ = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.AdamW([{"params": [a_], "eps": 1e-8}, {"params": [b_], "eps": 1e-1}], lr=1e-3)
@@ -247,11 +258,12 @@ def test_preconditioner_uses_each_param_groups_own_eps_and_zeroes_dead_coordinat
     torch.testing.assert_close(preconditioner(AdamState.of_torch(opt)), want)
 
 
+@pytest.mark.unit
 def test_dead_coordinates_are_the_zero_or_round_off_second_moments_whatever_eps():
     """a = 0 exactly where v̂ = 0 or sqrt(v̂) is below float32 resolution of the largest (ε32 · max, the b_K of the
     default model sits at ~1e-9 of it); with a large δ, coordinates AdamW really moves keep a = 1/(sqrt(v̂) + δ)
     (the old rule, sqrt(v̂) < δ, dropped them from NE, Curv and the preconditioned trace)."""
-    from iclnoise.adam import adam_a
+    from iclnoise.core.adam import adam_a
     root = torch.tensor([0.5, 2e-3, 1e-5, 1e-7, 5e-10, 0.0])   # real, real, real (small), real (tiny), round-off, zero
     v = root.square()
     for eps in (1e-8, 1e-3, 1e-1):
@@ -262,13 +274,14 @@ def test_dead_coordinates_are_the_zero_or_round_off_second_moments_whatever_eps(
     assert (adam_a(torch.zeros(4), 10, 0.999, 1e-8) == 0).all()   # nothing moved: every coordinate dead
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("beta1", [0.0, 0.9])
 def test_update_variance_matches_real_adamw_steps_and_calibrates_kappa_to_one(beta1):
     """The functional AdamW update equals torch's on each group gradient; the calibrated κ is the long-run
     diffusion factor of an EMA-momentum optimizer, 1 for every β1 (the filter's DC gain)."""
     import copy
 
-    from iclnoise.exposure import calibrated_kappa, update_innovation_variance
+    from iclnoise.noise.exposure import calibrated_kappa, update_innovation_variance
     model, _, _, batch = linreg_case()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(beta1, 0.999), weight_decay=0.01)
     for i in range(300):
@@ -298,8 +311,9 @@ def test_update_variance_matches_real_adamw_steps_and_calibrates_kappa_to_one(be
     assert calibrated_kappa(obs, pred, beta1) == pytest.approx(1.0, rel=0.05)
 
 
+@pytest.mark.unit
 def test_pne_columns_by_hand():
-    """One exposure row's arithmetic (SPEC §6) against numbers worked by hand: a = (1, 2), diag C = (3, 4),
+    """One exposure row's arithmetic (method §6) against numbers worked by hand: a = (1, 2), diag C = (3, 4),
     η = 0.1, κ = 1, B = 2 → NE = 0.1·(1·3 + 4·4)/2 = 0.95; Curv 0.5; injected NE 0.2 → P-NE* = 1.15/0.5 = 2.3;
     clip factor 0.5 and injected post-clip P-NE* 0.3 → NE_post = 0.25·0.95 + 0.3·0.5 = 0.3875, P-NE*_post 0.775;
     a Curv below the floor divides by the floor."""
@@ -312,6 +326,7 @@ def test_pne_columns_by_hand():
     assert pne_columns(0.1, 1.0, 2, a, diag, -3.0, 0.01, 1.0, 0.0, 0.0)["pne"] == pytest.approx(95.0, rel=1e-6)
 
 
+@pytest.mark.validation
 def test_integrated_dose_se_matches_the_spread_of_real_hutchinson_curvatures(tiny_model):
     """A run's booked dose Σ_t ne_t / Ĉurv_m(t), with 4 diag Ĥ measurements (32 GGN probes each, held for 3, 5, 1
     and 7 steps): over 200 independent probe draws the booked dose spreads as injected_dose_se predicts from each
@@ -336,6 +351,7 @@ def test_integrated_dose_se_matches_the_spread_of_real_hutchinson_curvatures(tin
     assert injected_dose_se(np.array([]), np.array([])) == 0.0
 
 
+@pytest.mark.unit
 def test_refresh_interval_follows_the_drift_beyond_hutchinson_noise():
     # drift 20 % against tol 5 %: halve; none: double; capped at [1, most]
     assert refresh_interval(8, 0.8, 1.0, 0.0, 0.05, 25) == 4

@@ -3,10 +3,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from iclnoise.aggregate import OUTCOMES_SCHEMA
-from iclnoise.sections import Stats
-from iclnoise.thresholds import logistic
-from iclnoise.verdicts import NO_MANIPULATION, _row, _verdicts, h1_noise_beyond_eta_b, hypothesis_tests
+from iclnoise.analysis.aggregate import OUTCOMES_SCHEMA
+from iclnoise.analysis.thresholds import logistic
+from iclnoise.analysis.verdicts import NO_MANIPULATION, h1_noise_beyond_eta_b, hypothesis_tests
+from iclnoise.analysis.verdicts.rows import _row, _verdicts
+from iclnoise.core.probe_sections import Stats
 
 CFG = Stats(alpha=0.05, equivalence_fraction=0.5, equivalence_margin=0.05, transient_tol=0.05)   # a stated margin
 DERIVED = Stats(alpha=0.05, equivalence_fraction=0.5, equivalence_margin=None, transient_tol=0.05)
@@ -59,6 +60,7 @@ def planted(rng, late_gain=0.1, inj_shift=0.0, exposure={"early": 1.0, "late": 1
     return table(rows)
 
 
+@pytest.mark.unit
 def test_h2_is_two_sided_and_h3_matches_by_emulated_batch():
     full = hypothesis_tests(planted(np.random.default_rng(0), 0.1, 0.0), CFG)
     t = primary(full)
@@ -77,6 +79,7 @@ def test_h2_is_two_sided_and_h3_matches_by_emulated_batch():
     assert t.loc["H2"].ci_lo < 0 < t.loc["H2"].ci_hi and t.loc["H2"].verdict.startswith("no evidence")
 
 
+@pytest.mark.unit
 def test_h2_with_unequal_realised_exposure_is_inconclusive():
     """Late planted with 2× the realised injected exposure: the old H2 read 'late noise raises ICL more,
     significant'; now it is 'inconclusive: unequal exposure (early 1, late 2)'."""
@@ -89,6 +92,7 @@ def test_h2_with_unequal_realised_exposure_is_inconclusive():
     assert "realised exposure not recorded" in t.pipe(primary).loc["H2"].verdict
 
 
+@pytest.mark.unit
 def test_arms_that_saw_different_data_are_inconclusive():
     """Batch 16 at equal steps sees 4× fewer sequences than batch 64: H3 compares them, so it is gated."""
     t = hypothesis_tests(planted(np.random.default_rng(4), seq_b16=16_000), CFG).pipe(primary)
@@ -96,6 +100,7 @@ def test_arms_that_saw_different_data_are_inconclusive():
     assert t.loc["H2"].gates_passed     # early and late both at batch 64: equal data, still compared
 
 
+@pytest.mark.unit
 def test_llc_verdicts_are_gated_by_llc_diagnostics():
     rows = hypothesis_tests(planted(np.random.default_rng(5), llc_flagged=0.4), CFG)
     llc = rows[rows.outcome == "llc_final"].iloc[0]
@@ -108,6 +113,7 @@ def test_llc_verdicts_are_gated_by_llc_diagnostics():
     assert rows[rows.outcome == "llc_final"].iloc[0].gates_passed
 
 
+@pytest.mark.unit
 def test_unconverged_and_too_few_seeds_are_inconclusive():
     df = planted(np.random.default_rng(6), seeds=2)
     df.loc[(df.M == -1) & (df.batch == 16), "ood_loss"] = 0.6           # 1.5× ridge's
@@ -117,6 +123,7 @@ def test_unconverged_and_too_few_seeds_are_inconclusive():
     assert not t.verdict.str.contains("significant|raises|increases|equivalent within").any()
 
 
+@pytest.mark.unit
 def test_verdict_words_follow_the_holm_decision():
     """Raw p 0.03 and 0.04 in a family of three: Holm p = 0.09 each, so neither may read as a finding; a gated
     test with p = 1e-10 reads inconclusive and stays out of the family; direction words only for a significant
@@ -136,6 +143,7 @@ def test_verdict_words_follow_the_holm_decision():
     assert v.verdict.iloc[0] == "r increases (Holm p = 0.001)" and v.gates_passed.iloc[0]
 
 
+@pytest.mark.unit
 def test_holm_family_is_the_tests_that_ran_and_passed_their_gates():
     """Issue 42: on the science reference seven H4 tests that did not produce a verdict (one seed) sat in the family
     and turned H1's p 0.008 into Holm p 0.085. Now a not-run, a gated and a sensitivity row are outside it: the
@@ -155,6 +163,7 @@ def test_holm_family_is_the_tests_that_ran_and_passed_their_gates():
     assert t[~t.in_family].p_holm.isna().all() and t[t.in_family].p_holm.notna().all()
 
 
+@pytest.mark.unit
 def test_h3_margin_is_half_the_manipulations_effect():
     """Issue 42's done-when: batch 16 − batch 64 = 0.03 (seed sd 0.005) and the injected arm 0.002 from batch 16:
     margin 0.5 × 0.03 ≈ 0.015, equivalent; the manipulation's effect and CI are in the row. With no manipulation
@@ -178,6 +187,7 @@ def test_h3_margin_is_half_the_manipulations_effect():
     assert t.loc["H3"].margin == 0.05 and t.loc["H3"].verdict.startswith("equivalent within ±0.05")
 
 
+@pytest.mark.unit
 def test_h1_rows_by_design():
     """H1's exposure association uses the plain runs only (stated in the row) with M as a factor, a sensitivity
     row without M = 1 outside the family, and the paired batch 16 − batch 64 comparison at equal data."""
@@ -196,6 +206,7 @@ def test_h1_rows_by_design():
     assert t[t.test.str.startswith("sensitivity")].status.iloc[0] == "not run: no M = 1 runs to leave out"
 
 
+@pytest.mark.unit
 def test_h2_arms_are_conditions_not_schedules():
     """Two conditions with schedule 'early' are not averaged: H2 does not run and says why."""
     df = planted(np.random.default_rng(11))
@@ -219,6 +230,7 @@ def phase_panel(rng, inj_effect=0.0, seeds=4, Ms=(1, 4, 16, 64, 256)):
     return pd.DataFrame(rows)
 
 
+@pytest.mark.validation
 def test_noise_beyond_eta_b_holds_its_size_when_exposure_tracks_the_phase():
     """Planted null (no effect of noise on r, log P-NE = log(η/B) + 0.5·phase): the old 'P-NE beyond η/B' LR test
     rejected 60 of 60 panels (measured again on these panels: 60/60); the test on the manipulated condition,
@@ -233,6 +245,7 @@ def test_noise_beyond_eta_b_holds_its_size_when_exposure_tracks_the_phase():
     assert row["term"] == "C(noise) | η/B, M (1 df)" and row["effect_size"] < 0   # ΔAIC favours the treatment
 
 
+@pytest.mark.unit
 def test_noise_condition_aliased_with_eta_b_is_not_tested():
     """Injection only at batch 64 and batch noise only at batch 16: no two conditions share an η/B level, so the
     design identifies no contrast at equal η/B and the test says so instead of attributing η/B to the noise."""
@@ -241,11 +254,13 @@ def test_noise_condition_aliased_with_eta_b_is_not_tested():
     assert row["status"] == "not run: no two noise conditions share an η/B level"
 
 
+@pytest.mark.unit
 def test_a_test_without_p_value_is_inconclusive():
     v = _verdicts([_row("H1", "a", "r", p=float("nan"), words=("r increases", "no evidence"))], 0.05)
     assert v.verdict.iloc[0] == "inconclusive: degenerate test (p undefined)" and not v.gates_passed.iloc[0]
 
 
+@pytest.mark.unit
 def test_h3_at_equal_steps_is_gated_on_steps_and_matched_exposure():
     """An arm that trains batch 16's steps at batch 64 (steps_as_batch) sees 4× the sequences: its H3 row is gated
     on equal steps and matched realised exposure, not equal data, and it stays out of H1 / H2 / H4 (which compare
@@ -270,8 +285,9 @@ def test_h3_at_equal_steps_is_gated_on_steps_and_matched_exposure():
     assert "unequal steps (3,000–4,000)" in t.set_index("term").loc["batch 16 − grad_b16_steps"].verdict
 
 
+@pytest.mark.unit
 def test_llc_verdicts_count_estimates_that_measure_the_sampler_apart():
-    """Issue 44: final LLC estimates flagged unstable / escaped (SPEC §7) gate H4's LLC test on their own count,
+    """Issue 44: final LLC estimates flagged unstable / escaped (method §7) gate H4's LLC test on their own count,
     beside the not-levelled / negative / diverged one; tables from before the flags (null) pass as before."""
     df = planted(np.random.default_rng(5))
     fin = df.M != -1

@@ -1,4 +1,4 @@
-"""Geometry probes against the exact Hessian and closed forms (SPEC §9)."""
+"""Geometry probes against the exact Hessian and closed forms (method §9)."""
 import math
 
 import numpy as np
@@ -7,7 +7,13 @@ import torch
 from scipy import stats
 
 from iclnoise.config import load_params
-from iclnoise.geometry import (
+from iclnoise.config.grid import run_spec
+from iclnoise.core.io import read_parquet, write_json
+from iclnoise.core.model import ModelConfig, build_model, mse_loss
+from iclnoise.core.probe_sections import Geometry
+from iclnoise.core.runspec import RunSpec
+from iclnoise.core.tasks import BatchSampler, task_pool
+from iclnoise.probes.geometry import (
     GEOMETRY_SCHEMA,
     FlatLoss,
     hutchinson_samples,
@@ -20,13 +26,10 @@ from iclnoise.geometry import (
     sam_sharpness,
     t_halfwidth,
 )
-from iclnoise.grid import run_spec
-from iclnoise.io import read_parquet, write_json
-from iclnoise.model import ModelConfig, build_model, mse_loss
-from iclnoise.probes import geometry_for_run
-from iclnoise.runs import checkpoint_path, checkpoint_precond, sampler, save_torch
-from iclnoise.sections import Geometry, RunSpec
-from iclnoise.tasks import BatchSampler, task_pool
+from iclnoise.run.probing import geometry_for_run
+from iclnoise.run.runs import checkpoint_path, checkpoint_precond, sampler, save_torch
+
+pytestmark = pytest.mark.numerics
 
 CFG = ModelConfig(D=2, K=3, d_model=4, n_layers=1, n_heads=2, d_mlp=4)
 
@@ -66,6 +69,7 @@ def tiny():
     return m, f, H, state, b
 
 
+@pytest.mark.unit
 def test_hvp_matches_exact_hessian(tiny):
     m, f, H, _, _ = tiny
     v = torch.randn(f.w0.numel(), dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -81,6 +85,7 @@ def test_hvp_matches_exact_hessian(tiny):
         torch.testing.assert_close(h(v), H @ v, rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.unit
 def test_hutchinson_and_lanczos_extremes_against_exact_hessian(tiny):
     """On the model's exact Hessian (as a matrix, so the test is fast): Hutchinson within 4 se of
     the trace; Lanczos' largest and smallest Ritz values equal eigvalsh's extremes."""
@@ -97,6 +102,7 @@ def test_hutchinson_and_lanczos_extremes_against_exact_hessian(tiny):
     assert res["min"]["eigenvalue"] == pytest.approx(float(ev[0]), rel=1e-6, abs=1e-9)
 
 
+@pytest.mark.unit
 def test_quadratic_with_known_spectrum_is_exact():
     lams = torch.tensor([5.0, 3.0, 1.0, 0.5, -0.1], dtype=torch.float64)
     hvp = lambda v: lams * v  # noqa: E731
@@ -112,6 +118,7 @@ def test_quadratic_with_known_spectrum_is_exact():
     assert est_p == pytest.approx(float((a * lams * a).sum()))
 
 
+@pytest.mark.validation
 def test_t_interval_covers_at_nominal_rate():
     """8 probes: ±2 se covers ~91 %, the t half-width (t_{0.975,7} = 2.36) 95 %; measured over 4000
     simulated Gaussian samples: t coverage within 0.94-0.96."""
@@ -124,6 +131,7 @@ def test_t_interval_covers_at_nominal_rate():
     assert 0.94 <= cover_t <= 0.96 and cover_2se < 0.93
 
 
+@pytest.mark.unit
 def test_sam_sharpness_closed_form_on_a_quadratic():
     """For L = ½ wᵀΛw: L(w + ρĝ) − L(w) = ρ‖g‖ + ½ρ² ĝᵀΛĝ with g = Λw."""
     lams = torch.tensor([4.0, 1.0, 0.25], dtype=torch.float64)
@@ -144,6 +152,7 @@ def test_sam_sharpness_closed_form_on_a_quadratic():
     assert mean_se([1.0, 2.0, 3.0]) == pytest.approx((2.0, 1 / math.sqrt(3)))
 
 
+@pytest.mark.unit
 def test_checkpoint_precond_zeroes_dead_coordinates(tiny):
     m, _, _, state, _ = tiny
     a = checkpoint_precond(state)
@@ -160,6 +169,7 @@ def test_checkpoint_precond_zeroes_dead_coordinates(tiny):
     torch.testing.assert_close(a[~dead], 1 / (root[~dead] + ad["eps"]))
 
 
+@pytest.mark.unit
 def test_precond_trace_float32_error_below_se(tiny):
     """Tr(A H A) against the float64 exact value Σ a_i² H_ii; float32 per-probe error ≪ the reported se.
     Measured (16 probes, 30 Adam steps): |float32 − float64| of the estimate = 1.5e4 against se 4.3e6
@@ -188,6 +198,7 @@ def test_precond_trace_float32_error_below_se(tiny):
     assert (a64[bk] == 0).all()
 
 
+@pytest.mark.unit
 def test_geometry_for_run_on_a_checkpoint_fixture(tmp_path):
     m, opt, _ = train_tiny(20)
     run = tmp_path / "run"

@@ -1,13 +1,16 @@
-"""H5, the alignment test (SPEC §13; issue 45): aligned (nap) against misaligned, isotropic, within-task and no
+"""H5, the alignment test (method §13; issue 45): aligned (nap) against misaligned, isotropic, within-task and no
 injection, on planted outcome tables with known effects; size, power and coverage measured by simulation."""
 import numpy as np
 import pandas as pd
+import pytest
 from test_gates import table
 
-from iclnoise.sections import Stats
-from iclnoise.tasks import M_INF
-from iclnoise.thresholds import logistic4
-from iclnoise.verdicts import h5_alignment, hypothesis_tests
+from iclnoise.analysis.thresholds import logistic4
+from iclnoise.analysis.verdicts import h5_alignment, hypothesis_tests
+from iclnoise.core.probe_sections import Stats
+from iclnoise.core.tasks import M_INF
+
+pytestmark = pytest.mark.numerics
 
 CFG = Stats(alpha=0.05, equivalence_fraction=0.5, equivalence_margin=None, transient_tol=0.05)
 ARMS = ("none", "nap", "nap_misaligned", "nap_isotropic", "nap_within_task")
@@ -64,6 +67,7 @@ def rates(n, **kw) -> dict:
     return {k: (a / n, c / n) for k, (a, c) in hits.items()}
 
 
+@pytest.mark.unit
 def test_a_planted_alignment_effect_is_found_against_every_control_and_read_as_m_star():
     t = h5(planted(np.random.default_rng(0), lift=0.15))
     assert len(t) == 24   # 4 controls × (by seed, by pair, M* from r, Δ to ridge and to dMMSE, M* by seed)
@@ -89,6 +93,7 @@ def decomposed(rng, moved: str, change: float) -> pd.DataFrame:
     return out
 
 
+@pytest.mark.unit
 def test_the_decomposition_says_whether_r_rose_toward_ridge_or_away_from_dmmse():
     """r rises in both planted designs; in one the aligned arm only moved 0.04 away from dMMSE (as a model fitting
     the training tasks worse does), in the other only 0.04 toward ridge. Over 60 tables each: the moved distance's row
@@ -112,6 +117,7 @@ def test_the_decomposition_says_whether_r_rose_toward_ridge_or_away_from_dmmse()
         assert hit / 60 >= 0.9 and cover / 60 >= 0.85 and size / 60 <= 0.15
 
 
+@pytest.mark.unit
 def test_a_null_says_what_it_could_detect_at_its_dose():
     t = h5(planted(np.random.default_rng(1)))
     r = row(t, BY_SEED, "isotropic")
@@ -119,6 +125,7 @@ def test_a_null_says_what_it_could_detect_at_its_dose():
     assert 0.01 < r.mde < 0.2
 
 
+@pytest.mark.validation
 def test_by_seed_holds_its_size_when_the_effect_varies_between_seeds_and_by_pair_does_not():
     """Planted nulls, 3 seeds × 4 M, 200 tables each: by seed rejects 0.055 with one effect for all seeds and 0.07
     when it varies between seeds (sd 0.05); the (M, seed) paired t 0.075 and 0.285 (asserted over 120)."""
@@ -127,6 +134,7 @@ def test_by_seed_holds_its_size_when_the_effect_varies_between_seeds_and_by_pair
     assert varying[BY_PAIR][0] >= 0.18
 
 
+@pytest.mark.validation
 def test_power_and_the_m_star_shift_coverage():
     """A lift of 0.09 in r (the one-seed screen's size, configs/align.yaml): found by seed in 0.915 of 200 tables;
     a 0.5-octave shift of the curve read as −0.46 octaves (first order, secant slope), its interval covering −0.5
@@ -135,6 +143,7 @@ def test_power_and_the_m_star_shift_coverage():
     assert rates(80, shift=0.5)[SHIFT][1] >= 0.87
 
 
+@pytest.mark.unit
 def test_unequal_injected_exposure_gates_the_shape_contrasts_only():
     t = h5(planted(np.random.default_rng(2), lift=0.15, doses={"nap_isotropic": 0.18}))
     assert row(t, BY_SEED, "isotropic").verdict.startswith("inconclusive: unequal exposure (aligned 0.165, isotropic")
@@ -142,6 +151,7 @@ def test_unequal_injected_exposure_gates_the_shape_contrasts_only():
     assert row(t, BY_SEED, "misaligned").gates_passed and row(t, BY_SEED, "no injection").gates_passed
 
 
+@pytest.mark.unit
 def test_with_five_finite_m_each_seed_has_its_m_star():
     t = h5(planted(np.random.default_rng(3), shift=0.5, Ms=(2, 4, 8, 16, 32, 64, 128),
                    arms=("none", "nap", "nap_misaligned"), noise=0.02))
@@ -149,6 +159,7 @@ def test_with_five_finite_m_each_seed_has_its_m_star():
     assert r.in_family and r.n == 3 and r.ci_lo < -0.5 < r.ci_hi and r.estimate < -0.25
 
 
+@pytest.mark.unit
 def test_no_aligned_condition_no_h5_rows():
     out = planted(np.random.default_rng(4), arms=("none", "nap_misaligned", "nap_isotropic"))
     assert not len(h5(out)) and h5_alignment(out, CFG, None) == []
@@ -156,17 +167,19 @@ def test_no_aligned_condition_no_h5_rows():
 
 def injection_log(run_id: str, alignment: list[float], every: int = 100, steps: int = 400) -> pd.DataFrame:
     """injection.parquet rows of a shaped run: one per injecting step, alignment constant between refreshes."""
-    from iclnoise.injection import INJECTION_SCHEMA
+    from iclnoise.noise.injection import INJECTION_SCHEMA
 
     rows = [{"run_id": run_id, "step": s, "active": True, "alignment": alignment[s // every]} for s in range(steps)]
     return pd.DataFrame(rows).reindex(columns=INJECTION_SCHEMA.names)
 
 
+@pytest.mark.unit
 def test_alignment_rows_keep_the_refreshes_and_export_writes_them(tmp_path):
-    from iclnoise.figures.align import ALIGNMENT_SCHEMA, alignment_rows
-    from iclnoise.injection import INJECTION_SCHEMA
-    from iclnoise.io import read_parquet, write_parquet
-    from iclnoise.paper import ALIGNMENT, _export_alignment
+    from iclnoise.core.io import read_parquet, write_parquet
+    from iclnoise.noise.injection import INJECTION_SCHEMA
+    from iclnoise.output.export import _export_alignment
+    from iclnoise.output.figures.align import ALIGNMENT_SCHEMA, alignment_rows
+    from iclnoise.output.paper import ALIGNMENT
 
     log = pd.concat([injection_log("a", [0.1, 0.5, 0.5, 0.6]), injection_log("b", [0.0, 0.01, 0.02, 0.03])])
     rows = alignment_rows(log.sample(frac=1.0, random_state=0))   # any row order
@@ -181,13 +194,14 @@ def test_alignment_rows_keep_the_refreshes_and_export_writes_them(tmp_path):
     assert not (tmp_path / "plain" / ALIGNMENT).exists()
 
 
+@pytest.mark.unit
 def test_figure_6_by_noise_shape_only_with_an_aligned_condition(tmp_path, monkeypatch):
-    from iclnoise import aggregate as agg
-    from iclnoise.aggregate import OUTCOMES_SCHEMA
-    from iclnoise.figures.aggregate import SHAPE_STEM, aggregate_figures
-    from iclnoise.injection import INJECTION_SCHEMA
-    from iclnoise.io import read_parquet, write_parquet
-    from iclnoise.report import build
+    from iclnoise.analysis import aggregate as agg
+    from iclnoise.analysis.aggregate import OUTCOMES_SCHEMA
+    from iclnoise.core.io import read_parquet, write_parquet
+    from iclnoise.noise.injection import INJECTION_SCHEMA
+    from iclnoise.output.figures.aggregate import SHAPE_STEM, aggregate_figures
+    from iclnoise.output.report import build
 
     logs = []
     for name, arms in (("h5", ARMS), ("plain", ("none", "nap_misaligned"))):

@@ -8,7 +8,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from iclnoise.io import (
+from iclnoise.core.io import (
     CorruptFileError,
     atomic_path,
     content_hash,
@@ -19,7 +19,7 @@ from iclnoise.io import (
     write_parquet,
     write_text,
 )
-from iclnoise.sections import KEY_FIELDS
+from iclnoise.core.runspec import KEY_FIELDS
 
 SCHEMA = pa.schema([*KEY_FIELDS, pa.field("step", pa.int64()), pa.field("loss", pa.float64())])
 
@@ -38,6 +38,7 @@ def umask():
     os.umask(old)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
 def test_outputs_follow_the_umask(tmp_path, umask, mask, mode):
     umask(mask)
@@ -53,6 +54,7 @@ def test_outputs_follow_the_umask(tmp_path, umask, mask, mode):
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+@pytest.mark.unit
 def test_same_frame_gives_identical_bytes_and_provenance(tmp_path):
     a, b = tmp_path / "a.parquet", tmp_path / "b.parquet"
     h = content_hash({"keys": {"run_id": "M4-B16-none-s0"}, "train": {"lr": 0.002}})
@@ -68,6 +70,7 @@ def test_same_frame_gives_identical_bytes_and_provenance(tmp_path):
     assert content_hash({"x": 1, "y": [1, 2]}) == content_hash({"y": [1, 2], "x": 1})
 
 
+@pytest.mark.unit
 def test_pandas_and_duckdb_read_it(tmp_path):
     p = tmp_path / "m.parquet"
     write_parquet(frame(), p, SCHEMA, spec_hash="abc")
@@ -80,6 +83,7 @@ def test_pandas_and_duckdb_read_it(tmp_path):
     assert kv["iclnoise.spec_hash"] == "abc"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
 def test_corrupt_file_is_named_with_what_to_do(tmp_path, damage):
     p = tmp_path / "metrics.parquet"
@@ -91,6 +95,7 @@ def test_corrupt_file_is_named_with_what_to_do(tmp_path, damage):
     assert str(p) in str(e.value) and "truncated or corrupt" in str(e.value) and f"rm {p})" in str(e.value)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("damage", ["truncate", "empty", "not utf-8"])
 def test_corrupt_json_is_named_with_the_smallest_thing_to_delete(tmp_path, damage):
     """A truncated or corrupt JSON file (issue 30) raises CorruptFileError naming it: delete the file itself, or for a
@@ -111,6 +116,7 @@ def test_corrupt_json_is_named_with_the_smallest_thing_to_delete(tmp_path, damag
         read_json(tmp_path / "absent.json")
 
 
+@pytest.mark.unit
 def test_schema_mismatch_is_named(tmp_path):
     p = tmp_path / "metrics.parquet"
     write_parquet(frame(), p, SCHEMA)
@@ -124,6 +130,7 @@ def test_schema_mismatch_is_named(tmp_path):
         read_parquet(tmp_path / "absent.parquet")
 
 
+@pytest.mark.unit
 def test_failed_write_keeps_the_old_file(tmp_path):
     p = tmp_path / "m.parquet"
     write_parquet(frame(), p, SCHEMA)
@@ -135,12 +142,13 @@ def test_failed_write_keeps_the_old_file(tmp_path):
     assert p.read_bytes() == before and not list(tmp_path.glob(".*.tmp"))
 
 
+@pytest.mark.unit
 def test_verify_names_every_unreadable_table_and_fails(tmp_path, capsys):
     """`iclnoise verify` (the last step of the DVC stage) reads every Parquet and JSON file under a directory."""
     import pyarrow as pa
 
     from iclnoise.commands.runs import verify
-    from iclnoise.io import write_json, write_parquet
+    from iclnoise.core.io import write_json, write_parquet
 
     schema = pa.schema([pa.field("step", pa.int64())])
     write_parquet(pd.DataFrame({"step": [0, 1]}), tmp_path / "runs/a/metrics.parquet", schema)
@@ -161,6 +169,7 @@ def test_verify_names_every_unreadable_table_and_fails(tmp_path, capsys):
     assert f"{tmp_path}/runs/b/checkpoints.json: unreadable JSON file" in out
 
 
+@pytest.mark.integration
 def test_a_command_records_the_commit_it_started_at(tmp_path):
     """The commit in a command's Parquet metadata is the code's at the command's start: a commit made while it runs
     (a long training job beside ongoing work) is not recorded as its code. The package is copied into a scratch git
@@ -186,7 +195,8 @@ def test_a_command_records_the_commit_it_started_at(tmp_path):
     first = commit("first")
     script = f"""
 import subprocess
-from iclnoise import cli, io
+from iclnoise import cli
+from iclnoise.core import io
 try:
     cli.main(["check", "--help"])
 except SystemExit:

@@ -1,4 +1,4 @@
-"""The layering of issue 16, checked by the import-linter contracts in pyproject.toml.
+"""The layering (issues 16 and 64), checked by the import-linter contracts in pyproject.toml.
 
 `test_contracts_kept` runs them on the package. The other tests show the contracts bite: on a stand-in
 package with the same module names and no imports every contract is kept, and each planted import that
@@ -35,43 +35,46 @@ def lint_imports(src: Path) -> tuple[int, str, set[str]]:
     return proc.returncode, out, broken
 
 
+@pytest.mark.integration
 def test_contracts_kept() -> None:
     code, out, broken = lint_imports(ROOT / "src")
     assert code == 0 and not broken, out
 
 
 def stand_in(tmp_path: Path) -> Path:
-    """An `iclnoise` package holding every module the contracts name, each empty."""
-    names = {m for c in tomllib.loads(CONFIG.read_text())["tool"]["importlinter"]["contracts"]
-             for key in ("source_modules", "forbidden_modules") for m in c.get(key, [])}
-    pkg = tmp_path / "iclnoise"
-    (pkg / "figures").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "figures" / "__init__.py").write_text("")
-    (pkg / "figures" / "style.py").write_text("")
-    for name in names:
-        if name.startswith("iclnoise.") and name != "iclnoise.figures" and "*" not in name:
-            (pkg / f"{name.split('.', 1)[1]}.py").write_text("")
+    """An `iclnoise` package with the real one's subpackages and modules, each module empty."""
+    pkg = ROOT / "src" / "iclnoise"
+    for path in pkg.rglob("*.py"):
+        dest = tmp_path / "iclnoise" / path.relative_to(pkg)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text("")
     return tmp_path
 
 
+@pytest.mark.integration
 def test_stand_in_keeps_every_contract(tmp_path: Path) -> None:
     code, out, broken = lint_imports(stand_in(tmp_path))
     assert code == 0 and not broken, out
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "planted, contract",
     [
-        ({"ed.py": "from .figures import style\n"}, "formulas"),  # a formula drawing through figures/
-        ({"llc.py": "def f():\n    from . import runs\n"}, "formulas"),  # even a lazy import counts
-        ({"geometry.py": "import argparse\n"}, "parse-in-commands"),
-        ({"aggregate.py": "import argparse\n"}, "parse-in-commands"),   # outside the command layer, nowhere
-        ({"paper.py": "from . import cli\n"}, "commands-top"),
-        ({"mech.py": "import matplotlib.pyplot\n"}, "formulas-pure"),
-        ({"train.py": "from .figures import style\n"}, "run-level"),
-        ({"hooks.py": "from . import aggregate\n"}, "run-level"),
-        ({"report.py": "from . import aggregate\n", "aggregate.py": "from . import report\n"}, "acyclic"),
+        ({"probes/ed.py": "from ..output.figures import style\n"}, "layers"),  # a formula drawing through figures/
+        ({"probes/llc.py": "def f():\n    from ..run import runs\n"}, "layers"),  # even a lazy import counts
+        ({"core/tasks.py": "from ..config import grid\n"}, "layers"),  # core is the bottom layer
+        ({"probes/geometry.py": "import argparse\n"}, "parse-in-commands"),
+        ({"analysis/aggregate.py": "import argparse\n"}, "parse-in-commands"),   # outside the command layer, nowhere
+        ({"output/figures/style.py": "import argparse\n"}, "parse-in-commands"),  # however deep
+        ({"output/paper.py": "from .. import cli\n"}, "layers"),  # nothing imports the command layer
+        ({"cli.py": "from .commands import runs\n"}, "layers"),  # cli finds commands by name only
+        ({"probes/mech.py": "import matplotlib.pyplot\n"}, "no-drawing"),
+        ({"run/train.py": "from ..output.figures import style\n"}, "layers"),
+        ({"noise/hooks.py": "from ..analysis import aggregate\n"}, "layers"),
+        ({"noise/exposure.py": "from . import injection\n"}, "noise-one-way"),  # the hook path reads one way
+        ({"noise/nap.py": "from . import hooks\n"}, "noise-one-way"),
+        ({"output/report.py": "from . import paper\n", "output/paper.py": "from . import report\n"}, "acyclic"),
     ],
 )
 def test_planted_import_breaks_its_contract(tmp_path: Path, planted: dict[str, str], contract: str) -> None:
@@ -82,24 +85,31 @@ def test_planted_import_breaks_its_contract(tmp_path: Path, planted: dict[str, s
     assert code != 0 and broken == {contract}, out
 
 
+@pytest.mark.integration
 def test_the_command_layer_parses_arguments(tmp_path: Path) -> None:
     src = stand_in(tmp_path)
-    (src / "iclnoise" / "commands.py").write_text("import argparse\n")
+    (src / "iclnoise" / "commands" / "runs.py").write_text("import argparse\n")
     code, out, broken = lint_imports(src)
     assert code == 0 and not broken, out
 
 
-def test_every_module_has_a_tier() -> None:
-    """A new module must be placed among formulas, run level or commands before the contracts see it."""
+@pytest.mark.unit
+def test_every_module_has_a_layer() -> None:
+    """A new module or subpackage must be placed in a layer of pyproject's [tool.importlinter] before the
+    contracts see it: every entry of the package but __init__ is a layer, and every layer exists."""
     contracts = {c["id"]: c for c in tomllib.loads(CONFIG.read_text())["tool"]["importlinter"]["contracts"]}
-    tiered = set(contracts["formulas"]["source_modules"]) | set(contracts["formulas"]["forbidden_modules"])
+    layered = {name.strip() for layer in contracts["layers"]["layers"] for name in layer.split("|")}
     pkg = ROOT / "src" / "iclnoise"
-    present = {f"iclnoise.{p.stem}" for p in pkg.glob("*.py") if p.stem != "__init__"}
-    present |= {f"iclnoise.{p.name}" for p in pkg.iterdir() if (p / "__init__.py").exists()}
-    assert present - tiered == set(), "add these modules to a tier in pyproject's [tool.importlinter]"
-    assert tiered - present == set(), "these tiered modules no longer exist"
+    present = {p.stem for p in pkg.glob("*.py") if p.stem != "__init__"}
+    present |= {p.name for p in pkg.iterdir() if (p / "__init__.py").exists()}
+    assert present - layered == set(), "add these modules to a layer in pyproject's [tool.importlinter]"
+    assert layered - present == set(), "these layers no longer exist"
+    noise = {p.stem for p in (pkg / "noise").glob("*.py") if p.stem != "__init__"}
+    ordered = {name.strip() for layer in contracts["noise-one-way"]["layers"] for name in layer.split("|")}
+    assert noise == ordered, "place every module of iclnoise.noise in the noise-one-way contract"
 
 
+@pytest.mark.integration
 def test_snakemake_builds_the_dag_without_importing_torch() -> None:
     """Snakemake imports the package to build the DAG (its main process, and each SLURM job again): torch and
     transformer_lens take seconds to import, so the modules the Snakefile reaches (config, validate, cost, grid,

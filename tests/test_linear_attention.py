@@ -1,4 +1,4 @@
-"""Theorem 1 of seed 002 as a known answer (SPEC §13; iclnoise.linear_attention).
+"""Theorem 1 of seed 002 as a known answer (method §13; iclnoise.core.linear_attention).
 
 Measured (D = 4, K = 8, σ² = 0.25, power-law prior exponent 2, 256 training prompts, 2048 new prompts; the
 numbers in the module docstring): with one layer the Langevin mean predictor stays at the loss minimiser
@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from iclnoise import linear_attention as la
-from iclnoise.predictors import delta
-from iclnoise.sections import TaskPrior
-from iclnoise.tasks import BatchSampler, prior_cov, random_basis
+from iclnoise.core import linear_attention as la
+from iclnoise.core.predictors import delta
+from iclnoise.core.sections import TaskPrior
+from iclnoise.core.tasks import BatchSampler, prior_cov, random_basis
+
+pytestmark = [pytest.mark.unit, pytest.mark.numerics]
 
 D, K, S2 = 4, 8, 0.25
 PRIOR = TaskPrior(spectrum="power_law", exponent=2.0, basis_seed=3)

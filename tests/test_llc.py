@@ -1,5 +1,5 @@
 """LLC: known learning coefficients (bias), RMSProp-SGLD, MALA diagnostic, agreement with devinterp,
-invariances (SPEC §7).
+invariances (method §7).
 
 Measured bias, test_known_learning_coefficients (n = 1000, nβ = n / log n = 144.8, γ = 1, 16 chains,
 200 burn-in + 600 draws; sgld ε = 3e-4, rmsprop_sgld ε = 1e-4; full batch = the whole set each step,
@@ -8,7 +8,7 @@ mini = 100 with replacement), λ̂ (true λ):
   rmsprop_sgld  linear d=4: full 2.13, mini 2.12 (2) | w⁴: 0.309, 0.299 (0.25) | ab: 0.550, 0.542 (0.5)
 Plain SGLD is within 0.04 everywhere; RMSProp-SGLD overestimates by 6-24 % (its preconditioner follows
 the chain's position, and the rule has no correction term for that). Tolerance: 0.1 + 0.05 λ. More
-settings (ε, 8 chains x 1500 draws): bench/reproductions/llc_bias.csv.
+settings (ε, 8 chains x 1500 draws): reference/reproductions/llc_bias.csv.
 """
 import copy
 import math
@@ -18,14 +18,14 @@ import pytest
 import torch
 from torch import nn
 
-from iclnoise.io import read_parquet
-from iclnoise.llc import LLCConfig, estimate_llc, estimate_llcs
-from iclnoise.model import ModelConfig, build_model, mse_loss
-from iclnoise.runs import select_steps
-from iclnoise.sgld import mala_log_ratio, sgld_chains
-from iclnoise.tasks import BatchSampler, task_pool
+from iclnoise.core.io import read_parquet
+from iclnoise.core.model import ModelConfig, build_model, mse_loss
+from iclnoise.core.schedules import select_steps
+from iclnoise.core.tasks import BatchSampler, task_pool
+from iclnoise.probes.llc import LLCConfig, estimate_llc, estimate_llcs
+from iclnoise.probes.sgld import mala_log_ratio, sgld_chains
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_thread")]
 
 
 def mse(model, x, y):
@@ -90,6 +90,7 @@ BIAS_EPS = {"sgld": 3e-4, "rmsprop_sgld": 1e-4}
 BATCHES = {"full": 1000, "mini": 100}
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("method", ["sgld", "rmsprop_sgld"])
 def test_known_learning_coefficients(method):
     """Bias on known λ, full- and mini-batch: every estimate within 0.1 of λ (settings in BIAS_CFG)."""
@@ -103,6 +104,7 @@ def test_known_learning_coefficients(method):
             assert 0.5 < r.mala_accept <= 1.0, (name, bname, r.mala_accept)
 
 
+@pytest.mark.numerics
 def test_regular_model_matches_the_discrete_time_closed_form():
     """Full-batch SGLD on a quadratic loss is a linear Gaussian recursion whose stationary law is exact:
     with P = 2nβA + γI (A = XᵀX/n, eigenvalues a_i, p_i = 2nβa_i + γ) the chain's covariance is
@@ -119,6 +121,7 @@ def test_regular_model_matches_the_discrete_time_closed_form():
     assert abs(target - float((nb * a / p).sum())) > 0.1 and target < 1.5
 
 
+@pytest.mark.numerics
 def test_mala_acceptance_matches_an_independent_numpy_chain():
     """Standard Gaussian target U = ‖w‖²/2 in d = 10 (loss ½‖w‖², nβ = 1, γ = 0, full batch): the
     mean MALA acceptance of our chains equals that of a NumPy ULA chain with the textbook MALA ratio,
@@ -157,6 +160,7 @@ def test_mala_acceptance_matches_an_independent_numpy_chain():
                                                           draws=100, batch=4, n=4, seed=0)).mala_accept > 0.97
 
 
+@pytest.mark.numerics
 def test_mala_log_ratio_is_zero_for_a_flat_potential_and_an_exact_reverse():
     """U constant and ∇U = 0: the proposal is symmetric, so log α = 0 whatever the step."""
     step = {"w": torch.randn(3, 5, dtype=torch.float64)}
@@ -168,6 +172,7 @@ def test_mala_log_ratio_is_zero_for_a_flat_potential_and_an_exact_reverse():
     np.testing.assert_allclose(la.numpy(), 0.0, atol=1e-12)
 
 
+@pytest.mark.numerics
 def test_rmsprop_with_large_delta_is_sgld_with_a_smaller_step():
     """G = 1/(√V + δ) ≈ 1/δ when δ ≫ √V: RMSProp-SGLD at ε·δ follows plain SGLD at ε."""
     m, X, Y, _ = known_model("linear_d4")
@@ -203,6 +208,7 @@ def tiny_checkpoint64(tiny_checkpoint):
     return copy.deepcopy(m).double(), xs.double(), ys.double(), K, D
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("method", ["sgld", "rmsprop_sgld"])
 def test_agrees_with_devinterp(tiny_checkpoint, method):
     """Same checkpoint, data and hyperparameters: estimates agree within the chains' standard errors."""
@@ -223,7 +229,7 @@ def test_agrees_with_devinterp(tiny_checkpoint, method):
         def to(self, *a, print_details=False, **k):
             return super().to(*a, **k)
 
-    def per_token_loss(model, input_ids):  # regression data as float input_ids (SPEC §14)
+    def per_token_loss(model, input_ids):  # regression data as float input_ids (method §14)
         x = input_ids[:, :K * D].reshape(-1, K, D).float()
         y = input_ids[:, K * D:].float()
         return ((model(x, y) - y).square().mean(1) / D)[:, None].expand(-1, input_ids.shape[1] - 1)
@@ -245,6 +251,7 @@ def test_agrees_with_devinterp(tiny_checkpoint, method):
     assert ours.llc_mean > 0
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("method", ["sgld", "rmsprop_sgld"])
 def test_invariances(tiny_checkpoint64, method):
     m, xs, ys, *_ = tiny_checkpoint64
@@ -272,9 +279,10 @@ def test_invariances(tiny_checkpoint64, method):
     assert not np.allclose(sgld_chains(m, mse_loss, xs, ys, LLCConfig(**{**cfg.__dict__, "seed": 1})).loss, base)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("method", ["sgld", "rmsprop_sgld"])
 def test_many_checkpoints_in_one_pass_equal_one_at_a_time(tiny_checkpoint64, method):
-    """The batched pass over several w* (a run's checkpoints, iclnoise.probes) gives each the estimate, the
+    """The batched pass over several w* (a run's checkpoints, iclnoise.run.probing) gives each the estimate, the
     traces and the MALA rate it gets alone: the same generators, only the summation order differs (float64)."""
     m, xs, ys, *_ = tiny_checkpoint64
     cfg = LLCConfig(seed=0, epsilon=1e-4, gamma=100.0, chains=3, burn_in=5, draws=20, batch=32, n=256, method=method)
@@ -295,6 +303,7 @@ def test_many_checkpoints_in_one_pass_equal_one_at_a_time(tiny_checkpoint64, met
     assert len({round(r.llc_mean, 3) for r in together}) == 3  # the centers are really different
 
 
+@pytest.mark.numerics
 def test_flags_divergence_and_checkpoint_selection(tiny_checkpoint):
     m, xs, ys, *_ = tiny_checkpoint
     r = estimate_llc(m, mse_loss, xs, ys, LLCConfig(seed=0, epsilon=1.0, gamma=0.0, chains=2, burn_in=2, draws=10,
@@ -305,7 +314,7 @@ def test_flags_divergence_and_checkpoint_selection(tiny_checkpoint):
 
 
 def test_steps_at_snaps_a_published_schedule_to_our_checkpoints():
-    from iclnoise.schedules import checkpoint_steps, steps_at
+    from iclnoise.core.schedules import checkpoint_steps, steps_at
 
     ours = checkpoint_steps(500_000, 10_000, 100)
     got = steps_at(ours, 200, 100)
@@ -315,6 +324,7 @@ def test_steps_at_snaps_a_published_schedule_to_our_checkpoints():
     assert got[0] == 0 and got[-1] == 500_000
 
 
+@pytest.mark.numerics
 def test_full_batch_uses_the_whole_set_and_matches_the_loop():
     """batch ≥ n: every chain sees the whole set each step (shared, not copied); the loss trace at step 0
     is the full-data loss, and vmap equals the Python loop."""
@@ -327,12 +337,13 @@ def test_full_batch_uses_the_whole_set_and_matches_the_loop():
     np.testing.assert_allclose(sgld_chains(m, mse, X, Y, cfg, vectorize=False).loss, ch.loss, rtol=1e-11)
 
 
+@pytest.mark.numerics
 def test_llc_for_run_is_byte_identical_on_rerun(tiny, tmp_path):
-    """The per-run step reads checkpoints through iclnoise.runs, writes no wall-clock column, and a rerun
+    """The per-run step reads checkpoints through iclnoise.run.runs, writes no wall-clock column, and a rerun
     rewrites llc.parquet byte for byte (issue 20)."""
-    from iclnoise.grid import run_spec
-    from iclnoise.probes import llc_for_run
-    from iclnoise.train import train_run
+    from iclnoise.config.grid import run_spec
+    from iclnoise.run.probing import llc_for_run
+    from iclnoise.run.train import train_run
 
     run = tmp_path / "run"
     train_run(run_spec(tiny, "M4-B16-none-s0"), run, progress=False)
@@ -344,6 +355,7 @@ def test_llc_for_run_is_byte_identical_on_rerun(tiny, tmp_path):
     assert "seconds" not in df and df.mala_accept.between(0, 1).all() and (df.method == "sgld").all()
 
 
+@pytest.mark.numerics
 def test_stacked_chains_equal_the_loop_with_full_batch(tiny_checkpoint64):
     """The hooked model runs all chains as stacked parameters (no vmap); with batch ≥ n every chain sees the
     whole set, and the chains equal a Python loop over chains (float64; bounds as in test_invariances)."""
@@ -357,14 +369,15 @@ def test_stacked_chains_equal_the_loop_with_full_batch(tiny_checkpoint64):
     np.testing.assert_allclose(loop.accept, ch.accept, rtol=0, atol=1e-11)
 
 
+@pytest.mark.numerics
 def test_a_killed_llc_job_resumes_from_its_finished_passes(tiny, tmp_path, monkeypatch):
     """A job killed after its first batched pass leaves that pass in llc.partial.parquet; the rerun estimates
     only the other checkpoints and writes the same llc.parquet, byte for byte, as an uninterrupted job (each
     checkpoint's chains draw from their own seeded generators, whichever pass they are in). A partial file
     written under other sampler settings is not reused. Also: `at: {steps: [...]}` picks the nearest."""
-    from iclnoise import probes
-    from iclnoise.grid import run_spec
-    from iclnoise.train import train_run
+    from iclnoise.config.grid import run_spec
+    from iclnoise.run import probing as probes
+    from iclnoise.run.train import train_run
 
     run = tmp_path / "run"
     train_run(run_spec(tiny, "M4-B16-none-s0"), run, progress=False)
@@ -405,7 +418,7 @@ def test_a_killed_llc_job_resumes_from_its_finished_passes(tiny, tmp_path, monke
     assert len(calls) == 4
 
 
-# ---------------------------------------------------------------- when λ̂ measures the sampler (SPEC §7, issue 44)
+# ---------------------------------------------------------------- when λ̂ measures the sampler (method §7, issue 44)
 
 def planted_quadratic(a=(2.0, 1.0, 0.5, 0.25), n=256, seed=0):
     """Linear model on X with orthogonal columns, XᵀX/n = diag(a): the MSE's Hessian is 2 diag(a), λ_max = 2 max a."""
@@ -418,12 +431,13 @@ def planted_quadratic(a=(2.0, 1.0, 0.5, 0.25), n=256, seed=0):
     return m, X, Y, 2 * max(a)
 
 
+@pytest.mark.numerics
 def test_unstable_turns_on_at_the_predicted_step_size():
     """Planted λ_max = 4: Lanczos finds it, and the stability ratio ε (nβ λ_max + γ)/4 crosses 1 at
     ε* = 4 / (nβ λ_max + γ). Below ε* (0.9 ε*) the chains stay finite and the estimate is not flagged; above it
     (1.1 ε*) the top direction's drift factor 1 − (ε/2)(nβ λ_max + γ) is below −1, the chains blow up, and the
     estimate is flagged `unstable` (and diverged)."""
-    from iclnoise.llc import stability_ratio, top_eigenvalue
+    from iclnoise.probes.llc import stability_ratio, top_eigenvalue
 
     m, X, Y, lam = planted_quadratic()
     w = {k: v.detach() for k, v in m.named_parameters()}
@@ -444,6 +458,7 @@ def test_unstable_turns_on_at_the_predicted_step_size():
     assert top_eigenvalue(m, mse, X, Y, w, {"w": torch.tensor([0, 1, 0, 0])}) == pytest.approx(2.0, rel=1e-2)
 
 
+@pytest.mark.numerics
 def test_a_chain_worse_than_the_trivial_predictor_is_flagged_escaped():
     """Linear d = 4 at its least-squares w*: the trivial predictor (0) scores E y² = ‖w_true‖² + 0.25 (0.38 here), w*
     about 0.25.
@@ -462,11 +477,12 @@ def test_a_chain_worse_than_the_trivial_predictor_is_flagged_escaped():
     assert not estimate_llc(q, mse, Xq, Yq, LLCConfig(**{**base, "gamma": 1.0})).flags["escaped"]
 
 
+@pytest.mark.numerics
 def test_shared_level_flags_a_level_that_does_not_follow_the_checkpoint():
     """Planted levels over 5 checkpoints whose L(w*) falls 1.0 → 0.2: chains that track w* (E = L* + λ/nβ, λ/nβ
     from 0.05 to 0.3) are not flagged; chains that sit at one level c (E = 1.11 ± noise, Hoogland's release) are,
     at every checkpoint; a run whose L(w*) does not move (a plateau) tests nothing."""
-    from iclnoise.llc import shared_level
+    from iclnoise.probes.llc import shared_level
 
     L = np.array([1.0, 0.8, 0.6, 0.4, 0.2])
     se = np.full(5, 0.002)
@@ -480,6 +496,7 @@ def test_shared_level_flags_a_level_that_does_not_follow_the_checkpoint():
     assert not shared_level(E, se, L).any()
 
 
+@pytest.mark.numerics
 def test_calibration_keeps_the_known_learning_coefficient():
     """`llc-calibrate`'s choice (the largest unflagged ε whose estimate agrees with the next smaller ε's within
     2 s.e., at the smallest such γ) on models with a known λ. Measured (n = 1000, nβ = n / log n):
@@ -491,7 +508,7 @@ def test_calibration_keeps_the_known_learning_coefficient():
       w⁴ (λ = 1/4), γ = 1, 16 chains, 300 + 600: ε 1e-3 / 3e-3 / 1e-2 → 0.239 / 0.264 / diverged; chosen 3e-3:
         1.1 s.e. from λ. (At γ = 100 λ̂ is 0.03-0.07, localization-biased and unflagged: the smallest γ is chosen.)
     The bound asserted: 2 s.e. (the choice tolerates a 2 s.e. step in ε, so its bias is of that order)."""
-    from iclnoise.llc import calibration_sweep, choose_setting
+    from iclnoise.probes.llc import calibration_sweep, choose_setting
 
     for name, base, eps, gammas in (
             ("product", dict(chains=8, burn_in=1500, draws=600), [1e-4, 3e-4, 1e-3], [10.0]),
@@ -511,11 +528,12 @@ def test_calibration_keeps_the_known_learning_coefficient():
             assert worse and all(abs(q["llc_mean"] - lam) > 3 * q["llc_se"] for q in worse)
 
 
+@pytest.mark.numerics
 def test_calibration_leaves_out_a_checkpoint_where_every_stable_estimate_is_negative():
     """A checkpoint at initialisation (E[L] < L(w*) at every stable setting: not near a minimum, the LLC undefined)
     flags `negative` at every setting; counted, it leaves no setting clean (the default run's step 5 did). It is left
     out and the choice is that of the other checkpoints; a checkpoint negative at one stable setting only is kept."""
-    from iclnoise.llc import CALIBRATION_FLAGS, choose_setting, undefined_centers
+    from iclnoise.probes.llc import CALIBRATION_FLAGS, choose_setting, undefined_centers
 
     def row(center, eps, llc, **flags):
         return {"nbeta": 100.0, "gamma": 100.0, "epsilon": eps, "center": center, "llc_mean": llc, "llc_se": 0.5,
@@ -536,15 +554,16 @@ def test_calibration_leaves_out_a_checkpoint_where_every_stable_estimate_is_nega
     assert choose_setting([r for r in rows if r["center"] == 5]) is None   # nothing left: no choice
 
 
+@pytest.mark.numerics
 def test_llc_tables_record_the_stability_ratio_and_flag_a_checkpoint_past_the_limit(tiny, tmp_path):
     """llc.parquet (and the calibration sweep) carry λ_max, the ratio ε (nβ λ_max + γ)/4 and the flags. With ε set
     so the ratio of the last checkpoint is 1.5 (from its λ_max at a small ε), that checkpoint is `unstable` and the
     ratio of every row scales with ε as the formula says. `llc-calibrate` writes its sweep and choice."""
     import json
 
-    from iclnoise.grid import run_spec
-    from iclnoise.probes import calibrate_for_run, llc_for_run
-    from iclnoise.train import train_run
+    from iclnoise.config.grid import run_spec
+    from iclnoise.run.probing import calibrate_for_run, llc_for_run
+    from iclnoise.run.train import train_run
 
     run = tmp_path / "run"
     train_run(run_spec(tiny, "M4-B16-none-s0"), run, progress=False)
@@ -572,8 +591,8 @@ def test_figure_4_marks_estimates_that_measure_the_sampler(tmp_path, monkeypatch
     import pandas as pd
     from matplotlib.collections import PathCollection
 
-    from iclnoise.figures import llc as figs
-    from iclnoise.figures import style
+    from iclnoise.output.figures import llc as figs
+    from iclnoise.output.figures import style
 
     steps = [0, 10, 100, 1000]
     df = pd.DataFrame([{"run_id": "M4-B16-none-s0", "M": 4, "seed": 0, "batch": 16, "noise": "none", "step": s,

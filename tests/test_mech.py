@@ -10,9 +10,13 @@ import torch
 from scipy.optimize import brentq
 
 from iclnoise.config import load_params
-from iclnoise.grid import run_spec
-from iclnoise.io import write_json
-from iclnoise.mech import (
+from iclnoise.config.grid import run_spec
+from iclnoise.core.io import write_json
+from iclnoise.core.model import ModelConfig, build_model
+from iclnoise.core.predictors import icl_score, ridge, token_losses
+from iclnoise.core.probe_sections import Mech
+from iclnoise.core.tasks import BatchSampler, eval_set, task_pool
+from iclnoise.probes.mech import (
     LAMBDAS,
     MECH_SCHEMA,
     _ridge_fit,
@@ -27,12 +31,10 @@ from iclnoise.mech import (
     run_summary,
     uniform_attention_masses,
 )
-from iclnoise.model import ModelConfig, build_model
-from iclnoise.predictors import icl_score, ridge, token_losses
-from iclnoise.probes import mech_for_run
-from iclnoise.runs import checkpoint_path, save_torch
-from iclnoise.sections import Mech
-from iclnoise.tasks import BatchSampler, eval_set, task_pool
+from iclnoise.run.probing import mech_for_run
+from iclnoise.run.runs import checkpoint_path, save_torch
+
+pytestmark = [pytest.mark.unit, pytest.mark.numerics]
 
 CFG = ModelConfig(D=3, K=5, d_model=16, n_layers=2, n_heads=2, d_mlp=16)
 
@@ -71,7 +73,7 @@ def test_ablation_sign_and_paired_se_match_a_direct_computation():
     base = m(b.xs, b.ys)
     drop = icl_score(token_losses(base, b.ys, 3), 1, 5) - icl_score(token_losses(abl, b.ys, 3), 1, 5)
     v, se = res[(0, 1)]["ablation_icl_drop"]
-    assert v == pytest.approx(drop, rel=1e-9)                   # SPEC: drop = base − ablated
+    assert v == pytest.approx(drop, rel=1e-9)                   # method §10: drop = base − ablated
     per = (((base - b.ys) ** 2)[:, 0] - ((base - b.ys) ** 2)[:, 4] - ((abl - b.ys) ** 2)[:, 0]
            + ((abl - b.ys) ** 2)[:, 4]) / 3
     assert se == pytest.approx(float(per.std() / math.sqrt(64)), rel=1e-9)

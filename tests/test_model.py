@@ -3,7 +3,9 @@ import pytest
 import torch
 from torch.func import functional_call, stack_module_state
 
-from iclnoise.model import ModelConfig, build_model, mse_loss
+from iclnoise.core.model import ModelConfig, build_model, mse_loss
+
+pytestmark = [pytest.mark.unit, pytest.mark.numerics]
 
 
 @pytest.mark.parametrize("layer_norm", [True, False])

@@ -1,4 +1,5 @@
-"""NAP (issue 45, iclnoise.nap): the task sketch against a planted covariance, the controls' spectra and alignment,
+"""NAP (issue 45, iclnoise.noise.nap): the task sketch against a planted covariance, the controls' spectra and
+alignment,
 and the four shapes under the closed loop at equal realised exposure."""
 import copy
 import math
@@ -9,9 +10,11 @@ import pytest
 import torch
 
 from iclnoise.config import validate_params
-from iclnoise.grid import run_spec
-from iclnoise.io import read_parquet
-from iclnoise.nap import (
+from iclnoise.config.grid import run_spec
+from iclnoise.core.io import read_parquet
+from iclnoise.core.sections import ParamsError
+from iclnoise.noise import CovModel
+from iclnoise.noise.nap import (
     NAP_SHAPES,
     OVERSAMPLE,
     TaskSketch,
@@ -23,9 +26,9 @@ from iclnoise.nap import (
     random_orthonormal,
     task_factors,
 )
-from iclnoise.noise import CovModel
-from iclnoise.sections import ParamsError
-from iclnoise.train import train_run
+from iclnoise.run.train import train_run
+
+pytestmark = [pytest.mark.unit, pytest.mark.numerics]
 
 P, R = 60, 3
 SPECTRUM = torch.tensor([9.0, 6.0, 4.0], dtype=torch.float64)
@@ -193,7 +196,7 @@ def test_resume_of_nap_under_heavy_ball_gives_identical_numbers(tiny, tmp_path):
     """An ensemble of two nap_within_task runs trained with sgd_momentum, killed after step 25 and resumed, writes
     the tables of the uninterrupted one: the sketches (both), the alignment and SGD's momentum buffer are in the
     resume state."""
-    from iclnoise.train import train_ensemble
+    from iclnoise.run.train import train_ensemble
 
     p = nap_params(tiny, 1e-4)
     p["grid"]["optimizer"] = ["adamw", "sgd_momentum"]

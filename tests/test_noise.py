@@ -9,15 +9,19 @@ import torch
 from test_exposure import half_mse, linreg_case
 
 from iclnoise.config import read_yaml, validate_params
-from iclnoise.exposure import AdamState, grad_noise, group_grads, injected_dose_se, preconditioner, summarize
-from iclnoise.grid import run_spec
-from iclnoise.hooks import ExposureState, NoiseMeter, StepContext
-from iclnoise.injection import MAX_LOG_SCALE, SATURATION, DoseReference, NoiseInjector, closed_loop_scale
-from iclnoise.io import read_parquet
+from iclnoise.config.grid import run_spec
+from iclnoise.core.io import read_parquet
+from iclnoise.core.runspec import RunSpec
+from iclnoise.core.sections import Exposure
+from iclnoise.core.tasks import Batch
 from iclnoise.noise import CovModel, psd_clip, shaped_covariance, target_at
-from iclnoise.sections import Exposure, RunSpec
-from iclnoise.tasks import Batch
-from iclnoise.train import train_ensemble, train_run
+from iclnoise.noise.dose_check import DoseReference
+from iclnoise.noise.exposure import AdamState, grad_noise, group_grads, injected_dose_se, preconditioner, summarize
+from iclnoise.noise.hooks import ExposureState, NoiseMeter, StepContext
+from iclnoise.noise.injection import MAX_LOG_SCALE, SATURATION, NoiseInjector, closed_loop_scale
+from iclnoise.run.train import train_ensemble, train_run
+
+pytestmark = [pytest.mark.unit, pytest.mark.numerics]
 
 
 def random_noise(K=6, P=10, seed=0):
@@ -188,7 +192,7 @@ def test_parameter_injection_has_covariance_eta2_A_R_A():
 
 
 def test_isotropic_parameter_noise_is_isotropic_in_parameter_space():
-    """source param, shape isotropic: Cov ζ = τ² I with τ² P = η² Tr(A R' A) (SPEC §5), not ∝ A²."""
+    """source param, shape isotropic: Cov ζ = τ² I with τ² P = η² Tr(A R' A) (method §5), not ∝ A²."""
     n = random_noise(K=8, P=5)
     spec = _injection_spec("param", 4, 16, shape="isotropic")
     inj = _injector(spec)
@@ -258,7 +262,7 @@ def test_early_and_late_realise_their_budget_by_specs_definition_where_A_moves_f
                                                                                     probes, every, tol):
     """Rows logged every 40 steps, 32-step windows at the start (A moves fast: v̂ fills from g², and the injected
     noise enters it) and at the end, clipping at 0.3. Each run's realised injected P-NE*, recomputed per step by
-    SPEC §6 with that step's A and the exact Gauss–Newton diagonal (`DoseReference`), meets the budget:
+    method §6 with that step's A and the exact Gauss–Newton diagonal (`DoseReference`), meets the budget:
     - dense (32 Hutchinson probes, diag Ĥ re-measured every 2 steps): within 5 % (measured on seed 0: early
       −2.5 %, late −1.6 %; the books' own SE from the probes' error, 2.7 % and 2.6 %). Before issue 27's fix the loop
       divided by the last logged row's Curv: by this reference early realised 8.6× the budget and late 0.87×.
@@ -274,7 +278,7 @@ def test_early_and_late_realise_their_budget_by_specs_definition_where_A_moves_f
     SATURATION·max(|g|², G²/10)/Tr R', which bounds each step's expected clipping factor c² at ≥ 1/(1 + SATURATION)
     = 0.1 of what it would be without the injected noise, so a window's mean is ≥ 0.1 (measured over seeds 0-11:
     window means 0.27-0.99; single steps go lower, to 0.064, in the saturated late windows)."""
-    import iclnoise.ensemble as train_mod  # Member.setup builds the hooks
+    import iclnoise.run.member as train_mod  # Member.setup builds the hooks
     made, build = [], train_mod.build_hooks
 
     def with_reference(spec, device):
@@ -297,7 +301,7 @@ def test_early_and_late_realise_their_budget_by_specs_definition_where_A_moves_f
         assert summarize(exp)["integrated_pne_injected_se"] == pytest.approx(se, rel=0.1)
         assert len(ref.pne) == 32
         assert inj.pne_injected.sum() == pytest.approx(E, rel=0.02)               # the run's own books
-        bound = 0.05 if probes >= 32 else 3 * se / E                                # SPEC's definition
+        bound = 0.05 if probes >= 32 else 3 * se / E                                # the method's definition
         assert abs(sum(ref.pne) / E - 1) <= bound, (name, sum(ref.pne) / E, se / E)
         assert np.mean(ref.c2) >= 1 / (1 + SATURATION), (name, np.round(ref.c2, 3).tolist())
 
@@ -368,7 +372,7 @@ def test_param_noise_reaches_a_dose_the_clipping_bound_would_cap(tiny, tmp_path)
     its closed loop solves for s without the clipping factor and without the grad source's saturation bound
     (injection.SATURATION): at 30× the batch noise's integrated P-NE* under clipping at 0.3 it books its budget
     within 2 %. Before, its scale was solved as if clipping shrank its noise: each step overshot and the run booked
-    1.33× its budget (and at 100× on the science model the bound capped it at 0.27×, bench/tuning/tuning.md §10).
+    1.33× its budget (and at 100× on the science model the bound capped it at 0.27×, experiments/tuning/tuning.md §10).
     The grad source at this dose saturates under clipping, as it should, and books less."""
     p = copy.deepcopy(tiny)
     p["train"]["budget"] = {"mode": "steps", "steps": 80}

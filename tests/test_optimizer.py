@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from iclnoise.config import validate_params
-from iclnoise.exposure import kappa
-from iclnoise.grid import ensemble_groups, expand_grid, parse_run_id, run_spec, spec_hash
-from iclnoise.io import read_parquet
-from iclnoise.sections import ParamsError
-from iclnoise.train import train_ensemble
+from iclnoise.config.grid import ensemble_groups, expand_grid, parse_run_id, run_spec, spec_hash
+from iclnoise.core.io import read_parquet
+from iclnoise.core.sections import ParamsError
+from iclnoise.noise.exposure import kappa
+from iclnoise.run.train import train_ensemble
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 SETS = sorted(p.name for p in (ROOT / "reference").iterdir() if (p / "provenance.json").exists())
@@ -55,6 +57,7 @@ def test_the_axis_adds_labelled_runs_and_leaves_adamws_alone(tiny):
     assert set(ensemble_groups(p)) == {"B16-none", "B16-none-sgd_momentum"}   # one optimizer per ensemble
 
 
+@pytest.mark.numerics
 def test_one_grid_trains_adamw_and_heavy_ball_with_their_own_kappa(tiny, tmp_path):
     """Both runs of the mixed grid train 30 steps and log exposure with κ = 1 (AdamW) and 1/(1 − 0.9)² = 100 (heavy
     ball), the SGD run's with A = I."""
@@ -76,13 +79,14 @@ def test_one_grid_trains_adamw_and_heavy_ball_with_their_own_kappa(tiny, tmp_pat
     assert kappa(2.0, 0.9, "sgd_momentum") == 2.0
 
 
+@pytest.mark.numerics
 def test_the_ensemble_steps_the_heavy_ball_recursion(tiny, tmp_path):
     """Two steps of an sgd_momentum run (constant lr, no clipping, weight decay 0.01) against the recursion by hand,
     v_1 = g_0 + λ w_0, v_2 = β v_1 + g_1 + λ w_1, w_t = w_{t−1} − η v_t, from the gradients of the run's own batches:
     the weights after step 2 agree to float32 round-off (AdamW's step would move them by ~η per coordinate)."""
-    from iclnoise.model import ModelConfig, build_model, mse_loss
-    from iclnoise.runs import checkpoint_path, sampler
-    from iclnoise.sections import RunSpec
+    from iclnoise.core.model import ModelConfig, build_model, mse_loss
+    from iclnoise.core.runspec import RunSpec
+    from iclnoise.run.runs import checkpoint_path, sampler
 
     p = mixed(tiny)
     p["train"].update(budget={"mode": "steps", "steps": 2}, checkpoints={"linear": 1, "log": 0}, grad_clip=None,
@@ -132,7 +136,7 @@ def test_validation_names_the_optimizer_keys(tiny):
 def test_the_cost_model_counts_each_optimizers_runs_and_ensembles(tiny):
     """grid.optimizer doubles the runs, the training steps and the training jobs (one ensemble per optimizer) at the
     same per-step rate (bench/bench_noise.py: sgd_momentum 1.01x AdamW's step)."""
-    from iclnoise.cost import cost_estimate
+    from iclnoise.config.cost import cost_estimate
 
     p = mixed(tiny)
     q = copy.deepcopy(p)

@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 import yaml
 
-from iclnoise.io import read_parquet
-from iclnoise.schedules import refined_steps
+from iclnoise.core.io import read_parquet
+from iclnoise.core.schedules import refined_steps
+
+pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = str(Path(sys.executable).parent)
@@ -233,7 +235,7 @@ def test_export_then_paper_redraws_every_figure_from_the_reference_tables_alone(
     th.to_parquet(ref / "aggregate/thresholds.parquet")
     r = run([sys.executable, "-m", "iclnoise.cli", "paper", str(ref), "--out", str(out)], cwd=tmp_path, check=False)
     assert r.returncode != 0 and "thresholds.parquet differs from its sha256 in provenance.json" in r.stderr
-    from iclnoise.paper import rehash
+    from iclnoise.output.paper import rehash
     rehash(ref)   # the edit sealed into provenance.json: the rerun aggregate still refuses it
     r = run([sys.executable, "-m", "iclnoise.cli", "paper", str(ref), "--out", str(out)], cwd=tmp_path, check=False)
     assert r.returncode != 0 and "thresholds.parquet: the aggregate rerun from the set's per-run tables" in r.stderr
@@ -362,11 +364,12 @@ def test_bad_run_options_stop_before_any_job_naming_the_key(refused, override, e
     assert not (d / "results").exists()
 
 
+@pytest.mark.numerics
 def test_a_deleted_checkpoint_is_named_and_planned_by_a_dry_run(finished, tmp_path):
     """Issue 48 (15): a checkpoint of a run that its ensemble's training job trained deleted: `snakemake -n` names
     the checkpoint and plans the ensemble's training job (which trains the run again: test_train) and the probe.
     (The shared run's ensemble, not one trained here for the test: the checkpoint is put back afterwards.)"""
-    from iclnoise.runs import checkpoint_path, manifest
+    from iclnoise.run.runs import checkpoint_path, manifest
 
     d = finished
     run_id = "M1-B8-none-s0"

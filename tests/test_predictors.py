@@ -1,12 +1,14 @@
-"""dMMSE and ridge against brute force and closed forms (SPEC §3)."""
+"""dMMSE and ridge against brute force and closed forms (method §3)."""
 import math
 
 import numpy as np
 import pytest
 import torch
 
-from iclnoise.predictors import delta, dmmse, icl_score, ridge, ridge_likeness, token_losses
-from iclnoise.tasks import M_INF, eval_set, task_pool
+from iclnoise.core.predictors import delta, dmmse, icl_score, ridge, ridge_likeness, token_losses
+from iclnoise.core.tasks import M_INF, eval_set, task_pool
+
+pytestmark = [pytest.mark.unit, pytest.mark.numerics]
 
 SIG2 = 0.125
 

@@ -9,8 +9,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from iclnoise.grid import spec_hash
-from iclnoise.io import read_parquet
+from iclnoise.config.grid import spec_hash
+from iclnoise.core.io import read_parquet
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 # The committed run trained in a 24-run ensemble (stacked weights), this one alone, and CI's CPU may round float32
@@ -47,7 +49,7 @@ def test_a_reference_set_has_its_provenance(ref):
     assert set(prov["sha256"]) == files
     for name, digest in prov["sha256"].items():
         assert hashlib.sha256((ref / name).read_bytes()).hexdigest() == digest, name
-    from iclnoise.paper import verify
+    from iclnoise.output.paper import verify
     assert verify(ref) == prov   # what `make paper` checks first, provenance.json's own hash included
 
 
@@ -56,12 +58,13 @@ def test_a_reference_set_has_its_provenance(ref):
 # thread 0.5 %, the native ones on two threads 5.8 %): no tolerance from the arithmetic bounds that. Their
 # determinism on one CPU is tests/test_nap.py's resume test; their committed tables are checked against
 # provenance.json above.
+@pytest.mark.numerics
 @pytest.mark.parametrize("ref, run", [("science", "M16-B64-none-s0"), ("noise", "M16-B64-grad_b16_steps-s0"),
                                       ("dose", "M16-B64-param_x1-s0")])
 def test_the_first_steps_of_a_reference_run_retrain_to_its_committed_rows(tmp_path, ref, run):
     """The injected runs also check the injection: noise's first steps draw the low-rank noise, dose's the closed
     loop's diagonal noise at its budget (16 curvature probes every 10 steps)."""
-    from iclnoise.train import train_run
+    from iclnoise.run.train import train_run
 
     committed = read_parquet(ROOT / "reference" / ref / "runs" / run / "metrics.parquet").sort_values("step")
     spec = copy.deepcopy(json.loads((ROOT / "reference" / ref / "runs" / run / "run.json").read_text()))

@@ -1,4 +1,4 @@
-"""Refined (weight- and data-restricted) LLC and susceptibilities (SPEC §7, iclnoise.refined): the restricted
+"""Refined (weight- and data-restricted) LLC and susceptibilities (method §7, iclnoise.probes.refined): the restricted
 sampler, known restricted learning coefficients, a Gaussian posterior's closed-form susceptibility, and a planted
 dead head in the transformer. Measured numbers (bias, coverage) are in each test's docstring."""
 import numpy as np
@@ -8,9 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from iclnoise.llc import LLCConfig, estimate_llcs
-from iclnoise.model import ModelConfig, build_model, mse_loss
-from iclnoise.refined import (
+from iclnoise.core.model import ModelConfig, build_model, mse_loss
+from iclnoise.core.tasks import BatchSampler, task_pool
+from iclnoise.probes.llc import LLCConfig, estimate_llcs
+from iclnoise.probes.refined import (
     RLLC_SCHEMA,
     SUSCEPTIBILITY_SCHEMA,
     components,
@@ -21,10 +22,9 @@ from iclnoise.refined import (
     susceptibility,
     tables,
 )
-from iclnoise.sgld import sgld_chains
-from iclnoise.tasks import BatchSampler, task_pool
+from iclnoise.probes.sgld import sgld_chains
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_thread")]
 
 
 def mse(model, x, y):
@@ -75,6 +75,7 @@ def tiny_transformer(dead_head: int | None = None, steps: int = 300):
 # ---------------------------------------------------------------- the restricted sampler
 
 
+@pytest.mark.numerics
 def test_without_masks_the_chains_are_those_of_before():
     """masks=None draws the same random numbers as the sampler before weight restriction (values recorded from
     the previous code on this machine's kernels: 2 chains, mini-batch and full batch), and an all-ones mask is the
@@ -105,6 +106,7 @@ def test_without_masks_the_chains_are_those_of_before():
         sgld_chains(tm, mse_loss, xs, ys, cfg, masks=[{"nope": None}])
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("method", ["sgld", "rmsprop_sgld"])
 def test_held_coordinates_never_move(method):
     """Every component of the transformer in one pass: at every step, every row's held coordinates equal w*
@@ -140,6 +142,7 @@ def test_held_coordinates_never_move(method):
     np.testing.assert_allclose(alone.accept, ch.accept[2:4], rtol=0, atol=1e-11)
 
 
+@pytest.mark.numerics
 def test_mala_acceptance_of_a_restricted_chain_is_that_of_the_free_subchain():
     """U = ‖w‖²/2 in d = 10 (nβ = 1, γ = 0) from w* = 1, restricted to 5 coordinates: the held ones sit where
     ∇U = 1, so a reverse term summed over them would lower the MALA rate (by exp(−5ε/8) per step), and forward noise
@@ -167,6 +170,7 @@ def test_mala_acceptance_of_a_restricted_chain_is_that_of_the_free_subchain():
     assert abs(restricted - free) < 0.02, (restricted, free)
 
 
+@pytest.mark.numerics
 def test_components_match_devinterp_head_restriction():
     """Our head masks are devinterp 2.0.1's `create_param_masks(model, "l{i}h{h}")` (our attention is stored as
     TransformerLens stores it); the components partition the model's parameters apart from layer norms and b_O."""
@@ -186,6 +190,7 @@ def test_components_match_devinterp_head_restriction():
     assert [layer_head(c) for c in ("l1h0", "l0mlp", "embed", "all")] == [(1, 0), (0, -1), (-1, -1), (-1, -1)]
 
 
+@pytest.mark.numerics
 def test_position_loss_over_all_positions_is_the_training_loss():
     m, xs, ys = tiny_transformer(steps=0)
     assert torch.allclose(position_loss(range(4))(m, xs, ys), mse_loss(m, xs, ys), rtol=1e-6)
@@ -201,7 +206,7 @@ class RegularPlusQuartic(nn.Module):
     K = Σ v_i⁴ E_n[z_i²]: λ = d2/4, exactly at any nβ for the untempered ε → 0, γ → 0 posterior, since
     E[k t⁴] = 1/4 under exp(−k t⁴)). Output columns: u·x, v_1² z_1, ..., v_d2² z_d2; the loss sums them."""
 
-    stacks_runs = True   # u (R, d1), v (R, d2) on x (R, n, d1 + d2): all chains in one call (iclnoise.llc)
+    stacks_runs = True   # u (R, d1), v (R, d2) on x (R, n, d1 + d2): all chains in one call (iclnoise.probes.llc)
 
     def __init__(self, u, d2):
         super().__init__()
@@ -232,6 +237,7 @@ def regular_plus_quartic(seed, d1=4, d2=2, n=1000):
 KNOWN_CFG = dict(epsilon=1e-4, gamma=1.0, chains=32, burn_in=600, draws=1200, batch=1000, n=1000)
 
 
+@pytest.mark.numerics
 def test_known_restricted_learning_coefficients():
     """Restricted to the regular part λ̂ ≈ d1/2 = 2, to the quartic part ≈ d2/4 = 0.5, whole ≈ 2.5, all three
     in one batched pass, each within 3 s.e. (over 32 chains) + 1 % of λ (the ε = 1e-4 discretisation alone gives
@@ -287,6 +293,7 @@ def gaussian_case(seed, restrict=(0, 1, 2), n=1000, nbeta=50.0, gamma=100.0, eps
     return Linear(w_star), q, q2, comps, cfg, float(-n * cov)
 
 
+@pytest.mark.numerics
 def test_susceptibility_matches_the_gaussian_closed_form():
     """χ = −n Cov(φ, ℓ_q' − ℓ_q) from the restricted chains against the closed form (gaussian_case), within 3 s.e.;
     also −n× the textbook sample covariance of all draws pooled (another estimator of the same number), and the
@@ -307,6 +314,7 @@ def test_susceptibility_matches_the_gaussian_closed_form():
     assert abs(-cfg.n * np.cov(lq, lq2 - lq)[0, 1] - want) < 3 * se
 
 
+@pytest.mark.numerics
 def test_susceptibility_estimator():
     """Per-chain covariances: χ of draws with a planted covariance; Δ independent of φ gives χ ≈ 0."""
     rng = np.random.default_rng(0)
@@ -320,6 +328,7 @@ def test_susceptibility_estimator():
 # ---------------------------------------------------------------- the transformer
 
 
+@pytest.mark.numerics
 def test_a_dead_head_has_a_small_refined_llc():
     """Planted: head 1's value and output weights are zero through training, so it reaches the loss only through
     products of two zero matrices (V·O) and its λ̂ is near 0, while the trained head 0's is not. Both heads in one
@@ -339,16 +348,17 @@ def test_a_dead_head_has_a_small_refined_llc():
     assert table.column("layer").to_pylist() == [0, 0] and table.column("head").to_pylist() == [0, 1]
 
 
+@pytest.mark.numerics
 def test_refined_for_run_writes_one_row_per_component(tiny, tmp_path):
     """The run-level driver: rllc.parquet and susceptibility.parquet with their schemas, one row per component
     (and perturbation), and the "all" component's λ̂ is llc_for_run's on the same checkpoint (the same sampling set
     and chain generators; float32 rows batched differently)."""
-    from iclnoise.grid import run_spec
-    from iclnoise.io import read_parquet
-    from iclnoise.probes import llc_for_run, refined_for_run, sampling_data
-    from iclnoise.runs import load_model, read_spec, saved_steps
-    from iclnoise.sections import RunSpec
-    from iclnoise.train import train_run
+    from iclnoise.config.grid import run_spec
+    from iclnoise.core.io import read_parquet
+    from iclnoise.core.runspec import RunSpec
+    from iclnoise.run.probing import llc_for_run, refined_for_run, sampling_data
+    from iclnoise.run.runs import load_model, read_spec, saved_steps
+    from iclnoise.run.train import train_run
 
     run = tmp_path / "run"
     train_run(run_spec(tiny, "M4-B16-none-s0"), run, progress=False)
@@ -379,7 +389,7 @@ def test_refined_for_run_writes_one_row_per_component(tiny, tmp_path):
 
 
 def test_refined_checkpoints_are_early_middle_and_last_of_the_llcs():
-    from iclnoise.schedules import refined_steps
+    from iclnoise.core.schedules import refined_steps
 
     llc = [0, 1, 7, 43, 250, 800, 1500, 2500]
     assert refined_steps(llc, 3) == [1, 250, 2500]
@@ -387,8 +397,9 @@ def test_refined_checkpoints_are_early_middle_and_last_of_the_llcs():
     assert refined_steps(llc, 20) == llc[1:] and refined_steps([0], 3) == [0]
 
 
+@pytest.mark.numerics
 def test_refined_section_overrides_only_the_sampler_keys_it_sets():
-    from iclnoise.sections import Refined
+    from iclnoise.core.probe_sections import Refined
 
     base = LLCConfig(seed=0, epsilon=1e-4, gamma=100.0, chains=4, burn_in=50, draws=100, batch=32, n=1024)
     r = Refined.from_dict({"enabled": True, "checkpoints": 3, "chains": 2, "burn_in": None, "draws": None,

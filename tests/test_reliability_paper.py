@@ -23,7 +23,7 @@ import pytest
 
 from iclnoise.commands.results import export as export_cmd
 from iclnoise.commands.results import paper as paper_cmd
-from iclnoise.io import atomic_path
+from iclnoise.core.io import atomic_path
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = [f"M{m}-B64-none-s{s}" for m in (1, 16, "inf") for s in (0, 1)]
@@ -32,9 +32,9 @@ RUNS = [f"M{m}-B64-none-s{s}" for m in (1, 16, "inf") for s in (0, 1)]
 @pytest.fixture(scope="module")
 def small_set(tmp_path_factory) -> Path:
     """reference/science cut to 6 runs, its aggregate rerun from them and provenance.json's sha256 rewritten."""
-    from iclnoise.aggregate import aggregate
+    from iclnoise.analysis.aggregate import aggregate
     from iclnoise.config import typed
-    from iclnoise.paper import rehash
+    from iclnoise.output.paper import rehash
 
     ref = tmp_path_factory.mktemp("small") / "science"
     src = ROOT / "reference" / "science"
@@ -56,23 +56,23 @@ class FakeFigures:
     then os.replace); `hold(path)` runs between the two (the concurrency test waits there)."""
 
     def __init__(self, monkeypatch):
-        import iclnoise.figures.aggregate
-        import iclnoise.figures.ed
-        import iclnoise.figures.llc
-        import iclnoise.figures.refined
-        import iclnoise.figures.training
+        import iclnoise.output.figures.aggregate
+        import iclnoise.output.figures.ed
+        import iclnoise.output.figures.llc
+        import iclnoise.output.figures.refined
+        import iclnoise.output.figures.training
 
         self.hold = lambda path: None
         draw = self.draw
-        monkeypatch.setattr(iclnoise.figures.training, "training_figures",
+        monkeypatch.setattr(iclnoise.output.figures.training, "training_figures",
                             lambda metrics, out: draw(Path(out) / "figures" / "fig01_ood_loss.png"))
-        monkeypatch.setattr(iclnoise.figures.aggregate, "aggregate_figures",
+        monkeypatch.setattr(iclnoise.output.figures.aggregate, "aggregate_figures",
                             lambda agg, exposure, figs, alignment=(): draw(Path(figs) / "fig06_threshold_vs_noise.png"))
-        monkeypatch.setattr(iclnoise.figures.llc, "llc_figures",
+        monkeypatch.setattr(iclnoise.output.figures.llc, "llc_figures",
                             lambda summary, llc, stages, figs: draw(Path(figs) / "fig03_loss_llc_vs_m.png"))
-        monkeypatch.setattr(iclnoise.figures.refined, "refined_figures",
+        monkeypatch.setattr(iclnoise.output.figures.refined, "refined_figures",
                             lambda rllc, sus, figs: draw(Path(figs) / "fig11_rllc_over_training.png"))
-        monkeypatch.setattr(iclnoise.figures.ed, "ed_figures", lambda runs, family, ed, figs, cfg:
+        monkeypatch.setattr(iclnoise.output.figures.ed, "ed_figures", lambda runs, family, ed, figs, cfg:
                             draw(Path(figs) / f"fig02_essential_subspace_{family}.png"))
 
     def draw(self, path: Path) -> None:
@@ -100,6 +100,7 @@ def refused(cmd, argv) -> str:
     return msg
 
 
+@pytest.mark.unit
 def test_export_refuses_an_output_that_is_holds_or_lies_inside_its_results(ref, tmp_path):
     """Case 1: `iclnoise export --results R --out R` deleted R's checkpoints and resume states and reported
     success. Now an output that is R, lies inside it or holds it (or holds the params file) is refused before
@@ -116,7 +117,7 @@ def test_export_refuses_an_output_that_is_holds_or_lies_inside_its_results(ref, 
                      (results.parent, "contains the input"), (tmp_path, "contains the input")):
         assert how in refused(export_cmd, [*base, "--out", out])
     assert snapshot(tmp_path) == before
-    from iclnoise.paper import verify
+    from iclnoise.output.paper import verify
     out = tmp_path / "exported" / "science"
     export_cmd([str(a) for a in [*base, "--out", out]])
     assert verify(out)["spec_hash"].keys() == set(RUNS)
@@ -128,6 +129,7 @@ def test_export_refuses_an_output_that_is_holds_or_lies_inside_its_results(ref, 
     assert (tmp_path / "notaset" / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.unit
 def test_paper_refuses_an_output_that_holds_or_lies_inside_a_reference(ref, tmp_path, figures):
     """Case 2: `iclnoise paper reference/noise --out reference` deleted the set it was drawing, then crashed.
     Now the output OUT/<set> must be apart from every set given, and the sets keep every file."""
@@ -180,6 +182,7 @@ def _edit_d_lr(ref: Path) -> Path:
     return _edit_provenance(ref, edit)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("edit", [_edit_metric, _drop_row, _edit_commit, _edit_d_lr],
                          ids=["metric", "dropped row", "provenance commit", "provenance D and lr"])
 def test_paper_refuses_a_set_that_changed_after_it_was_written(ref, tmp_path, figures, edit):
@@ -193,6 +196,7 @@ def test_paper_refuses_a_set_that_changed_after_it_was_written(ref, tmp_path, fi
     assert not (tmp_path / "paper").exists()
 
 
+@pytest.mark.unit
 def test_the_report_names_the_training_commit_and_the_provenance_parameters(ref, tmp_path, figures):
     """Case 7: the report showed the checkout's commit only. Now it names the commits the runs trained at and
     the one that aggregated them (from provenance.json), and its Parameters are the provenance's."""
@@ -207,12 +211,13 @@ def test_the_report_names_the_training_commit_and_the_provenance_parameters(ref,
     assert params == prov["params"] and params["data"]["D"] == 5
 
 
+@pytest.mark.unit
 def test_a_killed_export_leaves_nothing_make_paper_reads(ref, tmp_path, figures, monkeypatch, caplog):
     """Case 9: a killed export left reference/<set>.tmp, which `make paper` (reference/*/) then passed to
     `iclnoise paper`, and it crashed before drawing any set. Now export writes a hidden, unique temporary
     directory (removed when it fails; a SIGKILLed one is hidden from reference/*/ and named in the log of the
     next export), and `iclnoise paper` skips a `*.tmp` directory with a log line and draws the others."""
-    import iclnoise.paper
+    import iclnoise.output.paper
 
     params = tmp_path / "params.yaml"
     shutil.copy(ROOT / "params.yaml", params)
@@ -224,7 +229,7 @@ def test_a_killed_export_leaves_nothing_make_paper_reads(ref, tmp_path, figures,
     def killed(*a, **k):
         raise KeyboardInterrupt
     with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
-        m.setattr(iclnoise.paper, "write_json", killed)
+        m.setattr(iclnoise.output.paper, "write_json", killed)
         export_cmd(argv)
     assert sorted(p.name for p in out.parent.glob("*")) == ["science"] and snapshot(out) == before
     stale = out.with_name("science.tmp")   # what a SIGKILLed export of the old code left
@@ -237,6 +242,7 @@ def test_a_killed_export_leaves_nothing_make_paper_reads(ref, tmp_path, figures,
     assert f"{out.parent / '.science.abc123.tmp'}: ignored" in caplog.text
 
 
+@pytest.mark.integration
 def test_reference_errors_are_one_line_naming_the_reference_file(small_set, ref, tmp_path, figures):
     """Case 10: reference-set errors printed tracebacks; the repair advice named the paper/ copy or said to `rm`
     the committed provenance.json; a deleted ed/pcs.parquet gave a FileNotFoundError traceback. Now each is one
@@ -266,6 +272,7 @@ def test_reference_errors_are_one_line_naming_the_reference_file(small_set, ref,
     assert not out.exists()
 
 
+@pytest.mark.unit
 def test_two_paper_commands_at_once_do_not_collide(ref, tmp_path, figures):
     """Case 12: two `make paper` at once: one died with FileNotFoundError (the second deleted the first's output
     while it was writing). Now each draws in its own directory and renames it into place: the first holds a
@@ -301,6 +308,7 @@ def test_two_paper_commands_at_once_do_not_collide(ref, tmp_path, figures):
     assert [p.name for p in out.iterdir()] == ["science"]   # no temporary directory left
 
 
+@pytest.mark.integration
 def test_paper_writes_where_paper_out_says_and_names_it_when_it_cannot(ref, tmp_path, figures):
     """Case 12: a read-only checkout gave an EROFS traceback and `make paper` had no way to write elsewhere. Now
     an output that cannot be written is one line naming PAPER_OUT, and `make paper PAPER_OUT=DIR` passes DIR as
@@ -314,11 +322,12 @@ def test_paper_writes_where_paper_out_says_and_names_it_when_it_cannot(ref, tmp_
     assert r.stdout.strip() == "iclnoise paper reference/science/ --out /elsewhere/paper", r.stdout
 
 
+@pytest.mark.unit
 def test_update_aggregate_seals_the_set_again_and_refuses_a_changed_one(ref, tmp_path, figures, capsys):
     """The legitimate way to change a set's aggregate (`iclnoise paper --update-aggregate`, after a change of the
     aggregate's code) leaves a set `make paper` accepts; it refuses a set whose files changed since it was written
     (it would seal the change into provenance.json)."""
-    from iclnoise.paper import verify
+    from iclnoise.output.paper import verify
 
     paper_cmd([str(ref), "--out", str(tmp_path / "paper"), "--update-aggregate"])
     assert "science: aggregate rerun; changed: nothing" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Counterfactual noise replay of a run directory (iclnoise.replay): the replay is the run, the linearised step is
+"""Counterfactual noise replay of a run directory (iclnoise.run.replay): the replay is the run, the linearised step is
 AdamW's, paired draws make the prediction linear in the covariance change, bad counterfactuals are refused."""
 import dataclasses
 import json
@@ -9,18 +9,21 @@ import pytest
 import torch
 from torch.func import functional_call, grad
 
-from iclnoise.adam import adam_a
 from iclnoise.cli import main
-from iclnoise.ensemble import Ensemble, Member
-from iclnoise.figures.cnr import fig_cnr
-from iclnoise.grid import run_spec, spec_hash
-from iclnoise.injection import NoiseInjector
-from iclnoise.io import read_parquet
-from iclnoise.model import ModelConfig, build_model, mse_loss
-from iclnoise.replay import CNR_SCHEMA, METRICS, Replayer, _functional, adamw_map, counterfactual, replay_run
-from iclnoise.runs import sampler
-from iclnoise.sections import RunSpec
-from iclnoise.train import train_ensemble, train_run
+from iclnoise.config.grid import run_spec, spec_hash
+from iclnoise.core.adam import adam_a
+from iclnoise.core.io import read_parquet
+from iclnoise.core.model import ModelConfig, build_model, mse_loss
+from iclnoise.core.runspec import RunSpec
+from iclnoise.noise.injection import NoiseInjector
+from iclnoise.output.figures.cnr import fig_cnr
+from iclnoise.run.ensemble import Ensemble
+from iclnoise.run.member import Member
+from iclnoise.run.replay import CNR_SCHEMA, METRICS, Replayer, _functional, adamw_map, counterfactual, replay_run
+from iclnoise.run.runs import sampler
+from iclnoise.run.train import train_ensemble, train_run
+
+pytestmark = [pytest.mark.unit, pytest.mark.numerics]
 
 RUN = "M4-B64-param_b16-s0"
 
@@ -78,7 +81,7 @@ class _StepCheck(Replayer):
         flat = lambda ts: torch.cat([t.detach().reshape(-1) for t in ts])  # noqa: E731
         got = self._phi(now)(torch.cat([now["theta"], now["m"], now["v"]]), None).chunk(3)
         real = flat(ctx.model.parameters()), flat(ctx.adam.exp_avg), flat(ctx.adam.exp_avg_sq)
-        live = now["live"]   # a = 0 on round-off coordinates (iclnoise.adam): no curvature, no linear term
+        live = now["live"]   # a = 0 on round-off coordinates (iclnoise.core.adam): no curvature, no linear term
         step = (real[0] - now["theta"])[live].norm()
         # float32 rounding of θ + step: ≈ eps/2 · ‖θ‖ next to ‖step‖ (θ ≫ one step), the rest is the gradient's
         self.errors.append(float((got[0] - real[0])[live].norm() / step)

@@ -1,4 +1,4 @@
-"""Typed params sections (iclnoise.sections): params.yaml is the single source of truth.
+"""Typed params sections (iclnoise.core.sections): params.yaml is the single source of truth.
 
 A missing or unknown key is an error naming the section and the key; every section of params.yaml and of
 every configs/*.yaml (merged on top, as snakemake does) builds; a dataclass default exists only where the
@@ -12,26 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from iclnoise import sections
 from iclnoise.config import ParamsError, load_params, read_yaml, typed, validate_params
-from iclnoise.llc import LLCConfig as LLCConfigFromLLC
-from iclnoise.sections import (
-    ED,
-    Controller,
-    Exposure,
-    Geometry,
-    LLCConfig,
-    LRSchedule,
-    Mech,
-    NoiseCondition,
-    Refined,
-    RunSpec,
-    Stages,
-    Stats,
-    schema,
-    schema_default,
-)
-from iclnoise.validate import all_sections
+from iclnoise.config.validate import all_sections
+from iclnoise.core import sections
+from iclnoise.core.probe_sections import ED, Geometry, LLCConfig, Mech, Refined, Stages, Stats
+from iclnoise.core.runspec import RunSpec
+from iclnoise.core.sections import Controller, Exposure, LRSchedule, NoiseCondition, schema, schema_default
+from iclnoise.probes.llc import LLCConfig as LLCConfigFromLLC
+
+pytestmark = pytest.mark.unit
 
 PARAMS = read_yaml("params.yaml")
 CONFIGS = sorted(Path("configs").glob("*.yaml"))
@@ -52,6 +41,7 @@ def _required(cls) -> list[str]:
             if f.default is dataclasses.MISSING or (f.default is None and f.name in node.get("required", ()))]
 
 
+@pytest.mark.numerics
 def test_llcconfig_is_the_typed_section_importable_from_llc():
     assert LLCConfigFromLLC is LLCConfig
 
@@ -237,11 +227,12 @@ def test_no_module_reads_a_params_key_with_an_inline_default():
     assert [f for f in found if (f[0], f[2]) not in KNOWN] == []
 
 
+@pytest.mark.numerics
 def test_build_hooks_reads_the_typed_sections_and_names_a_missing_key():
     import torch
 
-    from iclnoise.ensemble import build_hooks
-    from iclnoise.grid import run_spec
+    from iclnoise.config.grid import run_spec
+    from iclnoise.run.member import build_hooks
 
     p = validate_params(read_yaml("params.yaml"))
     spec = run_spec(p, "M4-B64-late-s0")
@@ -261,7 +252,7 @@ def test_run_spec_decides_hooks_window_checkpoints_and_outputs():
     injector's window): batch noise with exposure logged; the same with exposure off; a late injected arm."""
     import dataclasses
 
-    from iclnoise.grid import run_spec, typed_spec
+    from iclnoise.config.grid import run_spec, typed_spec
 
     p = validate_params(read_yaml("params.yaml"))
     plain, late = typed_spec(p, "M4-B64-none-s0"), typed_spec(p, "M4-B64-late-s0")
@@ -288,7 +279,7 @@ def test_the_learning_rate_schedule_is_built_once_in_the_typed_section():
     over the steps trained, which aggregate's η/B proxy reads."""
     import math
 
-    from iclnoise.grid import typed_spec
+    from iclnoise.config.grid import typed_spec
 
     p = validate_params(read_yaml("params.yaml"))
     t = typed_spec(p, "M4-B64-none-s0").train
@@ -304,8 +295,8 @@ def test_the_learning_rate_schedule_is_built_once_in_the_typed_section():
 def test_run_keys_are_one_description():
     """RunKeys is a spec's `keys`, a table's leading columns (KEY_FIELDS) and the run id, both ways; RunSpec.of
     refuses a spec whose run_id its keys do not name."""
-    from iclnoise.grid import run_spec
-    from iclnoise.sections import KEY_FIELDS, RunKeys, parse_run_id
+    from iclnoise.config.grid import run_spec
+    from iclnoise.core.runspec import KEY_FIELDS, RunKeys, parse_run_id
 
     k = parse_run_id("Minf-B16-none-sgd_momentum-s2")
     assert k == RunKeys(-1, 16, "none", 2, "sgd_momentum") and k.run_id == "Minf-B16-none-sgd_momentum-s2"
@@ -319,8 +310,8 @@ def test_run_keys_are_one_description():
 def test_jobs_are_the_workflows_and_the_cost_models():
     """grid.jobs: one training job per ensemble, one probe job per probed run with its sections, an ED family's two
     jobs, the one-off jobs; cost_estimate's count is theirs (and Snakemake's: test_config's dry runs)."""
-    from iclnoise.cost import cost_estimate
-    from iclnoise.grid import ensemble_groups, jobs
+    from iclnoise.config.cost import cost_estimate
+    from iclnoise.config.grid import ensemble_groups, jobs
 
     p = validate_params(read_yaml("params.yaml"))
     j = jobs(p)

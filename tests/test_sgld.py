@@ -1,4 +1,5 @@
-"""The SGLD sampler's parts (iclnoise.sgld) against hand-written arithmetic: the kernel's step and MALA ratio, the
+"""The SGLD sampler's parts (iclnoise.probes.sgld) against hand-written arithmetic: the kernel's step and MALA ratio,
+the
 mini-batches each chain draws, the observers, and MALA's acceptance on a Gaussian against its known value."""
 import math
 
@@ -7,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from iclnoise.llc import LLCConfig
-from iclnoise.sgld import SGLDStep, chain_generators, run_chains, sgld_chains
+from iclnoise.probes.llc import LLCConfig
+from iclnoise.probes.sgld import SGLDStep, chain_generators, run_chains, sgld_chains
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.unit, pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
 
 
 class Tanh(nn.Module):
@@ -84,7 +85,7 @@ def test_two_steps_equal_the_hand_written_chain(method, masked):
 def test_observers_see_each_step_before_the_move():
     """run_chains hands the observers w_t before the kernel moves it, and the acceptance of w_{t−1} → w_t (None at
     t = 0); the w they see at t + 1 is w_t plus the kernel's step."""
-    from iclnoise.sgld import Execution, SGLDKernel
+    from iclnoise.probes.sgld import Execution, SGLDKernel
 
     gen = torch.Generator().manual_seed(0)
     X = torch.randn(30, 2, generator=gen, dtype=torch.float64)

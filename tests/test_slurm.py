@@ -17,7 +17,9 @@ import pytest
 import yaml
 from test_pipeline import ENV, ROOT, run, snakemake, tiny_params
 
-from iclnoise.io import read_parquet
+from iclnoise.core.io import read_parquet
+
+pytestmark = pytest.mark.integration
 
 needs_cluster = pytest.mark.skipif(os.environ.get("ICLNOISE_SLURM") != "1",
                                    reason="needs the single-node SLURM cluster that `make test-slurm` starts")

@@ -2,8 +2,10 @@
 import numpy as np
 import pytest
 
-from iclnoise.schedules import checkpoint_steps
-from iclnoise.stages import milestones, smooth_log_time, stages
+from iclnoise.core.schedules import checkpoint_steps
+from iclnoise.probes.stages import milestones, smooth_log_time, stages
+
+pytestmark = [pytest.mark.unit, pytest.mark.numerics]
 
 KEYS = {"run_id": "r", "M": 1, "seed": 0, "batch": 8, "noise": "none"}
 

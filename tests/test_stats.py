@@ -1,11 +1,11 @@
-"""Statistics validated on synthetic data with planted effects (SPEC §11)."""
+"""Statistics validated on synthetic data with planted effects (method §11)."""
 import numpy as np
 import pandas as pd
 import pytest
 from statsmodels.stats.multitest import multipletests
 from statsmodels.stats.weightstats import ttost_ind
 
-from iclnoise.stats import (
+from iclnoise.analysis.stats import (
     correlation,
     holm,
     manipulation_lr_test,
@@ -17,7 +17,14 @@ from iclnoise.stats import (
     paired_tost,
     tost,
 )
-from iclnoise.thresholds import crossing, fit_threshold, logistic, logistic4, threshold_with_ci, transient_ridge_window
+from iclnoise.analysis.thresholds import (
+    crossing,
+    fit_threshold,
+    logistic,
+    logistic4,
+    threshold_with_ci,
+    transient_ridge_window,
+)
 
 
 def planted_threshold(x0=6.0, s=0.8, seeds=4, noise=0.03, seed=0):
@@ -41,12 +48,14 @@ def planted_plateau_grid(rng, n_seeds, x_star, floor=0.05, ceiling=0.6, s=0.8, s
     return pd.DataFrame(rows)
 
 
+@pytest.mark.unit
 def test_logistic4_crossing_is_where_the_curve_equals_one_half():
     x = crossing(0.05, 0.6, 3.0, 0.8)
     assert logistic4(np.array([x]), 0.05, 0.6, 3.0, 0.8)[0] == pytest.approx(0.5, abs=1e-12)
     assert np.isnan(crossing(0.05, 0.45, 3.0, 0.8)) and np.isnan(crossing(0.55, 0.9, 3.0, 0.8))
 
 
+@pytest.mark.unit
 def test_threshold_fit_recovers_a_planted_m_star_with_covering_ci():
     df = planted_threshold()
     est = threshold_with_ci(df)
@@ -58,6 +67,7 @@ def test_threshold_fit_recovers_a_planted_m_star_with_covering_ci():
     assert np.isnan(up["M_star"]) and up["reason"].startswith("r does not cross 0.5"), up
 
 
+@pytest.mark.unit
 def test_threshold_fit_is_unbiased_on_a_plateau_below_one():
     """Ceiling 0.6 (the real default plateaus at 0.5-0.6): the free-plateau fit recovers the planted crossing
     (log2 M* = 5.3, M* = 39.4) within ±0.25 octave (measured: 40.8 [34.8, 47.8]); the old fixed-asymptote fit
@@ -70,6 +80,7 @@ def test_threshold_fit_is_unbiased_on_a_plateau_below_one():
     assert est["M_star_lo"] <= 2 ** 5.3 <= est["M_star_hi"]
 
 
+@pytest.mark.unit
 def test_flat_r_has_no_threshold():
     """r ≡ 0.55 plus noise: no M* and no interval, reason 'flat' (F-test p = 0.88); the old fit and bootstrap gave
     M* 4.2 [2.7, 5.7] on the same data."""
@@ -86,12 +97,14 @@ def test_flat_r_has_no_threshold():
     assert spurious <= 5, spurious
 
 
+@pytest.mark.unit
 def test_fewer_than_three_seeds_give_no_interval():
     df = planted_plateau_grid(np.random.default_rng(5), 2, 6.0)
     est = threshold_with_ci(df)
     assert np.isfinite(est["M_star"]) and np.isnan(est["M_star_lo"]) and "insufficient seeds (2 < 3)" in est["reason"]
 
 
+@pytest.mark.validation
 def test_threshold_interval_coverage_on_planted_grids():
     """Coverage of the nominal 95 % t-interval over per-seed fits, on 200 planted grids with seed-to-seed sd 0.3 in
     log2 M*, floor 0.05, ceiling 0.6, scale 0.8, r noise sd 0.03, M = 1..4096, true log2 M* ~ U(4, 8).
@@ -116,6 +129,7 @@ def test_threshold_interval_coverage_on_planted_grids():
     assert abs(np.mean(err)) < 0.05
 
 
+@pytest.mark.validation
 def test_threshold_interval_on_a_five_m_grid_like_the_default():
     """The default has 5 finite M (1-16): a per-seed F-test there has 3 and 1 degrees of freedom and withheld the
     interval from 72 % of planted rising grids (216 of 300; 2 of 3 default conditions). Whether r rises is now
@@ -152,6 +166,7 @@ def sim_panel(slope, rng, n_seeds=6):
     return pd.DataFrame(rows)
 
 
+@pytest.mark.unit
 def test_mixed_model_recovers_planted_slope():
     df = sim_panel(0.25, np.random.default_rng(0))
     t = mixed_model(df, "r ~ log_pne + log2M + id_loss").set_index("term")
@@ -166,6 +181,7 @@ def test_mixed_model_recovers_planted_slope():
     assert cmp["lr_stat"] == pytest.approx(2 * (llf[0] - llf[1]), rel=1e-4)
 
 
+@pytest.mark.unit
 def test_mixed_model_with_no_seed_effect_is_the_least_squares_fit():
     """Seeds that differ only by 1e-3 noise put the seed variance on its boundary (0); L-BFGS then fails on a
     singular X'V⁻¹X (the default grid hit this) and the fit falls back to Powell, whose optimum is OLS."""
@@ -184,6 +200,7 @@ def test_mixed_model_with_no_seed_effect_is_the_least_squares_fit():
     assert cmp["p"] < 1e-6
 
 
+@pytest.mark.validation
 def test_planted_null_rejects_at_about_the_nominal_rate():
     rng = np.random.default_rng(1)
     n_sim = 100
@@ -194,6 +211,7 @@ def test_planted_null_rejects_at_about_the_nominal_rate():
     assert rejections <= 13, rejections
 
 
+@pytest.mark.unit
 def test_tost():
     rng = np.random.default_rng(2)
     a, b = rng.normal(0, 1, 200), rng.normal(0, 1, 200)
@@ -205,6 +223,7 @@ def test_tost():
     assert res["p"] == pytest.approx(p_ref, rel=1e-6)
 
 
+@pytest.mark.unit
 def test_paired_tost_matches_statsmodels_and_uses_the_pairing():
     from statsmodels.stats.weightstats import ttost_paired
 
@@ -219,6 +238,7 @@ def test_paired_tost_matches_statsmodels_and_uses_the_pairing():
     assert res["p"] == pytest.approx(p_ref, rel=1e-6)
 
 
+@pytest.mark.unit
 def test_paired_test_and_correlation():
     rng = np.random.default_rng(3)
     early = rng.normal(0, 1, 30)
@@ -234,6 +254,7 @@ def test_paired_test_and_correlation():
     assert 0.91 <= cover <= 0.99, cover
 
 
+@pytest.mark.unit
 def test_pearson_ci_matches_scipy():
     from scipy.stats import pearsonr
     rng = np.random.default_rng(6)
@@ -247,6 +268,7 @@ def test_pearson_ci_matches_scipy():
         assert c["pearson_p"] == pytest.approx(ref.pvalue, rel=1e-9)
 
 
+@pytest.mark.unit
 def test_holm_matches_statsmodels():
     p = np.array([0.01, 0.04, 0.03, 0.2, 0.001, np.nan])
     ours = holm(p)
@@ -255,6 +277,7 @@ def test_holm_matches_statsmodels():
     assert np.isnan(ours[-1])
 
 
+@pytest.mark.unit
 def test_transient_ridge_window_on_a_planted_dip():
     steps = np.array([0, 10, 20, 40, 80, 160, 320, 640])
     ood = np.array([1.0, 0.8, 0.5, 0.45, 0.52, 0.7, 0.9, 0.95])   # dip at 40, departs by 80
@@ -292,6 +315,7 @@ def _reject_spearman(x, y, alpha=0.05):
     return 2 * st.t.sf(np.abs(t), n - 2) < alpha
 
 
+@pytest.mark.validation
 def test_mde_matches_brute_force_power():
     """Issue 42: the minimum detectable effect at 80 % power of each design, checked by brute force (20 000 draws):
     simulated power at 0.8 × mde is below 0.8 and at 1.2 × mde above it, so the simulated mde lies within ±20 %.
@@ -321,6 +345,7 @@ def test_mde_matches_brute_force_power():
     assert pw[0] < 0.8 < pw[2], pw
 
 
+@pytest.mark.validation
 def test_mixed_model_mde_matches_brute_force_power():
     """The Wald mde of a MixedLM slope, from the fitted SE, against simulated power of the same design (60 fits at
     0.8 × and 1.2 × the mde; measured 0.55 and 0.92)."""
@@ -340,6 +365,7 @@ def test_mixed_model_mde_matches_brute_force_power():
     assert lo < 0.8 < hi, (m, lo, hi)
 
 
+@pytest.mark.unit
 def test_midpoint_is_half_way_between_floor_and_ceiling_not_r_one_half():
     """Issue 42: with a ceiling of 0.73 (the science reference's), r = 0.5 is at 69 % of the rise and sits above the
     logistic's midpoint by s · log((0.5 − floor) / (ceiling − 0.5)); both are reported with intervals. Planted r50

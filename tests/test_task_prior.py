@@ -1,13 +1,14 @@
-"""Task priors with shape (SPEC §13): the draws, the isotropic default, the generalised ridge."""
+"""Task priors with shape (method §13): the draws, the isotropic default, the generalised ridge."""
 import hashlib
 
 import numpy as np
 import pytest
 import torch
 
-from iclnoise.predictors import ridge
-from iclnoise.sections import Data, ParamsError, RunSpec, TaskPrior
-from iclnoise.tasks import (
+from iclnoise.core.predictors import ridge
+from iclnoise.core.runspec import RunSpec
+from iclnoise.core.sections import Data, ParamsError, TaskPrior
+from iclnoise.core.tasks import (
     _BATCH,
     _EVAL,
     BatchSampler,
@@ -18,6 +19,8 @@ from iclnoise.tasks import (
     seed_mix,
     task_pool,
 )
+
+pytestmark = [pytest.mark.unit, pytest.mark.numerics]
 
 POWER = TaskPrior(spectrum="power_law", exponent=1.5, basis_seed=11)
 
@@ -120,8 +123,8 @@ def test_params_validation_checks_the_prior_and_training_draws_from_it():
     import yaml
 
     from iclnoise.config import validate_params
-    from iclnoise.grid import run_spec
-    from iclnoise.runs import sampler
+    from iclnoise.config.grid import run_spec
+    from iclnoise.run.runs import sampler
     with open("params.yaml") as f:
         p = yaml.safe_load(f)
     assert "task_prior" not in p["data"]   # the default run set is the isotropic one, its spec hashes unchanged
@@ -146,7 +149,7 @@ def test_params_validation_checks_the_prior_and_training_draws_from_it():
 
 
 def test_evaluation_measures_against_the_bayes_predictor_of_the_prior_in_force():
-    from iclnoise.evaluate import _split
+    from iclnoise.run.evaluate import _split
     b, dm, rd = _split("id", 4, 32, 6, 3, 0.125, 0, 1, POWER)
     assert torch.equal(rd, ridge(b.xs, b.ys, 0.125, prior_cov(POWER, 3)))
     assert (rd - ridge(b.xs, b.ys, 0.125)).abs().max() > 0.05      # not the isotropic ridge

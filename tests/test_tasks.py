@@ -1,6 +1,9 @@
+import pytest
 import torch
 
-from iclnoise.tasks import M_INF, BatchSampler, eval_set, parse_m, task_pool
+from iclnoise.core.tasks import M_INF, BatchSampler, eval_set, parse_m, task_pool
+
+pytestmark = [pytest.mark.unit, pytest.mark.numerics]
 
 
 def test_pools_are_nested_and_share_the_root_task():

@@ -8,11 +8,14 @@ import pandas as pd
 import pytest
 import torch
 
-from iclnoise.ensemble import Member
-from iclnoise.grid import run_spec, spec_hash
-from iclnoise.io import CorruptFileError, read_parquet
-from iclnoise.model import ModelConfig, build_model, mse_loss
-from iclnoise.runs import (
+from iclnoise.config.grid import run_spec, spec_hash
+from iclnoise.core.io import CorruptFileError, read_parquet
+from iclnoise.core.model import ModelConfig, build_model, mse_loss
+from iclnoise.core.runspec import RunSpec
+from iclnoise.core.schedules import checkpoint_steps, lr_lambda
+from iclnoise.core.tasks import BatchSampler, task_pool
+from iclnoise.run.member import Member
+from iclnoise.run.runs import (
     ForeignFile,
     RunDirError,
     checkpoint_path,
@@ -23,12 +26,18 @@ from iclnoise.runs import (
     missing_checkpoints,
     sha256,
 )
-from iclnoise.schedules import checkpoint_steps, lr_lambda
-from iclnoise.sections import RunSpec
-from iclnoise.tasks import BatchSampler, task_pool
-from iclnoise.train import _resume_states, train_ensemble, train_run
+from iclnoise.run.train import _resume_states, train_ensemble, train_run
 
 RUNS = ["M4-B16-none-s0", "M1-B16-none-s1", "Minf-B16-none-s0"]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, tmp_path_factory) -> tuple[list, list]:
+    """The three RUNS trained once, uninterrupted, as one ensemble (read only): their tables and run directories,
+    the reference that the resume, kill and divergence tests below compare against."""
+    root = tmp_path_factory.mktemp("reference")
+    dirs = [root / r for r in RUNS]
+    return train_ensemble([run_spec(tiny, r) for r in RUNS], dirs, progress=False), dirs
 
 
 class _BlowingUp(BatchSampler):
@@ -53,12 +62,14 @@ def _diverging_at_30(orig):
     return setup
 
 
+@pytest.mark.unit
 def test_checkpoint_schedule_is_union_of_linear_and_log():
     s = checkpoint_steps(1000, 4, 4)
     assert s[0] == 0 and s[-1] == 1000
     assert {250, 500, 750, 1, 10, 100} <= set(s)
 
 
+@pytest.mark.unit
 def test_lr_schedules():
     f = lr_lambda("warmup_cosine", 100, 0.1, 0.1)
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0) and f(100) == pytest.approx(0.1)
@@ -89,6 +100,8 @@ def reference_steps(spec: dict, steps: int) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_a_run_in_an_ensemble_is_the_run_trained_alone(tiny, tmp_path):
     """Three runs (different M, seed, pool) with per-run clipping active (clip 0.05 < every gradient norm,
     and the norms differ between runs): after 1 and after 7 steps every run's parameters equal an
@@ -114,28 +127,32 @@ def test_a_run_in_an_ensemble_is_the_run_trained_alone(tiny, tmp_path):
                 torch.testing.assert_close(ours[n].detach(), w, rtol=2e-5, atol=tol, msg=f"{r} {n} step {steps}")
 
 
-def test_resume_inside_an_ensemble_is_bitwise_identical(tiny, tmp_path):
+@pytest.mark.unit
+@pytest.mark.numerics
+def test_resume_inside_an_ensemble_is_bitwise_identical(tiny, reference, tmp_path):
     """An ensemble stopped after step 25 (last resume state at the step-20 checkpoint, like a kill) and run
     again ends bitwise identical to an uninterrupted ensemble: metrics, checkpoints, exposure logs."""
     specs = [run_spec(tiny, r) for r in RUNS]
-    full = train_ensemble(specs, [tmp_path / "full" / r for r in RUNS], progress=False)
+    full, full_dirs = reference
     part = [tmp_path / "part" / r for r in RUNS]
     assert train_ensemble(specs, part, progress=False, stop_after=25) == [None] * 3
     assert not (part[0] / "metrics.parquet").exists()
     resumed = train_ensemble(specs, part, progress=False)
-    for r, a, b in zip(RUNS, full, resumed):   # same code path, same machine: bitwise
+    for a, b, fd, pd_ in zip(full, resumed, full_dirs, part):   # same code path, same machine: bitwise
         pd.testing.assert_frame_equal(a, b)
-        pd.testing.assert_frame_equal(read_parquet(tmp_path / "full" / r / "exposure.parquet"),
-                                      read_parquet(tmp_path / "part" / r / "exposure.parquet"))
-        assert manifest(tmp_path / "full" / r) == manifest(tmp_path / "part" / r)  # same bytes, per checkpoint
+        pd.testing.assert_frame_equal(read_parquet(fd / "exposure.parquet"), read_parquet(pd_ / "exposure.parquet"))
+        assert manifest(fd) == manifest(pd_)  # same bytes, per checkpoint
 
 
-def test_stop_at_writes_a_finished_run_on_the_whole_schedule_and_resumes_under_a_later_stop(tiny, tmp_path):
+@pytest.mark.unit
+@pytest.mark.numerics
+def test_stop_at_writes_a_finished_run_on_the_whole_schedule_and_resumes_under_a_later_stop(tiny, reference,
+                                                                                             tmp_path):
     """budget.stop_at 25 of 60: outputs as a finished run (rows on the 60-step checkpoint grid up to 25, plus 25;
     the 60-step learning rates); the same run with stop_at 60 resumes from step 25 (no retraining) and ends
     bitwise identical to an uninterrupted 60-step run (same code path, same machine)."""
     p = copy.deepcopy(tiny)
-    full = train_ensemble([run_spec(p, r) for r in RUNS], [tmp_path / "full" / r for r in RUNS], progress=False)
+    full = reference[0]
     p["train"]["budget"]["stop_at"] = 25
     specs = [run_spec(p, r) for r in RUNS]
     part = [tmp_path / "part" / r for r in RUNS]
@@ -158,6 +175,8 @@ def test_stop_at_writes_a_finished_run_on_the_whole_schedule_and_resumes_under_a
     assert spec_hash(specs[0]) == spec_hash(run_spec(tiny, RUNS[0]))  # where a run stops is not its identity
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_micro_batching_does_not_change_the_data_stream(tiny, tmp_path):
     p = copy.deepcopy(tiny)
     spec1 = run_spec(p, "M4-B16-none-s0")
@@ -171,6 +190,8 @@ def test_micro_batching_does_not_change_the_data_stream(tiny, tmp_path):
     np.testing.assert_allclose(m1.ood_loss, m2.ood_loss, rtol=1e-4)
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_outputs_and_learning(tiny, tmp_path):
     p = copy.deepcopy(tiny)
     p["train"]["budget"]["steps"] = 200
@@ -190,12 +211,14 @@ def test_outputs_and_learning(tiny, tmp_path):
     assert set(state) == {"model", "model_config", "adam", "spec_hash"}
 
 
-def test_a_diverging_run_is_frozen_and_recorded_while_the_others_go_on(tiny, tmp_path):
+@pytest.mark.unit
+@pytest.mark.numerics
+def test_a_diverging_run_is_frozen_and_recorded_while_the_others_go_on(tiny, reference, tmp_path):
     """Run 1's targets blow up from step 30: it is recorded as diverged at step 30 and kept; runs 0 and 2
     end exactly as in an ensemble without it going wrong."""
     specs = [run_spec(tiny, r) for r in RUNS]
-    clean = train_ensemble(specs, [tmp_path / "clean" / r for r in RUNS], progress=False)
-    import iclnoise.train as tr
+    clean = reference[0]
+    import iclnoise.run.train as tr
 
     orig = tr.Member.setup
     setup = _diverging_at_30(orig)
@@ -211,6 +234,8 @@ def test_a_diverging_run_is_frozen_and_recorded_while_the_others_go_on(tiny, tmp
         pd.testing.assert_frame_equal(out[i], clean[i], check_exact=False, rtol=1e-5)
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_a_changed_spec_starts_fresh_never_resumes(tiny, tmp_path):
     """The lr-change scenario of issue 14: the rerun equals a fresh run with the new lr and differs from the old."""
     p = copy.deepcopy(tiny)
@@ -224,6 +249,8 @@ def test_a_changed_spec_starts_fresh_never_resumes(tiny, tmp_path):
     assert json.loads((tmp_path / "run/run.json").read_text())["train"]["optimizer"]["lr"] == 0.02
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_a_corrupt_newest_resume_state_falls_back_to_the_previous_one(tiny, tmp_path):
     specs = [run_spec(tiny, RUNS[0])]
     full = train_ensemble(specs, [tmp_path / "full"], progress=False)[0]
@@ -239,6 +266,8 @@ def files(d) -> dict:
     return {p: p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_a_corrupt_run_json_is_named_deletes_nothing_and_the_advice_repairs_it(tiny, tmp_path):
     """A truncated run.json is a corrupt file, not a changed spec (issue 30): training stops naming it and what to
     delete, and no file of the run changes. Doing what the message says resumes the run from its resume state: the
@@ -262,6 +291,8 @@ def test_a_corrupt_run_json_is_named_deletes_nothing_and_the_advice_repairs_it(t
     assert json.loads(after[rd / "run.json"]) == json.loads(data)
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_corrupt_run_files_name_the_run_directory_never_its_parent(tiny, tmp_path, caplog):
     """Every repair message names the run's own directory or file, never results/runs (issue 30: both resume states
     corrupt said to delete results/runs). Both corrupt: training starts again from step 0, to the same numbers."""
@@ -284,7 +315,7 @@ def test_corrupt_run_files_name_the_run_directory_never_its_parent(tiny, tmp_pat
         (rd / name).write_bytes((rd / name).read_bytes()[:100])
     with pytest.raises(CorruptFileError, match=f"Delete the run directory {rd} and rerun"):
         load_torch(rd / "resume.pt")
-    with caplog.at_level("WARNING", logger="iclnoise.train"):
+    with caplog.at_level("WARNING", logger="iclnoise.run.train"):
         again = train_run(spec, rd, progress=False)
     pd.testing.assert_frame_equal(again, full)   # same code path, same machine: bitwise
     warned = [r.getMessage() for r in caplog.records]
@@ -293,6 +324,8 @@ def test_corrupt_run_files_name_the_run_directory_never_its_parent(tiny, tmp_pat
     assert not any(f"{rd.parent} " in m or m.endswith(str(rd.parent)) for m in warned), warned
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_an_ensemble_of_mixed_shapes_or_too_big_is_refused_before_training(tiny, tmp_path):
     a, b = run_spec(tiny, RUNS[0]), run_spec(tiny, RUNS[1])
     b["model"]["d_model"] = 32
@@ -305,6 +338,8 @@ def test_an_ensemble_of_mixed_shapes_or_too_big_is_refused_before_training(tiny,
     assert not (tmp_path / "h" / "checkpoints").exists()
 
 
+@pytest.mark.integration
+@pytest.mark.numerics
 def test_killed_process_resumes_to_the_same_numbers(tiny, tmp_path):
     """SIGKILL a real `iclnoise train` process (an ensemble of two runs) mid-run, start it again, compare
     with a clean run."""
@@ -315,7 +350,7 @@ def test_killed_process_resumes_to_the_same_numbers(tiny, tmp_path):
     import time
     from pathlib import Path
 
-    from iclnoise.grid import shared_spec
+    from iclnoise.config.grid import shared_spec
 
     p = copy.deepcopy(tiny)
     p["train"]["budget"]["steps"] = 240
@@ -351,6 +386,8 @@ def test_killed_process_resumes_to_the_same_numbers(tiny, tmp_path):
                                       rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_a_changed_spec_removes_only_the_pipelines_files_and_a_linked_run_dir_is_refused(tiny, tmp_path, caplog):
     """Issue 48 (3): a spec change clears the files the pipeline writes and keeps the user's, naming them in the log;
     a run directory that is a symbolic link is refused before anything is written through it."""
@@ -363,7 +400,7 @@ def test_a_changed_spec_removes_only_the_pipelines_files_and_a_linked_run_dir_is
         f.write_bytes(b)
     (rd / "checkpoints" / "step_0000099.pt").write_bytes(b"a stale checkpoint of the old spec")
     p["train"]["optimizer"]["lr"] = 0.02
-    with caplog.at_level("WARNING", logger="iclnoise.runs"):
+    with caplog.at_level("WARNING", logger="iclnoise.run.runs"):
         train_ensemble([run_spec(p, RUNS[0])], [rd], progress=False, stop_after=5)
     assert {f: f.read_bytes() for f in mine} == mine
     kept = {f"{f}: not written by the pipeline, kept" for f in (rd / "notes.txt", rd / "mine", rd / "checkpoints"
@@ -392,6 +429,8 @@ class Planted:
         return os.system, (f"touch {self.marker}",)
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_a_planted_resume_state_or_checkpoint_runs_nothing_and_is_refused_by_name(tiny, tmp_path, caplog):
     """Issue 48 (4): every .pt file is read with weights_only=True. A planted resume.pt whose unpickling would run a
     command is refused naming it (the command never runs); a planted checkpoint likewise; a well-formed state of
@@ -411,7 +450,7 @@ def test_a_planted_resume_state_or_checkpoint_runs_nothing_and_is_refused_by_nam
     assert not marker.exists(), "unpickling ran the planted command"
     (rd / "resume.pt").write_bytes(good)
     torch.save({"spec_hash": "0" * 64, "step": 5}, rd / "resume.prev.pt")
-    with caplog.at_level("WARNING", logger="iclnoise.train"):
+    with caplog.at_level("WARNING", logger="iclnoise.run.train"):
         states = _resume_states(Member(RunSpec.of(spec), rd, spec_hash(spec), torch.device("cpu")))
     assert [p for p, _ in states] == [rd / "resume.pt"]
     assert f"{RUNS[0]}: {rd / 'resume.prev.pt'} is not a resume state of this run's spec; not resuming from it" in [
@@ -435,16 +474,17 @@ def assert_same_states(a: list[dict], b: list[dict]) -> None:
             assert all(torch.equal(x["opt"][k][n], y["opt"][k][n]) for n in x["opt"][k]), k
 
 
-def test_any_sequence_of_kills_resumes_the_ensemble_as_one_bitwise(tiny, tmp_path, monkeypatch):
+@pytest.mark.unit
+@pytest.mark.numerics
+def test_any_sequence_of_kills_resumes_the_ensemble_as_one_bitwise(tiny, reference, tmp_path, monkeypatch):
     """Issue 48 (8): the trainer is killed four times in a row while it writes the members' resume states (after 2,
     4, 5 and 7 more states: inside commit 0, then 1, then 1 again, then 8), then runs to the end: every run's weights
     and Adam moments are torch.equal to an uninterrupted ensemble's, its tables equal, and every resume trained the
     three runs as one ensemble (a split one rounds differently)."""
-    import iclnoise.ensemble as ens
+    import iclnoise.run.ensemble as ens
 
     specs = [run_spec(tiny, r) for r in RUNS]
-    full_dirs = [tmp_path / "full" / r for r in RUNS]
-    full = train_ensemble(specs, full_dirs, progress=False)
+    full, full_dirs = reference
     dirs = [tmp_path / "killed" / r for r in RUNS]
     save, sizes, init = ens.save_resume, [], ens.Ensemble.__init__
 
@@ -473,13 +513,14 @@ def test_any_sequence_of_kills_resumes_the_ensemble_as_one_bitwise(tiny, tmp_pat
         pd.testing.assert_frame_equal(a, b)
 
 
-def test_a_rolled_back_member_resumes_with_its_ensemble_or_is_refused(tiny, tmp_path):
+@pytest.mark.unit
+@pytest.mark.numerics
+def test_a_rolled_back_member_resumes_with_its_ensemble_or_is_refused(tiny, reference, tmp_path):
     """Issue 48 (8): one member's resume state rolled back one commit (its resume.pt replaced by its resume.prev.pt):
     the whole ensemble steps back with it and ends torch.equal to an uninterrupted one. Rolled back further than
     the others keep: refused, naming the member and the files, and nothing changes."""
     specs = [run_spec(tiny, r) for r in RUNS]   # commits at steps 0, 1, 8, 20, 40, 60
-    full_dirs = [tmp_path / "full" / r for r in RUNS]
-    train_ensemble(specs, full_dirs, progress=False)
+    full_dirs = reference[1]
     dirs = [tmp_path / "part" / r for r in RUNS]
     train_ensemble(specs, dirs, progress=False, stop_after=25)
     (dirs[1] / "resume.prev.pt").replace(dirs[1] / "resume.pt")   # run 1 back at 8, the others at 20 (and 8)
@@ -499,6 +540,8 @@ def test_a_rolled_back_member_resumes_with_its_ensemble_or_is_refused(tiny, tmp_
     assert files(tmp_path / "again") == before
 
 
+@pytest.mark.integration
+@pytest.mark.numerics
 def test_a_second_trainer_is_refused_naming_the_first_and_a_killed_one_frees_the_run(tiny, tmp_path):
     """Issue 48 (13): while an `iclnoise train` process trains a run (e.g. left running by a killed snakemake), a
     second trainer of it is refused, naming the first's pid, and writes nothing; once the first is killed the run
@@ -530,6 +573,8 @@ def test_a_second_trainer_is_refused_naming_the_first_and_a_killed_one_frees_the
     assert train_ensemble([spec], [rd], progress=False, stop_after=5) == [None]
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_a_deleted_checkpoint_is_named_and_its_run_trained_again_to_the_same_bytes(tiny, tmp_path, capsys, caplog):
     """Issue 48 (15): `iclnoise verify` names a checkpoint that checkpoints.json lists and the disk lacks (exit 1);
     training the run again (what its job does once the DAG plans it) writes it back, byte for byte."""
@@ -543,7 +588,7 @@ def test_a_deleted_checkpoint_is_named_and_its_run_trained_again_to_the_same_byt
     with pytest.raises(SystemExit) as e:
         verify([str(tmp_path / "results")])
     assert e.value.code == 1 and f"{gone}: listed in {rd / 'checkpoints.json'}, missing" in capsys.readouterr().out
-    with caplog.at_level("WARNING", logger="iclnoise.train"):
+    with caplog.at_level("WARNING", logger="iclnoise.run.train"):
         train_run(run_spec(tiny, RUNS[0]), rd, progress=False)
     assert f"checkpoints {gone} are missing" in caplog.text
     assert manifest(rd) == man and sha256(gone) == man[sorted(man)[2]]
@@ -553,12 +598,14 @@ def test_a_deleted_checkpoint_is_named_and_its_run_trained_again_to_the_same_byt
     assert missing_checkpoints(rd) == []
 
 
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_a_resume_after_a_divergence_keeps_the_frozen_run_in_the_ensemble(tiny, tmp_path, monkeypatch):
     """A run that diverged stays in the stack (frozen), as in the ensemble that froze it: stopped after step 45 (run 1
     diverged at 30) and resumed, every run ends torch.equal to the uninterrupted diverging ensemble, and the resume
     trains all three runs as one ensemble."""
-    import iclnoise.ensemble as ens
-    import iclnoise.train as tr
+    import iclnoise.run.ensemble as ens
+    import iclnoise.run.train as tr
 
     setup = _diverging_at_30(tr.Member.setup)
     monkeypatch.setattr(tr.Member, "setup", setup)

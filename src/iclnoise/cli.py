@@ -31,14 +31,14 @@ COMMANDS = {  # command -> ("iclnoise.commands.<topic>:<command with - as _>", h
     "cnr": ("iclnoise.commands.probes:cnr", "counterfactual noise replay: a run's final metrics under other noise, "
             "predicted without retraining (cnr.parquet)"),
     "ed": ("iclnoise.commands.probes:ed", "essential dynamics of a family of runs"),
-    "figures": ("iclnoise.commands.results:figures", "training-curve figures (SPEC §12 fig. 1) and the summary "
+    "figures": ("iclnoise.commands.results:figures", "training-curve figures (method §12 fig. 1) and the summary "
                 "table"),
     "llc-figures": ("iclnoise.commands.results:llc_figures", "figures 3 (loss and LLC against M) and 4 (LLC over "
                     "training)"),
     "refined-figures": ("iclnoise.commands.results:refined_figures", "figures 11 (refined LLC per head over "
                         "training) and 12 (susceptibilities)"),
     "cnr-figure": ("iclnoise.commands.results:cnr_figure", "CNR's predicted against realised changes (from "
-                   "bench/reproductions/cnr.csv)"),
+                   "reference/reproductions/cnr.csv)"),
     "ed-figures": ("iclnoise.commands.results:ed_figures", "figures 2 and 5 from results/ed/<family>"),
     "aggregate": ("iclnoise.commands.results:aggregate", "outcomes, thresholds and hypothesis tests over all runs"),
     "aggregate-figures": ("iclnoise.commands.results:aggregate_figures", "figures 6-10 from the aggregate tables"),
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     for cmd in cmds:  # all checked before the first runs
         if not cmd or cmd[0] not in COMMANDS:
             raise SystemExit(f"iclnoise each: {cmd[:1]} is not a command; allowed: {', '.join(COMMANDS)}")
-    from .io import code_commit
+    from .core.io import code_commit
 
     code_commit()   # the commit of the code this process runs: read now, not when a later commit may have landed
     for cmd in cmds:

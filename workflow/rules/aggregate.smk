@@ -1,4 +1,4 @@
-# The dose tables exist only where the grid has a dose series (iclnoise.grid.has_dose_series).
+# The dose tables exist only where the grid has a dose series (iclnoise.config.grid.has_dose_series).
 DOSE_TABLES = ([f"{RES}/aggregate/{name}" for name in ("dose.parquet", "dose_levels.parquet", "dose.md",
                                                           "dose_levels.md")] if has_dose_series(PARAMS) else [])
 # H5 (issue 45): the noise-shaped runs' injection logs carry the alignment figure 6 by noise shape draws.
@@ -38,7 +38,7 @@ rule aggregate:
 
 
 rule aggregate_figures:
-    """SPEC §12 figures 6-10 from the aggregate tables and the runs' exposure logs (H5: the shaped runs' alignment)."""
+    """method §12 figures 6-10 from the aggregate tables and the runs' exposure logs (H5: the shaped runs' alignment)."""
     input:
         outcomes=rules.aggregate.output.outcomes,
         thresholds=rules.aggregate.output.thresholds,

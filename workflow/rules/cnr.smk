@@ -1,4 +1,4 @@
-# Counterfactual noise replay (iclnoise.replay), off by default (cnr.enabled): one job per run that injects noise
+# Counterfactual noise replay (iclnoise.run.replay), off by default (cnr.enabled): one job per run that injects noise
 # (of cnr.seeds), writing its cnr.parquet; the target `snakemake cnr` asks for all of them (`all` does not).
 
 CNR = PARAMS.get("cnr", {})

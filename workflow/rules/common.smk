@@ -3,7 +3,7 @@ def run_files(name):
 
 
 def probe_runs(section):
-    """The runs a probe section (llc, geometry, mech) covers (iclnoise.grid.jobs)."""
+    """The runs a probe section (llc, geometry, mech) covers (iclnoise.config.grid.jobs)."""
     return [r for r, secs in JOBS["probe"].items() if section in secs]
 
 
@@ -51,12 +51,12 @@ SPECS = {r: typed_spec(PARAMS, r) for r in RUNS}   # each run's typed spec: its 
 
 
 def train_outputs(run):
-    """What a run's training job writes: its files and its hooks' tables (iclnoise.sections.RunSpec.outputs)."""
+    """What a run's training job writes: its files and its hooks' tables (iclnoise.core.sections.RunSpec.outputs)."""
     return [f"{RES}/runs/{run}/{n}" for n in SPECS[run].outputs]
 
 
 def cfg(*names):
-    """A command's --cfg (iclnoise.grid.job_cfg): the params sections it reads, as in params.yaml (iclnoise.commands),
+    """A command's --cfg (iclnoise.config.grid.job_cfg): the params sections it reads, as in params.yaml (iclnoise.commands),
     less the keys that only select jobs. As a rule's param it reruns the rule when what it computes changes, and
     only then: probing one more seed, or refining one more M, adds jobs and reruns none."""
     return json.dumps(job_cfg(PARAMS, *names))

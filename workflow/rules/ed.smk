@@ -5,7 +5,7 @@ if ed_families(PARAMS, single=True):
 
 
 rule ed:
-    """Essential dynamics of one family of runs: joint PCA, curve geometry in log-step time, forms (SPEC §8)."""
+    """Essential dynamics of one family of runs: joint PCA, curve geometry in log-step time, forms (method §8)."""
     input:
         preds=lambda w: expand(f"{RES}/runs/{{run}}/root_preds.parquet", run=ED_FAMILIES[w.family]),
         stages=lambda w: (expand(f"{RES}/runs/{{run}}/stages.parquet", run=ED_FAMILIES[w.family])
@@ -31,7 +31,7 @@ rule ed:
 
 
 rule ed_figures:
-    """SPEC §12 figures 2 (essential subspace) and 5 (plane curves, evolutes, forms) of one family."""
+    """method §12 figures 2 (essential subspace) and 5 (plane curves, evolutes, forms) of one family."""
     input:
         rules.ed.output,
         metrics=lambda w: expand(f"{RES}/runs/{{run}}/metrics.parquet", run=ED_FAMILIES[w.family]),

@@ -1,5 +1,5 @@
 rule training_figures:
-    """SPEC §12 figure 1 (OOD loss over training per M, t_crit marked) and the end-of-training summary."""
+    """method §12 figure 1 (OOD loss over training per M, t_crit marked) and the end-of-training summary."""
     input:
         run_files("metrics.parquet"),
     output:

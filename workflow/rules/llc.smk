@@ -1,5 +1,5 @@
 rule llc_figures:
-    """SPEC §12 figures 3 and 4."""
+    """method §12 figures 3 and 4."""
     input:
         summary=f"{RES}/summary.parquet",
         llc=probe_files("llc", "llc.parquet"),

@@ -2,7 +2,7 @@
 # checkpoints: llc.refined), geometry and mechanistic probes run in one
 # process (`iclnoise each`), so a run pays the interpreter, torch and transformer_lens start-up (~4 s) once,
 # not once per probe: 18 jobs instead of 72 on the default grid. Which probes a run gets: each section's
-# `enabled` and `seeds` (iclnoise.grid.jobs). Rules are generated per run, named probe_<run>.
+# `enabled` and `seeds` (iclnoise.config.grid.jobs). Rules are generated per run, named probe_<run>.
 
 
 def probe_command(run, sections):
@@ -23,7 +23,7 @@ def probe_command(run, sections):
 
 
 def probe_outputs(run, sections):
-    """The run's probe tables (iclnoise.grid.PROBE_TABLES) and, with mech, its heads figure."""
+    """The run's probe tables (iclnoise.config.grid.PROBE_TABLES) and, with mech, its heads figure."""
     heads = [f"{RES}/figures/heads/{run}{e}" for e in (".pdf", ".png", ".parquet")] if "mech" in sections else []
     return [f"{RES}/runs/{run}/{f}" for s in sections for f in PROBE_TABLES[s]] + heads
 

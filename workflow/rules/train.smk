@@ -1,4 +1,4 @@
-# One rule per ensemble (iclnoise.grid.ensemble_groups): one job trains all its runs in one process.
+# One rule per ensemble (iclnoise.config.grid.ensemble_groups): one job trains all its runs in one process.
 # Its outputs are every member run's files, so a deleted or incomplete run reruns its ensemble; the
 # members' specs are a rule parameter, so a changed spec reruns it (runs whose spec did not change
 # rewrite their outputs from their final resume state without training; a changed run trains afresh).

@@ -1,6 +1,6 @@
 """`iclnoise llc | llc-calibrate | refined | stages | geometry | mech | ed | cnr`: the probes of a run's checkpoints,
-the essential dynamics of a family of runs and counterfactual noise replay (the work is in iclnoise.probes,
-iclnoise.replay and the formula modules).
+the essential dynamics of a family of runs and counterfactual noise replay (the work is in iclnoise.run.probing,
+iclnoise.run.replay and the formula modules).
 
 Each reads its params section from `--cfg` (llc, refined, stages and llc-calibrate the llc section; geometry, mech
 and ed their own), and the probes of checkpoints take `every` (and llc `at`) from it.
@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 
 from ..config import ParamsError, every_at, noise_conditions, typed
-from ..ed import EVENTS_SCHEMA, FORMS_SCHEMA, MAX_GAP, PCS_SCHEMA, SAMPLING_SCHEMA, VAR_SCHEMA
-from ..io import CorruptFileError, read_json, write_parquet
-from ..mech import run_summary
-from ..probes import (
+from ..core.io import CorruptFileError, read_json, write_parquet
+from ..core.schedules import refined_steps
+from ..probes.ed import EVENTS_SCHEMA, FORMS_SCHEMA, MAX_GAP, PCS_SCHEMA, SAMPLING_SCHEMA, VAR_SCHEMA
+from ..probes.mech import run_summary
+from ..run.probing import (
     calibrate_for_run,
     essential_dynamics,
     geometry_for_run,
@@ -29,8 +30,7 @@ from ..probes import (
     refined_for_run,
     stages_for_run,
 )
-from ..replay import CNR_SCHEMA, replay_run
-from ..schedules import refined_steps
+from ..run.replay import CNR_SCHEMA, replay_run
 from . import add_cfg, doc, sections
 
 
@@ -76,11 +76,11 @@ def refined(argv: list[str]) -> None:
 
 
 def llc_calibrate(argv: list[str]) -> None:
-    """Choose (ε, γ, nβ) inside SGLD's stable, non-escaped region (SPEC §7): sweep ε × γ (× nβ) at the first, middle
+    """Choose (ε, γ, nβ) inside SGLD's stable, non-escaped region (method §7): sweep ε × γ (× nβ) at the first, middle
     and last of the LLC's checkpoints past step 0 (the other settings: llc.sampler) and keep the largest ε whose
     estimate is unflagged and has levelled off in ε, at the smallest such γ. Writes <run-dir>/llc_calibration.parquet
     (the sweep), llc_calibration.json (the choice) and the figure."""
-    from ..figures.llc import fig_llc_calibration
+    from ..output.figures.llc import fig_llc_calibration
 
     ap = argparse.ArgumentParser(prog="iclnoise llc-calibrate", description=llc_calibrate.__doc__)
     ap.add_argument("--run-dir", required=True)
@@ -113,7 +113,7 @@ def llc_calibrate(argv: list[str]) -> None:
 
 
 def stages(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="iclnoise stages", description=doc("stages"))
+    ap = argparse.ArgumentParser(prog="iclnoise stages", description=doc("probes.stages"))
     ap.add_argument("--run-dir", required=True)
     add_cfg(ap, "llc")
     a = ap.parse_args(argv)
@@ -122,7 +122,7 @@ def stages(argv: list[str]) -> None:
 
 
 def geometry(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="iclnoise geometry", description=doc("geometry"))
+    ap = argparse.ArgumentParser(prog="iclnoise geometry", description=doc("probes.geometry"))
     ap.add_argument("--run-dir", required=True)
     add_cfg(ap, "geometry")
     ap.add_argument("--threads", type=int, default=1)
@@ -135,7 +135,7 @@ def geometry(argv: list[str]) -> None:
 
 
 def mech(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="iclnoise mech", description=doc("mech"),
+    ap = argparse.ArgumentParser(prog="iclnoise mech", description=doc("probes.mech"),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run-dir", required=True)
     add_cfg(ap, "mech")
@@ -147,14 +147,14 @@ def mech(argv: list[str]) -> None:
     t0 = time.time()
     df = mech_for_run(a.run_dir, typed(cfg, "mech"), every_at(cfg, "mech")[0])
     if a.figure:
-        from ..figures.probes import fig_heads
+        from ..output.figures.probes import fig_heads
         fig_heads(df, a.figure)
     print(json.dumps(run_summary(df), indent=1))
     print(f"{df.step.nunique()} checkpoints in {time.time() - t0:.1f}s")
 
 
 def ed(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="iclnoise ed", description=doc("ed"),
+    ap = argparse.ArgumentParser(prog="iclnoise ed", description=doc("probes.ed"),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dirs", nargs="+")
     ap.add_argument("--family", required=True)
@@ -177,7 +177,7 @@ def ed(argv: list[str]) -> None:
 
 
 def cnr(argv: list[str]) -> None:
-    """Counterfactual noise replay (SPEC §13; iclnoise.replay): the run's final metrics predicted under each
+    """Counterfactual noise replay (method §13; iclnoise.run.replay): the run's final metrics predicted under each
     counterfactual noise (NAME or NAME*k: none, self, or a noise condition of the --cfg noise section), with
     intervals, without retraining; writes <run>/cnr.parquet."""
     ap = argparse.ArgumentParser(prog="iclnoise cnr", description=cnr.__doc__)

@@ -1,6 +1,6 @@
 """`iclnoise figures | llc-figures | refined-figures | ed-figures | cnr-figure | aggregate | aggregate-figures |
-report | export | paper`: what the workflow makes from the runs' tables (the work is in iclnoise.figures,
-iclnoise.aggregate, iclnoise.report and iclnoise.paper). Only the figure commands draw."""
+report | export | paper`: what the workflow makes from the runs' tables (the work is in iclnoise.output.figures,
+iclnoise.analysis.aggregate, iclnoise.output.report and iclnoise.output.paper). Only the figure commands draw."""
 from __future__ import annotations
 
 import argparse
@@ -14,9 +14,9 @@ log = logging.getLogger(__name__)
 
 
 def figures(argv: list[str]) -> None:
-    from ..figures.training import training_figures
+    from ..output.figures.training import training_figures
 
-    ap = argparse.ArgumentParser(prog="iclnoise figures", description=doc("figures.training"))
+    ap = argparse.ArgumentParser(prog="iclnoise figures", description=doc("output.figures.training"))
     ap.add_argument("metrics", nargs="+", help="per-run metrics.parquet files")
     ap.add_argument("--out-dir", default="results")
     a = ap.parse_args(argv)
@@ -28,10 +28,10 @@ def figures(argv: list[str]) -> None:
 def cnr_figure(argv: list[str]) -> None:
     import pandas as pd
 
-    from ..figures.cnr import fig_cnr
+    from ..output.figures.cnr import fig_cnr
 
-    ap = argparse.ArgumentParser(prog="iclnoise cnr-figure", description=doc("figures.cnr"))
-    ap.add_argument("table", help="CNR against retraining (CSV), e.g. bench/reproductions/cnr.csv: columns metric, "
+    ap = argparse.ArgumentParser(prog="iclnoise cnr-figure", description=doc("output.figures.cnr"))
+    ap.add_argument("table", help="CNR against retraining (CSV), e.g. reference/reproductions/cnr.csv: columns metric, "
                     "counterfactual, delta, lo_delta, hi_delta, realised")
     ap.add_argument("--out", default="results/figures/cnr_check")
     a = ap.parse_args(argv)
@@ -39,12 +39,12 @@ def cnr_figure(argv: list[str]) -> None:
     missing = {"metric", "counterfactual", "delta", "lo_delta", "hi_delta", "realised"} - set(df.columns)
     if missing:
         raise SystemExit(f"{a.table}: no column(s) {', '.join(sorted(missing))}; write it with "
-                         f"bench/reproductions/cnr_check.py")
+                         f"experiments/reproductions/cnr_check.py")
     print(f"wrote {', '.join(map(str, fig_cnr(df, a.out)))}")
 
 
 def llc_figures(argv: list[str]) -> None:
-    from ..figures.llc import llc_figures as draw
+    from ..output.figures.llc import llc_figures as draw
 
     ap = argparse.ArgumentParser(prog="iclnoise llc-figures",
                                  description="Figures 3 (loss and LLC against M) and 4 (LLC over training).")
@@ -57,9 +57,9 @@ def llc_figures(argv: list[str]) -> None:
 
 
 def refined_figures(argv: list[str]) -> None:
-    from ..figures.refined import refined_figures as draw
+    from ..output.figures.refined import refined_figures as draw
 
-    ap = argparse.ArgumentParser(prog="iclnoise refined-figures", description=doc("figures.refined"))
+    ap = argparse.ArgumentParser(prog="iclnoise refined-figures", description=doc("output.figures.refined"))
     ap.add_argument("--rllc", nargs="+", required=True, help="the probed runs' rllc.parquet files")
     ap.add_argument("--susceptibility", nargs="+", required=True, help="their susceptibility.parquet files")
     ap.add_argument("--out-dir", default="results/figures")
@@ -69,9 +69,9 @@ def refined_figures(argv: list[str]) -> None:
 
 def ed_figures(argv: list[str]) -> None:
     from ..config import typed
-    from ..figures.ed import ed_figures as draw
+    from ..output.figures.ed import ed_figures as draw
 
-    ap = argparse.ArgumentParser(prog="iclnoise ed-figures", description=doc("figures.ed"))
+    ap = argparse.ArgumentParser(prog="iclnoise ed-figures", description=doc("output.figures.ed"))
     ap.add_argument("run_dirs", nargs="+", help="the family's run directories (their metrics.parquet: t_crit)")
     ap.add_argument("--family", required=True)
     ap.add_argument("--ed", required=True, help="the directory `iclnoise ed --out` wrote")
@@ -82,10 +82,10 @@ def ed_figures(argv: list[str]) -> None:
 
 
 def aggregate(argv: list[str]) -> None:
-    from ..aggregate import aggregate as run
+    from ..analysis.aggregate import aggregate as run
     from ..config import typed
 
-    ap = argparse.ArgumentParser(prog="iclnoise aggregate", description=doc("aggregate"),
+    ap = argparse.ArgumentParser(prog="iclnoise aggregate", description=doc("analysis.aggregate"),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dirs", nargs="+")
     ap.add_argument("--out", default="results/aggregate")
@@ -96,9 +96,9 @@ def aggregate(argv: list[str]) -> None:
 
 
 def aggregate_figures(argv: list[str]) -> None:
-    from ..figures.aggregate import aggregate_figures as draw
+    from ..output.figures.aggregate import aggregate_figures as draw
 
-    ap = argparse.ArgumentParser(prog="iclnoise aggregate-figures", description=doc("figures.aggregate"))
+    ap = argparse.ArgumentParser(prog="iclnoise aggregate-figures", description=doc("output.figures.aggregate"))
     ap.add_argument("--aggregate", default="results/aggregate", help="the directory `iclnoise aggregate --out` wrote")
     ap.add_argument("--exposure", nargs="*", default=[], help="the runs' exposure.parquet files")
     ap.add_argument("--alignment", nargs="*", default=[],
@@ -109,10 +109,10 @@ def aggregate_figures(argv: list[str]) -> None:
 
 
 def report(argv: list[str]) -> None:
-    from ..io import write_text
-    from ..report import build
+    from ..core.io import write_text
+    from ..output.report import build
 
-    ap = argparse.ArgumentParser(prog="iclnoise report", description=doc("report"))
+    ap = argparse.ArgumentParser(prog="iclnoise report", description=doc("output.report"))
     ap.add_argument("--results", default="results")
     add_cfg(ap)
     ap.add_argument("--out", default="results/report.md")
@@ -123,9 +123,9 @@ def report(argv: list[str]) -> None:
 
 def export(argv: list[str]) -> None:
     from ..config import load_params
-    from ..paper import export as run
+    from ..output.export import export as run
 
-    ap = argparse.ArgumentParser(prog="iclnoise export", description=doc("paper"),
+    ap = argparse.ArgumentParser(prog="iclnoise export", description=doc("output.export"),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default="results")
     ap.add_argument("--params", default="params.yaml")
@@ -144,11 +144,11 @@ def export(argv: list[str]) -> None:
 
 
 def paper(argv: list[str]) -> None:
-    from ..io import write_bytes
-    from ..paper import apart, rehash, update_aggregate, verify
-    from ..paper import paper as run
+    from ..core.io import write_bytes
+    from ..output.paper import apart, rehash, update_aggregate, verify
+    from ..output.paper import paper as run
 
-    ap = argparse.ArgumentParser(prog="iclnoise paper", description=doc("paper"),
+    ap = argparse.ArgumentParser(prog="iclnoise paper", description=doc("output.paper"),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("references", nargs="+", help="reference sets, e.g. reference/science reference/noise")
     ap.add_argument("--out", default="paper", help="figures and reports go to OUT/<set name>/ (make paper: "

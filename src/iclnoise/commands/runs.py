@@ -10,13 +10,13 @@ from pathlib import Path
 def train(argv: list[str]) -> None:
     import torch
 
-    from ..grid import member_specs
-    from ..train import train_ensemble
+    from ..config.grid import member_specs
+    from ..run.train import train_ensemble
     from . import at_file
 
     ap = argparse.ArgumentParser(prog="iclnoise train",
                                  description="Train runs as one ensemble (resumes from their resume states).")
-    ap.add_argument("--spec", required=True, help="a run spec as JSON (iclnoise.grid.run_spec), or @file.json; "
+    ap.add_argument("--spec", required=True, help="a run spec as JSON (iclnoise.config.grid.run_spec), or @file.json; "
                     "with --runs, the spec shared by the ensemble (its keys are replaced per run)")
     ap.add_argument("--runs", default=None, help="comma-separated run ids of the ensemble (default: the spec's run)")
     ap.add_argument("--results", default="results", help="run directories are <results>/runs/<run>")
@@ -44,8 +44,8 @@ def train(argv: list[str]) -> None:
 
 def check(argv: list[str]) -> None:
     from ..config import ParamsError, load_params, source_names
-    from ..cost import COST_CONFIRM_CORE_HOURS, PARAMS_RECORD, cost_estimate, format_cost, rerun_note
-    from ..grid import expand_grid, typed_spec
+    from ..config.cost import COST_CONFIRM_CORE_HOURS, PARAMS_RECORD, cost_estimate, format_cost, rerun_note
+    from ..config.grid import expand_grid, typed_spec
 
     ap = argparse.ArgumentParser(prog="iclnoise check",
                                  description="Validate a params file, list its runs and print the cost estimate.")
@@ -78,8 +78,8 @@ def verify(argv: list[str]) -> None:
     """Read every Parquet and JSON file under a results directory, and check that every checkpoint a run's
     checkpoints.json lists is on disk; name each unreadable or missing file and what to do (exit 1).
     scripts/dvc-snakemake.sh runs it last, so `dvc repro` never records a corrupt table."""
-    from ..io import CorruptFileError, read_json, read_parquet
-    from ..runs import MANIFEST, missing_checkpoints
+    from ..core.io import CorruptFileError, read_json, read_parquet
+    from ..run.runs import MANIFEST, missing_checkpoints
 
     ap = argparse.ArgumentParser(prog="iclnoise verify", description=verify.__doc__)
     ap.add_argument("dir", nargs="?", default="results")

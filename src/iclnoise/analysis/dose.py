@@ -1,0 +1,392 @@
+"""The dose–response of ICL to an injected noise dose (method §11 'Dose–response'; issue 43): the per-run dose table,
+the operating regime, and the slopes of r and of log2 M* against log10 dose with their intervals.
+
+A dose series is one injected source (and shape) at one batch size: constant-schedule injection over the whole run
+with an integrated-exposure budget (the target dose), no emulated batch, at ≥ 2 positive target doses; its dose 0 is
+batch noise alone at that batch (noise source 'none'). Log dose is undefined at 0, so every slope is fitted over
+the positive doses and dose 0 is the reference arm, reported beside (the contrast of the highest dose against it,
+the ladder's shifts against it). Dose is the realised integrated injected P-NE* (after clipping), averaged over the
+runs of its condition: one value per condition, so run-to-run variation of the realised dose, which could track the
+phase a run is in (method §11), does not enter the fit. Units: r per decade of dose, octaves of M* per decade of dose.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+from scipy import optimize
+from scipy import stats as sps
+
+from ..core.runspec import M_INF
+from . import stats
+from .thresholds import fit_threshold, logistic, t_interval, threshold_with_ci
+
+SERIES = ["source", "shape", "batch", "optimizer"]   # one dose series (grid.optimizer: each optimizer its own)
+DOSE_SCHEMA = pa.schema([   # aggregate/dose.parquet: one row per run of a dose series (dose 0 included)
+    pa.field("run_id", pa.string()), pa.field("source", pa.string()),   # source: grad | param; 'none' at dose 0
+    pa.field("shape", pa.string()), pa.field("batch", pa.int64()), pa.field("optimizer", pa.string()),
+    pa.field("noise", pa.string()),
+    pa.field("target_dose", pa.float64()),     # the condition's budget: integrated injected P-NE*; 0 at dose 0
+    pa.field("realised_dose", pa.float64()),   # the run's booked integrated injected P-NE* (exposure.parquet)
+    pa.field("realised_dose_se", pa.float64()),   # its SE from diag Ĥ's Hutchinson error (null: not booked)
+    pa.field("M", pa.int64()), pa.field("seed", pa.int64()), pa.field("r", pa.float64()),
+    pa.field("ood_loss", pa.float64()), pa.field("ood_loss_ridge", pa.float64()), pa.field("diverged", pa.bool_()),
+    pa.field("converged", pa.bool_()),   # M = ∞ only (OOD loss ≤ (1 + regime_tol) × ridge's); null at finite M
+])
+LEVELS_SCHEMA = pa.schema([   # aggregate/dose_levels.parquet: one row per (series, target dose), dose 0 included
+    *[pa.field(c, t) for c, t in (("source", pa.string()), ("shape", pa.string()), ("batch", pa.int64()),
+                                  ("optimizer", pa.string()))],
+    pa.field("noise", pa.string()), pa.field("target_dose", pa.float64()), pa.field("realised_dose", pa.float64()),
+    pa.field("n_runs", pa.int64()), pa.field("n_seeds", pa.int64()),
+    pa.field("ood_loss_over_ridge", pa.float64()),   # the worst M = ∞ run's (NaN: no M = ∞ run at this dose)
+    pa.field("in_regime", pa.bool_()), pa.field("regime", pa.string()),   # why a dose is outside ('' inside)
+    pa.field("r16", pa.float64()), pa.field("r16_lo", pa.float64()), pa.field("r16_hi", pa.float64()),
+    *[pa.field(f"M_star_{p}{k}", pa.float64()) for p in ("r50", "midpoint") for k in ("", "_lo", "_hi")],
+    pa.field("ladder_shift", pa.float64()),   # log2 M* − log2 M*(dose 0) read from the ladder (ladder_shifts)
+    pa.field("ladder_shift_lo", pa.float64()), pa.field("ladder_shift_hi", pa.float64()),
+])
+
+
+def dose_runs(out: pd.DataFrame, regime_tol: float) -> pd.DataFrame:
+    """The per-run dose table (DOSE_SCHEMA) of the outcomes `out`: the runs of every dose series (≥ 2 positive target
+    doses) and their dose-0 runs; empty when the grid has no series."""
+    inj = out[out.noise_source.isin(["grad", "param"]) & (out.noise_schedule == "constant")
+              & (out.emulate_batch.fillna(0) == 0) & (out.steps_as_batch.fillna(0) == 0)
+              & (out.noise_level.astype(float) > 0)]
+    inj = inj.assign(source=inj.noise_source, shape=inj.noise_shape)
+    n_doses = inj.groupby(SERIES).noise_level.transform("nunique")
+    inj = inj[n_doses >= 2]
+    at = pd.MultiIndex.from_frame(inj[["batch", "optimizer"]])   # dose 0: batch noise at a series' batch and optimizer
+    zero = out[(out.noise_source == "batch") & (out.steps_as_batch.fillna(0) == 0)
+               & pd.MultiIndex.from_frame(out[["batch", "optimizer"]]).isin(at)]
+    rows = pd.concat([inj.assign(target_dose=inj.noise_level.astype(float)),
+                      zero.assign(source="none", shape="none", target_dose=0.0)], ignore_index=True)
+    if not len(inj):
+        rows = rows.iloc[:0]
+    ratio = rows.ood_loss.astype(float) / rows.ood_loss_ridge.astype(float)
+    conv = (ratio <= 1 + regime_tol) & ~rows.diverged.astype(bool)
+    realised = rows.integrated_pne_injected.astype(float).where(rows.target_dose > 0, 0.0)
+    df = rows.assign(realised_dose=realised, realised_dose_se=rows.integrated_pne_injected_se.astype(float),
+                     converged=conv.astype(object).where(rows.M == M_INF, None))
+    return df.reindex(columns=DOSE_SCHEMA.names).sort_values([*SERIES, "target_dose", "M", "seed"], ignore_index=True)
+
+
+def series(runs: pd.DataFrame) -> list[tuple[tuple, pd.DataFrame]]:
+    """(source, shape, batch, optimizer) and the series' runs with its dose-0 runs (source 'none' at its batch and
+    optimizer) appended."""
+    inj = runs[runs.source != "none"]
+    zero = runs[runs.source == "none"]
+    return [(key, pd.concat([g, zero[(zero.batch == key[2]) & (zero.optimizer == key[3])]], ignore_index=True))
+            for key, g in inj.groupby(SERIES)]
+
+
+def regime(g: pd.DataFrame, dose_tol: float) -> pd.DataFrame:
+    """The operating regime of one series (`g`: its runs and dose 0's), one row per target dose: a dose is inside
+    when its realised dose is within `dose_tol` of the target (not saturated), none of its runs diverged, and M = ∞
+    converges there (the `converged` column) or, without M = ∞ runs of its own, at a dose at or above it, below
+    every dose where it does not. Columns: target_dose, noise, realised_dose (condition mean), n_runs, n_seeds,
+    ood_loss_over_ridge, in_regime, regime (why a dose is outside)."""
+    rows = []
+    for d, lv in g.groupby("target_dose"):
+        inf = lv[lv.M == M_INF]
+        ratio = (inf.ood_loss / inf.ood_loss_ridge).where(~inf.diverged.astype(bool), np.inf).astype(float)
+        why, real = [], float(lv.realised_dose.mean())
+        if d > 0 and not np.isfinite(real):
+            why.append("realised dose not recorded (no exposure.parquet)")
+        elif d > 0 and not abs(real / d - 1) <= dose_tol:
+            why.append(f"{'saturated' if real < d else 'over target'}: realised {real:.3g} = {real / d:.2f}× target")
+        if lv.diverged.any():
+            why.append(f"{int(lv.diverged.sum())} of {len(lv)} runs diverged")
+        if len(inf) and not inf.converged.astype(bool).all():
+            why.append(f"M = ∞ {ratio.max():.3f}× ridge's OOD loss")
+        rows.append({"target_dose": d, "noise": lv.noise.iloc[0], "realised_dose": real, "n_runs": len(lv),
+                     "n_seeds": lv.seed.nunique(), "ood_loss_over_ridge": float(ratio.max()) if len(inf) else math.nan,
+                     "has_inf": len(inf) > 0, "why": why})
+    lv = pd.DataFrame(rows)
+    checked = lv[lv.has_inf]
+    ok_hi = checked.target_dose[checked.why.str.len() == 0].max()
+    bad_lo = checked.target_dose[checked.why.str.len() > 0].min()
+    for i, r in lv.iterrows():
+        if not r.has_inf and not r.why:
+            if not r.target_dose <= ok_hi:
+                r.why.append("no M = ∞ run at or above this dose that converged")
+            elif r.target_dose >= bad_lo:
+                r.why.append(f"above dose {bad_lo:.3g}, where M = ∞ does not converge")
+    lv["in_regime"] = lv.why.str.len() == 0
+    lv["regime"] = lv.why.str.join("; ")
+    return lv.drop(columns=["has_inf", "why"])
+
+
+def log_dose(g: pd.DataFrame, lv: pd.DataFrame) -> pd.Series:
+    """log10 of each run's condition dose (the condition's mean realised dose, `regime`'s realised_dose)."""
+    return np.log10(g.target_dose.map(lv.set_index("target_dose").realised_dose))
+
+
+def r_slope(d: pd.DataFrame, alpha: float) -> pd.Series:
+    """The slope of r against log10 dose at fixed M: MixedLM r ~ log10_dose + C(M) + (1 | seed) (C(M) only with
+    several M), REML (stats.mixed_model); the log10_dose row (estimate, se, ci_lo, ci_hi, p, mde,
+    std_effect). `d`: runs with columns r, M, seed, log10_dose. Measured on planted series
+    (experiments/dose_coverage.py, 200
+    each; 5 doses over 2 decades, M ∈ {8, 16, 32}, 3 seeds, run sd 0.02, seed sd 0.03): coverage of the 95 %
+    interval 0.960 at slopes 0, 0.0117 and 0.03; size 0.040; power 0.77 at the reported mde (0.0117, 80 %)."""
+    formula = "r ~ log10_dose" + (" + C(M)" if d.M.nunique() > 1 else "")
+    return stats.mixed_model(d, formula, alpha=alpha).set_index("term").loc["log10_dose"]
+
+
+def mstar_slope(per_seed: pd.DataFrame, alpha: float) -> pd.Series:
+    """The slope of log2 M* against log10 dose, seeds the unit: b_s = each seed's least-squares slope of its
+    per-seed threshold estimates (thresholds.threshold_with_ci's log2_per_seed) on log10 dose (seeds with ≥ 2
+    doses); estimate, t-interval on n − 1 df, p and mde = stats.paired_test of the b_s against 0; std_effect =
+    b·sd(log10 dose)/sd(log2 M*) over all rows, as stats.mixed_model's. A MixedLM with a random intercept per seed
+    gives the same b on a balanced design, but its Wald interval assumes many seeds: at the CPU plan's design (2
+    doses a decade apart, 3 seeds; seed sd and estimate sd 0.03 octaves) it covered a planted slope in 0.797 of 2 000
+    replications (size 0.20), this interval in 0.945 (size 0.056); at 5 doses over 2 decades 0.920 against 0.943
+    (experiments/dose_coverage.py)."""
+    per = np.array([np.polyfit(h.log10_dose.astype(float), h.log2_M_star.astype(float), 1)[0]
+                    for _, h in per_seed.groupby("seed") if h.log10_dose.nunique() >= 2])
+    if len(per) < 2:
+        raise ValueError(f"a slope needs ≥ 2 seeds with ≥ 2 doses each, not {len(per)}")
+    t = stats.paired_test(per, np.zeros(len(per)), alpha)
+    return pd.Series({k: t[k] for k in ("estimate", "ci_lo", "ci_hi", "p", "mde")}
+                     | {"std_effect": t["estimate"] * per_seed.log10_dose.std() / per_seed.log2_M_star.std()})
+
+
+def local_slope(zero: pd.DataFrame, ladder: list[int]) -> dict:
+    """s = d r̄_L/dlog2 M at dose 0: how fast the ladder's mean r, r̄_L = mean over the ladder's M of r, moves when the
+    r-curve translates in log2 M. A translation by δ octaves changes r̄_L by −δ·s to first order, s = the mean over
+    the ladder of dr/dlog2 M, which is how a shift in r reads as a shift in M*. Per seed, from the dose-0 runs on the
+    full M grid: the derivative (ceiling − floor)·g(1 − g)/scale of that seed's logistic4 fit (thresholds.
+    fit_threshold) averaged over the ladder's log2 M ('logistic'); where a seed's fit has no valid curve (too few M,
+    failed, no rise, a parameter on its bound) every seed's least-squares slope of r on log2 M at the ladder's M
+    instead ('secant': 8 % above the mean derivative on a logistic of scale 1 octave centred on {8, 16, 32}).
+    s = the seeds' mean, se = sd/√n (seeds the unit), p = the one-sided t-test that s > 0; `how` says which."""
+    z = zero[~zero.diverged.astype(bool) & zero.r.notna() & (zero.M != M_INF)]
+    xl = np.log2(np.asarray(ladder, float))
+    per, how = [], "logistic"
+    for _, h in z.groupby("seed"):
+        f = fit_threshold(h.M.to_numpy(), h.r.to_numpy(), None)
+        if f["reason"] and not f["reason"].startswith(("r does not cross 0.5", "crossing outside the grid")):
+            per, how = [], "secant"
+            break
+        g = logistic(xl, f["x0"], f["scale"])
+        per.append(float(np.mean((f["ceiling"] - f["floor"]) * g * (1 - g) / f["scale"])))
+    if how == "secant":
+        zl = z[z.M.isin(ladder)]
+        per = [np.polyfit(np.log2(h.M.astype(float)), h.r.astype(float), 1)[0]
+               for _, h in zl.groupby("seed") if h.M.nunique() >= 2]
+    n = len(per)
+    if n < 2:
+        return {"s": math.nan, "se": math.nan, "p": math.nan, "n": n, "how": how}
+    s, se = float(np.mean(per)), float(np.std(per, ddof=1) / math.sqrt(n))
+    p = float(sps.t.sf(s / se, n - 1)) if se > 0 else float(s <= 0)
+    return {"s": s, "se": se, "p": p, "n": n, "how": how}
+
+
+def ladder_conversion(b: float, se_b: float, s: float, se_s: float, alpha: float) -> dict:
+    """A slope b (r per decade, SE se_b) read as a shift of log2 M* per decade through the local slope s (SE se_s,
+    independent: dose 0's runs are not in b's fit): c = −b/s, SE by the delta method
+    √(se_b²/s² + b²·se_s²/s⁴), Wald interval and p, mde = stats.mde_wald(SE). First order in the shift: measured on
+    planted translations of a logistic r-curve (experiments/dose_coverage.py, 200 each; 5 doses over 2 decades, ladder
+    {8, 16, 32} around M* = 16, 3 seeds) coverage 0.960 at 0 (size 0.040), 0.965 at −0.25 octave per decade (mean
+    −0.245), 0.935 at −0.5 (mean −0.475, 5 % low); with the secant slope instead of local_slope's logistic
+    derivative 0.855 and 0.550."""
+    c = -b / s
+    se = math.sqrt(se_b ** 2 / s ** 2 + b ** 2 * se_s ** 2 / s ** 4)
+    z = sps.norm.ppf(1 - alpha / 2)
+    return {"estimate": c, "se": se, "ci_lo": c - z * se, "ci_hi": c + z * se,
+            "p": float(2 * sps.norm.sf(abs(c) / se)) if se > 0 else math.nan, "mde": stats.mde_wald(se, alpha)}
+
+
+def ladder_shifts(g: pd.DataFrame, ladder: list[int], s: dict, level: float) -> pd.DataFrame:
+    """Per positive dose, the shift of log2 M* against dose 0 the ladder reads: Δ = per seed the mean over the
+    ladder's M of r(dose) − r(0) (paired by M and seed), shift = −mean Δ / s; its SE by the delta method from the
+    seeds' spread of Δ (sd/√n) and s's SE, interval ± t_{n−1} × SE. Columns target_dose, ladder_shift, _lo, _hi.
+    Measured on planted translations (experiments/dose_coverage.py, 200 each, 3 seeds): coverage 0.960 over 5 doses
+    with no
+    shift, 0.968 at −0.25 octave per decade; at the top dose (2 decades) 5 % of intervals exclude 0 under no shift,
+    95.5 % at a shift of −0.5 octave. With 2 degrees of freedom an interval's width varies a lot between draws."""
+    z = g[g.M.isin(ladder) & ~g.diverged.astype(bool) & g.r.notna()]
+    zero = z[z.target_dose == 0].set_index(["M", "seed"]).r
+    rows = []
+    for d, lv in z[z.target_dose > 0].groupby("target_dose"):
+        diff = (lv.set_index(["M", "seed"]).r - zero).dropna()
+        per = diff.groupby(level="seed").mean()
+        n = len(per)
+        if n < 2 or not np.isfinite(s["s"]):
+            continue
+        m, se_m = float(per.mean()), float(per.std(ddof=1) / math.sqrt(n))
+        c = ladder_conversion(m, se_m, s["s"], s["se"], 1 - level)
+        half = float(sps.t.ppf(0.5 + level / 2, n - 1)) * c["se"]
+        rows.append({"target_dose": d, "ladder_shift": c["estimate"], "ladder_shift_lo": c["estimate"] - half,
+                     "ladder_shift_hi": c["estimate"] + half})
+    cols = ["target_dose", "ladder_shift", "ladder_shift_lo", "ladder_shift_hi"]
+    return pd.DataFrame(rows, columns=cols).astype(float)
+
+
+def _iso_rss(x: np.ndarray, y: np.ndarray, increasing: bool) -> float:
+    yo = y[np.argsort(x)]
+    return float(((yo - optimize.isotonic_regression(yo, increasing=increasing).x) ** 2).sum())
+
+
+def monotonicity(cells: pd.DataFrame, n_sim: int = 2000, seed: int = 0) -> dict:
+    """Isotonic against linear in log dose: is the response monotone but not a line in log10 dose (a step, a
+    saturation)? `cells`: one row per (positive dose, seed) with columns log10_dose, seed, y (e.g. r averaged over
+    the ladder's M). On the dose means ȳ_d (k ≥ 3 doses, n seeds): T = RSS_linear − RSS_isotonic, the isotonic fit
+    in the direction of the linear slope; effect = T / TSS (the share of the between-dose variance the monotone fit
+    gains over the line). p by a parametric bootstrap of the studentized T/σ̂² under the linear fit: ȳ*_d = line_d +
+    N(0, σ̂²/n) and σ*² = σ̂²·χ²_df/df independently, σ̂² the residual variance of the additive dose + seed fit of
+    the cells (df = (k − 1)(n − 1); a seed's shift common to every dose changes neither RSS);
+    p = (1 + #{T*/σ*² ≥ T/σ̂²}) / (1 + n_sim). Measured (experiments/dose_coverage.py, 200 each, 5 doses, 3 seeds, run sd
+    0.02): rejects a line in log dose at 0.065 (α 0.05), a step of 0.1 in r between two doses at 0.970."""
+    doses = np.sort(cells.log10_dose.unique())
+    k = len(doses)
+    wide = cells.pivot_table(index="log10_dose", columns="seed", values="y").reindex(doses).dropna(axis=1)
+    n = wide.shape[1]
+    none = {"estimate": math.nan, "p": math.nan, "n": len(cells), "k": k}
+    if k < 3 or n < 2:
+        return none
+    y = wide.to_numpy(float)
+    resid = y - y.mean(1, keepdims=True) - y.mean(0, keepdims=True) + y.mean()
+    df = (k - 1) * (n - 1)
+    sigma2 = float((resid ** 2).sum() / df)
+    ybar = y.mean(1)
+
+    def stat(v):
+        slope, icpt = np.polyfit(doses, v, 1)
+        return float(((v - slope * doses - icpt) ** 2).sum()) - _iso_rss(doses, v, slope >= 0), slope * doses + icpt
+
+    t, line = stat(ybar)
+    tss = float(((ybar - ybar.mean()) ** 2).sum())
+    if not sigma2 > 0:
+        return none
+    rng = np.random.default_rng(seed)
+    sims = line + rng.standard_normal((n_sim, k)) * math.sqrt(sigma2 / n)
+    s2 = sigma2 * rng.chisquare(df, n_sim) / df
+    ts = np.array([stat(v)[0] for v in sims]) / s2
+    return {"estimate": t / tss if tss > 0 else math.nan,
+            "p": float((1 + (ts >= t / sigma2 - 1e-12).sum()) / (1 + n_sim)), "n": len(cells), "k": k}
+
+
+def _t_interval(v: pd.Series, level: float) -> tuple[float, float, float]:
+    v = v.dropna()
+    n = len(v)
+    if n < 2:
+        return (float(v.mean()) if n else math.nan), math.nan, math.nan
+    m, se, t = t_interval(v, level)
+    return m, m - t * se, m + t * se
+
+
+def _fitted(fn, d: pd.DataFrame, alpha: float, res: dict, what: str):
+    """fn(d, alpha), or None with res['failed'][what] = the error's name (a singular design is a result to report,
+    not a crash)."""
+    try:
+        return fn(d, alpha)
+    except Exception as err:  # noqa: BLE001
+        res["failed"][what] = type(err).__name__
+        return None
+
+
+def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> dict:
+    """Everything the dose–response of one series says (`g`: its runs and dose 0's, DOSE_SCHEMA rows):
+    levels  one row per target dose: `regime`'s columns, r at M = 16 (t-interval over seeds), M* by r50 and by
+            midpoint (thresholds.threshold_with_ci; NaN with fewer than 5 finite M) and the ladder's shift;
+    fit     the positive in-regime doses' runs at the ladder (the finite M run at every one of them and at dose 0),
+            with log10_dose; ladder: those M; doses: the positive in-regime doses with finite-M runs (a dose whose
+            runs are all M = ∞ is in `levels`, not here); left_out: the positive doses out of the regime;
+    r       r_slope over `fit` (None with < 2 doses); mstar: {point: (mstar_slope, doses)} over the positive doses
+            whose M* has a per-seed interval (≥ 2); mstar_zero: {point: (paired t of log2 M* at the highest such
+            dose − dose 0 by seed, that dose)}; local: local_slope at dose 0; ladder_fit: ladder_conversion of r's
+            slope;
+    zero    paired t (stats.paired_test) of r at the highest in-regime dose − dose 0 by (M, seed) at the ladder;
+    mono    monotonicity of the seed means of r over the ladder against log10 dose;
+    failed  {fit: error name} of the mixed models that failed."""
+    level = 1 - alpha
+    lv = regime(g, dose_tol)
+    ok = g[~g.diverged.astype(bool)].assign(log10_dose=lambda d: np.log10(
+        d.target_dose.map(lv.set_index("target_dose").realised_dose).where(d.target_dose > 0)))
+    finite = ok[(ok.M != M_INF) & ok.r.notna()]
+    # the positive in-regime doses with finite-M runs (a dose with M = ∞ runs only vouches for the regime below it)
+    inside = [d for d in lv[lv.in_regime & (lv.target_dose > 0)].target_dose if (finite.target_dose == d).any()]
+    per_dose = [set(finite[finite.target_dose == d].M) for d in [0.0, *inside]]
+    ladder = sorted(set.intersection(*per_dose)) if per_dose else []
+    fit = finite[finite.target_dose.isin(inside) & finite.M.isin(ladder)]
+    res = {"ladder": ladder, "fit": fit, "doses": sorted(inside),
+           "left_out": lv[~lv.in_regime & (lv.target_dose > 0)], "r": None, "mstar": {}, "mstar_zero": {},
+           "ladder_fit": None,
+           "zero": None, "mono": None, "failed": {}}
+    ex = _dose_thresholds(finite, set(inside), level, alpha, min_seeds)
+    res["local"] = local_slope(finite[finite.target_dose == 0], ladder)
+    shifts = ladder_shifts(finite[finite.target_dose.isin([0.0, *inside])], ladder, res["local"], level)
+    lv = lv.merge(ex.drop(columns=[c for c in ex if c.startswith("_")]), on="target_dose", how="left")
+    res["levels"] = lv.merge(shifts, on="target_dose", how="left")
+    if len(inside) >= 2 and len(fit) and fit.seed.nunique() >= 2:
+        res["r"] = _fitted(r_slope, fit, alpha, res, "r")
+        if res["r"] is not None and np.isfinite(res["local"]["s"]):
+            res["ladder_fit"] = ladder_conversion(res["r"].estimate, res["r"].se, res["local"]["s"],
+                                                  res["local"]["se"], alpha)
+        cells = fit.groupby(["log10_dose", "seed"], as_index=False).r.mean().rename(columns={"r": "y"})
+        res["mono"] = monotonicity(cells)
+    for point in ("r50", "midpoint"):
+        _mstar_tests(ex, lv, point, alpha, res)
+    if len(inside) and ladder:
+        top = finite[(finite.target_dose == max(inside)) & finite.M.isin(ladder)].set_index(["M", "seed"]).r
+        zero = finite[(finite.target_dose == 0) & finite.M.isin(ladder)].set_index(["M", "seed"]).r
+        pairs = pd.concat([top, zero], axis=1, keys=["top", "zero"]).dropna()
+        if len(pairs) >= 2:
+            res["zero"] = stats.paired_test(pairs.top.to_numpy(), pairs.zero.to_numpy(), alpha)
+    return res
+
+
+def _dose_thresholds(finite: pd.DataFrame, inside: set, level: float, alpha: float, min_seeds: int) -> pd.DataFrame:
+    """One row per target dose of `finite` (its runs at finite M with an r): r at M = 16 with its t-interval over
+    seeds, M* by r50 and by midpoint with their intervals, and for dose 0 and the `inside` doses whose M* has an
+    interval, `_seeds_<point>`: the per-seed log2 M* (threshold_with_ci's log2_per_seed)."""
+    extra = []
+    for d, h in finite.groupby("target_dose"):
+        row = {"target_dose": d}
+        r16 = h[h.M == 16].groupby("seed").r.mean()
+        row["r16"], row["r16_lo"], row["r16_hi"] = _t_interval(r16, level)
+        for point in ("r50", "midpoint"):
+            est = threshold_with_ci(h, level=level, min_seeds=min_seeds, alpha=alpha, point=point)
+            ok_ci = not est["reason"]
+            row.update({f"M_star_{point}": est["M_star"], f"M_star_{point}_lo": est["M_star_lo"],
+                        f"M_star_{point}_hi": est["M_star_hi"]})
+            if ok_ci and (d in inside or d == 0):
+                row[f"_seeds_{point}"] = est["log2_per_seed"]
+        extra.append(row)
+    cols = ["target_dose", "r16", "r16_lo", "r16_hi",
+            *[f"M_star_{p}{k}" for p in ("r50", "midpoint") for k in ("", "_lo", "_hi")]]
+    ex = pd.DataFrame(extra).reindex(columns=[*cols, *(c for r in extra for c in r if c.startswith("_"))])
+    return ex.loc[:, ~ex.columns.duplicated()]
+
+
+def _mstar_tests(ex: pd.DataFrame, lv: pd.DataFrame, point: str, alpha: float, res: dict) -> None:
+    """res['mstar_zero'][point] (paired t of log2 M* at the highest dose with a per-seed M* against dose 0's, by
+    seed) and res['mstar'][point] (mstar_slope over the ≥ 2 positive such doses), from `_dose_thresholds`' rows."""
+    col = f"_seeds_{point}"
+    have = ex[ex[col].notna()] if col in ex else ex.iloc[:0]
+    zero = have[have.target_dose == 0]
+    have = have[have.target_dose > 0]
+    if len(have) and len(zero):   # the highest dose with its own M* against dose 0's, paired by seed
+        a, b = have[col].iloc[-1], zero[col].iloc[0]
+        common = sorted(set(a) & set(b))
+        if len(common) >= 2:
+            res["mstar_zero"][point] = (stats.paired_test([a[k] for k in common], [b[k] for k in common], alpha),
+                                        float(have.target_dose.iloc[-1]))
+    if len(have) >= 2:
+        x = np.log10(have.target_dose.map(lv.set_index("target_dose").realised_dose))
+        per = pd.DataFrame([{"log10_dose": xi, "seed": s, "log2_M_star": v}
+                            for xi, seeds in zip(x, have[col]) for s, v in seeds.items()])
+        e = _fitted(mstar_slope, per, alpha, res, f"M* ({point})")
+        if e is not None:
+            res["mstar"][point] = (e, len(have))
+
+
+def levels_table(runs: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> pd.DataFrame:
+    """aggregate/dose_levels.parquet: `analyse`'s levels of every series (LEVELS_SCHEMA)."""
+    frames = [analyse(g, alpha, dose_tol, min_seeds)["levels"].assign(**dict(zip(SERIES, k)))
+              for k, g in series(runs)]
+    return pd.concat(frames, ignore_index=True).reindex(columns=LEVELS_SCHEMA.names) if frames else \
+        pd.DataFrame(columns=LEVELS_SCHEMA.names)

@@ -1,0 +1,247 @@
+"""Statistics for H1–H5 (method §11, §13): mixed models, paired and equivalence tests, correlations, Holm (the
+task-diversity thresholds are in iclnoise.analysis.thresholds).
+
+Every test returns a row with an effect size, its confidence interval, a p-value and a verdict
+in words, so tables never report p-values alone.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pandas as pd
+from scipy import optimize, stats
+
+POWER = 0.8   # the power every minimum detectable effect (mde) is stated at
+
+
+def _fit_mixed(df: pd.DataFrame, formula: str, group: str, reml: bool):
+    """MixedLM fit with L-BFGS; Powell if that did not converge to a finite likelihood."""
+    import statsmodels.formula.api as smf
+
+    return _fit_with_fallback(smf.mixedlm(formula, df, groups=df[group]), reml)
+
+
+def _fit_with_fallback(model, reml: bool):
+    """L-BFGS, else Powell. L-BFGS's gradient inverts X'V⁻¹X, which is singular when the group variance sits on
+    its boundary (0: no seed effect) and the fit is near exact; Powell needs no gradient and reaches that optimum."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            res = model.fit(reml=reml)
+            if res.converged and np.isfinite(res.llf):
+                return res
+        except np.linalg.LinAlgError:
+            pass
+        return model.fit(reml=reml, method="powell")
+
+
+def mixed_model(df: pd.DataFrame, formula: str, group: str = "seed", alpha: float = 0.05,
+                reml: bool = True) -> pd.DataFrame:
+    """statsmodels MixedLM with a random intercept per `group`; coefficients with SE, CI, p, a standardized
+    effect (coefficient × sd(predictor) / sd(outcome)) and the mde (mde_wald on the fitted SE)."""
+    res = _fit_mixed(df, formula, group, reml)
+    ci = res.conf_int(alpha)
+    y = formula.split("~")[0].strip()
+    rows = []
+    for term in res.fe_params.index:
+        sd_x = df[term].std() if term in df else math.nan
+        rows.append({"term": term, "estimate": res.fe_params[term], "se": res.bse_fe[term],
+                     "ci_lo": ci.loc[term, 0], "ci_hi": ci.loc[term, 1], "p": res.pvalues[term],
+                     "mde": mde_wald(res.bse_fe[term], alpha),
+                     "std_effect": res.fe_params[term] * sd_x / df[y].std() if term != "Intercept" else math.nan})
+    out = pd.DataFrame(rows)
+    out.attrs.update(llf=res.llf, aic=getattr(res, "aic", math.nan), converged=res.converged)
+    return out
+
+
+def _independent_columns(base: np.ndarray, extra: np.ndarray, tol: float = 1e-8) -> tuple[np.ndarray, np.ndarray]:
+    """Columns of `base` kept in order while they raise the rank, then the columns of `extra` that raise it further
+    (an aliased treatment level, e.g. a noise condition that exists at only one η/B, carries no test)."""
+    def grow(cols, cands):
+        for c in cands.T:
+            trial = np.column_stack(cols + [c])
+            if np.linalg.matrix_rank(trial, tol=tol * max(1.0, np.abs(trial).max())) == len(cols) + 1:
+                cols.append(c)
+        return cols
+    kept = grow([], base)
+    n_base = len(kept)
+    kept = grow(kept, extra)
+    return np.column_stack(kept[:n_base]), np.column_stack(kept) if len(kept) > n_base else np.empty((len(base), 0))
+
+
+def _fit_mixed_arrays(y: np.ndarray, X: np.ndarray, groups: np.ndarray):
+    """ML MixedLM with a random intercept per group (L-BFGS, Powell if that did not converge)."""
+    import statsmodels.api as sm
+
+    return _fit_with_fallback(sm.MixedLM(y, X, groups), reml=False)
+
+
+def manipulation_lr_test(df: pd.DataFrame, outcome: str, treatment: str, controls: str,
+                         group: str = "seed") -> dict:
+    """Likelihood-ratio test (ML MixedLM, random intercept per `group`) of a MANIPULATED treatment, e.g.
+    `C(noise)`, beyond `controls`, e.g. `C(eta_b) + C(M)`: outcome ~ controls + treatment vs outcome ~ controls.
+
+    Treatment levels aliased with the controls (a condition that exists at only one η/B level shared by no other
+    condition) are dropped, so `df` counts only the contrasts the design identifies; `df = 0` means none is.
+    Measured exposure never enters: it responds to the phase the model is in, so regressing on it would let a
+    phase-tracking dose read as a cause (issue 17, point 9).
+
+    mde: the smallest shift of r by one condition (the best-determined treatment contrast, SE from the full fit)
+    the k-df test detects at 80 % power (mde_wald with k df)."""
+    import patsy
+
+    Xc = np.asarray(patsy.dmatrix(controls, df, return_type="dataframe"), float)
+    Xt = np.asarray(patsy.dmatrix(f"0 + {treatment}", df, return_type="dataframe"), float)
+    Xr, Xf = _independent_columns(Xc, Xt)
+    k = Xf.shape[1] - Xr.shape[1]
+    if k <= 0:
+        return {"lr_stat": math.nan, "df": 0, "p": math.nan, "delta_aic": math.nan, "n": len(df), "mde": math.nan}
+    y, g = df[outcome].to_numpy(float), df[group].to_numpy()
+    f, r = _fit_mixed_arrays(y, Xf, g), _fit_mixed_arrays(y, Xr, g)
+    lr = max(0.0, 2 * (f.llf - r.llf))
+    se = float(np.min(np.asarray(f.bse_fe)[-k:]))
+    return {"lr_stat": lr, "df": k, "p": float(stats.chi2.sf(lr, k)), "delta_aic": -lr + 2 * k, "n": len(df),
+            "mde": mde_wald(se, k=k)}
+
+
+def mde_paired_t(sd: float, n: int, alpha: float = 0.05, power: float = POWER) -> float:
+    """Minimum detectable effect of the two-sided paired t-test on n differences of sd `sd`: the mean δ at which
+    P(|T| > t_{1−α/2, n−1}) = power, T ~ noncentral t(n − 1, δ√n/sd) (exact; the textbook
+    (t_{1−α/2} + t_{power})·sd/√n is within 1 % at n ≥ 8 and 10 % low at n = 3)."""
+    if not (n > 1 and sd > 0):
+        return math.nan
+    df, tc = n - 1, stats.t.ppf(1 - alpha / 2, n - 1)
+    return _ncp(lambda ncp: stats.nct.sf(tc, df, ncp) + np.nan_to_num(stats.nct.cdf(-tc, df, ncp)), power, 0.0, tc) \
+        * sd / math.sqrt(n)
+
+
+def _ncp(power_at, power: float, lo: float, start: float) -> float:
+    """The noncentrality at which `power_at` (increasing) reaches `power`: bracket by doubling from `start`, then
+    Brent."""
+    hi = start + 1.0
+    while power_at(hi) < power:
+        lo, hi = hi, 2 * hi
+    return float(optimize.brentq(lambda x: power_at(x) - power, lo, hi))
+
+
+def mde_tost(sd: float, n: int, alpha: float = 0.05, power: float = POWER) -> float:
+    """The smallest equivalence margin the paired TOST (level α per side) shows with probability `power` when the
+    true difference is 0: each one-sided test fails with P(T' < t_{1−α, n−1}), T' ~ noncentral t(n − 1, m√n/sd),
+    and the two failures are taken as disjoint (power ≈ 1 − 2·P; checked against simulation in test_stats)."""
+    if not (n > 1 and sd > 0):
+        return math.nan
+    df, tc = n - 1, stats.t.ppf(1 - alpha, n - 1)
+    return _ncp(lambda ncp: 1 - 2 * stats.nct.cdf(tc, df, ncp), power, tc, tc) * sd / math.sqrt(n)
+
+
+def mde_wald(se: float, alpha: float = 0.05, power: float = POWER, k: int = 1) -> float:
+    """Minimum detectable coefficient of a Wald / likelihood-ratio test with `k` df whose one coefficient has
+    standard error `se` (from the fitted variance components): δ = √λ·se, λ the noncentrality at which a
+    χ²_k(λ) exceeds its level-α critical value with probability `power` (k = 1: (z_{1−α/2} + z_power)·se
+    up to the far tail)."""
+    if not se > 0:
+        return math.nan
+    crit = stats.chi2.isf(alpha, k)
+    return math.sqrt(_ncp(lambda lam: stats.ncx2.sf(crit, k, lam), power, 1e-9, crit)) * se
+
+
+def mde_spearman(n: int, alpha: float = 0.05, power: float = POWER) -> float:
+    """Minimum detectable Spearman ρ at n points: tanh((z_{1−α/2} + z_power)·1.03/√(n − 3)) (the Fisher-z
+    approximation `correlation` builds its interval on)."""
+    if n < 4:
+        return math.nan
+    return float(np.tanh((stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(power)) * 1.03 / math.sqrt(n - 3)))
+
+
+def paired_test(a: np.ndarray, b: np.ndarray, alpha: float = 0.05) -> dict:
+    """Paired t-test of a − b (e.g. late − early, paired by seed): mean difference, its CI,
+    Cohen's d_z, the Wilcoxon signed-rank p as a robustness check and the mde (mde_paired_t)."""
+    d = np.asarray(a, float) - np.asarray(b, float)
+    n = len(d)
+    mean, sd = d.mean(), d.std(ddof=1) if n > 1 else math.nan
+    se = sd / math.sqrt(n) if n > 1 else math.nan
+    t = stats.t.ppf(1 - alpha / 2, n - 1) if n > 1 else math.nan
+    p = stats.ttest_1samp(d, 0.0).pvalue if n > 1 else math.nan
+    w = stats.wilcoxon(d).pvalue if n > 1 and np.any(d != 0) else math.nan
+    return {"estimate": mean, "ci_lo": mean - t * se, "ci_hi": mean + t * se, "p": float(p),
+            "effect_size": mean / sd if sd and sd > 0 else math.nan, "p_wilcoxon": float(w), "n": n,
+            "mde": mde_paired_t(sd, n, alpha) if n > 1 else math.nan}
+
+
+def tost(a: np.ndarray, b: np.ndarray, margin: float, alpha: float = 0.05) -> dict:
+    """Two one-sided Welch tests for |mean(a) − mean(b)| < margin. Equivalence is declared when
+    both one-sided p < alpha, i.e. the (1 − 2α) CI of the difference lies inside ±margin."""
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    diff = a.mean() - b.mean()
+    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    se = math.sqrt(va + vb)
+    dof = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1)) if se > 0 else len(a) + len(b) - 2
+    p_lower = stats.t.sf((diff + margin) / se, dof) if se > 0 else float(diff <= -margin)
+    p_upper = stats.t.cdf((diff - margin) / se, dof) if se > 0 else float(diff >= margin)
+    tq = stats.t.ppf(1 - alpha, dof)
+    p = max(p_lower, p_upper)
+    pooled = math.sqrt((a.var(ddof=1) + b.var(ddof=1)) / 2)
+    return {"estimate": diff, "ci_lo": diff - tq * se, "ci_hi": diff + tq * se, "p_lower": float(p_lower),
+            "p_upper": float(p_upper), "p": float(p), "equivalent": bool(p < alpha), "margin": margin,
+            "effect_size": diff / pooled if pooled > 0 else math.nan}
+
+
+def paired_tost(a: np.ndarray, b: np.ndarray, margin: float, alpha: float = 0.05) -> dict:
+    """TOST on paired differences d = a − b (e.g. matched by M and seed): equivalence is declared when
+    both one-sided paired t-tests reject, i.e. the (1 − 2α) CI of mean(d) lies inside ±margin.
+    Effect size: Cohen's d_z = mean(d) / sd(d); mde: the smallest margin this design shows (mde_tost)."""
+    d = np.asarray(a, float) - np.asarray(b, float)
+    n = len(d)
+    mean, sd = float(d.mean()), float(d.std(ddof=1)) if n > 1 else math.nan
+    se, dof = sd / math.sqrt(n) if n > 1 else math.nan, n - 1
+    if not se > 0:
+        p_lower, p_upper = float(mean <= -margin), float(mean >= margin)
+        lo = hi = mean
+    else:
+        p_lower, p_upper = float(stats.t.sf((mean + margin) / se, dof)), float(stats.t.cdf((mean - margin) / se, dof))
+        tq = stats.t.ppf(1 - alpha, dof)
+        lo, hi = mean - tq * se, mean + tq * se
+    p = max(p_lower, p_upper)
+    return {"estimate": mean, "ci_lo": lo, "ci_hi": hi, "p_lower": p_lower, "p_upper": p_upper, "p": p,
+            "equivalent": bool(p < alpha), "margin": margin, "effect_size": mean / sd if sd and sd > 0 else math.nan,
+            "n": n, "mde": mde_tost(sd, n, alpha) if n > 1 else math.nan}
+
+
+def correlation(x: np.ndarray, y: np.ndarray, alpha: float = 0.05) -> dict:
+    """Spearman ρ with a Fisher-z CI (SE 1.03/√(n−3), Fieller et al.), and Pearson r with its Fisher-z CI
+    tanh(atanh r ± z_{1−α/2}/√(n−3)) (the interval scipy's pearsonr(...).confidence_interval() gives); mde: the
+    smallest ρ detectable at 80 % power (mde_spearman)."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    ok = np.isfinite(x) & np.isfinite(y)
+    x, y = x[ok], y[ok]
+    n = len(x)
+    if n < 4:
+        return {"estimate": math.nan, "ci_lo": math.nan, "ci_hi": math.nan, "p": math.nan, "pearson": math.nan,
+                "pearson_ci_lo": math.nan, "pearson_ci_hi": math.nan, "pearson_p": math.nan, "n": n, "mde": math.nan}
+    rho, p = stats.spearmanr(x, y)
+    zq = stats.norm.ppf(1 - alpha / 2)
+    z = np.arctanh(np.clip(rho, -0.999999, 0.999999))
+    se = 1.03 / math.sqrt(n - 3)
+    pr = stats.pearsonr(x, y)
+    zp = np.arctanh(np.clip(pr.statistic, -0.999999, 0.999999))
+    sp = 1 / math.sqrt(n - 3)
+    return {"estimate": float(rho), "ci_lo": float(np.tanh(z - zq * se)), "ci_hi": float(np.tanh(z + zq * se)),
+            "p": float(p), "pearson": float(pr.statistic), "pearson_ci_lo": float(np.tanh(zp - zq * sp)),
+            "pearson_ci_hi": float(np.tanh(zp + zq * sp)), "pearson_p": float(pr.pvalue), "n": n,
+            "mde": mde_spearman(n, alpha)}
+
+
+def holm(pvalues) -> np.ndarray:
+    """Holm–Bonferroni adjusted p-values (NaN entries are left out of the family and stay NaN)."""
+    p = np.asarray(pvalues, float)
+    out = np.full_like(p, np.nan)
+    idx = np.flatnonzero(np.isfinite(p))
+    m = len(idx)
+    order = idx[np.argsort(p[idx])]
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p[i]))
+        out[i] = running
+    return out

@@ -1,0 +1,156 @@
+"""Validity gates every verdict passes before it may read as a finding (method §11): convergence of the M = ∞ runs
+to ridge, enough seeds, equal data and steps, matched exposure, LLC diagnostics; their records in the tests table."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from ...core.sections import OPTIMIZERS
+from ...core.tasks import M_INF
+
+GATE_RECORD = pa.struct([pa.field("code", pa.string()), pa.field("detail", pa.string())])
+GATE_FIELDS = [pa.field("gates_passed", pa.bool_()), pa.field("gate_failures", pa.string()),
+               pa.field("gate_records", pa.list_(GATE_RECORD))]
+CONDITION = ["batch", "noise", "optimizer"]   # a condition: its runs differ in M and seed only (method §13)
+CONVERGENCE_SCHEMA = pa.schema([
+    pa.field("batch", pa.int64()), pa.field("noise", pa.string()), pa.field("optimizer", pa.string()),
+    pa.field("n_inf_runs", pa.int64()),
+    pa.field("ood_loss_over_ridge", pa.float64()), pa.field("converged", pa.bool_()),
+])
+# Validity gates (issue 13): thresholds every verdict must pass before it may read as a finding.
+GATES = {
+    "convergence_tol": 0.15,   # every M = ∞ run ends with OOD loss ≤ (1 + tol) × ridge's
+    "min_seeds": 3,            # fewer seeds: no interval, no verdict ("insufficient seeds")
+    "r_low": 0.25,             # r must span low (some M with seed-mean r ≤ r_low) ...
+    "r_high": 0.75,            # ... to high (some M with seed-mean r ≥ r_high) for a threshold to be a transition
+    "data_tol": 0.01,          # compared arms saw the same number of sequences within 1 %
+    "exposure_tol": 0.10,      # H2: early and late realised injected exposure within 10 %
+    "h3_exposure_tol": 0.25,   # H3: the arms' seed-mean realised integrated P-NE* within 25 % (the emulation is
+                               # open loop: low-rank + diagonal covariance, each arm under its own preconditioner)
+    "llc_flagged_max": 0.25,   # LLC verdicts: at most 25 % of the tested (final) estimates not levelled / negative /
+                               # diverged; estimates at initialisation (no minimum there) do not enter
+    "regime_tol": 0.10,        # dose–response (issue 43): a dose is in the operating regime where M = ∞ ends with OOD
+                               # loss ≤ (1 + tol) × ridge's ...
+    "dose_tol": 0.05,          # ... and its realised dose is within 5 % of the target (else saturated / off target)
+    "shape_exposure_tol": 0.05,   # H5 (issue 45): an injected control's seed-mean realised injected P-NE* within
+                                  # 5 % of the aligned arm's, so that only the noise's shape differs
+}
+NO_MANIPULATION = "the noise manipulation has no measurable effect to compare sources on"   # H3's gate code
+Fail = tuple[str, str]   # a failed gate: (code, detail)
+
+
+def gate_text(fails) -> str:
+    """'code (detail); code (detail)': the gate records in words (gate_failures)."""
+    return "; ".join(f"{c} ({d})" if d else c for c, d in fails)
+
+
+def gate_columns(fails) -> dict:
+    """The GATE_FIELDS of a row that failed `fails` (records (code, detail))."""
+    fails = list(fails)
+    return {"gates_passed": not fails, "gate_failures": gate_text(fails),
+            "gate_records": [{"code": c, "detail": d} for c, d in fails]}
+
+
+def condition_name(batch, noise, optimizer=OPTIMIZERS[0]) -> str:
+    """A (batch, noise, optimizer) condition's name in metrics.json and the report: 'noise/B64', with
+    '/sgd_momentum' for an optimizer other than AdamW (as in run ids)."""
+    return f"{noise}/B{int(batch)}" + ("" if optimizer == OPTIMIZERS[0] else f"/{optimizer}")
+
+
+def optimizer_note(optimizer) -> str:
+    """' (sgd_momentum)' after the name of a test or condition whose runs did not train with AdamW, '' for AdamW
+    (as in run ids), so a one-optimizer grid reads as before grid.optimizer."""
+    return "" if optimizer == OPTIMIZERS[0] else f" ({optimizer})"
+
+
+def convergence(out: pd.DataFrame, tol: float = GATES["convergence_tol"]) -> pd.DataFrame:
+    """Per (batch, noise, optimizer) condition: the worst M = ∞ run's final OOD loss over ridge's (diverged runs
+    count as ∞); converged when it is ≤ 1 + tol (issue 13: the transformer must reach the Bayes predictor for q∞)."""
+    rows = []
+    for (B, noise, opt), g in out.groupby(CONDITION):
+        inf = g[g.M == M_INF]
+        ratio = np.array(inf.ood_loss / inf.ood_loss_ridge, dtype=float)
+        ratio[inf.diverged.to_numpy(bool) | inf.ood_loss.isna().to_numpy()] = np.inf
+        worst = float(np.nanmax(ratio)) if np.isfinite(ratio).any() or np.isinf(ratio).any() else math.nan
+        rows.append({"batch": B, "noise": noise, "optimizer": opt, "n_inf_runs": len(inf), "ood_loss_over_ridge": worst,
+                     "converged": bool(worst <= 1 + tol)})
+    return pd.DataFrame(rows, columns=CONVERGENCE_SCHEMA.names)
+
+
+def gate_convergence(runs: pd.DataFrame, conv: pd.DataFrame) -> list[Fail]:
+    """A condition converged when its M = ∞ runs did. A condition run at some M only (noise.conditions.<c>.M,
+    e.g. an early/late pair at one M) has no M = ∞ run of its own: the batch-noise runs at its batch size, the
+    same model, data, budget and optimizer without injection, stand for it."""
+    c = conv.set_index(CONDITION)
+    bad = []
+    for key in sorted({(int(b), n, o) for b, n, o in zip(runs.batch, runs.noise, runs.optimizer)}):
+        row = c.loc[key] if key in c.index else None
+        if row is None or not row.n_inf_runs:
+            ref = (key[0], "none", key[2])
+            row = c.loc[ref] if ref in c.index and c.loc[ref].n_inf_runs else None
+            if row is None:
+                bad.append(f"{condition_name(*key)}: no M = ∞ run, nor batch-noise M = ∞ runs at batch {key[0]}")
+            elif not row.converged:
+                bad.append(f"{condition_name(*key)}: no M = ∞ run; batch noise's at batch {key[0]} "
+                           f"{row.ood_loss_over_ridge:.2f}× ridge's")
+        elif not row.converged:
+            bad.append(f"{condition_name(*key)}: M = ∞ OOD loss {row.ood_loss_over_ridge:.2f}× ridge's")
+    return [("unconverged", ", ".join(bad))] if bad else []
+
+
+def gate_seeds(runs: pd.DataFrame, min_seeds: int) -> list[Fail]:
+    """A condition needs at least `min_seeds` seeds."""
+    k = runs.seed.nunique()
+    return [("insufficient seeds", f"{k} < {min_seeds}")] if k < min_seeds else []
+
+
+def gate_equal_data(runs: pd.DataFrame, tol: float, strata: list[str] | None = None) -> list[Fail]:
+    """Compared arms must have seen the same number of training sequences (within each stratum)."""
+    groups = runs.groupby(strata) if strata else [(None, runs)]
+    for _, g in groups:
+        lo, hi = g.sequences.min(), g.sequences.max()
+        if not (lo > 0 and hi / lo - 1 <= tol):
+            return [("unequal data", f"sequences seen {lo:,}–{hi:,}")]
+    return []
+
+
+def _gate_equal_steps(runs: pd.DataFrame) -> list[Fail]:
+    """Compared arms must have trained the same number of optimizer steps (H3 at matched exposure trajectories)."""
+    lo, hi = runs.steps.min(), runs.steps.max()
+    return [] if lo == hi else [("unequal steps", f"{lo:,}–{hi:,}")]
+
+
+def _gate_matched_exposure(a: pd.DataFrame, b: pd.DataFrame, names: tuple[str, str], tol: float) -> list[Fail]:
+    """H3 (method §1): the two arms' realised exposure, seed-mean integrated P-NE*, within a factor 1 + tol."""
+    if a.integrated_pne.isna().any() or b.integrated_pne.isna().any():
+        return [("realised exposure not recorded", "integrated_pne")]
+    ea, eb = a.integrated_pne.mean(), b.integrated_pne.mean()
+    ok = min(ea, eb) > 0 and max(ea, eb) / min(ea, eb) - 1 <= tol
+    return [] if ok else [("unmatched exposure", f"{names[0]} {ea:.3g}, {names[1]} {eb:.3g} integrated P-NE*")]
+
+
+def _gate_llc(runs: pd.DataFrame, max_share: float) -> list[Fail]:
+    """The estimates a verdict uses (each run's final LLC) must be reliable: at most `max_share` of them flagged.
+    Flags earlier in training do not enter: at initialisation the model is not near a minimum, where the LLC
+    is defined, and a negative estimate there is expected (metrics.json keeps the share over all estimates)."""
+    flags = runs.llc_final_flagged.dropna().astype(bool)
+    n, k = len(flags), int(flags.sum())
+    if not n:
+        return [("LLC diagnostics", "no estimates")]
+    return [("LLC diagnostics", f"{k} of {n} final estimates not levelled / negative / diverged")] \
+        if k / n > max_share else []
+
+
+def _gate_llc_sampler(runs: pd.DataFrame, max_share: float) -> list[Fail]:
+    """method §7 (issue 44): at most `max_share` of the final LLC estimates unstable (stability ratio > 1) or escaped
+    (the chains left w*'s neighbourhood), counted apart from _gate_llc's flags; runs whose llc.parquet predates
+    the flags (null) do not enter."""
+    if "llc_final_sampler" not in runs:
+        return []
+    flags = runs.llc_final_sampler.dropna().astype(bool)
+    n, k = len(flags), int(flags.sum())
+    return [("LLC measures the sampler", f"{k} of {n} final estimates unstable / escaped")] \
+        if n and k / n > max_share else []

@@ -1,0 +1,164 @@
+"""H1 as a manipulation: the dose–response rows of a dose series (method §11, iclnoise.analysis.dose)."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from ...core.probe_sections import Stats
+from ...core.tasks import M_INF
+from .. import dose, stats
+from .gates import GATES, gate_equal_data, gate_seeds
+from .rows import _direction, _row
+
+
+def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
+    """H1 as a dose–response (method §11; issue 43), per dose series (iclnoise.analysis.dose: one injected source at ≥ 2
+    positive doses, dose 0 = batch noise alone at its batch), over the positive doses inside the operating regime
+    (dose.regime: M = ∞ converges within GATES['regime_tol'], realised dose within GATES['dose_tol'] of target, no
+    run diverged; the doses left out are named in the test):
+    - the slope of r per decade of dose at fixed M (dose.r_slope; M the ladder's, run at every dose) — Holm family;
+    - the slope of log2 M* (r50; midpoint as a sensitivity row) per decade (dose.mstar_slope) at the doses with a
+      full M grid — Holm family;
+    - the ladder's reading of the r slope as a log2 M* slope (dose.ladder_conversion, delta method) — derived
+      from the r slope, so outside the family;
+    - the contrast of the highest in-regime dose against dose 0 (paired t by (M, seed)) — Holm family;
+    - log2 M* at the highest in-regime dose with a full M grid against dose 0's (paired t by seed; the CPU plan's
+      direct check of the ladder) — Holm family (r50; midpoint a sensitivity row);
+    - monotonicity: isotonic against linear in log dose (dose.monotonicity, parametric bootstrap) — a shape check,
+      outside the family;
+    - the exposure association, secondary: r against the runs' measured log integrated P-NE* (batch noise and
+      injected, after clipping) on the same runs and dose 0's — outside the family (measured exposure tracks the
+      phase; the dose is the manipulation).
+    Gates: seeds, equal data, dose 0 inside the regime. No rows at all when the grid has no dose series."""
+    rows = []
+    for (src, shape, batch, _), g in dose.series(dose.dose_runs(out, GATES["regime_tol"])):
+        res = dose.analyse(g, cfg.alpha, GATES["dose_tol"], GATES["min_seeds"])
+        name = f"{src} ({shape}), batch {batch}"
+        left = "; ".join(f"{d:.3g}: {w}" for d, w in zip(res["left_out"].target_dose, res["left_out"].regime))
+        where = f"doses {', '.join(f'{d:.3g}' for d in res['doses'])}" + (f" (left out: {left})" if left else "")
+        used = out[out.run_id.isin(g.run_id[g.target_dose.isin([0.0, *res["doses"]]) & (g.M != M_INF)])]
+        zero = res["levels"][res["levels"].target_dose == 0]
+        fails = gate_seeds(used, GATES["min_seeds"]) + gate_equal_data(used, GATES["data_tol"])
+        if not len(zero) or not zero.in_regime.iloc[0]:
+            fails.append(("unconverged", f"{name} dose 0: " + (zero.regime.iloc[0] if len(zero) else "no runs")))
+        at = {"name": name, "src": src, "where": where, "m_at": ", ".join(map(str, res["ladder"])) or "none",
+              "fails": fails, "alpha": cfg.alpha}
+        rows += [_dose_r_row(res, at), *_dose_mstar_rows(res, at), _dose_ladder_row(res, at), _dose_zero_row(res, at),
+                 _dose_exposure_row(out[out.run_id.isin(res["fit"].run_id) | out.run_id.isin(
+                     g.run_id[(g.target_dose == 0) & g.M.isin(res["ladder"])])], name, cfg.alpha, fails),
+                 _dose_shape_row(res, at)]
+    return rows
+
+
+DECADE = "per decade of dose"
+
+
+def _dose_r_row(res: dict, at: dict) -> dict:
+    """The slope of r per decade of dose at the ladder's M (dose.r_slope)."""
+    test = f"dose-response {at['name']}: MixedLM r ~ log10(dose) + C(M) + (1|seed), M ∈ {{{at['m_at']}}}, {at['where']}"
+    if res["r"] is None:
+        why = (f"fit failed ({res['failed']['r']})" if "r" in res["failed"] else
+               f"needs ≥ 2 positive doses inside the operating regime and ≥ 2 seeds ({at['where']})")
+        return _row("H1", test, "r", status=f"not run: {why}")
+    e = res["r"]
+    return _row("H1", test, "r", "log10 dose", n=len(res["fit"]), estimate=e.estimate, ci_lo=e.ci_lo, ci_hi=e.ci_hi,
+                p=e.p, effect_size=e.std_effect, mde=e.mde, fails=at["fails"],
+                power="could detect a slope of ≥ {mde:.2g} in r " + DECADE,
+                words=(f"r {_direction(e.estimate, 'increases', 'decreases')} with the {at['src']} dose",
+                       f"no evidence that r changes with the {at['src']} dose"))
+
+
+def _dose_mstar_rows(res: dict, at: dict) -> list[dict]:
+    """Per threshold definition (r50 in the family, midpoint a sensitivity row): the slope of log2 M* per decade
+    (dose.mstar_slope) and log2 M* at the highest full-grid dose − dose 0 (paired t by seed)."""
+    rows, src = [], at["src"]
+    for point in ("r50", "midpoint"):
+        fam = point == "r50"
+        test = (f"dose-response {at['name']}: slope of log2 M* ({point}) on log10(dose), per seed, t over seeds, "
+                f"{at['where']}")
+        if point in res["mstar"]:
+            e, k = res["mstar"][point]
+            rows.append(_row("H1", test, "log2 M*", "log10 dose", n=k, estimate=e.estimate, ci_lo=e.ci_lo,
+                             ci_hi=e.ci_hi, p=e.p, effect_size=e.std_effect, mde=e.mde, fails=at["fails"], family=fam,
+                             power="could detect ≥ {mde:.2g} octaves of M* " + DECADE,
+                             words=(f"M* {_direction(e.estimate, 'rises', 'falls')} with the {src} dose",
+                                    f"no evidence that M* moves with the {src} dose")))
+        else:
+            why = (f"fit failed ({res['failed'][f'M* ({point})']})" if f"M* ({point})" in res["failed"] else
+                   "fewer than 2 doses in the regime with a per-seed M* (a full M grid at every such dose)")
+            rows.append(_row("H1", test, "log2 M*", family=fam, status=f"not run: {why}"))
+        test = (f"dose-response {at['name']}: paired t of log2 M* ({point}) (highest dose with a full M grid − dose 0) "
+                "by seed")
+        if point in res["mstar_zero"]:
+            z, top = res["mstar_zero"][point]
+            rows.append(_row("H1", test, "log2 M*", f"dose {top:.3g} − dose 0", **z, fails=at["fails"], family=fam,
+                             power="could detect a shift of ≥ {mde:.2g} octaves of M*",
+                             words=(f"M* {_direction(z['estimate'], 'higher', 'lower')} at {src} dose {top:.3g} "
+                                    "than without injection", f"no evidence that {src} dose {top:.3g} moves M*")))
+        else:
+            rows.append(_row("H1", test, "log2 M*", family=fam, status="not run: no positive dose in the regime and "
+                             "dose 0 both with a per-seed M* (a full M grid) on ≥ 2 common seeds"))
+    return rows
+
+
+def _dose_ladder_row(res: dict, at: dict) -> dict:
+    """The threshold ladder's reading of r's slope as log2 M* per decade (dose.ladder_conversion): derived from
+    r's slope, outside the family; gated on r rising over the ladder at dose 0."""
+    loc = res["local"]
+    test = (f"dose-response {at['name']}: threshold ladder, log2 M* slope = −(r slope) / (dr/dlog2 M at dose 0 over "
+            f"M ∈ {{{at['m_at']}}}, {loc['how']}), delta method")
+    if res["ladder_fit"] is None:
+        return _row("H1", test, "log2 M*", family=False, status="not run: " + (
+            "no r slope" if res["r"] is None else f"no local slope at dose 0 ({loc['n']} seeds with a slope)"))
+    c = res["ladder_fit"]
+    flat = [] if loc["p"] < at["alpha"] else [("flat ladder", f"dr/dlog2 M at dose 0 = {loc['s']:.3g} ± "
+                                              f"{loc['se']:.2g}, p = {loc['p']:.2g}: r does not rise over the ladder")]
+    return _row("H1", test, "log2 M*", "log10 dose", n=len(res["fit"]), estimate=c["estimate"], ci_lo=c["ci_lo"],
+                ci_hi=c["ci_hi"], p=c["p"], mde=c["mde"], fails=at["fails"] + flat, family=False,
+                power="could detect ≥ {mde:.2g} octaves of M* " + DECADE,
+                words=(f"M* {_direction(c['estimate'], 'rises', 'falls')} with the {at['src']} dose (read from the "
+                       "ladder)", f"no evidence that M* moves with the {at['src']} dose"))
+
+
+def _dose_zero_row(res: dict, at: dict) -> dict:
+    """r at the highest in-regime dose − dose 0, paired by (M, seed) at the ladder's M."""
+    top = f"{max(res['doses']):.3g}" if res["doses"] else "–"
+    test = f"dose-response {at['name']}: paired t (dose {top} − dose 0) by (M, seed), M ∈ {{{at['m_at']}}}"
+    if res["zero"] is None:
+        return _row("H1", test, "r", status="not run: fewer than 2 (M, seed) pairs with dose 0")
+    z = res["zero"]
+    return _row("H1", test, "r", f"dose {top} − dose 0", **z, fails=at["fails"],
+                words=(f"r {_direction(z['estimate'], 'higher', 'lower')} at {at['src']} dose {top} than without "
+                       "injection", f"no evidence that {at['src']} dose {top} changes r"))
+
+
+def _dose_shape_row(res: dict, at: dict) -> dict:
+    """Isotonic against linear in log dose (dose.monotonicity): a shape check, outside the family."""
+    test = f"dose-response {at['name']}: monotonicity, isotonic vs linear in log10(dose), parametric bootstrap"
+    mono = res["mono"]
+    if mono is None or not np.isfinite(mono["p"]):
+        return _row("H1", test, "r", family=False, status="not run: needs ≥ 3 positive doses in the regime and ≥ 2 "
+                    "seeds")
+    return _row("H1", test, "r", "RSS gain of isotonic over linear / TSS", n=mono["n"], estimate=mono["estimate"],
+                effect_size=mono["estimate"], p=mono["p"], fails=at["fails"], family=False, power="",
+                words=("monotone but not linear in log dose (a step or saturation)",
+                       "no evidence against a line in log dose"))
+
+
+def _dose_exposure_row(used: pd.DataFrame, name: str, alpha: float, fails) -> dict:
+    """The dose series' secondary row: MixedLM r ~ log integrated P-NE* (+ C(M)) + (1|seed) over `used`, outside
+    the Holm family (an association: measured exposure also tracks the phase)."""
+    test = f"dose-response {name}: association, MixedLM r ~ log(integrated P-NE*) + C(M) + (1|seed) (secondary)"
+    d = used[used.integrated_pne.astype(float) > 0]
+    d = d.assign(log_exposure=np.log(d.integrated_pne.astype(float)))
+    if d.log_exposure.nunique() < 2 or d.seed.nunique() < 2:
+        return _row("H1", test, "r", family=False, status="not run: needs ≥ 2 exposure levels and ≥ 2 seeds")
+    try:
+        e = stats.mixed_model(d, "r ~ log_exposure" + (" + C(M)" if d.M.nunique() > 1 else ""), alpha=alpha
+                              ).set_index("term").loc["log_exposure"]
+    except Exception as err:  # noqa: BLE001 — a singular design is a result to report, not a crash
+        return _row("H1", test, "r", family=False, status=f"not run: fit failed ({type(err).__name__})")
+    return _row("H1", test, "r", "log integrated P-NE*", n=len(d), estimate=e.estimate, ci_lo=e.ci_lo, ci_hi=e.ci_hi,
+                p=e.p, effect_size=e.std_effect, mde=e.mde, fails=fails, family=False,
+                words=(f"r {_direction(e.estimate, 'increases', 'decreases')} with measured exposure (association)",
+                       "no evidence that r changes with measured exposure"))

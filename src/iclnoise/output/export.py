@@ -1,0 +1,211 @@
+"""Reference sets written: a results directory's finished runs exported into a set with its provenance (export),
+or a set grown by the runs of a later session (add_runs). Checked and drawn again by iclnoise.output.paper."""
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import shutil
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import pandas as pd
+
+from ..core.io import read_json, read_metadata, read_parquet, replace_dir, write_parquet, write_text
+from .paper import ALIGNMENT, _writable, apart, seal, verify
+
+log = logging.getLogger(__name__)
+
+
+# injection.parquet (a row per injecting step: 26 MB for reference/noise's 40 000-step arms) stays out: nothing the
+# paper draws reads it, and exposure.parquet carries its exact interval sums
+RUN_TABLES = ("run.json", "metrics.parquet", "exposure.parquet", "llc.parquet", "stages.parquet", "geometry.parquet",
+              "mech.parquet", "rllc.parquet", "susceptibility.parquet")
+
+
+def _job_seconds(benchmarks: Path) -> dict:
+    """Wall seconds per Snakemake job from its benchmark file (the `s` column), and their sum."""
+    jobs = {}
+    for f in sorted(benchmarks.rglob("*.tsv")):
+        with open(f) as fh:
+            rows = list(csv.DictReader(fh, delimiter="\t"))
+        if rows:
+            jobs[str(f.relative_to(benchmarks).with_suffix(""))] = round(float(rows[-1]["s"]), 1)
+    return {"jobs": jobs, "total_s": round(sum(jobs.values()), 1)}
+
+
+def export(results: Path, out: Path, params: dict, workdir: Path, sources: Iterable[Path] = (),
+           add: bool = False) -> dict:
+    """Copy the paper's tables of `results` into `out` (replaced) and write provenance.json. `sources`: the params
+    files, inputs like `results` and the benchmarks (`out` must be apart from all of them). `add`: keep the runs
+    already in the set `out` (if any) and add the finished runs of `results` to them (add_runs)."""
+    apart(out, [results, workdir / "benchmarks", *sources])
+    if add:
+        return add_runs(results, out, params, workdir)
+    if not (results / "aggregate" / "tests.parquet").exists():
+        raise SystemExit(f"{results}/aggregate/tests.parquet is missing: run the workflow to the end first "
+                         f"(snakemake --cores 2 ...), then export")
+    final, tmp = _writable(out, "provenance.json")
+    try:
+        prov = _export(results, tmp, params, workdir)
+        replace_dir(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return prov
+
+
+def _export(results: Path, tmp: Path, params: dict, workdir: Path) -> dict:
+    from ..config.grid import spec_hash
+
+    specs = {}
+    for run in sorted(p for p in (results / "runs").iterdir() if (p / "run.json").exists()):
+        (tmp / "runs" / run.name).mkdir(parents=True)
+        for name in RUN_TABLES:
+            if (run / name).exists():
+                shutil.copy2(run / name, tmp / "runs" / run.name / name)
+        _export_alignment(run, tmp / "runs" / run.name)
+        specs[run.name] = spec_hash(read_json(run / "run.json"))
+    shutil.copytree(results / "aggregate", tmp / "aggregate")
+    if (results / "ed").exists():
+        shutil.copytree(results / "ed", tmp / "ed")
+    for name in ("summary.parquet", "summary.md", "report.md"):
+        if (results / name).exists():
+            shutil.copy2(results / name, tmp / name)
+    trained = [read_metadata(p) for p in sorted((tmp / "runs").glob("*/metrics.parquet"))]
+    commits = pd.Series([m.get("iclnoise.commit") for m in trained]).value_counts()   # runs trained at each commit
+    agg = read_metadata(tmp / "aggregate" / "tests.parquet")                          # the one that aggregated them
+    made = trained[0]
+    return seal(tmp, {"commit": commits.index[0], "runs_per_commit": {str(k): int(v) for k, v in commits.items()},
+                      "aggregate_commit": agg.get("iclnoise.commit"),
+                      "exported": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                      "params": params, "spec_hash": specs,
+                      "versions": json.loads(made.get("iclnoise.versions", "{}")),
+                      "wall_time": _job_seconds(workdir / "benchmarks")})
+
+
+def finished_runs(results: Path, params: dict) -> list[Path]:
+    """The runs of `results` that a set can take before the whole grid has run: in the grid of `params`, their
+    training tables written and, after them, every probe table a set keeps that their probe sections make
+    (iclnoise.config.grid.probe_sections, PROBE_TABLES). A run whose job is still training, or whose training was rerun
+    after its probes, is left out."""
+    from ..config.grid import PROBE_TABLES, parse_run_id, probe_sections, typed_spec
+
+    done = []
+    for run in sorted(p for p in (results / "runs").iterdir() if (p / "run.json").exists()):
+        try:
+            spec = typed_spec(params, run.name)
+        except (KeyError, ValueError):
+            continue   # not a run of this grid (add_runs names it when the set holds it)
+        trained = [run / f for f in spec.outputs if f in RUN_TABLES]
+        probes = [run / f for s in probe_sections(params, parse_run_id(run.name)) for f in PROBE_TABLES[s]
+                  if f in RUN_TABLES]   # the tables a set keeps (not llc_traces)
+        if all(f.exists() for f in [run / "metrics.parquet", *trained, *probes]) and \
+                all(f.stat().st_mtime >= (run / "metrics.parquet").stat().st_mtime for f in probes):
+            done.append(run)
+    return done
+
+
+def add_runs(results: Path, out: Path, params: dict, workdir: Path) -> dict:
+    """Grow the reference set `out` by the finished runs of `results` (finished_runs), for a grid that takes more
+    than one session to train: each session exports what it finished, and the set keeps what earlier sessions
+    added. Every run of the grown set must be a run of `params`' grid with the spec `params` give it (so the set's
+    runs are one experiment; other parameters: export afresh, without --add); a run in both is taken from
+    `results`. The aggregate, the end-of-training summary and report.md are computed again from the grown set's
+    per-run tables (as `iclnoise paper` does); provenance.json records the planned grid (`planned_runs`), each
+    export (`exports`: when, how many runs it added and replaced) and the jobs' wall time of every export."""
+    from ..analysis.aggregate import aggregate
+    from ..config import typed
+    from .figures.training import training_figures
+    from .report import build
+
+    old = verify(out) if out.exists() else {"spec_hash": {}, "exports": []}
+    planned, new, kept = _growth(results, out, params)
+    added = [r for r in new if r.name not in old["spec_hash"]]
+    final, tmp = _writable(out, "provenance.json")
+    draw = tmp.with_name(tmp.name + ".draw")
+    try:
+        for run in kept:
+            shutil.copytree(run, tmp / "runs" / run.name)
+        for run in new:
+            (tmp / "runs" / run.name).mkdir(parents=True)
+            for name in RUN_TABLES:
+                if (run / name).exists():
+                    shutil.copy2(run / name, tmp / "runs" / run.name / name)
+            _export_alignment(run, tmp / "runs" / run.name)
+        runs = sorted((tmp / "runs").iterdir())
+        aggregate(runs, tmp / "aggregate", typed(params, "stats"))
+        training_figures([r / "metrics.parquet" for r in runs], draw)
+        for name in ("summary.parquet", "summary.md"):
+            shutil.copy2(draw / name, tmp / name)
+        write_text(build(tmp, params, Path(__file__).parent), tmp / "report.md")   # this code's checkout, not workdir's
+        prov = seal(tmp, _grown_provenance(tmp, runs, old, params, planned, len(added), len(new) - len(added),
+                                           workdir))
+        replace_dir(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(draw, ignore_errors=True)
+    log.info("%s: %d runs (%d added, %d replaced, %d kept) of the %d planned", out, len(prov["spec_hash"]), len(added),
+             len(new) - len(added), len(kept), len(planned))
+    return prov
+
+
+def _growth(results: Path, out: Path, params: dict) -> tuple[list[str], list[Path], list[Path]]:
+    """add_runs' checks: the planned run ids of `params`' grid, the finished runs of `results` and the runs of `out`
+    it keeps; SystemExit naming the run where a run is not of the grid or was trained with another spec."""
+    from ..config.grid import expand_grid, run_spec, spec_hash
+
+    if (out / "ed").exists():
+        raise SystemExit(f"{out}: holds essential-dynamics tables, which are computed over a family of runs and "
+                         f"cannot be grown; export the set afresh (without --add)")
+    planned = sorted(k.run_id for k in expand_grid(params))
+    if not (results / "runs").is_dir():
+        raise SystemExit(f"{results}/runs: no such directory; --results names the workflow's results directory")
+    new = finished_runs(results, params)
+    if not new:
+        raise SystemExit(f"{results}: no finished run of these parameters' grid (trained and probed); nothing to add")
+    kept = [p for p in sorted((out / "runs").glob("*")) if p.name not in {r.name for r in new}]
+    for run in [*kept, *new]:
+        if run.name not in planned:
+            raise SystemExit(f"{run}: not a run of these parameters' grid; export the set afresh (without --add) "
+                             f"with the parameters it was trained with")
+        if read_json(run / "run.json").get("spec_hash") != spec_hash(run_spec(params, run.name)):   # as train does
+            raise SystemExit(f"{run}: trained with another spec than these parameters give it; export the set "
+                             f"afresh (without --add), or train it again")
+    return planned, new, kept
+
+
+def _grown_provenance(tmp: Path, runs: list[Path], old: dict, params: dict, planned: list[str], added: int,
+                      replaced: int, workdir: Path) -> dict:
+    """The grown set's provenance (before sealing): the earlier exports and this one, the jobs' wall time of
+    every export, the planned grid."""
+    from ..config.grid import spec_hash
+
+    trained = [read_metadata(r / "metrics.parquet") for r in runs]
+    commits = pd.Series([m.get("iclnoise.commit") for m in trained]).value_counts()
+    jobs = _job_seconds(workdir / "benchmarks")["jobs"]
+    for job, s in old.get("wall_time", {}).get("jobs", {}).items():
+        # the same measurement again (an earlier export of this workdir) counts once; a job of that name in
+        # another session (resumed there, or another grouping) adds its time
+        jobs[job] = s if jobs.get(job) in (None, s) else round(jobs[job] + s, 1)
+    exported = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    exports = (old["exports"] if "exports" in old   # a set first written by a plain export: that export first
+               else [{"exported": old["exported"], "added": len(old["spec_hash"])}])
+    return {"commit": commits.index[0], "runs_per_commit": {str(k): int(v) for k, v in commits.items()},
+            "aggregate_commit": read_metadata(tmp / "aggregate" / "tests.parquet").get("iclnoise.commit"),
+            "exported": exported, "exports": [*exports, {"exported": exported, "added": added, "replaced": replaced}],
+            "planned_runs": planned, "params": params,
+            "spec_hash": {r.name: spec_hash(read_json(r / "run.json")) for r in runs},
+            "versions": json.loads(trained[0].get("iclnoise.versions", "{}")),
+            "wall_time": {"jobs": jobs, "total_s": round(sum(jobs.values()), 1)}}
+
+
+def _export_alignment(run: Path, out: Path) -> None:
+    """A noise-shaped run's logged alignment (figure 6 by noise shape, H5) as alignment.parquet: injection.parquet's
+    rows where it changes (figures.align.alignment_rows), none where the run logs no alignment."""
+    from .figures.align import ALIGNMENT_SCHEMA, alignment_rows
+
+    if (run / "injection.parquet").exists():
+        rows = alignment_rows(read_parquet(run / "injection.parquet"))
+        if len(rows):
+            write_parquet(rows, out / ALIGNMENT, ALIGNMENT_SCHEMA)

@@ -1,0 +1,1 @@
+"""The paper's figures (method §12), one module per group, sharing `style`."""
