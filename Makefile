@@ -45,9 +45,10 @@ PYTEST := pytest -q -p no:cacheprovider
 test: lint
 	$(PYTEST) -m unit -n $(CORES)
 
-# Snakemake, DVC, subprocesses, end-to-end training (the SLURM tests skip here: make test-slurm runs them).
+# Snakemake, DVC, subprocesses, end-to-end training (the SLURM tests skip here: make test-slurm runs them); a
+# file's tests on one worker (--dist loadfile: tests/test_pipeline.py's finished DAG is built once).
 test-integration: setup
-	$(PYTEST) -m integration
+	$(PYTEST) -m integration -n $(CORES) --dist loadfile
 
 # Monte-Carlo coverage, power and size of the estimators.
 test-validation: setup

@@ -11,8 +11,7 @@ The reference divides by one held-out batch's exact curvature, and 1/Curv is con
 the loop measured diag Ĥ on (from the first logged row on, the loop refreshes one step before each reference step), it
 reads the dose high by about the squared coefficient of variation of Curv between batches. In one run, steps 500-2000
 read 1.020 with references on 32 sequences and 1.004 on 256 (reference/measurements/dose_accuracy_heldout.csv), so
-`--heldout`
-takes several sizes, each its own reference and row in the same run.
+`--heldout` takes several sizes, each its own reference and row in the same run.
 
 The run is the first `--stop` steps of the science schedule (params.yaml + configs/science.yaml, batch 64,
 1 280 000 sequences: 20 000 steps, warm-up 1 000), so the learning-rate schedule is the experiment's.
@@ -22,8 +21,7 @@ Usage: python experiments/dose_accuracy.py [--stop 1500] [--ref-every 10] [--dos
            [--heldout 32 256] [--device cuda] [--deadline S]
 `--deadline S`: after S seconds (or on SIGTERM) the run stops and its row covers the steps it reached
 (`steps_reached`); windows it did not reach read NaN. scripts/device/dose_accuracy_device.sh runs every dose level at
-once on a
-lent GPU.
+once on a lent GPU.
 
 The late window on a CPU, from finished runs (reference/measurements/dose_accuracy_late.csv):
        python experiments/dose_accuracy.py --heldout 32 256 --resume results/runs/Minf-B64-grad_x0p3-s0 ...

@@ -2,8 +2,8 @@
 
   python experiments/dose_device.py plan CONFIG...        the ensemble jobs, one line each: group, runs, shared spec
   (JSON)
-  python experiments/dose_device.py pack RESULTS OUT.tar  the finished runs' files, checkpoints reduced to the first
-  and last
+  python experiments/dose_device.py pack RESULTS OUT.tar  the finished runs' files, checkpoints reduced to the first and
+  last
 
 `plan` reads params.yaml with the CONFIG files on top (as `snakemake --configfile` does) and orders the jobs as the
 dose-response needs them (ORDER): the threshold ladder (M 8-32) of dose 0 and of every dose inside the regime, the

@@ -315,6 +315,25 @@ def test_the_opening_says_m_inf_runs_diverged_not_that_every_condition_converged
     assert "no M* (every run diverged)" in text and "passed its validity gates" not in text, text
 
 
+
+@pytest.mark.numerics
+def test_a_nan_ridge_loss_fails_the_convergence_gate_by_name(tmp_path):
+    """Issue 68 (7): a NaN ood_loss_ridge in an M = ∞ run's last row dropped that run from the convergence gate (a
+    NaN-skipping max) and the report said every condition converged. Now the condition is not converged, and the
+    gate, the convergence table and the opening say why."""
+    from iclnoise.analysis.verdicts import convergence, gate_convergence
+
+    dirs = [fake_run(tmp_path / "runs", M, 16, s, 0.5, ood_end=0.41, ridge=np.nan if (M, s) == (-1, 1) else 0.4)
+            for M in (1, 4, -1) for s in range(3)]
+    text = opening(tmp_path, dirs)
+    assert "every condition converged" not in text.replace("not every condition converged", ""), text
+    assert "none/B16 M = ∞ OOD loss over ridge's not finite" in text, text
+    out = read_parquet(tmp_path / "aggregate" / "outcomes.parquet")
+    conv = convergence(out)
+    assert not conv.converged.any() and conv.ood_loss_over_ridge.isna().all()
+    (code, detail), = gate_convergence(out, conv)
+    assert code == "unconverged" and "not finite (a NaN ood_loss_ridge" in detail
+
 @pytest.mark.numerics
 def test_the_opening_claims_no_passed_gate_where_no_threshold_or_test_ran(tmp_path):
     """Issue 48, case 6: a grid of M = ∞ only (2 seeds, 2× ridge's loss) has no threshold and runs no test. The

@@ -93,3 +93,99 @@ def test_the_command_grows_the_set_and_takes_only_finished_runs_of_its_spec(tmp_
         export_cmd([str(a) for a in argv])
     assert "M16-B64-none-s1: trained with another spec" in str(e.value.code)
     assert sorted(verify(out)["spec_hash"]) == ["M16-B64-none-s1", "Minf-B64-none-s0"]   # the set is unchanged
+
+
+def test_runs_left_out_are_named_and_a_corrupt_table_by_its_own_path(tmp_path, params, caplog):
+    """Issue 68 (9, 11): `export --add` left out, unnamed, a run whose metrics file was newer than its probes (a
+    clock that moved), and named a corrupt table by its hidden temporary copy, advising to delete a file that no
+    longer exists. Now each run left out is named with why, and a corrupt table is named where it lies."""
+    from iclnoise.core.io import CorruptFileError
+
+    results = session(tmp_path / "s1", FIRST)
+    skewed = results / "runs" / FIRST[1]
+    t = (skewed / "metrics.parquet").stat().st_mtime
+    for f in skewed.glob("*.parquet"):
+        if f.name != "metrics.parquet":
+            os.utime(f, (t - 60, t - 60))
+    (results / "runs" / FIRST[2] / "llc.parquet").unlink()
+    with caplog.at_level("WARNING", logger="iclnoise.output.export"):
+        assert [r.name for r in finished_runs(results, params)] == [FIRST[0]]
+    assert f"{skewed}: left out, its training tables are newer than its probes'" in caplog.text
+    assert f"{results / 'runs' / FIRST[2]}: left out, not finished (no llc.parquet yet)" in caplog.text
+    bad = results / "runs" / FIRST[0] / "exposure.parquet"
+    bad.write_bytes(bad.read_bytes()[:100])
+    with pytest.raises(CorruptFileError) as e:
+        export(results, tmp_path / "set", params, tmp_path, add=True)
+    assert str(e.value).startswith(str(bad)) and ".tmp" not in str(e.value)
+
+
+def test_two_exports_into_one_set_at_once_both_add_their_runs(tmp_path, params, monkeypatch):
+    """Issue 68 (2): two `export --add` at once into one set, from two results directories, both exited 0 and said
+    what they added, and the set kept one side's runs. Now exports into a set take turns (a lock beside it): the
+    set holds both sessions' runs. Each export, once inside, waits up to 3 s for the other to be inside too, so
+    without the lock the two overlap for certain."""
+    import threading
+
+    import iclnoise.output.export as ex
+
+    inside, both = [], threading.Event()
+    real = ex.verify
+
+    def meeting(out):
+        inside.append(1)
+        if len(inside) == 2:
+            both.set()
+        both.wait(3)
+        return real(out)
+
+    out = tmp_path / "set"
+    export(session(tmp_path / "s0", FIRST[:1]), out, params, tmp_path, add=True)   # the set exists: both verify it
+    monkeypatch.setattr(ex, "verify", meeting)
+    errors = []
+
+    def run(results):
+        try:
+            export(results, out, params, tmp_path, add=True)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(session(tmp_path / name, runs),))
+               for name, runs in (("s1", FIRST[1:]), ("s2", SECOND))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert sorted(real(out)["spec_hash"]) == sorted(FIRST + SECOND)
+
+
+def test_export_checks_every_run_against_the_parameters_it_records(tmp_path, params, caplog):
+    """Issue 68 (3, 4, 5): a plain export recorded the parameters it was given without checking the runs against
+    them (forgetting --configfile stated lr 0.03 for runs trained at 0.003), copied run directories no longer in
+    the grid, and `export --add` sealed kept runs' LLC tables under LLC settings they were not computed with. Now
+    a run of another spec, or an LLC table of other settings, is refused naming the file and what differs, and a
+    run outside the grid is left out, named."""
+    import copy
+
+    results = session(tmp_path / "s1", FIRST)
+    from iclnoise.analysis.aggregate import aggregate as agg
+
+    agg(sorted((results / "runs").iterdir()), results / "aggregate", typed(params, "stats"))
+    other = copy.deepcopy(params)
+    other["train"]["optimizer"]["lr"] *= 10
+    with pytest.raises(SystemExit) as e:
+        export(results, tmp_path / "a", other, tmp_path)
+    assert "trained with another spec than these parameters give it (train.optimizer.lr" in str(e.value.code)
+    assert not (tmp_path / "a").exists()
+    stale = results / "runs" / "M3-B64-none-s0"   # a run of an earlier grid
+    shutil.copytree(results / "runs" / FIRST[0], stale)
+    with caplog.at_level("WARNING", logger="iclnoise.output.export"):
+        prov = export(results, tmp_path / "b", params, tmp_path)
+    assert f"{stale}: left out, not a run of these parameters' grid" in caplog.text
+    assert sorted(prov["spec_hash"]) == sorted(FIRST) and not (tmp_path / "b" / "runs" / stale.name).exists()
+    llc = copy.deepcopy(params)
+    llc["llc"]["sampler"]["draws"] += 1
+    with pytest.raises(SystemExit) as e:
+        export(session(tmp_path / "s2", SECOND), tmp_path / "b", llc, tmp_path, add=True)
+    msg = str(e.value.code)
+    assert "llc.parquet: computed with other LLC settings than these parameters' (draws" in msg, msg

@@ -145,6 +145,8 @@ def test_failed_write_keeps_the_old_file(tmp_path):
 @pytest.mark.unit
 def test_verify_names_every_unreadable_table_and_fails(tmp_path, capsys):
     """`iclnoise verify` (the last step of the DVC stage) reads every Parquet and JSON file under a directory."""
+    import hashlib
+
     import pyarrow as pa
 
     from iclnoise.commands.runs import verify
@@ -152,7 +154,7 @@ def test_verify_names_every_unreadable_table_and_fails(tmp_path, capsys):
 
     schema = pa.schema([pa.field("step", pa.int64())])
     write_parquet(pd.DataFrame({"step": [0, 1]}), tmp_path / "runs/a/metrics.parquet", schema)
-    write_json({"0": "abc"}, tmp_path / "runs/a/checkpoints.json")
+    write_json({"0": hashlib.sha256(b"a checkpoint").hexdigest()}, tmp_path / "runs/a/checkpoints.json")
     (tmp_path / "runs/a/checkpoints").mkdir()
     (tmp_path / "runs/a/checkpoints/step_0000000.pt").write_bytes(b"a checkpoint")
     verify([str(tmp_path)])
@@ -210,3 +212,100 @@ print(io.provenance()["iclnoise.commit"])
                          env={**os.environ, "PYTHONPATH": str(repo / "src")})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == first
+
+
+@pytest.mark.unit
+def test_verify_fails_on_a_changed_checkpoint_and_on_a_missing_directory(tmp_path, capsys):
+    """Issue 68 (10): `iclnoise verify` exited 0 on a checkpoint whose bytes differ from its manifest's sha256 and on
+    a path that does not exist. Now the first exits 1 naming the checkpoint and what to do, the second 2 naming
+    the path; a checkpoint with its listed bytes passes."""
+    import hashlib
+
+    from iclnoise.commands.runs import verify
+    from iclnoise.core.io import write_json
+
+    run = tmp_path / "runs" / "a"
+    (run / "checkpoints").mkdir(parents=True)
+    ckpt = run / "checkpoints" / "step_0000000.pt"
+    ckpt.write_bytes(b"a checkpoint")
+    write_json({"0": hashlib.sha256(b"a checkpoint").hexdigest()}, run / "checkpoints.json")
+    verify([str(tmp_path)])
+    ckpt.write_bytes(b"another checkpoint")
+    with pytest.raises(SystemExit) as e:
+        verify([str(tmp_path)])
+    out = capsys.readouterr().out
+    assert e.value.code == 1 and f"{ckpt}: its bytes differ" in out and f"delete the run directory {run}" in out
+    with pytest.raises(SystemExit) as e:
+        verify([str(tmp_path / "nowhere")])
+    assert e.value.code == 2 and "nowhere: no such directory" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_a_full_disk_and_a_linked_lock_name_their_file(tmp_path, monkeypatch):
+    """Issue 68 (13): a full disk and a `.train.lock` that is a symbolic link gave tracebacks naming no file. Now
+    the write error names the file it could not write (the old bytes kept, no temporary file left), and the lock
+    error names the link and what to do."""
+    import errno
+    from pathlib import Path
+
+    import pyarrow as pa
+
+    from iclnoise.core import io as iclio
+    from iclnoise.core.io import write_json, write_parquet
+    from iclnoise.run.runs import LOCK, RunDirError, lock_run_dir
+
+    path = tmp_path / "t.json"
+    write_json({"a": 1}, path)
+    before = path.read_bytes()
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    with pytest.raises(OSError) as e:
+        write_json({"a": 2}, path)
+    assert str(path) in str(e.value) and "No space left on device" in str(e.value) and e.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    monkeypatch.setattr(iclio.pq, "write_table", full)
+    table = tmp_path / "t.parquet"
+    with pytest.raises(OSError, match=f"{table}: not written"):
+        write_parquet(pd.DataFrame({"step": [0]}), table, pa.schema([pa.field("step", pa.int64())]))
+    assert path.read_bytes() == before and not table.exists() and not list(tmp_path.glob(".*.tmp"))
+    run = tmp_path / "run"
+    run.mkdir()
+    (tmp_path / "elsewhere").write_text("somebody's file")
+    (run / LOCK).symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(RunDirError, match="symbolic link") as e:
+        lock_run_dir(run)
+    assert f"rm {run / LOCK}" in str(e.value) and (tmp_path / "elsewhere").read_text() == "somebody's file"
+
+
+@pytest.mark.unit
+def test_a_hand_edited_run_json_is_refused_by_the_aggregate_and_verify(tmp_path, capsys):
+    """Issue 68 (6): editing one run.json's M, with the run_id and directory name to match, counted the run at
+    another M, and `iclnoise verify` and the aggregate said nothing. Now both name the file: its content no longer
+    hashes to the spec_hash the trainer wrote (or its run_id is not its directory's name)."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from iclnoise.analysis.aggregate import run_outcomes
+    from iclnoise.commands.runs import verify
+    from iclnoise.core.io import CorruptFileError
+
+    science = Path(__file__).resolve().parents[1] / "reference" / "science" / "runs" / "M16-B64-none-s0"
+    run = tmp_path / "runs" / "M4-B64-none-s0"
+    shutil.copytree(science, run)
+    spec = json.loads((run / "run.json").read_text())
+    spec["keys"].update(M=4, run_id="M4-B64-none-s0")
+    (run / "run.json").write_text(json.dumps(spec))
+    with pytest.raises(CorruptFileError, match="does not hash to the spec_hash"):
+        run_outcomes(run, 0.05)
+    with pytest.raises(SystemExit) as e:
+        verify([str(tmp_path)])
+    assert e.value.code == 1 and f"{run / 'run.json'}: its content does not hash" in capsys.readouterr().out
+    renamed = tmp_path / "runs" / "M1-B64-none-s0"
+    shutil.copytree(science, renamed)
+    with pytest.raises(CorruptFileError, match="is not its directory's name"):
+        run_outcomes(renamed, 0.05)
+    assert run_outcomes(science, 0.05)["M"] == 16

@@ -355,6 +355,39 @@ def test_llc_for_run_is_byte_identical_on_rerun(tiny, tmp_path):
     assert "seconds" not in df and df.mala_accept.between(0, 1).all() and (df.method == "sgld").all()
 
 
+
+@pytest.mark.numerics
+def test_a_checkpoint_with_nan_weights_is_named_not_a_linalg_error(tiny, tmp_path):
+    """Issue 68 (12): a checkpoint holding NaN weights (its manifest rewritten to match) stopped the LLC probe with a
+    LinAlgError naming no file. Now reading it raises CorruptFileError naming the checkpoint and what to do, and
+    llc.parquet is not written."""
+    import hashlib
+
+    import torch
+
+    from iclnoise.config.grid import run_spec
+    from iclnoise.core.io import CorruptFileError, write_json
+    from iclnoise.run.probing import llc_for_run
+    from iclnoise.run.runs import checkpoint_path, manifest
+    from iclnoise.run.train import train_run
+
+    run = tmp_path / "run"
+    train_run(run_spec(tiny, "M4-B16-none-s0"), run, progress=False)
+    listed = manifest(run)
+    step = max(listed)
+    path = checkpoint_path(run, step)
+    state = torch.load(path, weights_only=True)
+    name = next(iter(state["model"]))
+    state["model"][name] = torch.full_like(state["model"][name], float("nan"))
+    torch.save(state, path)
+    write_json({str(s): hashlib.sha256(checkpoint_path(run, s).read_bytes()).hexdigest() for s in listed},
+               run / "checkpoints.json")
+    cfg = LLCConfig(seed=0, epsilon=1e-4, gamma=100.0, chains=2, burn_in=2, draws=8, batch=16, n=64)
+    with pytest.raises(CorruptFileError) as e:
+        llc_for_run(run, cfg, every=1, progress=False)
+    assert f"{path} holds non-finite weights ({name})" in str(e.value) and f"run directory {run}" in str(e.value)
+    assert not (run / "llc.parquet").exists()
+
 @pytest.mark.numerics
 def test_stacked_chains_equal_the_loop_with_full_batch(tiny_checkpoint64):
     """The hooked model runs all chains as stacked parameters (no vmap); with batch ≥ n every chain sees the

@@ -335,3 +335,73 @@ def test_update_aggregate_seals_the_set_again_and_refuses_a_changed_one(ref, tmp
     path = _drop_row(ref)
     msg = refused(paper_cmd, [ref, "--out", tmp_path / "paper", "--update-aggregate"])
     assert msg.startswith(str(path)), msg
+
+
+@pytest.mark.unit
+def test_paper_and_export_replace_only_a_directory_of_their_own(ref, tmp_path, figures):
+    """Issue 68 (1): `paper SET --out DIR` replaced any DIR/<set> holding a report.md whatever else it held (a
+    pipeline's results directory with its checkpoints, a user's thesis.tex). Now paper and export replace an output
+    only where every file in it is one they listed when they wrote it (paper's .written.json, a set's
+    provenance.json), and refuse otherwise, naming the files; the directory keeps every byte."""
+    out = tmp_path / "paper"
+    paper_cmd([str(ref), "--out", str(out)])
+    paper_cmd([str(ref), "--out", str(out)])                         # its own output: replaced
+    (out / "science" / "thesis.tex").write_text("mine")               # a user's file beside the figures
+    before = snapshot(out)
+    assert "thesis.tex" in refused(paper_cmd, [ref, "--out", out])
+    assert snapshot(out) == before
+    results = tmp_path / "here" / "science"                          # a results directory that holds a report.md
+    (results / "runs" / RUNS[0]).mkdir(parents=True)
+    (results / "report.md").write_text("the pipeline's report")
+    (results / "runs" / RUNS[0] / "resume.pt").write_bytes(b"state")
+    before = snapshot(results)
+    assert "holds no .written.json" in refused(paper_cmd, [ref, "--out", results.parent])
+    assert snapshot(results) == before
+    params = tmp_path / "params.yaml"
+    shutil.copy(ROOT / "params.yaml", params)
+    exported = tmp_path / "sets" / "science"
+    base = ["--results", ref, "--params", params, "--workdir", tmp_path, "--out", exported]
+    export_cmd([str(a) for a in base])
+    (exported / "notes.md").write_text("mine")
+    assert "notes.md" in refused(export_cmd, base)
+    assert (exported / "notes.md").read_text() == "mine"
+
+
+
+@pytest.mark.unit
+def test_export_refuses_a_set_name_make_paper_cannot_pass_on(ref, tmp_path):
+    """Issue 68 (14): a set named with a space exported, then `make paper` could not read it (the Makefile splits
+    reference/*/ at spaces). Now export refuses such a name before writing anything, naming it."""
+    params = tmp_path / "params.yaml"
+    shutil.copy(ROOT / "params.yaml", params)
+    base = ["--results", ref, "--params", params, "--workdir", tmp_path]
+    for name in ("my set", "tab\tset", "star*"):
+        msg = refused(export_cmd, [*base, "--out", tmp_path / "sets" / name])
+        assert f"a set's name ({name!r}) may hold only" in msg
+    assert not (tmp_path / "sets").exists()
+
+
+@pytest.mark.integration
+def test_paper_says_when_a_set_is_not_as_git_holds_it(ref, tmp_path, figures, caplog):
+    """Issue 68 (8): a set edited and its provenance.json sealed again (iclnoise.output.paper.rehash) passes its
+    own check, and `make paper` said nothing of it. Now paper compares the set with git's HEAD where the set lies in
+    a checkout: the log and the report say it is not as git holds it, naming the files; a set as committed, or
+    one outside any checkout, reads as before."""
+    from iclnoise.output.paper import rehash
+
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "the set"], check=True)
+    with caplog.at_level("WARNING", logger="iclnoise.output.paper"):
+        paper_cmd([str(ref), "--out", str(tmp_path / "out1")])
+    assert "not as git holds it" not in caplog.text
+    assert "not as git holds it" not in (tmp_path / "out1" / "science" / "report.md").read_text()
+    edited = _edit_metric(ref)
+    rehash(ref)
+    with caplog.at_level("WARNING", logger="iclnoise.output.paper"):
+        paper_cmd([str(ref), "--out", str(tmp_path / "out2")])
+    name = str(edited.relative_to(tmp_path))
+    assert f"{ref}: not as git holds it at HEAD" in caplog.text and "metrics.parquet" in caplog.text
+    report = (tmp_path / "out2" / "science" / "report.md").read_text()
+    assert "It is not as git holds it at HEAD (2 file(s) changed" in report and name.split("/")[-1] in report

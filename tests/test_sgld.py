@@ -1,6 +1,5 @@
 """The SGLD sampler's parts (iclnoise.probes.sgld) against hand-written arithmetic: the kernel's step and MALA ratio,
-the
-mini-batches each chain draws, the observers, and MALA's acceptance on a Gaussian against its known value."""
+the mini-batches each chain draws, the observers, and MALA's acceptance on a Gaussian against its known value."""
 import math
 
 import numpy as np

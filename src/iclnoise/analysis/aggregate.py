@@ -18,12 +18,13 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from ..core.io import read_json, read_parquet, write_json, write_parquet, write_text
+from ..core.io import read_parquet, write_json, write_parquet, write_text
 from ..core.probe_sections import Stats
 from ..core.runspec import KEY_FIELDS, RunSpec
 from ..core.tasks import M_INF, m_label
 from ..probes.geometry import GEOMETRY_COLUMNS
 from ..probes.mech import CIRCUIT_COLUMNS
+from ..run.runs import checked_spec
 from . import thresholds
 from .dose import DOSE_SCHEMA, LEVELS_SCHEMA, dose_runs, levels_table
 from .verdicts import (
@@ -117,7 +118,7 @@ def _noise_fields(spec: RunSpec) -> dict:
 
 
 def run_outcomes(run_dir: Path, transient_tol: float) -> dict:
-    spec = RunSpec.of(read_json(run_dir / "run.json"))
+    spec = RunSpec.of(checked_spec(run_dir))
     metrics = read_parquet(run_dir / "metrics.parquet").sort_values("step")
     end = metrics.iloc[-1]
     w = thresholds.transient_ridge_window(metrics, transient_tol)
@@ -281,8 +282,7 @@ def markdown(df: pd.DataFrame) -> str:
 def aggregate(run_dirs: list[Path], out_dir: Path, cfg: Stats) -> pd.DataFrame:
     """Outcomes, thresholds and tests of `run_dirs` into `out_dir` (.parquet and .md) with metrics.json, and where
     the grid has a dose series (iclnoise.analysis.dose) dose.parquet (one row per run) and dose_levels.parquet; returns
-    the
-    tests. Figures 6-10 are drawn from these tables (iclnoise.output.figures.aggregate)."""
+    the tests. Figures 6-10 are drawn from these tables (iclnoise.output.figures.aggregate)."""
     out, schema = outcomes(run_dirs, cfg.transient_tol)
     write_parquet(out, out_dir / "outcomes.parquet", schema)
     conv = convergence(out, GATES["convergence_tol"])

@@ -203,9 +203,8 @@ def ladder_shifts(g: pd.DataFrame, ladder: list[int], s: dict, level: float) -> 
     """Per positive dose, the shift of log2 M* against dose 0 the ladder reads: Δ = per seed the mean over the
     ladder's M of r(dose) − r(0) (paired by M and seed), shift = −mean Δ / s; its SE by the delta method from the
     seeds' spread of Δ (sd/√n) and s's SE, interval ± t_{n−1} × SE. Columns target_dose, ladder_shift, _lo, _hi.
-    Measured on planted translations (experiments/dose_coverage.py, 200 each, 3 seeds): coverage 0.960 over 5 doses
-    with no
-    shift, 0.968 at −0.25 octave per decade; at the top dose (2 decades) 5 % of intervals exclude 0 under no shift,
+    Measured on planted translations (experiments/dose_coverage.py, 200 each, 3 seeds): coverage 0.960 over 5 doses with
+    no shift, 0.968 at −0.25 octave per decade; at the top dose (2 decades) 5 % of intervals exclude 0 under no shift,
     95.5 % at a shift of −0.5 octave. With 2 degrees of freedom an interval's width varies a lot between draws."""
     z = g[g.M.isin(ladder) & ~g.diverged.astype(bool) & g.r.notna()]
     zero = z[z.target_dose == 0].set_index(["M", "seed"]).r

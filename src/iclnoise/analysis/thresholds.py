@@ -277,9 +277,8 @@ def crossover_threshold(slopes: pd.DataFrame, level: float = 0.95, min_seeds: in
     mean ± √((t_{n−1} · sd / √n)² + (GAP_SHARE · gap)²), gap = the width of the grid interval holding the mean: the
     linear interpolation across a gap is biased where the pull is asymmetric, by the same amount in every seed.
     Measured (issue 42, experiments/crossover_coverage.py: asymmetric pulls, run noise growing away from x*, crossings
-    inside
-    grid gaps, 200 grids per cell): log2 M* reads +0.19 to +0.22 octave high; coverage of the nominal 95 % interval
-    0.950 (8 M, 3 seeds), 0.983 / 0.960 / 0.990 (uneven grid {1, 4, ..., 64, 256}, 3 / 4 / 6 seeds), against
+    inside grid gaps, 200 grids per cell): log2 M* reads +0.19 to +0.22 octave high; coverage of the nominal 95 %
+    interval 0.950 (8 M, 3 seeds), 0.983 / 0.960 / 0.990 (uneven grid {1, 4, ..., 64, 256}, 3 / 4 / 6 seeds), against
     0.911, 0.932 / 0.904 / 0.879 for the t-interval alone.
 
     Whether the sign changes at all is decided once, on the seed-mean pulls: their crossing x̄ splits the grid, and

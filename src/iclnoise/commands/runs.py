@@ -76,14 +76,17 @@ def check(argv: list[str]) -> None:
 
 def verify(argv: list[str]) -> None:
     """Read every Parquet and JSON file under a results directory, and check that every checkpoint a run's
-    checkpoints.json lists is on disk; name each unreadable or missing file and what to do (exit 1).
-    scripts/dvc-snakemake.sh runs it last, so `dvc repro` never records a corrupt table."""
+    checkpoints.json lists is on disk with the bytes it lists (sha256); name each unreadable, missing or changed
+    file and what to do (exit 1; a directory that does not exist: exit 2). scripts/dvc-snakemake.sh runs it last,
+    so `dvc repro` never records a corrupt table."""
     from ..core.io import CorruptFileError, read_json, read_parquet
-    from ..run.runs import MANIFEST, missing_checkpoints
+    from ..run.runs import MANIFEST, changed_checkpoints, checked_spec, missing_checkpoints
 
     ap = argparse.ArgumentParser(prog="iclnoise verify", description=verify.__doc__)
     ap.add_argument("dir", nargs="?", default="results")
     a = ap.parse_args(argv)
+    if not Path(a.dir).is_dir():
+        ap.error(f"{a.dir}: no such directory; name a results directory (default: results)")
     bad, n = [], 0
     for f in sorted(Path(a.dir).rglob("*")):
         if f.suffix not in (".parquet", ".json") or f.name.startswith("."):
@@ -94,11 +97,18 @@ def verify(argv: list[str]) -> None:
         except CorruptFileError as e:
             bad.append(str(e))
             continue
+        if f.name == "run.json" and f.parent.parent.name == "runs":
+            try:
+                checked_spec(f.parent)
+            except CorruptFileError as e:
+                bad.append(str(e))
         if f.name == MANIFEST:
             bad += [f"{c}: listed in {f}, missing; rerun snakemake: the run's training job trains it again (and its "
                     f"probes after it)" for c in missing_checkpoints(f.parent)]
+            bad += [f"{c}: its bytes differ from the sha256 {f} lists (corrupt or replaced); delete the run directory "
+                    f"{f.parent} and rerun snakemake to train it again" for c in changed_checkpoints(f.parent)]
     for line in bad:
         print(line)
-    print(f"{a.dir}: {n} tables read, {len(bad)} unreadable or missing")
+    print(f"{a.dir}: {n} tables read, {len(bad)} unreadable, missing or changed")
     if bad:
         raise SystemExit(1)

@@ -222,8 +222,7 @@ def jobs(params: dict) -> dict[str, Any]:
 
 def has_dose_series(params: dict) -> bool:
     """Whether the grid of `params` holds a dose series (what iclnoise.analysis.dose.dose_runs finds in its outcomes):
-    some
-    injected source and shape at a batch size with ≥ 2 distinct positive budgets under a constant schedule, no
+    some injected source and shape at a batch size with ≥ 2 distinct positive budgets under a constant schedule, no
     emulated batch. The workflow declares the dose tables and figure only then."""
     g, conds = params["grid"], params["noise"]["conditions"]
     budgets: dict[tuple, set] = {}

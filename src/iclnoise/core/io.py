@@ -8,6 +8,7 @@ an expected schema when given one.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import hashlib
@@ -57,6 +58,17 @@ def atomic_path(path: str | os.PathLike) -> tuple[Path, Path]:
         os.close(fd)
     return final, Path(tmp)
 
+
+
+@contextlib.contextmanager
+def _naming(final: Path):
+    """An OSError while writing `final`'s temporary file (a full disk, a quota) re-raised naming `final`: the
+    temporary file is removed and `final` keeps its old bytes."""
+    try:
+        yield
+    except OSError as e:
+        raise OSError(e.errno, f"{final}: not written ({e.strerror or e}); its old content, if any, is unchanged: "
+                               f"free space and rerun") from None
 
 def atomic_dir(path: str | os.PathLike) -> tuple[Path, Path]:
     """(final, temporary) directories for writing a whole directory: the temporary one is new, hidden and unique
@@ -148,7 +160,8 @@ def write_parquet(df: pd.DataFrame, path: str | os.PathLike, schema: pa.Schema, 
     table = table.replace_schema_metadata(meta)
     final, tmp = atomic_path(path)
     try:
-        pq.write_table(table, tmp)
+        with _naming(final):
+            pq.write_table(table, tmp)
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
@@ -202,7 +215,8 @@ def write_bytes(data: bytes, path: str | os.PathLike) -> None:
     """Write `data` to `path` atomically (a temporary file in the same directory, then a rename)."""
     final, tmp = atomic_path(path)
     try:
-        tmp.write_bytes(data)
+        with _naming(final):
+            tmp.write_bytes(data)
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)

@@ -107,8 +107,7 @@ class Stages(Section):
 @dataclass(frozen=True)
 class Refined(Section):
     """llc.refined (iclnoise.probes.refined): `chains`, `burn_in`, `draws` None: llc.sampler's; `positions` None: every
-    y_k;
-    `M` None: every probed run."""
+    y_k; `M` None: every probed run."""
     SECTION: ClassVar[str] = "llc.refined"
     checkpoints: int            # of the LLC's checkpoints past step 0 (iclnoise.core.schedules.refined_steps)
     n_obs: int                  # sequences per susceptibility observable set

@@ -43,8 +43,7 @@ KEY_FIELDS = [
 @dataclass(frozen=True, order=True)
 class RunKeys:
     """A run's place in the grid (iclnoise.config.grid.expand_grid). The optimizer (grid.optimizer) is in the run id
-    only
-    where it is not AdamW, so AdamW's run ids, specs and tables are those of grids without the axis; the run id
+    only where it is not AdamW, so AdamW's run ids, specs and tables are those of grids without the axis; the run id
     alone carries it (a spec's `keys` and the tables hold the KEY_FIELDS)."""
     M: int
     batch: int

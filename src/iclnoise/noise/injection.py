@@ -1,8 +1,7 @@
 """Noise injection (method §5): the step hook that adds N(0, s_t R') to a run's gradient or weights, with its level
 set open loop (emulate_batch), by a closed loop on the realised exposure (budget) or by a PI controller (target).
 The maths lives in iclnoise.noise and iclnoise.noise.exposure; iclnoise.noise.hooks has the step protocol and the
-exposure
-state this hook shares with the exposure logger.
+exposure state this hook shares with the exposure logger.
 
 Two paths, one set of numbers: an ensemble (iclnoise.run.ensemble) runs the closed loop of its budget injectors with
 schedule constant, early or late and shape diagonal or isotropic (the dose experiment's conditions) for all their

@@ -2,9 +2,14 @@
 or a set grown by the runs of a later session (add_runs). Checked and drawn again by iclnoise.output.paper."""
 from __future__ import annotations
 
+import contextlib
 import csv
+import fcntl
 import json
 import logging
+import math
+import os
+import re
 import shutil
 import time
 from collections.abc import Iterable
@@ -16,6 +21,7 @@ from ..core.io import read_json, read_metadata, read_parquet, replace_dir, write
 from .paper import ALIGNMENT, _writable, apart, seal, verify
 
 log = logging.getLogger(__name__)
+SET_NAME = re.compile(r"[A-Za-z0-9._-]+")   # a set's directory name: what make paper can pass on
 
 
 # injection.parquet (a row per injecting step: 26 MB for reference/noise's 40 000-step arms) stays out: nothing the
@@ -40,26 +46,65 @@ def export(results: Path, out: Path, params: dict, workdir: Path, sources: Itera
     """Copy the paper's tables of `results` into `out` (replaced) and write provenance.json. `sources`: the params
     files, inputs like `results` and the benchmarks (`out` must be apart from all of them). `add`: keep the runs
     already in the set `out` (if any) and add the finished runs of `results` to them (add_runs)."""
+    if not SET_NAME.fullmatch(out.name):
+        raise SystemExit(f"{out}: a set's name ({out.name!r}) may hold only letters, digits, '.', '_' and '-' (make "
+                         f"paper reads the sets' names from reference/*/, split at spaces); choose another --out")
     apart(out, [results, workdir / "benchmarks", *sources])
-    if add:
-        return add_runs(results, out, params, workdir)
-    if not (results / "aggregate" / "tests.parquet").exists():
-        raise SystemExit(f"{results}/aggregate/tests.parquet is missing: run the workflow to the end first "
-                         f"(snakemake --cores 2 ...), then export")
-    final, tmp = _writable(out, "provenance.json")
+    with _exclusive(out):
+        if add:
+            return add_runs(results, out, params, workdir)
+        if not (results / "aggregate" / "tests.parquet").exists():
+            raise SystemExit(f"{results}/aggregate/tests.parquet is missing: run the workflow to the end first "
+                             f"(snakemake --cores 2 ...), then export")
+        runs = _grid_runs(results, params)
+        final, tmp = _writable(out, "provenance.json")
+        try:
+            prov = _export(results, runs, tmp, params, workdir)
+            replace_dir(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return prov
+
+
+@contextlib.contextmanager
+def _exclusive(out: Path):
+    """One export into the set `out` at a time: an flock on .<name>.lock beside it, waited for (two `export --add`
+    from two results directories each add their runs, in turn, to the set the other left)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock = out.with_name(f".{out.name}.lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
     try:
-        prov = _export(results, tmp, params, workdir)
-        replace_dir(tmp, final)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("%s: another export is writing this set; waiting for it (%s)", out, lock)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return prov
+        os.close(fd)
 
 
-def _export(results: Path, tmp: Path, params: dict, workdir: Path) -> dict:
+def _grid_runs(results: Path, params: dict) -> list[Path]:
+    """The run directories of `results` that are runs of `params`' grid, each checked (check_run); the others are
+    left out, each named in the log (a grid changed since they trained: the workflow's aggregate has none of them)."""
+    from ..config.grid import expand_grid
+
+    planned = {k.run_id for k in expand_grid(params)}
+    runs = sorted(p for p in (results / "runs").iterdir() if (p / "run.json").exists())
+    for run in runs:
+        if run.name not in planned:
+            log.warning("%s: left out, not a run of these parameters' grid", run)
+    runs = [r for r in runs if r.name in planned]
+    for run in runs:
+        check_run(run, params)
+    return runs
+
+
+def _export(results: Path, runs: list[Path], tmp: Path, params: dict, workdir: Path) -> dict:
     from ..config.grid import spec_hash
 
     specs = {}
-    for run in sorted(p for p in (results / "runs").iterdir() if (p / "run.json").exists()):
+    for run in runs:
         (tmp / "runs" / run.name).mkdir(parents=True)
         for name in RUN_TABLES:
             if (run / name).exists():
@@ -84,6 +129,45 @@ def _export(results: Path, tmp: Path, params: dict, workdir: Path) -> dict:
                       "wall_time": _job_seconds(workdir / "benchmarks")})
 
 
+def _leaf_diff(a, b, path: str = "") -> list[str]:
+    """The leaf keys where mappings `a` (what a run recorded) and `b` (what the parameters give) differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b))
+                for d in _leaf_diff(a.get(k), b.get(k), f"{path}.{k}" if path else k)]
+    return [] if a == b else [f"{path} {a!r} (these parameters: {b!r})"]
+
+
+def check_run(run: Path, params: dict) -> None:
+    """SystemExit naming the file and what differs unless the run `run` is what `params` make of it: its run.json
+    the spec they give its run id (as train checks), its LLC table computed with their llc.sampler. An export
+    records `params` as the set's: a run of other parameters would be stated under the wrong ones."""
+    from ..config import typed
+    from ..config.grid import run_spec, spec_hash
+
+    spec = read_json(run / "run.json")
+    want = run_spec(params, run.name)
+    if spec.get("spec_hash") != spec_hash(want):
+        diff = _leaf_diff({k: v for k, v in spec.items() if k != "spec_hash"}, want)
+        what = ("; ".join(diff[:3]) + ("; ..." if len(diff) > 3 else "")) if diff else \
+            "its run.json's spec_hash is not its content's"
+        raise SystemExit(f"{run}: trained with another spec than these parameters give it ({what}): pass the "
+                         f"parameters it was trained with (--params, --configfile as the workflow ran), or train it "
+                         f"again")
+    llc = read_parquet(run / "llc.parquet") if (run / "llc.parquet").exists() and "llc" in params else None
+    if llc is not None and len(llc):
+        cfg = typed(params, "llc.sampler")
+        row = llc.iloc[0]
+        want_llc = {"epsilon": cfg.epsilon, "gamma": cfg.gamma, "nbeta": cfg.resolved_nbeta(), "chains": cfg.chains,
+                    "burn_in": cfg.burn_in, "draws": cfg.draws, "batch_size": cfg.batch, "n": cfg.n,
+                    "method": cfg.method}
+        diff = [f"{k} {row[k]!r} (llc.sampler: {v!r})" for k, v in want_llc.items() if k in row.index
+                and not (row[k] == v or isinstance(v, float) and math.isclose(float(row[k]), v, rel_tol=1e-9))]
+        if diff:
+            raise SystemExit(f"{run / 'llc.parquet'}: computed with other LLC settings than these parameters' "
+                             f"({'; '.join(diff[:3])}): pass the parameters it was computed with, or rerun the run's "
+                             f"probes (snakemake) under these")
+
+
 def finished_runs(results: Path, params: dict) -> list[Path]:
     """The runs of `results` that a set can take before the whole grid has run: in the grid of `params`, their
     training tables written and, after them, every probe table a set keeps that their probe sections make
@@ -96,12 +180,21 @@ def finished_runs(results: Path, params: dict) -> list[Path]:
         try:
             spec = typed_spec(params, run.name)
         except (KeyError, ValueError):
-            continue   # not a run of this grid (add_runs names it when the set holds it)
+            log.warning("%s: left out, not a run of these parameters' grid", run)
+            continue
         trained = [run / f for f in spec.outputs if f in RUN_TABLES]
         probes = [run / f for s in probe_sections(params, parse_run_id(run.name)) for f in PROBE_TABLES[s]
                   if f in RUN_TABLES]   # the tables a set keeps (not llc_traces)
-        if all(f.exists() for f in [run / "metrics.parquet", *trained, *probes]) and \
-                all(f.stat().st_mtime >= (run / "metrics.parquet").stat().st_mtime for f in probes):
+        missing = [f.name for f in dict.fromkeys([run / "metrics.parquet", *trained, *probes]) if not f.exists()]
+        trained_at = (run / "metrics.parquet").stat().st_mtime if not missing else None
+        older = [f.name for f in probes if trained_at is not None and f.stat().st_mtime < trained_at]
+        if missing:
+            log.warning("%s: left out, not finished (no %s yet)", run, ", ".join(missing))
+        elif older:
+            log.warning("%s: left out, its training tables are newer than its probes' (%s): retrained after them, "
+                        "or a clock that moved; rerun its probes (snakemake) or touch them if they are current",
+                        run, ", ".join(older))
+        else:
             done.append(run)
     return done
 
@@ -153,7 +246,7 @@ def add_runs(results: Path, out: Path, params: dict, workdir: Path) -> dict:
 def _growth(results: Path, out: Path, params: dict) -> tuple[list[str], list[Path], list[Path]]:
     """add_runs' checks: the planned run ids of `params`' grid, the finished runs of `results` and the runs of `out`
     it keeps; SystemExit naming the run where a run is not of the grid or was trained with another spec."""
-    from ..config.grid import expand_grid, run_spec, spec_hash
+    from ..config.grid import expand_grid
 
     if (out / "ed").exists():
         raise SystemExit(f"{out}: holds essential-dynamics tables, which are computed over a family of runs and "
@@ -164,14 +257,16 @@ def _growth(results: Path, out: Path, params: dict) -> tuple[list[str], list[Pat
     new = finished_runs(results, params)
     if not new:
         raise SystemExit(f"{results}: no finished run of these parameters' grid (trained and probed); nothing to add")
+    for run in new:   # a corrupt table is named where it lies, not as its copy in the temporary set
+        for name in RUN_TABLES:
+            if name.endswith(".parquet") and (run / name).exists():
+                read_parquet(run / name)
     kept = [p for p in sorted((out / "runs").glob("*")) if p.name not in {r.name for r in new}]
     for run in [*kept, *new]:
         if run.name not in planned:
             raise SystemExit(f"{run}: not a run of these parameters' grid; export the set afresh (without --add) "
                              f"with the parameters it was trained with")
-        if read_json(run / "run.json").get("spec_hash") != spec_hash(run_spec(params, run.name)):   # as train does
-            raise SystemExit(f"{run}: trained with another spec than these parameters give it; export the set "
-                             f"afresh (without --add), or train it again")
+        check_run(run, params)   # its spec (as train checks) and its LLC settings
     return planned, new, kept
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import shutil
+import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 ALIGNMENT = "alignment.parquet"   # derived at export from injection.parquet (noise-shaped runs: _export_alignment)
 AGGREGATE_TABLES = ("outcomes.parquet", "thresholds.parquet", "tests.parquet")
 SEAL = "self_sha256"   # provenance.json's own content hash
+WRITTEN = ".written.json"   # the files `paper` wrote into OUT/<set>: it replaces only a directory of its own
 
 
 def apart(out: Path, inputs: Iterable[Path]) -> None:
@@ -63,12 +65,34 @@ def apart(out: Path, inputs: Iterable[Path]) -> None:
                              f"output directory apart from the inputs")
 
 
+def _listed(out: Path, marker: str) -> set[str]:
+    """The files (relative paths) the command that wrote `out` says it wrote: provenance.json's sha256 for a set,
+    WRITTEN for paper's output; the marker itself included."""
+    try:
+        got = read_json(out / marker)
+        names = set(got["sha256"]) if marker == "provenance.json" else set(got)
+    except (CorruptFileError, KeyError, TypeError) as e:
+        raise SystemExit(f"{out / marker}: unreadable ({e}), so what {out} holds cannot be told apart from what this "
+                         f"command wrote; replacing it could delete files of yours: choose another output "
+                         f"directory") from None
+    return names | {marker}
+
+
 def _writable(out: Path, marker: str) -> tuple[Path, Path]:
-    """atomic_dir(out), after checking that an existing `out` is ours to replace (empty, or holding `marker`) and
-    naming in the log the temporary directories a killed export or paper left beside it; SystemExit otherwise."""
+    """atomic_dir(out), after checking that an existing `out` is ours to replace: empty, or holding `marker` and
+    no file but those the marker lists (_listed: what an earlier run of this command wrote there); naming in the
+    log the temporary directories a killed export or paper left beside it. SystemExit otherwise, naming files."""
     if out.exists() and not (out.is_dir() and ((out / marker).exists() or not any(out.iterdir()))):
-        raise SystemExit(f"{out} exists and holds no {marker}, so no earlier output of this command: replacing it "
-                         f"would delete it; choose another output directory")
+        raise SystemExit(f"{out} exists and holds no {marker}, so no earlier output of this command (or one of an "
+                         f"older version, which did not list its files): replacing it would delete it; choose "
+                         f"another output directory, or delete it yourself")
+    if out.is_dir() and (out / marker).exists():
+        listed = _listed(out, marker)
+        foreign = sorted(n for p in out.rglob("*") if p.is_file() and (n := str(p.relative_to(out))) not in listed)
+        if foreign:
+            raise SystemExit(f"{out} holds {len(foreign)} file(s) this command did not write ({', '.join(foreign[:3])}"
+                             f"{', ...' if len(foreign) > 3 else ''}): replacing it would delete them; move them out "
+                             f"or choose another output directory")
     stale = [out.with_name(out.name + ".tmp"), out.with_name(out.name + ".aggregate.tmp")]
     for p in [*sorted(out.parent.glob(f".{out.name}.*")), *stale]:
         if p.suffix in (".tmp", ".old") and p.exists():
@@ -170,9 +194,25 @@ def update_aggregate(reference: Path, stats_from: dict | None = None) -> list[st
     return changed
 
 
-def origin(reference: Path, prov: dict) -> str:
+def git_changes(reference: Path) -> list[str] | None:
+    """The set's files that are not as git holds them at HEAD (changed, added, removed: `git status` lines), or
+    None where the set lies in no git checkout. provenance.json can be sealed again after an edit, so the set's own
+    check cannot tell; git can."""
+    try:
+        inside = subprocess.run(["git", "-C", str(reference), "rev-parse", "--is-inside-work-tree"],
+                                capture_output=True, text=True, timeout=60)
+        if inside.returncode or inside.stdout.strip() != "true":
+            return None
+        st = subprocess.run(["git", "-C", str(reference), "status", "--porcelain", "--untracked-files=all", "--", "."],
+                            capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [line[3:] for line in st.stdout.splitlines()] if st.returncode == 0 else None
+
+
+def origin(reference: Path, prov: dict, changed: list[str] | None = None) -> str:
     """The report's line on where a reference set's numbers come from: the commits its runs trained at, the one
-    that aggregated them, and the check of its files."""
+    that aggregated them, the check of its files, and (`changed`, git_changes) whether git holds it as it is."""
     def short(c: str) -> str:
         return c[:7] + ("+dirty" if c.endswith("+dirty") else "")
 
@@ -185,7 +225,10 @@ def origin(reference: Path, prov: dict) -> str:
     return (f"Reference set `{reference.name}`: trained at git {trained}; aggregated at git "
             f"{short(prov.get('aggregate_commit') or 'unknown')}; exported {prov.get('exported', '?')}; "
             f"its {len(prov['sha256'])} files match provenance.json's sha256. Parameters (below): the provenance's."
-            + growing)
+            + growing
+            + (f" It is not as git holds it at HEAD ({len(changed)} file(s) changed, added or removed: "
+               f"{', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}): these numbers are of the changed set."
+               if changed else ""))
 
 
 def paper(reference: Path, out: Path) -> list[Path]:
@@ -193,16 +236,22 @@ def paper(reference: Path, out: Path) -> list[Path]:
     set must match its provenance.json, and the rerun aggregate's tables the set's (SystemExit naming the file
     otherwise)."""
     prov = verify(reference)
-    final, tmp = _writable(out, "report.md")
+    changed = git_changes(reference)
+    if changed:
+        log.warning("%s: not as git holds it at HEAD (%d file(s): %s); the figures and report are of the changed set "
+                    "(git status %s; git checkout -- %s restores it)", reference, len(changed),
+                    ", ".join(changed[:3]) + (", ..." if len(changed) > 3 else ""), reference, reference)
+    final, tmp = _writable(out, WRITTEN)
     try:
-        pngs = [final / "figures" / p.name for p in _render(reference, tmp, prov)]
+        pngs = [final / "figures" / p.name for p in _render(reference, tmp, prov, changed)]
+        write_json(sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file()), tmp / WRITTEN)
         replace_dir(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return pngs
 
 
-def _render(reference: Path, out: Path, prov: dict) -> list[Path]:
+def _render(reference: Path, out: Path, prov: dict, changed: list[str] | None = None) -> list[Path]:
     from ..analysis.aggregate import aggregate
     from ..config import typed
     from .figures.aggregate import aggregate_figures
@@ -239,5 +288,5 @@ def _render(reference: Path, out: Path, prov: dict) -> list[Path]:
     for fam in sorted(p for p in (out / "ed").glob("*") if (p / "sampling.parquet").exists()):
         fam_runs = read_parquet(fam / "sampling.parquet").run_id.tolist()
         ed_figures([out / "runs" / r for r in fam_runs], fam.name, fam, figs, typed(params, "ed"))
-    write_text(build(out, params, Path.cwd(), origin(reference, prov)), out / "report.md")
+    write_text(build(out, params, Path.cwd(), origin(reference, prov, changed)), out / "report.md")
     return sorted(figs.glob("*.png"))

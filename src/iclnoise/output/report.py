@@ -12,7 +12,15 @@ import yaml
 
 from .. import __version__
 from ..analysis.dose import SERIES
-from ..analysis.verdicts import CONDITION, GATES, NO_MANIPULATION, condition_name, convergence, optimizer_note
+from ..analysis.verdicts import (
+    CONDITION,
+    GATES,
+    NO_MANIPULATION,
+    condition_name,
+    convergence,
+    optimizer_note,
+    over_ridge,
+)
 from ..core.io import read_parquet
 
 FIGURES = [
@@ -95,10 +103,11 @@ def _convergence(conv) -> tuple[list[str], list[str]]:
         ref = (r.batch, "none", r.optimizer)
         if r.n_inf_runs:
             parts.append(f"{name} M = ∞ runs diverged" if r.ood_loss_over_ridge == math.inf
-                         else f"{name} {r.ood_loss_over_ridge:.2f}×")
+                         else f"{name} {r.ood_loss_over_ridge:.2f}×" if not math.isnan(r.ood_loss_over_ridge)
+                         else f"{name} M = ∞ OOD loss {over_ridge(r.ood_loss_over_ridge)}")
             if not r.converged:
                 bad.append(f"{name}: M = ∞ runs diverged" if r.ood_loss_over_ridge == math.inf
-                           else f"{name}: M = ∞ OOD loss {r.ood_loss_over_ridge:.2f}× ridge's")
+                           else f"{name}: M = ∞ OOD loss {over_ridge(r.ood_loss_over_ridge)}")
         elif ref in c.index and c.loc[ref].n_inf_runs:
             parts.append(f"{name} no M = ∞ run (batch noise's at its batch size stands for it)")
         else:

@@ -1,6 +1,5 @@
 """Local learning coefficient (method §7): the estimator over localized SGLD chains (iclnoise.probes.sgld), its
-diagnostics
-and its calibration.
+diagnostics and its calibration.
 
     λ̂(w*) = nβ · (E_w[L_n(w)] − L_n(w*)),   w ~ exp(−U(w)),   U(w) = nβ L_n(w) + (γ/2)‖w − w*‖²
 
@@ -159,8 +158,7 @@ def top_eigenvalue(model: torch.nn.Module, loss_fn: LossFn, xs: torch.Tensor, ys
                    seed: int = 0) -> float:
     """λ_max of the Hessian of L (on the first HESSIAN_SEQUENCES sequences of (xs, ys)) at `center`, by Lanczos
     (iclnoise.probes.geometry, ≤ STABILITY_ITERS Hessian-vector products); with a `mask` (`restriction`'s format) the
-    top
-    eigenvalue of the block of the coordinates it moves, m ⊙ H (m ⊙ v): the chains' own stability limit."""
+    top eigenvalue of the block of the coordinates it moves, m ⊙ H (m ⊙ v): the chains' own stability limit."""
     f = FlatLoss(model, loss_fn, xs[:HESSIAN_SEQUENCES], ys[:HESSIAN_SEQUENCES])
     f.w0 = torch.cat([center[k].detach().reshape(-1) for k in f.names])
     hvp = f.hvp_at_w0()

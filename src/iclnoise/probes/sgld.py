@@ -11,10 +11,9 @@ its callbacks:
   move.
 
 `sgld_chains` runs them over the rows (centers × chains): the whole-network λ̂ (iclnoise.probes.llc) and, with one mask
-per
-center and the φ datasets observed, the refined λ̂_C and the susceptibilities (iclnoise.probes.refined). The estimators
-and
-the sampler's diagnostics (stability ratio, escape evidence: iclnoise.probes.llc) read what the observers leave.
+per center and the φ datasets observed, the refined λ̂_C and the susceptibilities (iclnoise.probes.refined). The
+estimators and the sampler's diagnostics (stability ratio, escape evidence: iclnoise.probes.llc) read what the observers
+leave.
 
 Target w ~ exp(−U(w)), U(w) = nβ L_n(w) + (γ/2)‖w − w*‖². Kernels (`LLCConfig.method`), both per coordinate with a
 preconditioner G (G = 1 for plain SGLD):

@@ -87,10 +87,9 @@ class Ensemble:
         self.step_t = torch.zeros((), dtype=torch.long, device=self.device)    # the step, for _record_losses
         self.graphs: tuple | None = None   # (backward graph, its xs, ys; update graph, its norms, coefs)
         # runs per stacked evaluation pass (evaluate): on CUDA R·micro_batch // the largest eval split, so a pass
-        # holds no more sequences than a micro-batch over the ensemble does in training
-        # (iclnoise.config.memory.job_memory's
-        # floor holds); on the CPU 1, each run its own pass (the stacked pass measured no faster there: 18 runs of
-        # the default at batch 64, chunk 2, 4.4 s against 3.3-4.2 s one run at a time, one loaded thread)
+        # holds no more sequences than a micro-batch over the ensemble does in training (iclnoise.config.memory's
+        # job_memory floor holds); on the CPU 1, each run its own pass (the stacked pass measured no faster there:
+        # 18 runs of the default at batch 64, chunk 2, 4.4 s against 3.3-4.2 s one run at a time, one loaded thread)
         e = spec.eval
         self.eval_chunk = R * self.mb // max(e.n_sequences, e.n_root) if self.device.type == "cuda" else 1
 

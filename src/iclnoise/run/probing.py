@@ -305,10 +305,9 @@ def calibrate_for_run(run_dir: str | Path, base: LLCConfig, steps: Sequence[int]
                       gammas: list[float], nbetas: list[float | None] = (None,), device: str = "cpu"
                       ) -> tuple[pd.DataFrame, dict | None]:
     """The ε × γ (× nβ) sweep of `iclnoise.probes.llc.calibration_sweep` at the run's checkpoints `steps` (sampling set
-    as
-    llc_for_run's), and its choice (`choose_setting`; None: no setting is clean and levelled off in ε). Writes
-    llc_calibration.parquet (the sweep, one row per setting and checkpoint) and llc_calibration.json (the choice,
-    the checkpoints, the base settings and the checkpoints left out as not near a minimum, `undefined_centers`)."""
+    as llc_for_run's), and its choice (`choose_setting`; None: no setting is clean and levelled off in ε). Writes
+    llc_calibration.parquet (the sweep, one row per setting and checkpoint) and llc_calibration.json (the choice, the
+    checkpoints, the base settings and the checkpoints left out as not near a minimum, `undefined_centers`)."""
     from ..core.model import mse_loss
 
     run_dir = Path(run_dir)

@@ -83,7 +83,12 @@ def lock_run_dir(run_dir: str | Path) -> int:
     holds raises RunDirError naming that process."""
     rd = check_run_dir(run_dir)
     rd.mkdir(parents=True, exist_ok=True)
-    fd = os.open(rd / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, file_mode())
+    try:
+        fd = os.open(rd / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, file_mode())
+    except OSError as e:   # O_NOFOLLOW: a symbolic link is refused (ELOOP), not followed to somebody's file
+        what = "a symbolic link, which a trainer never makes" if (rd / LOCK).is_symlink() else e.strerror
+        raise RunDirError(f"{rd / LOCK}: cannot take the run directory's lock ({what}); remove it (rm {rd / LOCK}) "
+                          f"and rerun") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -190,6 +195,16 @@ def missing_checkpoints(run_dir: str | Path, steps: set[int] = frozenset()) -> l
     return [checkpoint_path(run_dir, s) for s in sorted(listed) if not checkpoint_path(run_dir, s).exists()]
 
 
+def changed_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The analysis checkpoints on disk whose bytes differ from the sha256 the run's manifest lists for them (a
+    corrupt manifest: none, `missing_checkpoints` and the reader name it)."""
+    try:
+        listed = manifest(run_dir)
+    except CorruptFileError:
+        return []
+    return [p for s, h in sorted(listed.items()) if (p := checkpoint_path(run_dir, s)).exists() and sha256(p) != h]
+
+
 def saved_steps(run_dir: str | Path) -> list[int]:
     """The steps of the run's analysis checkpoints, from the manifest (or the files, before it exists)."""
     m = manifest(run_dir)
@@ -199,8 +214,19 @@ def saved_steps(run_dir: str | Path) -> list[int]:
 
 
 def load_checkpoint(run_dir: str | Path, step: int, device: str | torch.device = "cpu") -> dict:
-    """An analysis checkpoint, verified against the manifest."""
-    return load_torch(checkpoint_path(run_dir, step), device, manifest(run_dir).get(step))
+    """An analysis checkpoint, verified against the manifest, its weights finite: CorruptFileError naming the file
+    otherwise (a diverged run's checkpoints hold the last finite weights it had, so NaN weights were not written by
+    its training job)."""
+    import torch
+
+    path = checkpoint_path(run_dir, step)
+    state = load_torch(path, device, manifest(run_dir).get(step))
+    bad = [n for n, w in state["model"].items() if not bool(torch.isfinite(w).all())]
+    if bad:
+        raise CorruptFileError(f"{path} holds non-finite weights ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}"
+                               f"): no probe can read it. Delete the run directory {Path(run_dir)} and rerun "
+                               f"snakemake to train the run again")
+    return state
 
 
 def model_from_checkpoint(state: dict, device: str | torch.device = "cpu") -> torch.nn.Module:
@@ -229,6 +255,26 @@ def checkpoint_precond(state: dict) -> torch.Tensor | None:
 def read_spec(run_dir: str | Path) -> dict:
     """The run's run.json (CorruptFileError, naming it and what to do, when it is truncated or corrupt)."""
     return read_json(Path(run_dir) / "run.json")
+
+
+def checked_spec(run_dir: str | Path) -> dict:
+    """read_spec, checked against the run directory's name (its run id) and against the spec hash the trainer
+    wrote into it (over the rest of run.json): a run.json edited by hand (another M, with the run_id to match)
+    would count the run elsewhere. CorruptFileError naming the file and what differs."""
+    from ..config.grid import spec_hash
+
+    run_dir = Path(run_dir)
+    raw = read_spec(run_dir)
+    rid = raw.get("keys", {}).get("run_id")
+    why = (f"its run_id {rid!r} is not its directory's name" if rid != run_dir.name
+           else "its content does not hash to the spec_hash the trainer wrote into it"
+           if "spec_hash" in raw and raw["spec_hash"] != spec_hash({k: v for k, v in raw.items() if k != "spec_hash"})
+           else None)
+    if why:
+        raise CorruptFileError(f"{run_dir / 'run.json'}: {why}, so the file was edited after training and its run "
+                               f"cannot be told apart from another; restore it (git checkout, or the set's export) "
+                               f"or delete the run directory {run_dir} and rerun snakemake")
+    return raw
 
 
 def sampler(spec: RunSpec, stream: str, device: str | torch.device = "cpu") -> BatchSampler:

@@ -26,6 +26,7 @@ from .gates import (
     gate_seeds,
     gate_text,
     optimizer_note,
+    over_ridge,
 )
 from .h1 import h1_noise_beyond_eta_b
 from .h3 import h3_rows
@@ -54,4 +55,5 @@ __all__ = [
     "h5_alignment",
     "hypothesis_tests",
     "optimizer_note",
+    "over_ridge",
 ]

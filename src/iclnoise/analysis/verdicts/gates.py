@@ -68,13 +68,15 @@ def optimizer_note(optimizer) -> str:
 
 def convergence(out: pd.DataFrame, tol: float = GATES["convergence_tol"]) -> pd.DataFrame:
     """Per (batch, noise, optimizer) condition: the worst M = ∞ run's final OOD loss over ridge's (diverged runs
-    count as ∞); converged when it is ≤ 1 + tol (issue 13: the transformer must reach the Bayes predictor for q∞)."""
+    count as ∞); converged when it is ≤ 1 + tol (issue 13: the transformer must reach the Bayes predictor for q∞).
+    A ratio that cannot be formed (a NaN ood_loss_ridge) makes the worst NaN, and NaN is not converged: no run
+    leaves the gate unread."""
     rows = []
     for (B, noise, opt), g in out.groupby(CONDITION):
         inf = g[g.M == M_INF]
         ratio = np.array(inf.ood_loss / inf.ood_loss_ridge, dtype=float)
         ratio[inf.diverged.to_numpy(bool) | inf.ood_loss.isna().to_numpy()] = np.inf
-        worst = float(np.nanmax(ratio)) if np.isfinite(ratio).any() or np.isinf(ratio).any() else math.nan
+        worst = float(ratio.max()) if len(ratio) and not np.isnan(ratio).any() else math.nan
         rows.append({"batch": B, "noise": noise, "optimizer": opt, "n_inf_runs": len(inf), "ood_loss_over_ridge": worst,
                      "converged": bool(worst <= 1 + tol)})
     return pd.DataFrame(rows, columns=CONVERGENCE_SCHEMA.names)
@@ -95,11 +97,17 @@ def gate_convergence(runs: pd.DataFrame, conv: pd.DataFrame) -> list[Fail]:
                 bad.append(f"{condition_name(*key)}: no M = ∞ run, nor batch-noise M = ∞ runs at batch {key[0]}")
             elif not row.converged:
                 bad.append(f"{condition_name(*key)}: no M = ∞ run; batch noise's at batch {key[0]} "
-                           f"{row.ood_loss_over_ridge:.2f}× ridge's")
+                           f"{over_ridge(row.ood_loss_over_ridge)}")
         elif not row.converged:
-            bad.append(f"{condition_name(*key)}: M = ∞ OOD loss {row.ood_loss_over_ridge:.2f}× ridge's")
+            bad.append(f"{condition_name(*key)}: M = ∞ OOD loss {over_ridge(row.ood_loss_over_ridge)}")
     return [("unconverged", ", ".join(bad))] if bad else []
 
+
+
+def over_ridge(ratio: float) -> str:
+    """The worst M = ∞ run's OOD loss over ridge's in words; NaN names the missing input."""
+    return (f"{ratio:.2f}× ridge's" if not math.isnan(ratio)
+            else "over ridge's not finite (a NaN ood_loss_ridge in a run's last row)")
 
 def gate_seeds(runs: pd.DataFrame, min_seeds: int) -> list[Fail]:
     """A condition needs at least `min_seeds` seeds."""

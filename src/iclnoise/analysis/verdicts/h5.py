@@ -57,8 +57,8 @@ def _h5_pair(a: pd.DataFrame, b: pd.DataFrame, label: str, at: str, injected: bo
       effect is the same in every seed);
     - log2 M* read from r (dose.ladder_conversion): shift = −(mean difference) / s, s = dose.local_slope on both
       arms' runs pooled (uncorrelated with the difference when the arms' run noise is equal), t interval over
-      seeds — derived from the first row, outside the family; first order in the shift, valid while the M
-      bracket the threshold;
+      seeds — derived from the first row, outside the family; first order in the shift, valid while the M bracket the
+      threshold;
     - what the r difference is made of (_h5_distance_row): Δ to ridge and Δ to dMMSE by seed, outside the family;
     - log2 M* by seed (r50, thresholds.threshold_with_ci: ≥ 5 finite M per seed), paired t — Holm family."""
     pairs = _paired(a, b)
