@@ -54,7 +54,7 @@ test-integration: setup
 test-validation: setup
 	$(PYTEST) -m validation -n $(CORES)
 
-# The numerics tests under other float32 reduction orders (portable kernels, 1 thread; AVX2, 2 threads).
+# The numerics tests under other float32 reduction orders (portable kernels; AVX2), on every core.
 test-float: setup
 	scripts/test-float.sh
 
