@@ -121,7 +121,7 @@ def test_runs_left_out_are_named_and_a_corrupt_table_by_its_own_path(tmp_path, p
 
 def test_two_exports_into_one_set_at_once_both_add_their_runs(tmp_path, params, monkeypatch):
     """Issue 68 (2): two `export --add` at once into one set, from two results directories, both exited 0 and said
-    what they added, and the set kept one side's runs. Now exports into a set take turns (a lock beside it): the
+    what they added, and the set kept one side's runs. Now exports into a set take turns (a lock on its directory): the
     set holds both sessions' runs. Each export, once inside, waits up to 3 s for the other to be inside too, so
     without the lock the two overlap for certain."""
     import threading

@@ -91,6 +91,18 @@ def snapshot(d: Path) -> dict:
     return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in d.rglob("*") if p.is_file()}
 
 
+def params_file(ref: Path, tmp_path: Path) -> Path:
+    """The parameters the set's runs were trained with (its provenance's), as a params file for `export --params`:
+    export checks every run against the parameters it records."""
+    import yaml
+
+    from iclnoise.config import merge_params
+
+    base = yaml.safe_load((ROOT / "params.yaml").read_text())   # sections the provenance predates keep defaults
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(merge_params(base, json.loads((ref / "provenance.json").read_text())["params"])))
+    return path
+
 def refused(cmd, argv) -> str:
     """The message of the SystemExit `cmd(argv)` raises: one line."""
     with pytest.raises(SystemExit) as e:
@@ -109,8 +121,7 @@ def test_export_refuses_an_output_that_is_holds_or_lies_inside_its_results(ref, 
     (results / "runs" / RUNS[0] / "checkpoints").mkdir()
     (results / "runs" / RUNS[0] / "checkpoints" / "step_000010.pt").write_bytes(b"weights")
     (results / "runs" / RUNS[0] / "resume.pt").write_bytes(b"state")
-    params = tmp_path / "params.yaml"
-    shutil.copy(ROOT / "params.yaml", params)
+    params = params_file(ref, tmp_path)
     before = snapshot(tmp_path)
     base = ["--results", results, "--params", params, "--workdir", tmp_path]
     for out, how in ((results, "is the input"), (results / "ref", "lies inside the input"),
@@ -219,8 +230,7 @@ def test_a_killed_export_leaves_nothing_make_paper_reads(ref, tmp_path, figures,
     next export), and `iclnoise paper` skips a `*.tmp` directory with a log line and draws the others."""
     import iclnoise.output.paper
 
-    params = tmp_path / "params.yaml"
-    shutil.copy(ROOT / "params.yaml", params)
+    params = params_file(ref, tmp_path)
     out = tmp_path / "exported" / "science"
     argv = [str(a) for a in ["--results", ref, "--params", params, "--workdir", tmp_path, "--out", out]]
     export_cmd(argv)
@@ -357,8 +367,7 @@ def test_paper_and_export_replace_only_a_directory_of_their_own(ref, tmp_path, f
     before = snapshot(results)
     assert "holds no .written.json" in refused(paper_cmd, [ref, "--out", results.parent])
     assert snapshot(results) == before
-    params = tmp_path / "params.yaml"
-    shutil.copy(ROOT / "params.yaml", params)
+    params = params_file(ref, tmp_path)
     exported = tmp_path / "sets" / "science"
     base = ["--results", ref, "--params", params, "--workdir", tmp_path, "--out", exported]
     export_cmd([str(a) for a in base])
@@ -372,8 +381,7 @@ def test_paper_and_export_replace_only_a_directory_of_their_own(ref, tmp_path, f
 def test_export_refuses_a_set_name_make_paper_cannot_pass_on(ref, tmp_path):
     """Issue 68 (14): a set named with a space exported, then `make paper` could not read it (the Makefile splits
     reference/*/ at spaces). Now export refuses such a name before writing anything, naming it."""
-    params = tmp_path / "params.yaml"
-    shutil.copy(ROOT / "params.yaml", params)
+    params = params_file(ref, tmp_path)
     base = ["--results", ref, "--params", params, "--workdir", tmp_path]
     for name in ("my set", "tab\tset", "star*"):
         msg = refused(export_cmd, [*base, "--out", tmp_path / "sets" / name])

@@ -68,16 +68,16 @@ def export(results: Path, out: Path, params: dict, workdir: Path, sources: Itera
 
 @contextlib.contextmanager
 def _exclusive(out: Path):
-    """One export into the set `out` at a time: an flock on .<name>.lock beside it, waited for (two `export --add`
-    from two results directories each add their runs, in turn, to the set the other left)."""
+    """One export into the sets of a directory at a time: an flock on the directory that holds the set `out`
+    (no file left behind), waited for: two `export --add` from two results directories each add their runs, in
+    turn, to the set the other left."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    lock = out.with_name(f".{out.name}.lock")
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    fd = os.open(out.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log.info("%s: another export is writing this set; waiting for it (%s)", out, lock)
+            log.info("%s: another export is writing a set in %s; waiting for it", out, out.parent)
             fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
