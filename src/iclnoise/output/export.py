@@ -105,11 +105,7 @@ def _export(results: Path, runs: list[Path], tmp: Path, params: dict, workdir: P
 
     specs = {}
     for run in runs:
-        (tmp / "runs" / run.name).mkdir(parents=True)
-        for name in RUN_TABLES:
-            if (run / name).exists():
-                shutil.copy2(run / name, tmp / "runs" / run.name / name)
-        _export_alignment(run, tmp / "runs" / run.name)
+        _copy_run(run, tmp / "runs" / run.name)
         specs[run.name] = spec_hash(read_json(run / "run.json"))
     shutil.copytree(results / "aggregate", tmp / "aggregate")
     if (results / "ed").exists():
@@ -221,11 +217,7 @@ def add_runs(results: Path, out: Path, params: dict, workdir: Path) -> dict:
         for run in kept:
             shutil.copytree(run, tmp / "runs" / run.name)
         for run in new:
-            (tmp / "runs" / run.name).mkdir(parents=True)
-            for name in RUN_TABLES:
-                if (run / name).exists():
-                    shutil.copy2(run / name, tmp / "runs" / run.name / name)
-            _export_alignment(run, tmp / "runs" / run.name)
+            _copy_run(run, tmp / "runs" / run.name)
         runs = sorted((tmp / "runs").iterdir())
         aggregate(runs, tmp / "aggregate", typed(params, "stats"))
         training_figures([r / "metrics.parquet" for r in runs], draw)
@@ -294,6 +286,15 @@ def _grown_provenance(tmp: Path, runs: list[Path], old: dict, params: dict, plan
             "versions": json.loads(trained[0].get("iclnoise.versions", "{}")),
             "wall_time": {"jobs": jobs, "total_s": round(sum(jobs.values()), 1)}}
 
+
+
+def _copy_run(run: Path, dest: Path) -> None:
+    """The tables of `run` that a set keeps (RUN_TABLES, and its alignment from injection.parquet) into `dest`."""
+    dest.mkdir(parents=True)
+    for name in RUN_TABLES:
+        if (run / name).exists():
+            shutil.copy2(run / name, dest / name)
+    _export_alignment(run, dest)
 
 def _export_alignment(run: Path, out: Path) -> None:
     """A noise-shaped run's logged alignment (figure 6 by noise shape, H5) as alignment.parquet: injection.parquet's
