@@ -14,8 +14,8 @@ import yaml
 from iclnoise.cli import COMMANDS, split_each
 from iclnoise.commands import sections
 from iclnoise.config import ParamsError, every_at, typed
+from iclnoise.config.schema import schema
 from iclnoise.core.probe_sections import LLCConfig, Refined
-from iclnoise.core.sections import schema
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,7 +17,8 @@ from iclnoise.config import ParamsError, check_yaml_files, load_params, merge_pa
 from iclnoise.config.cost import COST_CONFIRM_CORE_HOURS, check_cost, cost_estimate
 from iclnoise.config.grid import ed_families, expand_grid, parse_run_id, run_spec
 from iclnoise.config.memory import job_memory
-from iclnoise.core.sections import Data, Eval, Model, schema
+from iclnoise.config.schema import schema
+from iclnoise.core.sections import Data, Eval, Model
 
 
 @pytest.fixture(scope="module")

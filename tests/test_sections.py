@@ -2,8 +2,8 @@
 
 A missing or unknown key is an error naming the section and the key; every section of params.yaml and of
 every configs/*.yaml (merged on top, as snakemake does) builds; a dataclass default exists only where the
-schema gives the key a `default:` (same value) or lets it be absent (None); and no module reads a params
-key with an inline literal default (`.get("lanczos_iters", 20)`).
+key declares a `default:` (the generated schema's, same value) or may be absent or null (None); and no module
+reads a params key with an inline literal default (`.get("lanczos_iters", 20)`).
 """
 import ast
 import dataclasses
@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 
 from iclnoise.config import ParamsError, load_params, read_yaml, typed, validate_params
+from iclnoise.config.schema import schema
 from iclnoise.config.validate import all_sections
 from iclnoise.core import sections
+from iclnoise.core.keys import meta
 from iclnoise.core.probe_sections import ED, Geometry, LLCConfig, Mech, Refined, Stages, Stats
 from iclnoise.core.runspec import RunSpec
-from iclnoise.core.sections import Controller, Exposure, LRSchedule, NoiseCondition, schema, schema_default
+from iclnoise.core.sections import Controller, Exposure, LRSchedule, NoiseCondition, schema_default
 from iclnoise.probes.llc import LLCConfig as LLCConfigFromLLC
 
 pytestmark = pytest.mark.unit
@@ -35,10 +37,16 @@ SECTIONS = {
 }
 
 
+def _node(path: str) -> dict:
+    """The generated schema of section `path` ("llc.sampler"; "*" steps into additionalProperties)."""
+    node = schema()
+    for part in path.split("."):
+        node = node["additionalProperties"] if part == "*" else node["properties"][part]
+    return node
+
+
 def _required(cls) -> list[str]:
-    node = sections._node(cls.SCHEMA or cls.SECTION)
-    return [f.name for f in dataclasses.fields(cls)
-            if f.default is dataclasses.MISSING or (f.default is None and f.name in node.get("required", ()))]
+    return [f.name for f in dataclasses.fields(cls) if meta(f)["required"]]
 
 
 @pytest.mark.numerics
@@ -96,8 +104,8 @@ def test_defaults_come_from_the_schema_or_are_none(cls):
     the schema lets be absent; every field is a key of the schema section; a key the schema requires has no
     default unless it may be null (then from_dict still requires it)."""
     path = cls.SCHEMA or cls.SECTION
-    props = sections._node(path)["properties"]
-    required = set(sections._node(path).get("required", ()))
+    props = _node(path)["properties"]
+    required = set(_node(path).get("required", ()))
     for f in dataclasses.fields(cls):
         assert f.name in props, (cls.__name__, f.name)
         if f.default is dataclasses.MISSING:
@@ -112,7 +120,7 @@ def test_every_key_the_code_reads_is_required_or_defaulted_by_the_schema():
     """A field without a Python default is a key the schema requires (or that only the cross-field rules
     require for the settings that use it: noise shape/schedule/rank/controller)."""
     for cls in SECTIONS:
-        node = sections._node(cls.SCHEMA or cls.SECTION)
+        node = _node(cls.SCHEMA or cls.SECTION)
         for f in dataclasses.fields(cls):
             if f.default is dataclasses.MISSING:
                 assert f.name in node.get("required", ()), (cls.__name__, f.name)

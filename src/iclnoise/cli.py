@@ -18,6 +18,8 @@ import sys
 COMMANDS = {  # command -> ("iclnoise.commands.<topic>:<command with - as _>", help)
     "train": ("iclnoise.commands.runs:train", "train runs as one ensemble (resumes from their resume states)"),
     "check": ("iclnoise.commands.runs:check", "validate a params file, print the grid and its cost estimate"),
+    "schema": ("iclnoise.commands.runs:schema", "write src/iclnoise/params.schema.yaml from the typed sections "
+               "(--check: exit 1 where it differs)"),
     "verify": ("iclnoise.commands.runs:verify", "read every table of a results directory; name the unreadable ones"),
     "llc": ("iclnoise.commands.probes:llc", "local learning coefficient per checkpoint of a run"),
     "llc-calibrate": ("iclnoise.commands.probes:llc_calibrate", "choose SGLD's ε, γ, nβ in the stable, non-escaped "

@@ -1,7 +1,7 @@
 """The command layer: every `iclnoise <command>`, by topic. `iclnoise.cli.COMMANDS` maps a command to
 `iclnoise.commands.<topic>:<function>`, the function named as the command with - as _:
 
-- runs: train, check, verify
+- runs: train, check, schema, verify
 - probes: llc, llc-calibrate, refined, stages, geometry, mech, ed
 - results: figures, llc-figures, refined-figures, ed-figures, aggregate, aggregate-figures, report, export, paper
 

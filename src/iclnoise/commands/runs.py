@@ -1,4 +1,5 @@
-"""`iclnoise train | check | verify`: train an ensemble, check a params file, read a results directory back."""
+"""`iclnoise train | check | schema | verify`: train an ensemble, check a params file, write params.schema.yaml, read a
+results directory back."""
 from __future__ import annotations
 
 import argparse
@@ -72,6 +73,26 @@ def check(argv: list[str]) -> None:
     if est["core_hours"] > COST_CONFIRM_CORE_HOURS:
         print(f"above the {COST_CONFIRM_CORE_HOURS:g} core-hour threshold: snakemake refuses it without "
               f"--config confirm_cost=true")
+
+
+def schema(argv: list[str]) -> None:
+    """Write src/iclnoise/params.schema.yaml from the typed sections' key declarations (iclnoise.config.schema);
+    with --check, write nothing and exit 1 where the file differs from what they generate."""
+    from ..config.schema import PATH, render
+    from ..core.io import write_text
+
+    ap = argparse.ArgumentParser(prog="iclnoise schema", description=schema.__doc__)
+    ap.add_argument("--check", action="store_true", help="exit 1 if the file is not the generated one")
+    a = ap.parse_args(argv)
+    text = render()
+    if a.check:
+        if not PATH.is_file() or PATH.read_text(encoding="utf-8") != text:
+            raise SystemExit(f"{PATH} is not the schema the typed sections generate: run `make schema` (iclnoise "
+                             f"schema) and commit it")
+        print(f"{PATH}: up to date")
+        return
+    write_text(text, PATH)
+    print(f"wrote {PATH}")
 
 
 def verify(argv: list[str]) -> None:

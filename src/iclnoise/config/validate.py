@@ -1,9 +1,11 @@
-"""params.yaml's one gate: the schema (JSON Schema 2020-12, integers must be ints) and the cross-field rules.
-Every invalid value is rejected with a message naming the key and what is allowed, before any job starts (the
-Snakefile calls it at parse time, through iclnoise.config.load_params).
+"""params.yaml's one gate: the schema generated from the typed sections (iclnoise.config.schema; JSON Schema 2020-12,
+integers must be ints) and the cross-field rules. Every invalid value is rejected with a message naming the key and
+what is allowed, before any job starts (the Snakefile calls it at parse time, through iclnoise.config.load_params).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import re
 import warnings
@@ -11,28 +13,19 @@ from typing import Any
 
 import jsonschema
 
+from ..core.keys import M_MAX, NAME, meta
 from ..core.probe_sections import ED, Geometry, LLCConfig, Mech, Refined, Stages, Stats
 from ..core.runspec import parse_m
-from ..core.sections import (
-    Exposure,
-    LRSchedule,
-    NoiseCondition,
-    ParamsError,
-    Section,
-    TaskPrior,
-    Train,
-    enabled,
-    schema,
-)
+from ..core.sections import Exposure, LRSchedule, NoiseCondition, ParamsError, Section, TaskPrior, Train, enabled
 from .cost import check_memory
 from .grid import expand_grid, grid_ms, run_spec
+from .schema import schema
 
 
 def dotted_key(path) -> str:
     return ".".join(str(p) for p in path) or "<top level>"
 
 
-M_MAX = 2**20  # largest finite task-pool size (the schema's grid.M maximum)
 _TYPE_WORDS = {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "true or false",
                "array": "a list", "object": "a mapping", "null": "null"}
 
@@ -45,6 +38,11 @@ def _is_integer(checker, instance) -> bool:
 _Validator = jsonschema.validators.extend(
     jsonschema.Draft202012Validator,
     type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_integer))
+
+
+@functools.cache
+def _validator() -> jsonschema.protocols.Validator:
+    return _Validator(schema())
 
 
 def _switchable(s: dict) -> bool:
@@ -94,8 +92,8 @@ def _describe(err: jsonschema.ValidationError) -> str:
         op = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}[err.validator]
         return f"{key} = {err.instance!r} is not allowed; it must be {op} {err.validator_value}"
     if err.validator == "pattern":
-        return (f"{key} = {err.instance!r} is not allowed; it must match {err.validator_value} "
-                f"(1-32 lowercase letters, digits, _)")
+        hint = " (1-32 lowercase letters, digits, _)" if err.validator_value == NAME else ""
+        return f"{key} = {err.instance!r} is not allowed; it must match {err.validator_value}{hint}"
     desc = s.get("description", "")
     return f"{key}: {err.message}" + (f" (allowed: {desc})" if desc else "")
 
@@ -122,7 +120,9 @@ def validate_params(params: dict) -> dict:
     rules (finite numbers, seeds, sizes, noise conditions); return it unchanged."""
     if not isinstance(params, dict):
         raise ParamsError("params.yaml must be a mapping of sections (grid, data, model, train, eval, noise, ...)")
-    errors = [e for e in _Validator(schema()).iter_errors(params) if not _switched_off(e)]
+    errors = [e for e in _validator().iter_errors(params) if not _switched_off(e)]
+    listed = {tuple(e.absolute_path) for e in errors if e.validator == "enum"}   # names the allowed values already
+    errors = [e for e in errors if not (e.validator == "type" and tuple(e.absolute_path) in listed)]
     errors.sort(key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
     # NaN passes the schema's bounds: a non-finite number is named here, unless no number belongs there at all
     # (`--config data=nan`: the schema says data must be a mapping)
@@ -179,9 +179,6 @@ def _cross_checks(p: dict) -> None:
     if unknown:
         raise ParamsError(f"grid.noise: {unknown} not defined; allowed: the names under noise.conditions "
                           f"({', '.join(sorted(conditions))})")
-    Ms = [parse_m(x) for x in p["grid"]["M"]]
-    if len(set(Ms)) != len(Ms):
-        raise ParamsError(f"grid.M has duplicates: {p['grid']['M']}")
     _prior_checks(d)
     _seed_checks(p)
     _noise_checks(p)
@@ -249,9 +246,8 @@ def _ed_checks(p: dict) -> None:
                           f"least ed.n_pcs + 2 = {ed['n_pcs'] + 2} (raise linear or log, or ed.enabled: false)")
 
 
+_EXPOSURE_KEYS = [f.name for f in dataclasses.fields(Exposure) if meta(f)["required"] and f.name != "enabled"]
 # which level key each schedule takes (method §5; iclnoise.noise)
-_EXPOSURE_KEYS = ("every", "groups", "per_example", "kappa", "curvature", "curvature_probes", "heldout", "floor",
-                  "eig_rank")
 _LEVELS = {"constant": ("emulate_batch", "budget"), "early": ("budget",), "late": ("budget",),
            "controlled": ("target",)}
 

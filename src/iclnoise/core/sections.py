@@ -2,120 +2,79 @@
 dict enters the package (a command's --cfg or the resolved params, `iclnoise.config.typed`; a run spec,
 `RunSpec.of`) and passed down.
 
-params.yaml, validated by params.schema.yaml, is the single source of truth. A field has a Python default only
-where (a) the schema gives the key a `default:`, read from the schema here and never retyped, or (b) the schema
-lets the key be absent and absence has a meaning: the default is None, and the class docstring says what None
-means. `from_dict(d)` raises a ParamsError naming the section and the key for a missing or an unknown key; keys the
-schema allows but the code reads elsewhere (the workflow's `enabled`, `every`, `seeds`) are accepted and ignored.
+params.yaml is the single source of truth, and each of its keys is declared once, here and in the sibling modules
+(train_sections, probe_sections, params_sections), with `key(...)` (iclnoise.core.keys): its type, allowed values,
+default and description. params.schema.yaml is generated from these declarations (`iclnoise schema`). A field has a
+Python default only where (a) its key declares a `default=`, or (b) the key may be absent or null and that has a
+meaning: the default is None, and the key's description (or the class docstring) says what None means.
+`from_dict(d)` raises a ParamsError naming the section and the key for a missing or an unknown key; keys the
+params section holds but the code reads elsewhere (the workflow's `enabled`, `every`, `seeds`) are accepted and
+ignored.
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
-import functools
 from dataclasses import dataclass
-from importlib import resources
-from typing import Any, Callable, ClassVar
+from typing import ClassVar
 
-import yaml
+from .keys import M_ITEM, SEED_MAX, ParamsError, Section, key, schema_default
+from .train_sections import OPTIMIZERS, Budget, Checkpoints, LRSchedule, Optimizer, SGDMomentum, Train, TrainParams
 
-from .schedules import checkpoints_until, lr_lambda
-
-
-class ParamsError(ValueError):
-    """An invalid parameter; the message names the key and the allowed values."""
+__all__ = ["NOISE_SHAPES", "OPTIMIZERS", "Budget", "Checkpoints", "Controller", "Data", "Eval", "Exposure",
+           "LRSchedule", "Model", "NoiseCondition", "Optimizer", "ParamsError", "SGDMomentum", "Section", "TaskPrior",
+           "Train", "TrainParams", "enabled", "key", "schema_default"]
 
 
-@functools.lru_cache(maxsize=1)
-def _schema() -> dict:
-    return yaml.safe_load(resources.files("iclnoise").joinpath("params.schema.yaml").read_text(encoding="utf-8"))
-
-
-def schema() -> dict:
-    """params.schema.yaml, parsed (a fresh copy)."""
-    return copy.deepcopy(_schema())
-
-
-def _node(path: str) -> dict:
-    """The schema of section `path` ("llc.sampler"; "*" steps into additionalProperties)."""
-    node = _schema()
-    for part in path.split("."):
-        node = node["additionalProperties"] if part == "*" else node["properties"][part]
-    return node
-
-
-def schema_default(path: str, key: str) -> Any:
-    """The `default:` params.schema.yaml gives `key` of section `path`; KeyError if it gives none."""
-    return _node(path)["properties"][key]["default"]
-
-
-@dataclass(frozen=True)
-class Section:
-    """Base of the typed sections: `from_dict` checks the keys against the fields and the schema."""
-    SECTION: ClassVar[str] = ""   # dotted path of the section in params.yaml
-    SCHEMA: ClassVar[str] = ""    # its path in the schema, when it differs (noise conditions)
-
-    @classmethod
-    def from_dict(cls, d: dict | None):
-        name = cls.SECTION
-        if not isinstance(d, dict):
-            raise ParamsError(f"{name}: expected a mapping of keys, got {d!r}")
-        node = _node(cls.SCHEMA or name)
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        allowed = set(fields) | set(node.get("properties", {}))
-        unknown = sorted(set(d) - allowed)
-        if unknown:
-            raise ParamsError(f"{name}: unknown key(s) {', '.join(map(str, unknown))}; allowed: "
-                             f"{', '.join(sorted(allowed))}")
-        required = [k for k, f in fields.items()
-                    if f.default is dataclasses.MISSING or (f.default is None and k in node.get("required", ()))]
-        missing = [k for k in required if k not in d]
-        if missing:
-            raise ParamsError(f"{name}.{missing[0]} is missing; {name} needs the keys {', '.join(required)} "
-                             f"(params.yaml is the single source of truth: no value is filled in)")
-        return cls(**{k: v for k, v in d.items() if k in fields})
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Exposure(Section):
     """exposure (method §6). `kappa`: a number, None (κ = 1 for AdamW, iclnoise.noise.exposure.kappa) or "calibrated".
     `curvature_tol` None: diag Ĥ is refreshed every `curvature_every` steps in an injection window (else adaptive).
     A section written `{enabled: false}` alone has no typed form: check `enabled(d)` first."""
     SECTION: ClassVar[str] = "exposure"
-    enabled: bool
-    every: int
-    groups: int
-    per_example: bool
-    kappa: float | str | None
-    curvature: str
-    curvature_probes: int
-    curvature_every: int
-    heldout: int
-    floor: float
-    eig_rank: int
-    curvature_tol: float | None = None
+    enabled: bool = key(doc="Log P-NE exposure (exposure.parquet) in every run.")
+    every: int = key(ge=1, doc="Log (and refresh the injected covariance) every N steps.")
+    groups: int = key(ge=2, doc="K micro-batch gradients for diag(C) = m·Var_k; must divide every batch size.")
+    per_example: bool = key(doc="Per-example gradients (torch.func) instead of K groups.")
+    kappa: float | str | None = key(schema={"anyOf": [
+        {"type": "number", "exclusiveMinimum": 0}, {"type": "null"}, {"type": "string", "enum": ["calibrated"]}]},
+        doc="Momentum factor κ: a number, null = the optimizer's (1 for AdamW), or calibrated (measured online from "
+            "the update variance).")
+    curvature: str = key(enum=("ggn", "hessian"), doc=(
+        "Ĥ in Curv = Tr(A Ĥ A): Gauss–Newton (PSD, low variance) or Hessian."))
+    curvature_probes: int = key(ge=2, doc="Hutchinson probes of diag Ĥ (Curv = Σ a² diag Ĥ).")
+    curvature_every: int = key(ge=1, doc=(
+        "Inside an injection window, diag Ĥ is measured again every N steps (as well as on logged steps): the "
+        "closed loop divides each step's injected NE by Σ a_t² diag Ĥ, with this step's A and the latest Ĥ."))
+    curvature_tol: float | None = key(optional=True, schema={"anyOf": [
+        {"type": "number", "exclusiveMinimum": 0}, {"type": "null"}]}, doc=(
+        "Adaptive refresh of diag Ĥ inside an injection window (null: every curvature_every steps). The refresh "
+        "interval starts at 1 step when the window opens; at each refresh the change of Curv = Σ a² diag Ĥ at this "
+        "step's A between the previous and the new Ĥ, beyond twice its Hutchinson standard error, is the drift: the "
+        "interval halves when the drift exceeds this relative tolerance and doubles when it is below half of it, "
+        "between 1 and curvature_every (issue 43: a diag Ĥ held for 25 steps while the curvature grows "
+        "under-realises an early window's dose)."))
+    heldout: int = key(ge=1, doc="Held-out sequences for the curvature (never trained on).")
+    floor: float = key(gt=0, doc="ε in P-NE* = NE / max(ε, Curv).")
+    eig_rank: int = key(ge=1, doc="Leading eigenvalues of A·C·A logged.")
 
 
-@dataclass(frozen=True)
-class LRSchedule(Section):
-    """train.lr_schedule; `warmup_frac` and `min_lr_frac` default to the schema's `default:` values."""
-    SECTION: ClassVar[str] = "train.lr_schedule"
-    kind: str
-    warmup_frac: float = schema_default("train.lr_schedule", "warmup_frac")
-    min_lr_frac: float = schema_default("train.lr_schedule", "min_lr_frac")
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Controller(Section):
     """noise.conditions.<name>.controller: PI gains on log P-NE* (iclnoise.noise.PIController)."""
     SECTION: ClassVar[str] = "noise.conditions.<name>.controller"
     SCHEMA: ClassVar[str] = "noise.conditions.*.controller"
-    kp: float
-    ki: float
-    initial_scale: float | None = None  # None: the open-loop estimate (iclnoise.noise.injection); not read otherwise
+    kp: float = key(ge=0)
+    ki: float = key(ge=0)
+    initial_scale: float | None = key(optional=True, gt=0)  # None: the open-loop estimate (iclnoise.noise.injection)
 
 
-@dataclass(frozen=True)
+# noise.conditions.*.shape: iclnoise.noise.covariance.SHAPES and iclnoise.noise.nap.NAP_SHAPES (tests/test_schema.py)
+NOISE_SHAPES = ("isotropic", "diagonal", "lowrank", "nap", "nap_misaligned", "nap_within_task", "nap_isotropic")
+TARGET = {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"type": "array", "minItems": 1, "items": {
+    "type": "array", "minItems": 2, "maxItems": 2,
+    "prefixItems": [{"type": "number", "minimum": 0, "maximum": 1}, {"type": "number", "exclusiveMinimum": 0}]}}]}
+
+
+@dataclass(frozen=True, kw_only=True)
 class NoiseCondition(Section):
     """One noise condition (method §5; a run spec's `noise`). Every key but `source` may be absent (None):
 
@@ -132,26 +91,43 @@ class NoiseCondition(Section):
     M                None: the condition runs at every grid M."""
     SECTION: ClassVar[str] = "noise.conditions.<name>"
     SCHEMA: ClassVar[str] = "noise.conditions.*"
-    source: str
-    shape: str | None = None
-    rank: int | None = None
-    nap_tasks: int | None = None
-    nap_per_task: int | None = None
-    nap_memory: int | None = None
-    schedule: str | None = None
-    fraction: float | None = None
-    emulate_batch: int | None = None
-    budget: float | None = None
-    steps_as_batch: int | None = None
-    target: float | list | None = None
-    controller: Controller | None = None
-    batch_sizes: list | None = None
-    M: list | None = None
-
-    @classmethod
-    def from_dict(cls, d: dict | None) -> NoiseCondition:
-        c = super().from_dict(d)
-        return dataclasses.replace(c, controller=Controller.from_dict(c.controller)) if c.controller is not None else c
+    source: str = key(enum=("none", "grad", "param"), doc=(
+        "none: batch noise only; grad: injected before the preconditioner; param: after it."))
+    batch_sizes: list | None = key(optional=True, minItems=1, items={"type": "integer", "minimum": 1}, doc=(
+        "Run this condition only at these grid batch sizes (default: all)."))
+    M: list | None = key(optional=True, minItems=1, items=M_ITEM, doc=(
+        "Run this condition only at these grid M values (default: all)."))
+    shape: str | None = key(optional=True, enum=NOISE_SHAPES, doc=(
+        "Shape of the injected covariance (iclnoise.noise). nap (issue 45, iclnoise.noise.nap): R' = U Σ_r Uᵀ + λ I, "
+        "the rank-r sketch of the between-task gradient covariance Cov_τ(E[∇ℓ | τ]) plus the trace it misses spread "
+        "isotropically (through AdamW's A the weights get P R' P); its controls, with the same spectrum: "
+        "nap_misaligned (a random orthonormal basis seeded by the run's seed), nap_within_task (the within-task "
+        "covariance's top directions), nap_isotropic (the same trace). Levels budget or target only."))
+    rank: int | None = key(optional=True, ge=1, doc=(
+        "Low-rank part of shape lowrank (required there; < exposure.groups) or of a nap shape (required there; "
+        "< nap_tasks)."))
+    nap_tasks: int | None = key(optional=True, ge=2, doc=(
+        "nap shapes (required there): J, the distinct tasks of the step's batch whose per-task gradients are "
+        "measured at each refresh (exposure.every)."))
+    nap_per_task: int | None = key(optional=True, ge=2, doc=(
+        "nap shapes (required there): m, fresh sequences per task (never trained on); J·m per-sequence gradients "
+        "per refresh."))
+    nap_memory: int | None = key(optional=True, ge=1, doc=(
+        "nap shapes (required there): refreshes the sketch averages over (running mean over the last n; 1: the "
+        "latest only)."))
+    schedule: str | None = key(optional=True, enum=("constant", "early", "late", "controlled"))
+    fraction: float | None = key(optional=True, gt=0, le=1, doc=(
+        "Window of early / late: the first / last fraction of training."))
+    emulate_batch: int | None = key(optional=True, ge=1, doc=(
+        "Emulate this batch size: R = C/B_target − C/B (schedule constant)."))
+    budget: float | None = key(optional=True, gt=0, doc=(
+        "Integrated injected exposure Σ NE_t over the window (constant, early, late)."))
+    steps_as_batch: int | None = key(optional=True, ge=1, doc=(
+        "Train the steps batch B_t takes on the sequence budget (budget mode sequences): with emulate_batch B_t the "
+        "injected arm matches B_t's steps and exposure, seeing B/B_t times the sequences (H3 at equal steps)."))
+    target: float | list | None = key(optional=True, schema=TARGET, doc=(
+        "P-NE* the controller tracks (schedule controlled): a number, or [[fraction of training, P-NE*], ...]."))
+    controller: Controller | None = key(optional=True, doc="PI controller of schedule controlled (required there).")
 
     @classmethod
     def of_spec(cls, spec: dict) -> NoiseCondition:
@@ -171,15 +147,16 @@ class NoiseCondition(Section):
         return {"early": (0, w), "late": (total - w, total)}.get(self.schedule, (0, total))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TaskPrior(Section):
     """data.task_prior (method §13): the spectrum of Σβ and the seed of its basis (iclnoise.core.tasks.prior_factor).
     `exponent` is read for spectrum power_law, `eigenvalues` (a tuple, so the section hashes) for eigenvalues."""
     SECTION: ClassVar[str] = "data.task_prior"
-    spectrum: str
-    basis_seed: int
-    exponent: float | None = None
-    eigenvalues: tuple | None = None
+    spectrum: str = key(enum=("power_law", "eigenvalues"))
+    exponent: float | None = key(optional=True, ge=0, doc="Power-law exponent (spectrum power_law).")
+    eigenvalues: tuple | None = key(optional=True, minItems=1, items={"type": "number", "exclusiveMinimum": 0},
+                                    doc="The D eigenvalues of Σβ (spectrum eigenvalues).")
+    basis_seed: int = key(ge=0, le=SEED_MAX, doc="Seed of the orthonormal basis U.")
 
     def __post_init__(self) -> None:
         need = {"power_law": "exponent", "eigenvalues": "eigenvalues"}
@@ -194,139 +171,53 @@ class TaskPrior(Section):
             object.__setattr__(self, "eigenvalues", ev)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Data(Section):
     """data (method §2): task dimension D, context length K, label noise variance, task-pool seed; `task_prior` None
-    (absent): t ~ N(0, I_D), else the TaskPrior (method §13)."""
+    (absent or null): t ~ N(0, I_D), else the TaskPrior (method §13)."""
     SECTION: ClassVar[str] = "data"
-    D: int
-    K: int
-    noise_var: float
-    pool_seed: int
-    task_prior: TaskPrior | None = None
-
-    @classmethod
-    def from_dict(cls, d: dict | None) -> Data:
-        c = super().from_dict(d)
-        p = c.task_prior
-        return c if p is None else dataclasses.replace(c, task_prior=TaskPrior.from_dict(p))
+    D: int = key(ge=1, doc="Task dimension.")
+    K: int = key(ge=2, doc="Context length (x, y pairs per sequence).")
+    noise_var: float = key(gt=0, doc="σ², label noise variance.")
+    pool_seed: int = key(ge=0, le=SEED_MAX, doc="Seed of the nested task stream.")
+    task_prior: TaskPrior | None = key(optional=True, null=True, doc=(
+        "method §13: tasks t ~ N(0, Σβ), Σβ = U diag(λ) Uᵀ with U a random orthonormal basis drawn from `basis_seed` "
+        "(iclnoise.core.tasks.prior_factor). spectrum power_law: λ_i ∝ i^(−exponent), i = 1..D, scaled to trace D; "
+        "spectrum eigenvalues: λ = `eigenvalues` as given (D positive numbers). Absent or null: t ~ N(0, I_D), the "
+        "isotropic prior of method §2."))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Model(Section):
     """model (method §4): the transformer's shape (iclnoise.core.model.ModelConfig adds D and K)."""
     SECTION: ClassVar[str] = "model"
-    d_model: int
-    n_layers: int
-    n_heads: int
-    d_mlp: int
-    layer_norm: bool
-    attn_init: str
-    arch: str
+    d_model: int = key(ge=1)
+    n_layers: int = key(ge=1)
+    n_heads: int = key(ge=1)
+    d_mlp: int = key(ge=1)
+    layer_norm: bool = key()
+    attn_init: str = key(enum=("fan_in", "gpt2"), doc=(
+        "Initial attention weights W_Q, W_K, W_V, W_O ~ N(0, s²): fan_in s = 1/√d_model (the scale of the linear "
+        "layers; the small default model leaves the initial loss plateau 2-4× sooner, experiments/tuning/tuning.md), "
+        "gpt2 s = 0.02 (GPT-2 and the Raventós release)."))
+    arch: str = key(enum=("default", "dtransformer"), doc=(
+        "default: this project's network (iclnoise.core.model). dtransformer: the network of Raventós et al. and "
+        "Hoogland et al. (their DTransformer: tokens (0, x) and (y, 0), no biases in the embedding and Q, K, V, O, "
+        "ReLU MLP, a stream that adds each block's output to its input, readout Linear(d → D+1) read at component 0; "
+        "their PyTorch-default initialisation, so attn_init does not apply)."))
 
 
-OPTIMIZERS = ("adamw", "sgd_momentum")   # grid.optimizer (iclnoise.config.grid); adamw's run ids carry no label
-
-
-@dataclass(frozen=True)
-class Optimizer(Section):
-    """train.optimizer: AdamW's learning rate, (β1, β2), weight decay and δ."""
-    SECTION: ClassVar[str] = "train.optimizer"
-    KIND: ClassVar[str] = "adamw"
-    lr: float
-    betas: tuple
-    weight_decay: float
-    eps: float
-
-    @property
-    def momentum(self) -> float:
-        return self.betas[0]
-
-
-@dataclass(frozen=True)
-class SGDMomentum(Section):
-    """train.sgd_momentum: SGD with undampened heavy-ball momentum (v ← β v + g + λ w, w ← w − η v), the settings
-    of grid.optimizer's sgd_momentum runs (a run spec holds them as train.optimizer with `kind: sgd_momentum`)."""
-    SECTION: ClassVar[str] = "train.sgd_momentum"
-    KIND: ClassVar[str] = "sgd_momentum"
-    lr: float
-    momentum: float
-    weight_decay: float
-
-
-@dataclass(frozen=True)
-class Budget(Section):
-    """train.budget: `mode` steps or sequences and its value; `stop_at` None: train the whole schedule."""
-    SECTION: ClassVar[str] = "train.budget"
-    mode: str
-    steps: int | None = None
-    sequences: int | None = None
-    stop_at: int | None = None
-
-
-@dataclass(frozen=True)
-class Train(Section):
-    """train, as a run spec holds it: `steps`, the schedule's length, resolved by iclnoise.config.grid.run_spec."""
-    SECTION: ClassVar[str] = "train"
-    budget: Budget
-    micro_batch: int
-    optimizer: Optimizer | SGDMomentum
-    lr_schedule: LRSchedule
-    grad_clip: float | None
-    checkpoints: dict
-    diverge_loss: float
-    device: str
-    steps: int
-    cuda_graphs: bool = False
-    tf32: bool = False
-
-    @classmethod
-    def from_dict(cls, d: dict | None) -> Train:
-        t = super().from_dict(d)
-        # a run spec's: AdamW's settings, or another optimizer's with its `kind` (iclnoise.config.grid)
-        o = t.optimizer
-        opt = (SGDMomentum.from_dict({k: v for k, v in o.items() if k != "kind"}) if o.get("kind") == "sgd_momentum"
-               else Optimizer.from_dict(o))
-        return dataclasses.replace(t, budget=Budget.from_dict(t.budget), optimizer=opt,
-                                   lr_schedule=LRSchedule.from_dict(t.lr_schedule))
-
-    @property
-    def last_step(self) -> int:
-        """The step a run trains to: its schedule's steps, or `budget.stop_at` where that comes first."""
-        return min(self.steps, self.budget.stop_at or self.steps)
-
-    @property
-    def checkpoints_planned(self) -> list[int]:
-        """The steps a run writes analysis checkpoints at: the schedule's, up to last_step, and last_step."""
-        c = self.checkpoints
-        return checkpoints_until(self.steps, c["linear"], c["log"], self.last_step)
-
-    @functools.cached_property
-    def _lr_factor(self) -> Callable[[int], float]:
-        s = self.lr_schedule
-        return lr_lambda(s.kind, self.steps, s.warmup_frac, s.min_lr_frac)
-
-    def lr(self, step: int) -> float:
-        """η_t of update `step`: optimizer.lr × the lr_schedule's factor (iclnoise.core.schedules.lr_lambda); the one
-        schedule the optimizer steps with, the hooks read (StepContext.lr) and metrics.parquet records."""
-        return self.optimizer.lr * self._lr_factor(step)
-
-    def lr_sum(self) -> float:
-        """Σ_t η_t over the updates trained (to last_step)."""
-        return self.optimizer.lr * sum(self._lr_factor(i) for i in range(self.last_step))
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Eval(Section):
     """eval (method §3): evaluation set sizes and seed, the (early, late) tokens of the ICL score."""
     SECTION: ClassVar[str] = "eval"
-    n_sequences: int
-    n_root: int
-    eval_seed: int
-    icl_tokens: tuple
+    n_sequences: int = key(ge=1, doc="Size of the in-distribution and OOD evaluation sets.")
+    n_root: int = key(ge=1, doc="Root-task sequences (essential dynamics).")
+    eval_seed: int = key(ge=0, le=SEED_MAX)
+    icl_tokens: tuple = key(minItems=2, maxItems=2, items={"type": "integer", "minimum": 1}, doc=(
+        "ICL score = loss at token k_early minus loss at token k_late (1-based)."))
 
 
 def enabled(d: dict | None) -> bool:
     """A switchable section is on: `enabled: true` (absent or `{enabled: false}`: off)."""
     return bool(d) and d["enabled"] is True
-

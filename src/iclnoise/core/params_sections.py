@@ -1,0 +1,111 @@
+"""params.yaml as a whole: `Params` holds every section, as params.yaml holds it, and is what
+iclnoise.config.schema walks to write params.schema.yaml. The sections only the workflow and the grid read (grid,
+noise, llc's switches, cnr) are declared here; the others live beside the code that reads them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .keys import M_ITEM, NAME, SEED_MAX, Section, key, seeds
+from .probe_sections import EDParams, GeometryParams, LLCConfig, MechParams, RefinedParams, Stages, Stats
+from .sections import Data, Eval, Exposure, Model, NoiseCondition
+from .train_sections import OPTIMIZERS, TrainParams
+
+
+@dataclass(frozen=True, kw_only=True)
+class Grid(Section):
+    """grid: the axes of the runs (iclnoise.config.grid.expand_grid)."""
+    SECTION: ClassVar[str] = "grid"
+    M: list = key(minItems=1, uniqueItems=True, items=M_ITEM, doc=(
+        'Task-pool sizes; integers 1 ≤ M ≤ 2^20 or "inf" (a fresh task per sequence).'))
+    seeds: list = key(minItems=1, uniqueItems=True, items={"type": "integer", "minimum": 0, "maximum": SEED_MAX})
+    batch_sizes: list = key(minItems=1, uniqueItems=True, items={"type": "integer", "minimum": 1})
+    noise: list = key(minItems=1, uniqueItems=True, items={"type": "string", "pattern": NAME}, doc=(
+        "Names of noise conditions defined under noise.conditions."))
+    optimizer: list | None = key(optional=True, minItems=1, uniqueItems=True,
+                                 items={"type": "string", "enum": OPTIMIZERS}, doc=(
+        "Optimizers every run of the grid trains with (issue 45; absent: [adamw]). adamw: train.optimizer; "
+        "sgd_momentum: SGD with undampened heavy-ball momentum, train.sgd_momentum (required then), κ = 1/(1 − β)² "
+        "(method §6). AdamW's run ids carry no label (M16-B64-none-s0), the others' do (M16-B64-none-sgd_momentum-s0). "
+        "NAP is a noise shape (noise.conditions.*.shape), not an optimizer: it shapes the injected noise and composes "
+        "with either optimizer under the closed loop."))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Noise(Section):
+    """noise: the named noise conditions."""
+    SECTION: ClassVar[str] = "noise"
+    conditions: dict[str, NoiseCondition] = key(propertyNames={"pattern": NAME}, doc=(
+        "Named noise conditions; grid.noise picks among them (method §5, iclnoise.noise)."))
+
+
+LLC_AT = {"oneOf": [
+    {"type": "null"},
+    {"type": "object", "additionalProperties": False, "required": ["linear", "log"], "properties": {
+        "linear": {"type": "integer", "minimum": 0, "description": "Evenly spaced target steps."},
+        "log": {"type": "integer", "minimum": 0, "description": "Log-spaced target steps."}}},
+    {"type": "object", "additionalProperties": False, "required": ["steps"], "properties": {
+        "steps": {"type": "array", "minItems": 1, "maxItems": 10000, "items": {"type": "integer", "minimum": 0},
+                  "description": "Target steps."}}}]}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LLC(Section):
+    """llc: the LLC probe's switches and checkpoints (iclnoise.config.every_at), its sampler, stages and refined LLC."""
+    SECTION: ClassVar[str] = "llc"
+    enabled: bool = key(doc="Run the LLC probe and stage detection.")
+    every: int = key(ge=1, doc="LLC at every k-th checkpoint plus the last.")
+    at: dict | None = key(optional=True, schema=LLC_AT, doc=(
+        "null, or {linear, log}: the LLC at the checkpoints nearest to `linear` evenly spaced and `log` log-spaced "
+        "steps of [0, last checkpoint], or {steps}: nearest to each listed step up to the last checkpoint (a "
+        "published schedule, e.g. Hoogland et al.'s released steps); overrides every."))
+    seeds: list | None = seeds("Probe only the runs of these seeds (default: all).")
+    sampler: LLCConfig = key()
+    stages: Stages = key()
+    refined: RefinedParams | None = key(optional=True, doc=(
+        "Refined (weight-restricted) LLC of every component (each attention head, MLP, embed, unembed, all) and its "
+        "susceptibility χ to new tasks (q_M → q_∞), iclnoise.probes.refined: rllc.parquet and susceptibility.parquet "
+        "per probed run (the runs of llc.seeds), in the run's probe job. The sampler is llc.sampler's, with chains, "
+        "burn_in and draws overridable here. Absent: no refined estimates."))
+
+
+CNR_NAME = r"^[A-Za-z0-9_]+(\*[0-9.]+([eE][-+]?[0-9]+)?)?$"   # NAME or NAME*k
+
+
+@dataclass(frozen=True, kw_only=True)
+class CNR(Section):
+    """cnr: counterfactual noise replay (iclnoise.run.replay)."""
+    SECTION: ClassVar[str] = "cnr"
+    enabled: bool = key()
+    seeds: list | None = seeds("Replay only the runs of these seeds (default: all).")
+    counterfactuals: list = key(minItems=1, items={"type": "string", "pattern": CNR_NAME}, doc=(
+        "NAME or NAME*k: none, self (the run's own noise), or an emulate_batch condition of noise.conditions; k "
+        "multiplies the covariance."))
+    probes: int = key(ge=2, doc="Hutchinson paths per counterfactual (the interval's probe error shrinks as 1/sqrt).")
+    jac_batch: int = key(ge=1, doc="Sequences of each step's batch its Jacobian is taken on.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Params(Section):
+    """params.yaml: every section is required (a section with `enabled` may be written `{enabled: false}` alone,
+    iclnoise.config.validate)."""
+    grid: Grid = key()
+    data: Data = key()
+    model: Model = key()
+    train: TrainParams = key()
+    eval: Eval = key()
+    noise: Noise = key()
+    exposure: Exposure = key()
+    llc: LLC = key()
+    stats: Stats = key()
+    ed: EDParams = key(doc=(
+        "Essential dynamics (method §8). Curves are functions of τ = log(step + 1); bandwidth, tolerance and margin "
+        "are in units of τ, so the same run sampled at 20 or 200 checkpoints has the same forms."))
+    geometry: GeometryParams = key(doc=(
+        "Loss-landscape geometry on held-out batches (method §9), geometry.parquet per run."))
+    mech: MechParams = key(doc=(
+        "Mechanistic probes (method §10), mech.parquet per run. Attention and ablation use the OOD evaluation set of "
+        "metrics (eval.n_sequences sequences), so the ablation ICL score is the metrics one."))
+    cnr: CNR = key(doc=(
+        "Counterfactual noise replay (method §13, iclnoise.run.replay): cnr.parquet per replayed run, the target "
+        "`snakemake cnr` (not part of `all`). Only runs that inject noise are replayed."))
