@@ -18,8 +18,10 @@ class Grid(Section):
     SECTION: ClassVar[str] = "grid"
     M: list = key(minItems=1, uniqueItems=True, items=M_ITEM, doc=(
         'Task-pool sizes; integers 1 ≤ M ≤ 2^20 or "inf" (a fresh task per sequence).'))
-    seeds: list = key(minItems=1, uniqueItems=True, items={"type": "integer", "minimum": 0, "maximum": SEED_MAX})
-    batch_sizes: list = key(minItems=1, uniqueItems=True, items={"type": "integer", "minimum": 1})
+    seeds: list = key(minItems=1, uniqueItems=True, items={"type": "integer", "minimum": 0, "maximum": SEED_MAX},
+                      doc="Seeds: every run of the grid is trained once per seed.")
+    batch_sizes: list = key(minItems=1, uniqueItems=True, items={"type": "integer", "minimum": 1}, doc=(
+        "Batch sizes (sequences per update); runs of every batch size train on the same train.budget."))
     noise: list = key(minItems=1, uniqueItems=True, items={"type": "string", "pattern": NAME}, doc=(
         "Names of noise conditions defined under noise.conditions."))
     optimizer: list | None = key(optional=True, minItems=1, uniqueItems=True,
@@ -60,8 +62,8 @@ class LLC(Section):
         "steps of [0, last checkpoint], or {steps}: nearest to each listed step up to the last checkpoint (a "
         "published schedule, e.g. Hoogland et al.'s released steps); overrides every."))
     seeds: list | None = seeds("Probe only the runs of these seeds (default: all).")
-    sampler: LLCConfig = key()
-    stages: Stages = key()
+    sampler: LLCConfig = key(doc="Localized SGLD (method §7); calibrate it with `iclnoise llc-calibrate`.")
+    stages: Stages = key(doc="Developmental stages from each probed run's LLC curve (iclnoise.probes.stages).")
     refined: RefinedParams | None = key(optional=True, doc=(
         "Refined (weight-restricted) LLC of every component (each attention head, MLP, embed, unembed, all) and its "
         "susceptibility χ to new tasks (q_M → q_∞), iclnoise.probes.refined: rllc.parquet and susceptibility.parquet "
@@ -76,7 +78,9 @@ CNR_NAME = r"^[A-Za-z0-9_]+(\*[0-9.]+([eE][-+]?[0-9]+)?)?$"   # NAME or NAME*k
 class CNR(Section):
     """cnr: counterfactual noise replay (iclnoise.run.replay)."""
     SECTION: ClassVar[str] = "cnr"
-    enabled: bool = key()
+    enabled: bool = key(doc=(
+        "Replay every run that injects noise for `snakemake cnr` (false: the section may be written "
+        "`{enabled: false}` alone)."))
     seeds: list | None = seeds("Replay only the runs of these seeds (default: all).")
     counterfactuals: list = key(minItems=1, items={"type": "string", "pattern": CNR_NAME}, doc=(
         "NAME or NAME*k: none, self (the run's own noise), or an emulate_batch condition of noise.conditions; k "
@@ -89,15 +93,19 @@ class CNR(Section):
 class Params(Section):
     """params.yaml: every section is required (a section with `enabled` may be written `{enabled: false}` alone,
     iclnoise.config.validate)."""
-    grid: Grid = key()
-    data: Data = key()
-    model: Model = key()
-    train: TrainParams = key()
-    eval: Eval = key()
-    noise: Noise = key()
-    exposure: Exposure = key()
-    llc: LLC = key()
-    stats: Stats = key()
+    grid: Grid = key(doc=(
+        "The runs: every M, batch size, noise condition, optimizer and seed (a noise condition only at its own "
+        "batch_sizes and M), iclnoise.config.grid.expand_grid."))
+    data: Data = key(doc="Nested multi-task in-context linear regression (method §2).")
+    model: Model = key(doc="The transformer (method §4).")
+    train: TrainParams = key(doc=(
+        "Training (method §4): budget, optimizer, schedule, checkpoints, and how runs are grouped into ensembles."))
+    eval: Eval = key(doc="Evaluation sets and the ICL score (method §3).")
+    noise: Noise = key(doc="Injected-noise conditions (method §5).")
+    exposure: Exposure = key(doc=(
+        "Noise exposure P-NE* (method §6), exposure.parquet per run; injected noise measures its covariance here."))
+    llc: LLC = key(doc="Local learning coefficient per checkpoint (method §7), its stages and the refined LLC.")
+    stats: Stats = key(doc="The statistics of the hypothesis tests (method §11).")
     ed: EDParams = key(doc=(
         "Essential dynamics (method §8). Curves are functions of τ = log(step + 1); bandwidth, tolerance and margin "
         "are in units of τ, so the same run sampled at 20 or 200 checkpoints has the same forms."))

@@ -16,7 +16,8 @@ METHODS = ("sgld", "rmsprop_sgld")  # LLC samplers (iclnoise.probes.llc)
 @dataclass(frozen=True, kw_only=True)
 class Probed(Section):
     """The workflow's keys of a per-checkpoint probe's section: whether it runs, on which runs and checkpoints."""
-    enabled: bool = key()
+    enabled: bool = key(doc=(
+        "Run the probe on the probed runs (false: the section may be written `{enabled: false}` alone)."))
     every: int = key(ge=1, doc="Probe every k-th analysis checkpoint (and always the last).")
     seeds: list | None = seeds("Probe only the runs of these seeds (default: all).")
 
@@ -63,7 +64,8 @@ class Stats(Section):
     manipulation's measured effect, iclnoise.analysis.verdicts.h3_rows), transient tolerance (the gates:
     iclnoise.analysis.verdicts.GATES)."""
     SECTION: ClassVar[str] = "stats"
-    alpha: float = key(gt=0, lt=1)
+    alpha: float = key(gt=0, lt=1, doc=(
+        "Level α of every hypothesis test (iclnoise.analysis.verdicts); H3's TOST reads the (1 − 2α) interval."))
     equivalence_fraction: float = key(gt=0, lt=1, doc=(
         "H3's TOST margin as a fraction of the noise manipulation's measured effect on r (plain batch b − plain "
         "batch B, the arms the injection emulates and runs at); used when equivalence_margin is null."))
@@ -71,7 +73,9 @@ class Stats(Section):
                                                              {"type": "null"}]}, doc=(
         "A stated H3 TOST margin (units of r: a smallest effect of interest), used instead of the derived one; "
         "null: equivalence_fraction × the manipulation's effect."))
-    transient_tol: float = key(gt=0)
+    transient_tol: float = key(gt=0, doc=(
+        "The OOD loss's dip ends at the first later checkpoint whose loss exceeds the minimum by more than this "
+        "fraction of the dip's depth (initial − minimal OOD loss; iclnoise.analysis.thresholds)."))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,8 +114,11 @@ class ED(Section):
 @dataclass(frozen=True, kw_only=True)
 class EDParams(ED):
     """ed as params.yaml holds it: which families of runs (iclnoise.config.grid.ed_families)."""
-    enabled: bool = key()
-    families: list = key(minItems=1, uniqueItems=True, items={"type": "string", "enum": ["by_m", "by_noise"]})
+    enabled: bool = key(doc=(
+        "Essential dynamics of the families below (false: the section may be written `{enabled: false}` alone)."))
+    families: list = key(minItems=1, uniqueItems=True, items={"type": "string", "enum": ["by_m", "by_noise"]}, doc=(
+        "by_m: the runs of every M at one (noise condition, batch, seed); by_noise: the runs of every noise "
+        "condition at one (M, batch, seed), where grid.noise has two or more. A family needs two runs."))
     seeds: list = seeds("Families are built for these seeds.", optional=False)
 
 

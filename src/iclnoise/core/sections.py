@@ -62,9 +62,11 @@ class Controller(Section):
     """noise.conditions.<name>.controller: PI gains on log P-NE* (iclnoise.noise.PIController)."""
     SECTION: ClassVar[str] = "noise.conditions.<name>.controller"
     SCHEMA: ClassVar[str] = "noise.conditions.*.controller"
-    kp: float = key(ge=0)
-    ki: float = key(ge=0)
-    initial_scale: float | None = key(optional=True, gt=0)  # None: the open-loop estimate (iclnoise.noise.injection)
+    kp: float = key(ge=0, doc="Proportional gain: log s = u + kp·e, e = log(target) − log(measured P-NE*).")
+    ki: float = key(ge=0, doc="Integral gain: u ← u + ki·e at each measurement (bounded: no wind-up).")
+    initial_scale: float | None = key(optional=True, gt=0, doc=(
+        "Not read: the controller starts at the open-loop scale that meets the target by itself "
+        "(iclnoise.noise.injection)."))
 
 
 # noise.conditions.*.shape: iclnoise.noise.covariance.SHAPES and iclnoise.noise.nap.NAP_SHAPES (tests/test_schema.py)
@@ -115,7 +117,9 @@ class NoiseCondition(Section):
     nap_memory: int | None = key(optional=True, ge=1, doc=(
         "nap shapes (required there): refreshes the sketch averages over (running mean over the last n; 1: the "
         "latest only)."))
-    schedule: str | None = key(optional=True, enum=("constant", "early", "late", "controlled"))
+    schedule: str | None = key(optional=True, enum=("constant", "early", "late", "controlled"), doc=(
+        "When noise is injected: constant, every step (emulate_batch or budget); early or late, the first or last "
+        "`fraction` of training (budget); controlled, every step, P-NE* held at `target` by the controller."))
     fraction: float | None = key(optional=True, gt=0, le=1, doc=(
         "Window of early / late: the first / last fraction of training."))
     emulate_batch: int | None = key(optional=True, ge=1, doc=(
@@ -152,7 +156,8 @@ class TaskPrior(Section):
     """data.task_prior (method §13): the spectrum of Σβ and the seed of its basis (iclnoise.core.tasks.prior_factor).
     `exponent` is read for spectrum power_law, `eigenvalues` (a tuple, so the section hashes) for eigenvalues."""
     SECTION: ClassVar[str] = "data.task_prior"
-    spectrum: str = key(enum=("power_law", "eigenvalues"))
+    spectrum: str = key(enum=("power_law", "eigenvalues"), doc=(
+        "power_law: λ_i ∝ i^(−exponent); eigenvalues: λ = `eigenvalues`."))
     exponent: float | None = key(optional=True, ge=0, doc="Power-law exponent (spectrum power_law).")
     eigenvalues: tuple | None = key(optional=True, minItems=1, items={"type": "number", "exclusiveMinimum": 0},
                                     doc="The D eigenvalues of Σβ (spectrum eigenvalues).")
@@ -191,11 +196,11 @@ class Data(Section):
 class Model(Section):
     """model (method §4): the transformer's shape (iclnoise.core.model.ModelConfig adds D and K)."""
     SECTION: ClassVar[str] = "model"
-    d_model: int = key(ge=1)
-    n_layers: int = key(ge=1)
-    n_heads: int = key(ge=1)
-    d_mlp: int = key(ge=1)
-    layer_norm: bool = key()
+    d_model: int = key(ge=1, doc="Width of the residual stream (a multiple of n_heads).")
+    n_layers: int = key(ge=1, doc="Transformer blocks (attention, then the MLP).")
+    n_heads: int = key(ge=1, doc="Attention heads per block, each of d_model / n_heads dimensions.")
+    d_mlp: int = key(ge=1, doc="Hidden width of each block's MLP.")
+    layer_norm: bool = key(doc="LayerNorm before attention, before the MLP and before the readout (false: none).")
     attn_init: str = key(enum=("fan_in", "gpt2"), doc=(
         "Initial attention weights W_Q, W_K, W_V, W_O ~ N(0, s²): fan_in s = 1/√d_model (the scale of the linear "
         "layers; the small default model leaves the initial loss plateau 2-4× sooner, experiments/tuning/tuning.md), "
@@ -213,7 +218,7 @@ class Eval(Section):
     SECTION: ClassVar[str] = "eval"
     n_sequences: int = key(ge=1, doc="Size of the in-distribution and OOD evaluation sets.")
     n_root: int = key(ge=1, doc="Root-task sequences (essential dynamics).")
-    eval_seed: int = key(ge=0, le=SEED_MAX)
+    eval_seed: int = key(ge=0, le=SEED_MAX, doc="Seed of the evaluation sets.")
     icl_tokens: tuple = key(minItems=2, maxItems=2, items={"type": "integer", "minimum": 1}, doc=(
         "ICL score = loss at token k_early minus loss at token k_late (1-based)."))
 

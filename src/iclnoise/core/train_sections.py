@@ -17,7 +17,9 @@ OPTIMIZERS = ("adamw", "sgd_momentum")   # grid.optimizer (iclnoise.config.grid)
 class LRSchedule(Section):
     """train.lr_schedule; `warmup_frac` and `min_lr_frac` have declared defaults."""
     SECTION: ClassVar[str] = "train.lr_schedule"
-    kind: str = key(enum=("constant", "warmup_cosine", "triangle"))
+    kind: str = key(enum=("constant", "warmup_cosine", "triangle"), doc=(
+        "constant; warmup_cosine: linear warmup to lr over warmup_frac of training, then a cosine down to min_lr_frac "
+        "× lr; triangle (Raventós et al.): linear up to lr at warmup_frac, then linear down to 0."))
     warmup_frac: float = key(default=0.0, ge=0, le=1, doc=(
         "Warmup (warmup_cosine) or peak (triangle) at this fraction of training; absent: 0."))
     min_lr_frac: float = key(default=0.0, ge=0, le=1, doc=(
@@ -29,10 +31,11 @@ class Optimizer(Section):
     """train.optimizer: AdamW's learning rate, (β1, β2), weight decay and δ."""
     SECTION: ClassVar[str] = "train.optimizer"
     KIND: ClassVar[str] = "adamw"
-    lr: float = key(gt=0)
-    betas: tuple = key(minItems=2, maxItems=2, items={"type": "number", "minimum": 0, "exclusiveMaximum": 1})
-    weight_decay: float = key(ge=0)
-    eps: float = key(gt=0)
+    lr: float = key(gt=0, doc="Learning rate η (times the lr_schedule's factor).")
+    betas: tuple = key(minItems=2, maxItems=2, items={"type": "number", "minimum": 0, "exclusiveMaximum": 1}, doc=(
+        "(β1, β2): decay of the running means of the gradient and of its square."))
+    weight_decay: float = key(ge=0, doc="Decoupled weight decay λ (w ← w − η λ w each update).")
+    eps: float = key(gt=0, doc="δ in the preconditioner A = 1/(√v̂ + δ) (iclnoise.core.adam).")
 
     @property
     def momentum(self) -> float:
@@ -45,16 +48,18 @@ class SGDMomentum(Section):
     of grid.optimizer's sgd_momentum runs (a run spec holds them as train.optimizer with `kind: sgd_momentum`)."""
     SECTION: ClassVar[str] = "train.sgd_momentum"
     KIND: ClassVar[str] = "sgd_momentum"
-    lr: float = key(gt=0)
+    lr: float = key(gt=0, doc="Learning rate η (times the lr_schedule's factor).")
     momentum: float = key(ge=0, lt=1, doc="β; κ = 1/(1 − β)².")
-    weight_decay: float = key(ge=0)
+    weight_decay: float = key(ge=0, doc="λ in v ← β v + g + λ w (added to the gradient).")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Budget(Section):
     """train.budget: `mode` steps or sequences and its value; `stop_at` None: train the whole schedule."""
     SECTION: ClassVar[str] = "train.budget"
-    mode: str = key(enum=("steps", "sequences"))
+    mode: str = key(enum=("steps", "sequences"), doc=(
+        "steps: every run makes `steps` updates; sequences: every run sees `sequences` training sequences (equal "
+        "data for every batch size)."))
     steps: int | None = key(optional=True, ge=1, doc="Updates per run (mode: steps).")
     sequences: int | None = key(optional=True, ge=1, doc=(
         "Training sequences per run (mode: sequences); steps = sequences / batch."))
@@ -76,15 +81,18 @@ class Checkpoints(Section):
 class TrainBase(Section):
     """The keys of `train` that params.yaml and a run spec share."""
     SECTION: ClassVar[str] = "train"
-    budget: Budget = key()
+    budget: Budget = key(doc="How long every run trains: in updates or in training sequences.")
     micro_batch: int = key(ge=1, doc=(
         "Sequences per forward/backward; effective batch = micro_batch × accumulation. Runs with a smaller batch "
         "use the batch itself."))
-    lr_schedule: LRSchedule = key()
+    lr_schedule: LRSchedule = key(doc=(
+        "The learning rate over a run's steps (iclnoise.core.schedules.lr_lambda)."))
     grad_clip: float | None = key(null=True, gt=0, doc="Max global grad norm; null disables clipping.")
-    checkpoints: Checkpoints = key()
+    checkpoints: Checkpoints = key(doc=(
+        "The analysis checkpoints every run writes: evenly and log-spaced steps, step 0 and the last."))
     diverge_loss: float = key(gt=0, doc="A training loss above this (or NaN) marks the run diverged and stops it.")
-    device: str = key(enum=("auto", "cpu", "cuda"))
+    device: str = key(enum=("auto", "cpu", "cuda"), doc=(
+        "auto: CUDA where a device is visible, else the CPU; cuda: an error where none is visible."))
     cuda_graphs: bool = key(default=False, doc=(
         "On CUDA, capture the ensemble's step (forward, backward, divergence, clipping, AdamW) as CUDA graphs and "
         "replay them (issue 41); where capture is impossible the log says why and the step runs eagerly. No effect "
@@ -99,7 +107,7 @@ class TrainBase(Section):
 @dataclass(frozen=True, kw_only=True)
 class TrainParams(TrainBase):
     """train, as params.yaml holds it: AdamW's settings, sgd_momentum's, and how runs are grouped into ensembles."""
-    optimizer: Optimizer = key()
+    optimizer: Optimizer = key(doc="AdamW, the optimizer of grid.optimizer adamw (the default).")
     sgd_momentum: SGDMomentum | None = key(optional=True, doc=(
         "SGD with undampened heavy-ball momentum (v ← β v + g + λ w, w ← w − η v), the runs of grid.optimizer "
         "sgd_momentum; required there, not read otherwise. Shares train.lr_schedule, grad_clip and the rest of "
