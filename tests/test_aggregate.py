@@ -101,7 +101,9 @@ def test_aggregate_outcomes_thresholds_tests_and_report(runs):
     tests = read_parquet(out / "tests.parquet")
     assert set(tests.hypothesis) == {"H1", "H2", "H3", "H4"}
     assert tests.loc[tests.hypothesis == "H2", "status"].str.startswith("not run").all()
-    h1 = tests[(tests.hypothesis == "H1") & (tests.outcome == "r")].iloc[0]
+    h1 = tests[(tests.hypothesis == "H1") & (tests.outcome == "r")].iloc[0]   # η/B is set by batch: no association
+    assert h1.status.startswith("not run: integrated_lr_over_b is a function of batch size")   # at fixed batch
+    h1 = tests.set_index("test").loc["paired t (batch 16 − batch 64), plain runs by (M, seed)"]
     assert h1.status == "run" and h1.estimate > 0 and h1.ci_lo > 0   # smaller batch → more η/B → higher r
     ran = tests[tests.status == "run"]
     assert len(ran) and (~ran.gates_passed).all() and ran.verdict.str.startswith("inconclusive: unconverged").all()
@@ -358,7 +360,7 @@ def test_an_arm_run_at_one_m_is_judged_converged_by_the_batch_noise_runs_at_its_
                  "ood_loss_ridge": 0.4, "diverged": False} for M in (1, 16, -1)]
         rows += [{"batch": 64, "noise": arm, "M": 16, "ood_loss": 0.6, "ood_loss_ridge": 0.4, "diverged": False}
                  for arm in ("early", "late")]
-        return pd.DataFrame(rows).assign(optimizer="adamw")
+        return pd.DataFrame(rows).assign(optimizer="adamw", noise_source="batch", noise_schedule="none")
 
     arms = out(1.05)[lambda d: d.noise != "none"]
     assert gate_convergence(arms, convergence(out(1.05))) == []
@@ -370,14 +372,15 @@ def test_an_arm_run_at_one_m_is_judged_converged_by_the_batch_noise_runs_at_its_
 
 
 def test_the_opening_states_the_convergence_gate_it_applied():
-    """'every condition converged' names its gate (1 + GATES['convergence_tol']), so that a dose set's report, whose
-    operating regime asks ≤ 1.10× of M = ∞, does not read as contradicting itself at 1.14×."""
+    """'every condition converged' names its gate (1 + GATES['convergence_tol']), the one gate the verdicts and a
+    dose set's operating regime read (method §11)."""
     from iclnoise.analysis.verdicts import GATES, convergence
     from iclnoise.output.report import what_this_run_shows
 
     ratio = 1 + GATES["convergence_tol"] - 0.01
     out = pd.DataFrame([{"batch": 64, "noise": "none", "M": M, "ood_loss": ratio * 0.4 if M == -1 else 0.6,
-                         "ood_loss_ridge": 0.4, "diverged": False, "optimizer": "adamw"} for M in (1, 16, -1)])
+                         "ood_loss_ridge": 0.4, "diverged": False, "optimizer": "adamw", "noise_source": "batch",
+                         "noise_schedule": "none"} for M in (1, 16, -1)])
     text = "\n".join(what_this_run_shows(None, None, convergence(out)))
     assert f"none/B64 {ratio:.2f}×; every condition converged (worst seed ≤ " \
            f"{1 + GATES['convergence_tol']:.2f}× ridge's, the verdicts' gate)." in text, text

@@ -22,15 +22,16 @@ FULL = (1, 4, 8, 16, 32, 64, 256)
 
 
 def planted(rng, slope=0.0, shift=0.0, doses=DOSES, seeds=3, noise=0.02, seed_sd=0.03, source="param",
-            full_at=(0.0,), inf_at=None, ratio=None, booked=None, x0=4.0, scale=1.0) -> pd.DataFrame:
+            full_at=(0.0,), inf_at=None, ratio=None, booked=None, x0=4.0, scale=1.0, fall=None) -> pd.DataFrame:
     """Outcomes of one dose series at batch 64 and its dose 0: r = logistic4(log2 M − shift·log10(d/d₁); floor 0.05,
     ceiling 0.85, midpoint x0, scale) + slope·log10(d/d₁) + a seed's shift (sd `seed_sd`) + run noise (sd `noise`);
     d₁ the lowest positive dose, dose 0 at d₁'s r. So r rises by `slope` per decade at fixed M and M* moves by
     `shift` octaves per decade. The ladder M ∈ {8, 16, 32} at every dose, the full grid (and M = ∞) at the doses in
     `full_at`, M = ∞ also at `inf_at` (default: the highest dose); M = ∞ ends at `ratio`[d] × ridge's OOD loss
-    (default 1.05); the booked dose is `booked`[d] × the target (default 1)."""
+    (default 1.05) after falling `fall`[d] × ridge's over the last third of training (default 0.005: levelled);
+    the booked dose is `booked`[d] × the target (default 1)."""
     inf_at = (max(doses),) if inf_at is None else inf_at
-    ratio, booked = ratio or {}, booked or {}
+    ratio, booked, fall = ratio or {}, booked or {}, fall or {}
     rows = []
     for seed in range(seeds):
         u = seed_sd * rng.standard_normal()
@@ -48,7 +49,9 @@ def planted(rng, slope=0.0, shift=0.0, doses=DOSES, seeds=3, noise=0.02, seed_sd
                              "noise_level": 1 / 64 if d == 0 else d, "integrated_lr_over_b": 1.0,
                              "integrated_pne": 0.05 + d, "integrated_pne_injected": d * booked.get(d, 1.0),
                              "integrated_pne_injected_se": 0.001 * d, "r": r,
-                             "ood_loss": 0.4 * ratio.get(d, 1.05) if M == M_INF else 0.6})
+                             "ood_loss": 0.4 * ratio.get(d, 1.05) if M == M_INF else 0.6,
+                             "ood_loss_fall": fall.get(d, 0.005), "ood_loss_fall_se": 0.005,
+                             "ood_loss_fall_n": 5})
     return table(rows)
 
 
@@ -61,7 +64,7 @@ def h1(out):
 @pytest.mark.numerics
 def test_the_dose_table_has_a_row_per_run_of_the_series_and_dose_zero():
     out = planted(np.random.default_rng(0), booked={0.01: 1.02})
-    runs = dose.dose_runs(out, GATES["regime_tol"])
+    runs = dose.dose_runs(out, GATES["convergence_tol"])
     assert len(runs) == len(out) and list(runs.columns) == dose.DOSE_SCHEMA.names
     assert set(runs.source) == {"param", "none"} and set(runs.target_dose) == {0.0, *DOSES}
     assert np.allclose(runs[runs.target_dose == 0.01].realised_dose, 0.0102)
@@ -74,21 +77,29 @@ def test_the_dose_table_has_a_row_per_run_of_the_series_and_dose_zero():
 def test_no_dose_series_changes_nothing():
     """One positive dose is no series: no dose runs, no dose rows, the other tests as before."""
     out = planted(np.random.default_rng(0), doses=(0.1,))
-    assert not len(dose.dose_runs(out, GATES["regime_tol"]))
+    assert not len(dose.dose_runs(out, GATES["convergence_tol"]))
     assert not hypothesis_tests(out, CFG).test.str.startswith("dose-response").any()
 
 
 @pytest.mark.unit
 @pytest.mark.numerics
 def test_the_regime_leaves_out_unconverged_saturated_and_unchecked_doses():
-    """M = ∞ 1.12× ridge's at dose 1 leaves out 1; the dose 0.3 (no M = ∞ run) lies above the highest converged dose
-    checked (0.1), so it is out too; 0.03 books 0.5× its target (saturated)."""
-    out = planted(np.random.default_rng(0), inf_at=(0.1, 1.0), ratio={1.0: 1.12}, booked={0.03: 0.5})
-    (_, g), = dose.series(dose.dose_runs(out, GATES["regime_tol"]))
+    """M = ∞ 1.2× ridge's and still falling (0.15 × ridge's over the last third) at dose 1 leaves out 1; the dose 0.3
+    (no M = ∞ run) lies above the highest converged dose checked (0.1), so it is out too; 0.03 books 0.5× its
+    target (saturated). The same 1.2× levelled (noise still on) is a noise floor: dose 1 and 0.3 stay in."""
+    out = planted(np.random.default_rng(0), inf_at=(0.1, 1.0), ratio={1.0: 1.2}, fall={1.0: 0.15},
+                  booked={0.03: 0.5})
+    (_, g), = dose.series(dose.dose_runs(out, GATES["convergence_tol"]))
     lv = dose.regime(g, GATES["dose_tol"]).set_index("target_dose")
     assert list(lv.index[lv.in_regime]) == [0.0, 0.01, 0.1]
-    assert "1.120× ridge's" in lv.regime[1.0] and "saturated" in lv.regime[0.03]
+    assert "fails the convergence gate (1.200× ridge's" in lv.regime[1.0] and "saturated" in lv.regime[0.03]
     assert "no M = ∞ run at or above" in lv.regime[0.3]
+    out = planted(np.random.default_rng(0), inf_at=(0.1, 1.0), ratio={1.0: 1.2}, fall={1.0: 0.02},
+                  booked={0.03: 0.5})
+    (_, g), = dose.series(dose.dose_runs(out, GATES["convergence_tol"]))
+    lv = dose.regime(g, GATES["dose_tol"]).set_index("target_dose")
+    assert list(lv.index[lv.in_regime]) == [0.0, 0.01, 0.1, 0.3, 1.0]
+    assert lv.ood_loss_over_ridge[1.0] == pytest.approx(1.2)   # the noise floor, reported per dose
 
 
 @pytest.mark.unit
@@ -114,7 +125,7 @@ def test_a_dose_with_m_inf_runs_only_vouches_for_the_regime_and_the_slope_reads_
     the ladder was the M run at every in-regime dose: none, so no slope), and the contrast with dose 0 is at 0.1."""
     out = planted(np.random.default_rng(5), slope=0.05, doses=(0.01, 0.1, 0.3), inf_at=(0.3,))
     out = out[~((out.noise_level == 0.3) & (out.M != M_INF))].reset_index(drop=True)
-    (_, g), = dose.series(dose.dose_runs(out, GATES["regime_tol"]))
+    (_, g), = dose.series(dose.dose_runs(out, GATES["convergence_tol"]))
     assert dose.regime(g, GATES["dose_tol"]).set_index("target_dose").in_regime.all()
     t = h1(out)
     row = t[t.test.str.contains("MixedLM r ~")].iloc[0]
@@ -135,7 +146,7 @@ def test_the_ladder_reads_a_planted_shift_of_m_star():
     lad = t[t.test.str.contains("threshold ladder")].iloc[0]
     assert lad.ci_lo < -0.25 < lad.ci_hi and lad.ci_hi < 0 and not lad.in_family
     assert t[t.test.str.contains(r"slope of log2 M\* \(r50\)")].status.iloc[0].startswith("not run")
-    (_, g), = dose.series(dose.dose_runs(out, GATES["regime_tol"]))
+    (_, g), = dose.series(dose.dose_runs(out, GATES["convergence_tol"]))
     lv = dose.analyse(g, 0.05, GATES["dose_tol"], 3)["levels"].set_index("target_dose")
     want = -0.25 * np.log10(np.array(DOSES) / 0.01)
     assert np.allclose(lv.ladder_shift[list(DOSES)], want, atol=0.08)
@@ -222,11 +233,11 @@ def test_monotonicity_holds_its_size_on_a_line_and_finds_a_step():
 @pytest.mark.numerics
 def test_an_m_inf_only_scan_reports_its_regime_and_runs_no_slope():
     """configs/dose_scan.yaml's shape: M = ∞ only at every dose: the regime is read, every slope says why not."""
-    out = planted(np.random.default_rng(6), inf_at=DOSES, ratio={1.0: 1.2})
+    out = planted(np.random.default_rng(6), inf_at=DOSES, ratio={1.0: 1.2}, fall={1.0: 0.15})
     out = out[out.M == M_INF]
     t = h1(out)
     assert len(t) and (t.status != "run").all()
-    (_, g), = dose.series(dose.dose_runs(out, GATES["regime_tol"]))
+    (_, g), = dose.series(dose.dose_runs(out, GATES["convergence_tol"]))
     lv = dose.analyse(g, 0.05, GATES["dose_tol"], 3)["levels"].set_index("target_dose")
     assert list(lv.index[~lv.in_regime]) == [1.0] and np.isnan(lv.r16).all()
 
@@ -243,7 +254,7 @@ def test_reference_sets_have_no_dose_series_and_their_tests_are_unchanged():
     for ref in ("science", "noise"):
         out = read_outcomes(f"reference/{ref}/aggregate/outcomes.parquet")
         params = json.load(open(f"reference/{ref}/provenance.json"))["params"]
-        assert not len(dose.dose_runs(out, GATES["regime_tol"])) and not has_dose_series(params)
+        assert not len(dose.dose_runs(out, GATES["convergence_tol"])) and not has_dose_series(params)
         pd.testing.assert_frame_equal(hypothesis_tests(out, typed(params, "stats")),
                                       read_parquet(f"reference/{ref}/aggregate/tests.parquet"))
 
@@ -291,9 +302,10 @@ def test_figure_6_against_dose_and_the_report_opening_with_the_answer(tmp_path):
     from iclnoise.output.figures.stats import fig_dose
     from iclnoise.output.report import build
 
-    out = planted(np.random.default_rng(8), shift=-0.25, noise=0.01, inf_at=(0.3, 1.0), ratio={1.0: 1.2})
-    (_, g), = dose.series(dose.dose_runs(out, GATES["regime_tol"]))
-    lv = dose.levels_table(dose.dose_runs(out, GATES["regime_tol"]), 0.05, GATES["dose_tol"], 3)
+    out = planted(np.random.default_rng(8), shift=-0.25, noise=0.01, inf_at=(0.3, 1.0), ratio={1.0: 1.2},
+                  fall={1.0: 0.15})
+    (_, g), = dose.series(dose.dose_runs(out, GATES["convergence_tol"]))
+    lv = dose.levels_table(dose.dose_runs(out, GATES["convergence_tol"]), 0.05, GATES["dose_tol"], 3)
     fig_dose(lv, tmp_path / "figures" / "fig06_threshold_vs_noise_dose")
     assert (tmp_path / "figures" / "fig06_threshold_vs_noise_dose.png").stat().st_size > 10_000
     agg = tmp_path / "aggregate"
@@ -301,7 +313,8 @@ def test_figure_6_against_dose_and_the_report_opening_with_the_answer(tmp_path):
     write_parquet(lv, agg / "dose_levels.parquet", dose.LEVELS_SCHEMA)
     text = build(tmp_path, {}, tmp_path)
     assert text.index("## The answer: ICL against the injected noise dose") < text.index("## What this run shows")
-    assert "operating regime: doses 0.01–0.3 (4 doses, 1.48 decades); outside: dose 1 (M = ∞ 1.200× ridge's" in text
+    assert ("operating regime: doses 0.01–0.3 (4 doses, 1.48 decades); outside: dose 1 (M = ∞ fails the convergence "
+            "gate (1.200× ridge's") in text
     assert "threshold ladder" in text and "fig06_threshold_vs_noise_dose.png" in text
 
 
@@ -314,7 +327,7 @@ def test_a_series_under_two_optimizers_is_two_series_each_with_its_own_dose_zero
     a = planted(np.random.default_rng(0))
     b = planted(np.random.default_rng(1), slope=0.2).assign(optimizer="sgd_momentum")
     both = pd.concat([a, b.assign(run_id=b.run_id + "-sgd_momentum")], ignore_index=True)
-    runs = dose.dose_runs(both, GATES["regime_tol"])
+    runs = dose.dose_runs(both, GATES["convergence_tol"])
     series = dose.series(runs)
     assert [k for k, _ in series] == [("param", "diagonal", 64, "adamw"), ("param", "diagonal", 64, "sgd_momentum")]
     for (*_, opt), g in series:
@@ -322,7 +335,7 @@ def test_a_series_under_two_optimizers_is_two_series_each_with_its_own_dose_zero
         assert (g.optimizer == opt).all() and len(zero)
         assert g[g.target_dose == 0].run_id.tolist() == zero.run_id.tolist()
     lv = dose.levels_table(runs, 0.05, GATES["dose_tol"], 3)
-    alone = dose.levels_table(dose.dose_runs(a, GATES["regime_tol"]), 0.05, GATES["dose_tol"], 3)
+    alone = dose.levels_table(dose.dose_runs(a, GATES["convergence_tol"]), 0.05, GATES["dose_tol"], 3)
     pd.testing.assert_frame_equal(alone, lv[lv.optimizer == "adamw"].reset_index(drop=True))
 
 

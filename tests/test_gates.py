@@ -159,7 +159,8 @@ def test_holm_family_is_the_tests_that_ran_and_passed_their_gates():
     assert v.p_holm.iloc[2:].isna().all() and v.verdict.iloc[0] == "r decreases (Holm p = 0.016)"
     assert v.verdict.iloc[-1] == "r decreases (sensitivity, not in the Holm family: p = 0.001)"
     t = hypothesis_tests(planted(np.random.default_rng(8)), DERIVED)
-    assert (t.in_family == (t.gates_passed & (t.status == "run") & ~t.test.str.startswith("sensitivity"))).all()
+    outside = t.test.str.startswith("sensitivity") | t.test.str.startswith("descriptive")
+    assert (t.in_family == (t.gates_passed & (t.status == "run") & ~outside)).all()
     assert t[~t.in_family].p_holm.isna().all() and t[t.in_family].p_holm.notna().all()
 
 
@@ -189,13 +190,18 @@ def test_h3_margin_is_half_the_manipulations_effect():
 
 @pytest.mark.unit
 def test_h1_rows_by_design():
-    """H1's exposure association uses the plain runs only (stated in the row) with M as a factor, a sensitivity
-    row without M = 1 outside the family, and the paired batch 16 − batch 64 comparison at equal data."""
+    """H1's exposure association uses the plain runs only (stated in the row) with M and batch size as factors and
+    a random intercept per (M, seed) cell (the batch sizes share cells), sensitivity rows without M = 1 and with a
+    seed intercept outside the family, and the paired batch 16 − batch 64 comparison at equal data."""
     df = planted(np.random.default_rng(10), Ms=(1, 4, 16, 64, 256))
     t = hypothesis_tests(df, DERIVED)
     h1 = t[t.hypothesis == "H1"].set_index("test")
-    assoc = h1.loc["MixedLM r ~ log(integrated_pne) + C(M) + (1|seed), plain runs (no injection)"]
+    assoc = h1.loc["MixedLM r ~ log(integrated_pne) + C(M) + C(batch) + (1|M:seed), plain runs (no injection)"]
     assert assoc.n == len(df.query("M != -1 and noise_source == 'batch'")) and np.isfinite(assoc.mde)
+    assert assoc.in_family and "at fixed batch size" in assoc.verdict
+    seed = h1.loc["sensitivity, seed intercept: MixedLM r ~ log(integrated_pne) + C(M) + C(batch) + (1|seed), "
+                  "plain runs (no injection)"]
+    assert not seed.in_family and seed.n == assoc.n
     pair = h1.loc["paired t (batch 16 − batch 64), plain runs by (M, seed)"]
     assert pair.term == "batch 16 − batch 64" and pair.estimate == pytest.approx(0.03, abs=0.004) and pair.n == 30
     assert pair.verdict.startswith("r higher at batch 16 than at batch 64 (equal data) (Holm p")
@@ -203,7 +209,7 @@ def test_h1_rows_by_design():
     assert len(sens) == 1 and not sens.in_family.iloc[0] and sens.n.iloc[0] == assoc.n - 12   # 2 batches × 6 seeds
     assert "sensitivity, not in the Holm family: p = " in sens.verdict.iloc[0]
     t = hypothesis_tests(planted(np.random.default_rng(10)), DERIVED)   # no M = 1: nothing to drop
-    assert t[t.test.str.startswith("sensitivity")].status.iloc[0] == "not run: no M = 1 runs to leave out"
+    assert t[t.test.str.startswith("sensitivity, M ≥ 2")].status.iloc[0] == "not run: no M = 1 runs to leave out"
 
 
 @pytest.mark.unit
@@ -275,8 +281,11 @@ def test_h3_at_equal_steps_is_gated_on_steps_and_matched_exposure():
     at_data, at_steps = h3.loc["batch 16 − grad_b16"], h3.loc["batch 16 − grad_b16_steps"]
     assert at_data.verdict == "inconclusive: unmatched exposure (batch 16 0.5, grad_b16 0.12 integrated P-NE*)"
     assert at_steps.gates_passed and "equal steps" in at_steps.test and at_steps.verdict.startswith("equivalent")
-    h1 = t[(t.hypothesis == "H1") & (t.outcome == "r")].iloc[0]
-    assert h1.n == len(df.query("M != -1 and noise_source == 'batch'")) and "unequal data" not in h1.verdict
+    h1 = t[(t.hypothesis == "H1") & (t.outcome == "r")].iloc[0]   # exposure set by batch: nothing at fixed batch
+    assert h1.status.startswith("not run: integrated_pne is a function of batch size")
+    pair = t.set_index("test").loc["paired t (batch 16 − batch 64), plain runs by (M, seed)"]
+    assert pair.n == len(df.query("M != -1 and noise_source == 'batch' and batch == 16"))
+    assert "unequal data" not in pair.verdict
     # exposure 0.8 against 0.5 (60 % more) fails the 25 % gate; steps that differ fail the steps gate
     t = hypothesis_tests(pd.concat([df, steps.assign(integrated_pne=0.8)], ignore_index=True), CFG)
     assert "unmatched exposure (batch 16 0.5, grad_b16_steps 0.8" in t.set_index("term").loc[

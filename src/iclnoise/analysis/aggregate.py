@@ -39,6 +39,7 @@ from .verdicts import (
     gate_equal_data,
     gate_seeds,
     hypothesis_tests,
+    ood_loss_fall,
     optimizer_note,
 )
 
@@ -48,6 +49,8 @@ OUTCOME_FIELDS = KEY_FIELDS + [
     pa.field("optimizer", pa.string()),   # grid.optimizer (RunKeys.optimizer): part of every condition's key
     pa.field("steps", pa.int64()), pa.field("sequences", pa.int64()), pa.field("diverged", pa.bool_()),
     pa.field("ood_loss", pa.float64()), pa.field("id_loss", pa.float64()), pa.field("r", pa.float64()),
+    pa.field("ood_loss_fall", pa.float64()),   # the OOD loss's fall over the last third (verdicts.ood_loss_fall),
+    pa.field("ood_loss_fall_se", pa.float64()), pa.field("ood_loss_fall_n", pa.int64()),   # its SE and checkpoints
     pa.field("ood_loss_ridge", pa.float64()), pa.field("ood_loss_dmmse", pa.float64()),
     pa.field("delta_dmmse", pa.float64()), pa.field("delta_ridge", pa.float64()), pa.field("icl_score", pa.float64()),
     pa.field("t_crit", pa.int64()), pa.field("ood_loss_at_t_crit", pa.float64()), pa.field("r_at_t_crit", pa.float64()),
@@ -130,6 +133,7 @@ def run_outcomes(run_dir: Path, transient_tol: float) -> dict:
            "diverged": bool(metrics.diverged.any()),
            **{k: float(end[k]) for k in ("ood_loss", "id_loss", "r", "ood_loss_ridge", "ood_loss_dmmse",
                                          "delta_dmmse", "delta_ridge", "icl_score")},
+           **dict(zip(("ood_loss_fall", "ood_loss_fall_se", "ood_loss_fall_n"), ood_loss_fall(metrics))),
            "t_crit": w["t_crit"], "ood_loss_at_t_crit": float(at.ood_loss), "r_at_t_crit": float(at.r),
            "icl_score_at_t_crit": float(at.icl_score), "transient_window": w["window"],
            **_noise_fields(spec), "integrated_lr_over_b": integrated_lr_over_b(spec)}
@@ -292,7 +296,7 @@ def aggregate(run_dirs: list[Path], out_dir: Path, cfg: Stats) -> pd.DataFrame:
     write_parquet(tests, out_dir / "tests.parquet", TESTS_SCHEMA)
     write_json(metrics_summary(th, tests, conv, out), out_dir / "metrics.json")
     tables = [("outcomes", out), ("thresholds", th), ("tests", tests)]
-    runs = dose_runs(out, GATES["regime_tol"])
+    runs = dose_runs(out, GATES["convergence_tol"])
     if len(runs):   # a dose series in the grid (issue 43): its per-run table and its levels
         levels = levels_table(runs, cfg.alpha, GATES["dose_tol"], GATES["min_seeds"])
         write_parquet(runs, out_dir / "dose.parquet", DOSE_SCHEMA)

@@ -21,6 +21,7 @@ from scipy import stats as sps
 
 from ..core.runspec import M_INF
 from . import stats
+from .convergence import converged_runs
 from .thresholds import fit_threshold, logistic, t_interval, threshold_with_ci
 
 SERIES = ["source", "shape", "batch", "optimizer"]   # one dose series (grid.optimizer: each optimizer its own)
@@ -33,7 +34,7 @@ DOSE_SCHEMA = pa.schema([   # aggregate/dose.parquet: one row per run of a dose 
     pa.field("realised_dose_se", pa.float64()),   # its SE from diag Ĥ's Hutchinson error (null: not booked)
     pa.field("M", pa.int64()), pa.field("seed", pa.int64()), pa.field("r", pa.float64()),
     pa.field("ood_loss", pa.float64()), pa.field("ood_loss_ridge", pa.float64()), pa.field("diverged", pa.bool_()),
-    pa.field("converged", pa.bool_()),   # M = ∞ only (OOD loss ≤ (1 + regime_tol) × ridge's); null at finite M
+    pa.field("converged", pa.bool_()),   # M = ∞ only: the one convergence gate (converged_runs); null at finite M
 ])
 LEVELS_SCHEMA = pa.schema([   # aggregate/dose_levels.parquet: one row per (series, target dose), dose 0 included
     *[pa.field(c, t) for c, t in (("source", pa.string()), ("shape", pa.string()), ("batch", pa.int64()),
@@ -49,9 +50,10 @@ LEVELS_SCHEMA = pa.schema([   # aggregate/dose_levels.parquet: one row per (seri
 ])
 
 
-def dose_runs(out: pd.DataFrame, regime_tol: float) -> pd.DataFrame:
+def dose_runs(out: pd.DataFrame, tol: float) -> pd.DataFrame:
     """The per-run dose table (DOSE_SCHEMA) of the outcomes `out`: the runs of every dose series (≥ 2 positive target
-    doses) and their dose-0 runs; empty when the grid has no series."""
+    doses) and their dose-0 runs; empty when the grid has no series. An M = ∞ run's `converged` is the verdicts'
+    one convergence gate at tolerance `tol` (verdicts.converged_runs: a levelled noise floor passes)."""
     inj = out[out.noise_source.isin(["grad", "param"]) & (out.noise_schedule == "constant")
               & (out.emulate_batch.fillna(0) == 0) & (out.steps_as_batch.fillna(0) == 0)
               & (out.noise_level.astype(float) > 0)]
@@ -65,8 +67,7 @@ def dose_runs(out: pd.DataFrame, regime_tol: float) -> pd.DataFrame:
                       zero.assign(source="none", shape="none", target_dose=0.0)], ignore_index=True)
     if not len(inj):
         rows = rows.iloc[:0]
-    ratio = rows.ood_loss.astype(float) / rows.ood_loss_ridge.astype(float)
-    conv = (ratio <= 1 + regime_tol) & ~rows.diverged.astype(bool)
+    conv = converged_runs(rows, tol).converged
     realised = rows.integrated_pne_injected.astype(float).where(rows.target_dose > 0, 0.0)
     df = rows.assign(realised_dose=realised, realised_dose_se=rows.integrated_pne_injected_se.astype(float),
                      converged=conv.astype(object).where(rows.M == M_INF, None))
@@ -100,7 +101,7 @@ def regime(g: pd.DataFrame, dose_tol: float) -> pd.DataFrame:
         if lv.diverged.any():
             why.append(f"{int(lv.diverged.sum())} of {len(lv)} runs diverged")
         if len(inf) and not inf.converged.astype(bool).all():
-            why.append(f"M = ∞ {ratio.max():.3f}× ridge's OOD loss")
+            why.append(f"M = ∞ fails the convergence gate ({ratio.max():.3f}× ridge's OOD loss)")
         rows.append({"target_dose": d, "noise": lv.noise.iloc[0], "realised_dose": real, "n_runs": len(lv),
                      "n_seeds": lv.seed.nunique(), "ood_loss_over_ridge": float(ratio.max()) if len(inf) else math.nan,
                      "has_inf": len(inf) > 0, "why": why})
@@ -124,15 +125,17 @@ def log_dose(g: pd.DataFrame, lv: pd.DataFrame) -> pd.Series:
     return np.log10(g.target_dose.map(lv.set_index("target_dose").realised_dose))
 
 
-def r_slope(d: pd.DataFrame, alpha: float) -> pd.Series:
-    """The slope of r against log10 dose at fixed M: MixedLM r ~ log10_dose + C(M) + (1 | seed) (C(M) only with
-    several M), REML (stats.mixed_model); the log10_dose row (estimate, se, ci_lo, ci_hi, p, mde,
-    std_effect). `d`: runs with columns r, M, seed, log10_dose. Measured on planted series
-    (experiments/dose_coverage.py, 200
-    each; 5 doses over 2 decades, M ∈ {8, 16, 32}, 3 seeds, run sd 0.02, seed sd 0.03): coverage of the 95 %
-    interval 0.960 at slopes 0, 0.0117 and 0.03; size 0.040; power 0.77 at the reported mde (0.0117, 80 %)."""
+def r_slope(d: pd.DataFrame, alpha: float, group: str = "cell") -> pd.Series:
+    """The slope of r against log10 dose at fixed M: MixedLM r ~ log10_dose + C(M) + (1 | M:seed) (C(M) only with
+    several M), REML (stats.mixed_model): the doses of a series share each (M, seed) cell's initialisation, data
+    and task pool, so the cell is the random intercept (method §11, Pairing); group='seed' is the sensitivity
+    model. The log10_dose row (estimate, se, ci_lo, ci_hi, p, mde, std_effect). `d`: runs with columns r, M, seed,
+    log10_dose. Measured on planted series (experiments/dose_coverage.py, 200 each; 5 doses over 2 decades,
+    M ∈ {8, 16, 32}, 3 seeds, run sd 0.02, seed sd 0.03, seed intercept): coverage of the 95 % interval 0.960 at
+    slopes 0, 0.0117 and 0.03; size 0.040; power 0.77 at the reported mde (0.0117, 80 %). With cell effects
+    (tests/test_design.py): see docs/validation.md, 'Pairing'."""
     formula = "r ~ log10_dose" + (" + C(M)" if d.M.nunique() > 1 else "")
-    return stats.mixed_model(d, formula, alpha=alpha).set_index("term").loc["log10_dose"]
+    return stats.mixed_model(d, formula, group=group, alpha=alpha).set_index("term").loc["log10_dose"]
 
 
 def mstar_slope(per_seed: pd.DataFrame, alpha: float) -> pd.Series:
@@ -294,7 +297,8 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
     fit     the positive in-regime doses' runs at the ladder (the finite M run at every one of them and at dose 0),
             with log10_dose; ladder: those M; doses: the positive in-regime doses with finite-M runs (a dose whose
             runs are all M = ∞ is in `levels`, not here); left_out: the positive doses out of the regime;
-    r       r_slope over `fit` (None with < 2 doses); mstar: {point: (mstar_slope, doses)} over the positive doses
+    r       r_slope over `fit`, (M, seed) cells the random intercept (None with < 2 doses); r_seed: the same with a
+            seed intercept (the sensitivity model); mstar: {point: (mstar_slope, doses)} over the positive doses
             whose M* has a per-seed interval (≥ 2); mstar_zero: {point: (paired t of log2 M* at the highest such
             dose − dose 0 by seed, that dose)}; local: local_slope at dose 0; ladder_fit: ladder_conversion of r's
             slope;
@@ -312,7 +316,8 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
     ladder = sorted(set.intersection(*per_dose)) if per_dose else []
     fit = finite[finite.target_dose.isin(inside) & finite.M.isin(ladder)]
     res = {"ladder": ladder, "fit": fit, "doses": sorted(inside),
-           "left_out": lv[~lv.in_regime & (lv.target_dose > 0)], "r": None, "mstar": {}, "mstar_zero": {},
+           "left_out": lv[~lv.in_regime & (lv.target_dose > 0)], "r": None, "r_seed": None, "mstar": {},
+           "mstar_zero": {},
            "ladder_fit": None,
            "zero": None, "mono": None, "failed": {}}
     ex = _dose_thresholds(finite, set(inside), level, alpha, min_seeds)
@@ -322,6 +327,7 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
     res["levels"] = lv.merge(shifts, on="target_dose", how="left")
     if len(inside) >= 2 and len(fit) and fit.seed.nunique() >= 2:
         res["r"] = _fitted(r_slope, fit, alpha, res, "r")
+        res["r_seed"] = _fitted(lambda d, a: r_slope(d, a, group="seed"), fit, alpha, res, "r (1|seed)")
         if res["r"] is not None and np.isfinite(res["local"]["s"]):
             res["ladder_fit"] = ladder_conversion(res["r"].estimate, res["r"].se, res["local"]["s"],
                                                   res["local"]["se"], alpha)

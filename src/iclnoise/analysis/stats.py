@@ -14,12 +14,26 @@ import pandas as pd
 from scipy import optimize, stats
 
 POWER = 0.8   # the power every minimum detectable effect (mde) is stated at
+GROUPS = {"cell": "(1|M:seed)", "seed": "(1|seed)"}   # a mixed model's random intercept, as the tests table names it
+
+
+def with_cells(df: pd.DataFrame) -> pd.DataFrame:
+    """`df` with a `cell` column 'M:seed': runs of one cell share initialisation, data stream and task pool
+    (method §11, Pairing)."""
+    return df.assign(cell=df.M.astype(str) + ":" + df.seed.astype(str))
+
+
+def pairing(df: pd.DataFrame) -> str:
+    """The random intercept the design calls for (method §11, Pairing): 'cell' when conditions share (M, seed) cells
+    (some cell holds ≥ 2 runs), else 'seed' (one run per cell: a cell intercept would be the residual)."""
+    return "cell" if len(df) and df.groupby(["M", "seed"]).size().max() >= 2 else "seed"
 
 
 def _fit_mixed(df: pd.DataFrame, formula: str, group: str, reml: bool):
     """MixedLM fit with L-BFGS; Powell if that did not converge to a finite likelihood."""
     import statsmodels.formula.api as smf
 
+    df = with_cells(df) if group == "cell" and "cell" not in df else df
     return _fit_with_fallback(smf.mixedlm(formula, df, groups=df[group]), reml)
 
 
@@ -39,8 +53,9 @@ def _fit_with_fallback(model, reml: bool):
 
 def mixed_model(df: pd.DataFrame, formula: str, group: str = "seed", alpha: float = 0.05,
                 reml: bool = True) -> pd.DataFrame:
-    """statsmodels MixedLM with a random intercept per `group`; coefficients with SE, CI, p, a standardized
-    effect (coefficient × sd(predictor) / sd(outcome)) and the mde (mde_wald on the fitted SE)."""
+    """statsmodels MixedLM with a random intercept per `group` ('seed', or 'cell': per (M, seed), `pairing`);
+    coefficients with SE, CI, p, a standardized effect (coefficient × sd(predictor) / sd(outcome)) and the mde
+    (mde_wald on the fitted SE)."""
     res = _fit_mixed(df, formula, group, reml)
     ci = res.conf_int(alpha)
     y = formula.split("~")[0].strip()
@@ -98,7 +113,8 @@ def manipulation_lr_test(df: pd.DataFrame, outcome: str, treatment: str, control
     k = Xf.shape[1] - Xr.shape[1]
     if k <= 0:
         return {"lr_stat": math.nan, "df": 0, "p": math.nan, "delta_aic": math.nan, "n": len(df), "mde": math.nan}
-    y, g = df[outcome].to_numpy(float), df[group].to_numpy()
+    y = df[outcome].to_numpy(float)
+    g = (with_cells(df) if group == "cell" else df)[group].to_numpy()
     f, r = _fit_mixed_arrays(y, Xf, g), _fit_mixed_arrays(y, Xr, g)
     lr = max(0.0, 2 * (f.llf - r.llf))
     se = float(np.min(np.asarray(f.bse_fe)[-k:]))
@@ -108,13 +124,13 @@ def manipulation_lr_test(df: pd.DataFrame, outcome: str, treatment: str, control
 
 def mde_paired_t(sd: float, n: int, alpha: float = 0.05, power: float = POWER) -> float:
     """Minimum detectable effect of the two-sided paired t-test on n differences of sd `sd`: the mean δ at which
-    P(|T| > t_{1−α/2, n−1}) = power, T ~ noncentral t(n − 1, δ√n/sd) (exact; the textbook
-    (t_{1−α/2} + t_{power})·sd/√n is within 1 % at n ≥ 8 and 10 % low at n = 3)."""
+    P(|T| > t_{1−α/2, n−1}) = power, T ~ noncentral t(n − 1, δ√n/sd), both tails (statsmodels' TTestPower; the
+    textbook (t_{1−α/2} + t_{power})·sd/√n is within 1 % at n ≥ 8 and 10 % low at n = 3)."""
+    from statsmodels.stats.power import TTestPower
+
     if not (n > 1 and sd > 0):
         return math.nan
-    df, tc = n - 1, stats.t.ppf(1 - alpha / 2, n - 1)
-    return _ncp(lambda ncp: stats.nct.sf(tc, df, ncp) + np.nan_to_num(stats.nct.cdf(-tc, df, ncp)), power, 0.0, tc) \
-        * sd / math.sqrt(n)
+    return float(TTestPower().solve_power(nobs=n, alpha=alpha, power=power, alternative="two-sided")) * sd
 
 
 def _ncp(power_at, power: float, lo: float, start: float) -> float:
@@ -126,14 +142,26 @@ def _ncp(power_at, power: float, lo: float, start: float) -> float:
     return float(optimize.brentq(lambda x: power_at(x) - power, lo, hi))
 
 
+def tost_power(c: float, n: int, alpha: float = 0.05) -> float:
+    """Power of the paired TOST (level α per side) at true difference 0 with the margin c·sd/√n: both one-sided tests
+    reject when |d̄| + t_{1−α, n−1}·S/√n < m, so with u = S/sd ((n − 1)u² ~ χ²_{n−1}, independent of d̄)
+    P = E_u[max(0, 2Φ(c − t·u) − 1)], integrated over u (exact; no statsmodels class computes it)."""
+    from scipy import integrate
+
+    df, tc = n - 1, stats.t.ppf(1 - alpha, n - 1)
+    dens = lambda u: stats.chi.pdf(u * math.sqrt(df), df) * math.sqrt(df)   # noqa: E731 — density of u
+    top = c / tc
+    return float(integrate.quad(lambda u: (2 * stats.norm.cdf(c - tc * u) - 1) * dens(u), 0, top, limit=200)[0])
+
+
 def mde_tost(sd: float, n: int, alpha: float = 0.05, power: float = POWER) -> float:
     """The smallest equivalence margin the paired TOST (level α per side) shows with probability `power` when the
-    true difference is 0: each one-sided test fails with P(T' < t_{1−α, n−1}), T' ~ noncentral t(n − 1, m√n/sd),
-    and the two failures are taken as disjoint (power ≈ 1 − 2·P; checked against simulation in test_stats)."""
+    true difference is 0 (tost_power, exact; the union bound 1 − 2·P(one side fails) it replaced overstated it by
+    4.4 % at n = 3). Checked against simulation in tests/test_stats.py."""
     if not (n > 1 and sd > 0):
         return math.nan
-    df, tc = n - 1, stats.t.ppf(1 - alpha, n - 1)
-    return _ncp(lambda ncp: 1 - 2 * stats.nct.cdf(tc, df, ncp), power, tc, tc) * sd / math.sqrt(n)
+    tc = stats.t.ppf(1 - alpha, n - 1)
+    return _ncp(lambda c: tost_power(c, n, alpha), power, tc, tc) * sd / math.sqrt(n)
 
 
 def mde_wald(se: float, alpha: float = 0.05, power: float = POWER, k: int = 1) -> float:
@@ -171,17 +199,21 @@ def paired_test(a: np.ndarray, b: np.ndarray, alpha: float = 0.05) -> dict:
 
 
 def tost(a: np.ndarray, b: np.ndarray, margin: float, alpha: float = 0.05) -> dict:
-    """Two one-sided Welch tests for |mean(a) − mean(b)| < margin. Equivalence is declared when
-    both one-sided p < alpha, i.e. the (1 − 2α) CI of the difference lies inside ±margin."""
+    """Two one-sided Welch tests for |mean(a) − mean(b)| < margin (statsmodels' ttost_ind, unequal variances).
+    Equivalence is declared when both one-sided p < alpha, i.e. the (1 − 2α) CI of the difference lies inside
+    ±margin."""
+    from statsmodels.stats.weightstats import ttost_ind
+
     a, b = np.asarray(a, float), np.asarray(b, float)
     diff = a.mean() - b.mean()
     va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
     se = math.sqrt(va + vb)
-    dof = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1)) if se > 0 else len(a) + len(b) - 2
-    p_lower = stats.t.sf((diff + margin) / se, dof) if se > 0 else float(diff <= -margin)
-    p_upper = stats.t.cdf((diff - margin) / se, dof) if se > 0 else float(diff >= margin)
-    tq = stats.t.ppf(1 - alpha, dof)
-    p = max(p_lower, p_upper)
+    if se > 0:
+        p, (_, p_lower, dof), (_, p_upper, _) = ttost_ind(a, b, -margin, margin, usevar="unequal")
+        tq = stats.t.ppf(1 - alpha, dof)
+    else:
+        p_lower, p_upper, tq = float(diff <= -margin), float(diff >= margin), 0.0
+        p = max(p_lower, p_upper)
     pooled = math.sqrt((a.var(ddof=1) + b.var(ddof=1)) / 2)
     return {"estimate": diff, "ci_lo": diff - tq * se, "ci_hi": diff + tq * se, "p_lower": float(p_lower),
             "p_upper": float(p_upper), "p": float(p), "equivalent": bool(p < alpha), "margin": margin,
@@ -189,24 +221,28 @@ def tost(a: np.ndarray, b: np.ndarray, margin: float, alpha: float = 0.05) -> di
 
 
 def paired_tost(a: np.ndarray, b: np.ndarray, margin: float, alpha: float = 0.05) -> dict:
-    """TOST on paired differences d = a − b (e.g. matched by M and seed): equivalence is declared when
-    both one-sided paired t-tests reject, i.e. the (1 − 2α) CI of mean(d) lies inside ±margin.
+    """TOST on paired differences d = a − b (e.g. matched by M and seed; statsmodels' ttost_paired): equivalence
+    is declared when both one-sided paired t-tests reject, i.e. the (1 − 2α) CI of mean(d) lies inside ±margin.
     Effect size: Cohen's d_z = mean(d) / sd(d); mde: the smallest margin this design shows (mde_tost)."""
-    d = np.asarray(a, float) - np.asarray(b, float)
+    from statsmodels.stats.weightstats import ttost_paired
+
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    d = a - b
     n = len(d)
     mean, sd = float(d.mean()), float(d.std(ddof=1)) if n > 1 else math.nan
-    se, dof = sd / math.sqrt(n) if n > 1 else math.nan, n - 1
+    se = sd / math.sqrt(n) if n > 1 else math.nan
     if not se > 0:
         p_lower, p_upper = float(mean <= -margin), float(mean >= margin)
         lo = hi = mean
     else:
-        p_lower, p_upper = float(stats.t.sf((mean + margin) / se, dof)), float(stats.t.cdf((mean - margin) / se, dof))
-        tq = stats.t.ppf(1 - alpha, dof)
+        _, (_, p_lower, _), (_, p_upper, _) = ttost_paired(a, b, -margin, margin)
+        tq = stats.t.ppf(1 - alpha, n - 1)
         lo, hi = mean - tq * se, mean + tq * se
     p = max(p_lower, p_upper)
-    return {"estimate": mean, "ci_lo": lo, "ci_hi": hi, "p_lower": p_lower, "p_upper": p_upper, "p": p,
-            "equivalent": bool(p < alpha), "margin": margin, "effect_size": mean / sd if sd and sd > 0 else math.nan,
-            "n": n, "mde": mde_tost(sd, n, alpha) if n > 1 else math.nan}
+    return {"estimate": mean, "ci_lo": lo, "ci_hi": hi, "p_lower": float(p_lower), "p_upper": float(p_upper),
+            "p": float(p), "equivalent": bool(p < alpha), "margin": margin,
+            "effect_size": mean / sd if sd and sd > 0 else math.nan, "n": n,
+            "mde": mde_tost(sd, n, alpha) if n > 1 else math.nan}
 
 
 def correlation(x: np.ndarray, y: np.ndarray, alpha: float = 0.05) -> dict:
@@ -233,15 +269,39 @@ def correlation(x: np.ndarray, y: np.ndarray, alpha: float = 0.05) -> dict:
             "mde": mde_spearman(n, alpha)}
 
 
+def stratified_correlation(x, y, strata, alpha: float = 0.05) -> dict:
+    """Spearman ρ within strata (method §11, Within M), combined by Fisher z: z̄ = Σ_s w_s·atanh ρ_s / Σ_s w_s with
+    w_s = n_s − 3, SE(z̄) = 1.03/√Σ w_s (Fieller et al.'s variance of atanh ρ_s); estimate tanh z̄, its interval
+    tanh(z̄ ± z_{1−α/2}·SE), p = 2Φ(−|z̄|/SE), mde tanh((z_{1−α/2} + z_power)·SE). A stratum enters with ≥ 4 points
+    and x and y not constant in it. Two quantities that both move with the stratum (M) but not with each other
+    inside it give ρ̄ ≈ 0, where the pooled correlation does not."""
+    d = pd.DataFrame({"x": np.asarray(x, float), "y": np.asarray(y, float), "s": np.asarray(strata)})
+    d = d[np.isfinite(d.x) & np.isfinite(d.y)]
+    zs, ws = [], []
+    for _, h in d.groupby("s"):
+        if len(h) >= 4 and h.x.nunique() > 1 and h.y.nunique() > 1:
+            zs.append(np.arctanh(np.clip(stats.spearmanr(h.x, h.y).statistic, -0.999999, 0.999999)))
+            ws.append(len(h) - 3)
+    nan = {"estimate": math.nan, "ci_lo": math.nan, "ci_hi": math.nan, "p": math.nan, "n": 0, "strata": len(zs),
+           "mde": math.nan}
+    if not zs:
+        return nan
+    w = np.asarray(ws, float)
+    z, se = float(np.dot(w, zs) / w.sum()), 1.03 / math.sqrt(w.sum())
+    zq = stats.norm.ppf(1 - alpha / 2)
+    return {"estimate": float(np.tanh(z)), "ci_lo": float(np.tanh(z - zq * se)), "ci_hi": float(np.tanh(z + zq * se)),
+            "p": float(2 * stats.norm.sf(abs(z) / se)), "n": int(w.sum() + 3 * len(w)), "strata": len(zs),
+            "mde": float(np.tanh((zq + stats.norm.ppf(POWER)) * se))}
+
+
 def holm(pvalues) -> np.ndarray:
-    """Holm–Bonferroni adjusted p-values (NaN entries are left out of the family and stay NaN)."""
+    """Holm–Bonferroni adjusted p-values (statsmodels' multipletests, method holm); NaN entries are left out of
+    the family and stay NaN."""
+    from statsmodels.stats.multitest import multipletests
+
     p = np.asarray(pvalues, float)
     out = np.full_like(p, np.nan)
-    idx = np.flatnonzero(np.isfinite(p))
-    m = len(idx)
-    order = idx[np.argsort(p[idx])]
-    running = 0.0
-    for rank, i in enumerate(order):
-        running = max(running, min(1.0, (m - rank) * p[i]))
-        out[i] = running
+    ok = np.isfinite(p)
+    if ok.any():
+        out[ok] = multipletests(p[ok], method="holm")[1]
     return out

@@ -179,8 +179,9 @@ def dose_answer(tests, levels) -> list[str]:
     lines = ["## The answer: ICL against the injected noise dose", "",
              "Dose = realised integrated injected P-NE* (after clipping), per condition; slopes per decade of dose "
              "over the positive doses inside the operating regime (M = ∞ within "
-             f"{1 + GATES['regime_tol']:.2f}× ridge's OOD loss, realised dose within {GATES['dose_tol']:.0%} of its "
-             "target, no run diverged); dose 0 (no injection) is the reference arm.", ""]
+             f"{1 + GATES['convergence_tol']:.2f}× ridge's OOD loss, or levelled at a noise floor with the noise still "
+             f"on; realised dose within {GATES['dose_tol']:.0%} of its target, no run diverged); dose 0 (no "
+             "injection) is the reference arm.", ""]
     for (src, shape, batch, opt), g in levels.groupby(SERIES):
         name = f"{src} ({shape}), batch {batch}"
         inside = g[g.in_regime.astype(bool) & (g.target_dose > 0)].realised_dose

@@ -10,6 +10,7 @@ effects, and a null states the minimum detectable effect at 80 % power of its de
 
 The modules: gates, rows (the tests table and Holm), h1, h1_dose, h2, h3, h4, h5, family (all of them).
 """
+from ..convergence import converged_runs, ood_loss_fall
 from .family import hypothesis_tests
 from .gates import (
     CONDITION,
@@ -44,6 +45,7 @@ __all__ = [
     "SHAPE_CONTROLS",
     "TESTS_SCHEMA",
     "condition_name",
+    "converged_runs",
     "convergence",
     "gate_columns",
     "gate_convergence",
@@ -54,6 +56,7 @@ __all__ = [
     "h3_rows",
     "h5_alignment",
     "hypothesis_tests",
+    "ood_loss_fall",
     "optimizer_note",
     "over_ridge",
 ]

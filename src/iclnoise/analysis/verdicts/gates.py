@@ -10,6 +10,7 @@ import pyarrow as pa
 
 from ...core.sections import OPTIMIZERS
 from ...core.tasks import M_INF
+from ..convergence import CONVERGENCE_TOL, FALL_SHARE, converged_runs
 
 GATE_RECORD = pa.struct([pa.field("code", pa.string()), pa.field("detail", pa.string())])
 GATE_FIELDS = [pa.field("gates_passed", pa.bool_()), pa.field("gate_failures", pa.string()),
@@ -18,11 +19,16 @@ CONDITION = ["batch", "noise", "optimizer"]   # a condition: its runs differ in 
 CONVERGENCE_SCHEMA = pa.schema([
     pa.field("batch", pa.int64()), pa.field("noise", pa.string()), pa.field("optimizer", pa.string()),
     pa.field("n_inf_runs", pa.int64()),
-    pa.field("ood_loss_over_ridge", pa.float64()), pa.field("converged", pa.bool_()),
+    pa.field("ood_loss_over_ridge", pa.float64()),   # the worst M = ∞ run's final OOD loss over ridge's
+    pa.field("ood_loss_fall", pa.float64()),   # that run's fall over the last third of training (ood_loss_fall)
+    pa.field("still_falling", pa.bool_()),     # some M = ∞ run still falling at the end (converged_runs)
+    pa.field("converged", pa.bool_()),         # passes the one convergence gate (`converged_runs`)
+    pa.field("noise_floor", pa.bool_()),       # passes as a levelled excess under injected noise still on at the end
 ])
 # Validity gates (issue 13): thresholds every verdict must pass before it may read as a finding.
 GATES = {
-    "convergence_tol": 0.15,   # every M = ∞ run ends with OOD loss ≤ (1 + tol) × ridge's
+    "convergence_tol": CONVERGENCE_TOL,   # the one convergence gate (analysis.convergence): every verdict and the
+    "fall_share": FALL_SHARE,             # dose regime read these
     "min_seeds": 3,            # fewer seeds: no interval, no verdict ("insufficient seeds")
     "r_low": 0.25,             # r must span low (some M with seed-mean r ≤ r_low) ...
     "r_high": 0.75,            # ... to high (some M with seed-mean r ≥ r_high) for a threshold to be a transition
@@ -32,9 +38,8 @@ GATES = {
                                # open loop: low-rank + diagonal covariance, each arm under its own preconditioner)
     "llc_flagged_max": 0.25,   # LLC verdicts: at most 25 % of the tested (final) estimates not levelled / negative /
                                # diverged; estimates at initialisation (no minimum there) do not enter
-    "regime_tol": 0.10,        # dose–response (issue 43): a dose is in the operating regime where M = ∞ ends with OOD
-                               # loss ≤ (1 + tol) × ridge's ...
-    "dose_tol": 0.05,          # ... and its realised dose is within 5 % of the target (else saturated / off target)
+    "dose_tol": 0.05,          # dose–response (issue 43): a dose's realised dose within 5 % of its target (else
+                               # saturated / off target)
     "shape_exposure_tol": 0.05,   # H5 (issue 45): an injected control's seed-mean realised injected P-NE* within
                                   # 5 % of the aligned arm's, so that only the noise's shape differs
 }
@@ -67,18 +72,20 @@ def optimizer_note(optimizer) -> str:
 
 
 def convergence(out: pd.DataFrame, tol: float = GATES["convergence_tol"]) -> pd.DataFrame:
-    """Per (batch, noise, optimizer) condition: the worst M = ∞ run's final OOD loss over ridge's (diverged runs
-    count as ∞); converged when it is ≤ 1 + tol (issue 13: the transformer must reach the Bayes predictor for q∞).
-    A ratio that cannot be formed (a NaN ood_loss_ridge) makes the worst NaN, and NaN is not converged: no run
-    leaves the gate unread."""
+    """Per (batch, noise, optimizer) condition: its worst M = ∞ run (the highest OOD loss over ridge's; diverged
+    runs count as ∞) and whether every M = ∞ run passes the one convergence gate (converged_runs; issue 13: the
+    transformer must reach the Bayes predictor for q∞, or sit at a levelled noise floor). A ratio that cannot be
+    formed (a NaN ood_loss_ridge) makes the worst NaN, and NaN is not converged: no run leaves the gate unread."""
     rows = []
     for (B, noise, opt), g in out.groupby(CONDITION):
-        inf = g[g.M == M_INF]
-        ratio = np.array(inf.ood_loss / inf.ood_loss_ridge, dtype=float)
-        ratio[inf.diverged.to_numpy(bool) | inf.ood_loss.isna().to_numpy()] = np.inf
-        worst = float(ratio.max()) if len(ratio) and not np.isnan(ratio).any() else math.nan
-        rows.append({"batch": B, "noise": noise, "optimizer": opt, "n_inf_runs": len(inf), "ood_loss_over_ridge": worst,
-                     "converged": bool(worst <= 1 + tol)})
+        c = converged_runs(g[g.M == M_INF], tol)
+        worst = float(c.ratio.max()) if len(c) and not c.ratio.isna().any() else math.nan
+        at = c.ratio.idxmax() if len(c) and np.isfinite(worst) else None
+        rows.append({"batch": B, "noise": noise, "optimizer": opt, "n_inf_runs": len(c), "ood_loss_over_ridge": worst,
+                     "ood_loss_fall": float(c.fall[at]) if at is not None else math.nan,
+                     "still_falling": bool(c.falling.any()),
+                     "converged": bool(len(c) and c.converged.all() and np.isfinite(worst)),
+                     "noise_floor": bool(c.noise_floor.any())})
     return pd.DataFrame(rows, columns=CONVERGENCE_SCHEMA.names)
 
 
@@ -99,15 +106,25 @@ def gate_convergence(runs: pd.DataFrame, conv: pd.DataFrame) -> list[Fail]:
                 bad.append(f"{condition_name(*key)}: no M = ∞ run; batch noise's at batch {key[0]} "
                            f"{over_ridge(row.ood_loss_over_ridge)}")
         elif not row.converged:
-            bad.append(f"{condition_name(*key)}: M = ∞ OOD loss {over_ridge(row.ood_loss_over_ridge)}")
+            bad.append(f"{condition_name(*key)}: M = ∞ OOD loss {over_ridge(row.ood_loss_over_ridge)}"
+                       f"{_failed_how(row)}")
     return [("unconverged", ", ".join(bad))] if bad else []
-
 
 
 def over_ridge(ratio: float) -> str:
     """The worst M = ∞ run's OOD loss over ridge's in words; NaN names the missing input."""
     return (f"{ratio:.2f}× ridge's" if not math.isnan(ratio)
             else "over ridge's not finite (a NaN ood_loss_ridge in a run's last row)")
+
+
+def _failed_how(row) -> str:
+    """Why a convergence row failed the gate, beyond its worst ratio: an M = ∞ run still falling, or levelled."""
+    if row.get("still_falling", False):
+        return f", still falling at the end (the worst run fell {row.ood_loss_fall:.3f} × ridge's over the last third)"
+    if np.isfinite(row.get("ood_loss_fall", math.nan)):
+        return ", levelled short of ridge with no injected noise on at the end"
+    return ""
+
 
 def gate_seeds(runs: pd.DataFrame, min_seeds: int) -> list[Fail]:
     """A condition needs at least `min_seeds` seeds."""

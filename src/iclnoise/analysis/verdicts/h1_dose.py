@@ -14,9 +14,10 @@ from .rows import _direction, _row
 def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
     """H1 as a dose–response (method §11; issue 43), per dose series (iclnoise.analysis.dose: one injected source at ≥ 2
     positive doses, dose 0 = batch noise alone at its batch), over the positive doses inside the operating regime
-    (dose.regime: M = ∞ converges within GATES['regime_tol'], realised dose within GATES['dose_tol'] of target, no
-    run diverged; the doses left out are named in the test):
-    - the slope of r per decade of dose at fixed M (dose.r_slope; M the ladder's, run at every dose) — Holm family;
+    (dose.regime: M = ∞ passes the one convergence gate, gates.converged_runs, realised dose within
+    GATES['dose_tol'] of target, no run diverged; the doses left out are named in the test):
+    - the slope of r per decade of dose at fixed M (dose.r_slope; M the ladder's, run at every dose), a random
+      intercept per (M, seed) cell — Holm family; with a seed intercept — a sensitivity row;
     - the slope of log2 M* (r50; midpoint as a sensitivity row) per decade (dose.mstar_slope) at the doses with a
       full M grid — Holm family;
     - the ladder's reading of the r slope as a log2 M* slope (dose.ladder_conversion, delta method) — derived
@@ -31,7 +32,7 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
       phase; the dose is the manipulation).
     Gates: seeds, equal data, dose 0 inside the regime. No rows at all when the grid has no dose series."""
     rows = []
-    for (src, shape, batch, _), g in dose.series(dose.dose_runs(out, GATES["regime_tol"])):
+    for (src, shape, batch, _), g in dose.series(dose.dose_runs(out, GATES["convergence_tol"])):
         res = dose.analyse(g, cfg.alpha, GATES["dose_tol"], GATES["min_seeds"])
         name = f"{src} ({shape}), batch {batch}"
         left = "; ".join(f"{d:.3g}: {w}" for d, w in zip(res["left_out"].target_dose, res["left_out"].regime))
@@ -43,7 +44,7 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
             fails.append(("unconverged", f"{name} dose 0: " + (zero.regime.iloc[0] if len(zero) else "no runs")))
         at = {"name": name, "src": src, "where": where, "m_at": ", ".join(map(str, res["ladder"])) or "none",
               "fails": fails, "alpha": cfg.alpha}
-        rows += [_dose_r_row(res, at), *_dose_mstar_rows(res, at), _dose_ladder_row(res, at), _dose_zero_row(res, at),
+        rows += [*_dose_r_rows(res, at), *_dose_mstar_rows(res, at), _dose_ladder_row(res, at), _dose_zero_row(res, at),
                  _dose_exposure_row(out[out.run_id.isin(res["fit"].run_id) | out.run_id.isin(
                      g.run_id[(g.target_dose == 0) & g.M.isin(res["ladder"])])], name, cfg.alpha, fails),
                  _dose_shape_row(res, at)]
@@ -53,19 +54,26 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
 DECADE = "per decade of dose"
 
 
-def _dose_r_row(res: dict, at: dict) -> dict:
-    """The slope of r per decade of dose at the ladder's M (dose.r_slope)."""
-    test = f"dose-response {at['name']}: MixedLM r ~ log10(dose) + C(M) + (1|seed), M ∈ {{{at['m_at']}}}, {at['where']}"
-    if res["r"] is None:
-        why = (f"fit failed ({res['failed']['r']})" if "r" in res["failed"] else
-               f"needs ≥ 2 positive doses inside the operating regime and ≥ 2 seeds ({at['where']})")
-        return _row("H1", test, "r", status=f"not run: {why}")
-    e = res["r"]
-    return _row("H1", test, "r", "log10 dose", n=len(res["fit"]), estimate=e.estimate, ci_lo=e.ci_lo, ci_hi=e.ci_hi,
-                p=e.p, effect_size=e.std_effect, mde=e.mde, fails=at["fails"],
-                power="could detect a slope of ≥ {mde:.2g} in r " + DECADE,
-                words=(f"r {_direction(e.estimate, 'increases', 'decreases')} with the {at['src']} dose",
-                       f"no evidence that r changes with the {at['src']} dose"))
+def _dose_r_rows(res: dict, at: dict) -> list[dict]:
+    """The slope of r per decade of dose at the ladder's M (dose.r_slope): (M, seed) cells the random intercept (in
+    the family), a seed intercept the sensitivity row."""
+    rows = []
+    for key, group, fam in (("r", "cell", True), ("r_seed", "seed", False)):
+        test = (f"{'' if fam else 'sensitivity, seed intercept: '}dose-response {at['name']}: MixedLM r ~ log10(dose) "
+                f"+ C(M) + {stats.GROUPS[group]}, M ∈ {{{at['m_at']}}}, {at['where']}")
+        e = res[key]
+        if e is None:
+            miss = "r" if fam else "r (1|seed)"
+            why = (f"fit failed ({res['failed'][miss]})" if miss in res["failed"] else
+                   f"needs ≥ 2 positive doses inside the operating regime and ≥ 2 seeds ({at['where']})")
+            rows.append(_row("H1", test, "r", family=fam, status=f"not run: {why}"))
+            continue
+        rows.append(_row("H1", test, "r", "log10 dose", n=len(res["fit"]), estimate=e.estimate, ci_lo=e.ci_lo,
+                         ci_hi=e.ci_hi, p=e.p, effect_size=e.std_effect, mde=e.mde, fails=at["fails"], family=fam,
+                         power="could detect a slope of ≥ {mde:.2g} in r " + DECADE,
+                         words=(f"r {_direction(e.estimate, 'increases', 'decreases')} with the {at['src']} dose",
+                                f"no evidence that r changes with the {at['src']} dose")))
+    return rows
 
 
 def _dose_mstar_rows(res: dict, at: dict) -> list[dict]:
@@ -146,16 +154,19 @@ def _dose_shape_row(res: dict, at: dict) -> dict:
 
 
 def _dose_exposure_row(used: pd.DataFrame, name: str, alpha: float, fails) -> dict:
-    """The dose series' secondary row: MixedLM r ~ log integrated P-NE* (+ C(M)) + (1|seed) over `used`, outside
+    """The dose series' secondary row: MixedLM r ~ log integrated P-NE* (+ C(M)) + (1|M:seed) (stats.pairing) over
+    `used`, outside
     the Holm family (an association: measured exposure also tracks the phase)."""
-    test = f"dose-response {name}: association, MixedLM r ~ log(integrated P-NE*) + C(M) + (1|seed) (secondary)"
     d = used[used.integrated_pne.astype(float) > 0]
     d = d.assign(log_exposure=np.log(d.integrated_pne.astype(float)))
+    group = stats.pairing(d)
+    test = (f"dose-response {name}: association, MixedLM r ~ log(integrated P-NE*) + C(M) + {stats.GROUPS[group]} "
+            "(secondary)")
     if d.log_exposure.nunique() < 2 or d.seed.nunique() < 2:
         return _row("H1", test, "r", family=False, status="not run: needs ≥ 2 exposure levels and ≥ 2 seeds")
     try:
-        e = stats.mixed_model(d, "r ~ log_exposure" + (" + C(M)" if d.M.nunique() > 1 else ""), alpha=alpha
-                              ).set_index("term").loc["log_exposure"]
+        e = stats.mixed_model(d, "r ~ log_exposure" + (" + C(M)" if d.M.nunique() > 1 else ""), group=group,
+                              alpha=alpha).set_index("term").loc["log_exposure"]
     except Exception as err:  # noqa: BLE001 — a singular design is a result to report, not a crash
         return _row("H1", test, "r", family=False, status=f"not run: fit failed ({type(err).__name__})")
     return _row("H1", test, "r", "log integrated P-NE*", n=len(d), estimate=e.estimate, ci_lo=e.ci_lo, ci_hi=e.ci_hi,
