@@ -1,6 +1,6 @@
 """Parameters: params.yaml and overrides loaded (load), checked against the schema and across fields (validate), the
-grid of runs and jobs they define (grid), and what it costs (cost, memory). The typed sections are
-iclnoise.core.sections."""
+schema itself, generated from the typed sections (schema), the grid of runs and jobs they define (grid), and what it
+costs (cost, memory). The typed sections, where every key is declared, are iclnoise.core.sections and its siblings."""
 from ..core.sections import ParamsError
 from .load import (
     CHECKPOINT_PROBES,
