@@ -121,11 +121,21 @@ def run_spec(params: dict, run_id: str) -> dict[str, Any]:
         "model": copy.deepcopy(params["model"]),
         "train": train,
         "eval": copy.deepcopy(params["eval"]),
-        "noise": {k: v for k, v in copy.deepcopy(params["noise"]["conditions"][keys.noise]).items()
-                  if k not in ("batch_sizes", "M")},  # which runs exist is the grid's business, not the run's
+        "noise": _noise_spec(params, keys.noise, keys.batch),
         "exposure": copy.deepcopy(params.get("exposure")),
     }
     return spec
+
+
+def _noise_spec(params: dict, name: str, batch: int) -> dict[str, Any]:
+    """A run's noise condition: without batch_sizes and M (which runs exist is the grid's business, not the run's),
+    a relative_dose resolved into the budget it stands for at the run's batch, relative_dose ×
+    noise.batch_exposure[batch], to 12 significant digits (so 0.3 × 0.055 is the 0.0165 a hand-written budget
+    gives, and the run's spec and hash are the same either way)."""
+    c = {k: v for k, v in copy.deepcopy(params["noise"]["conditions"][name]).items() if k not in ("batch_sizes", "M")}
+    if "relative_dose" in c:
+        c["budget"] = float(f"{c.pop('relative_dose') * params['noise']['batch_exposure'][str(batch)]:.12g}")
+    return c
 
 
 def typed_spec(params: dict, run_id: str) -> RunSpec:

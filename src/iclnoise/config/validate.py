@@ -248,8 +248,8 @@ def _ed_checks(p: dict) -> None:
 
 _EXPOSURE_KEYS = [f.name for f in dataclasses.fields(Exposure) if meta(f)["required"] and f.name != "enabled"]
 # which level key each schedule takes (method §5; iclnoise.noise)
-_LEVELS = {"constant": ("emulate_batch", "budget"), "early": ("budget",), "late": ("budget",),
-           "controlled": ("target",)}
+_LEVELS = {"constant": ("emulate_batch", "budget", "relative_dose"), "early": ("budget", "relative_dose"),
+           "late": ("budget", "relative_dose"), "controlled": ("target",)}
 
 
 def _noise_checks(p: dict) -> None:
@@ -283,7 +283,7 @@ def _noise_checks(p: dict) -> None:
             if k not in c:
                 raise ParamsError(f"{key}.{k} is required for source {c['source']}")
         allowed = _LEVELS[c["schedule"]]
-        given = [k for k in ("emulate_batch", "budget", "target") if k in c]
+        given = [k for k in ("emulate_batch", "budget", "relative_dose", "target") if k in c]
         if len(given) != 1 or given[0] not in allowed:
             raise ParamsError(f"{key}: schedule {c['schedule']} needs exactly one of {', '.join(allowed)}"
                               f" (got {', '.join(given) or 'none'})")
@@ -301,6 +301,12 @@ def _noise_checks(p: dict) -> None:
             raise ParamsError(f"{key}.rank = {c['rank']} is not allowed; with exposure.groups = "
                               f"{exp['groups']} the covariance has rank ≤ {exp['groups'] - 1}")
         runs_at = [B for B in p["grid"]["batch_sizes"] if B in c.get("batch_sizes", [B])]
+        have = p["noise"].get("batch_exposure") or {}
+        if "relative_dose" in c and name in used and [B for B in runs_at if str(B) not in have]:
+            raise ParamsError(f"{key}.relative_dose needs noise.batch_exposure at every batch size the condition runs "
+                              f"at; missing: {', '.join(str(B) for B in runs_at if str(B) not in have)} (the batch "
+                              f"noise's integrated P-NE* there, measured on runs without injection, e.g. "
+                              f"\"64\": 0.055)")
         if "emulate_batch" in c and name in used and runs_at and c["emulate_batch"] >= min(runs_at):
             warnings.warn(f"{key}.emulate_batch = {c['emulate_batch']} is not below every batch size; the "
                           f"negative residual is clipped to zero and logged (injection.parquet clipped_trace)")

@@ -39,6 +39,11 @@ class Noise(Section):
     SECTION: ClassVar[str] = "noise"
     conditions: dict[str, NoiseCondition] = key(propertyNames={"pattern": NAME}, doc=(
         "Named noise conditions; grid.noise picks among them (method §5, iclnoise.noise)."))
+    batch_exposure: dict | None = key(optional=True, propertyNames={"pattern": "^[1-9][0-9]*$"},
+                                      additionalProperties={"type": "number", "exclusiveMinimum": 0}, doc=(
+        "The batch noise's own integrated P-NE* per batch size, measured on runs without injection (keys are batch "
+        "sizes written as strings, e.g. \"64\": 0.055): what a condition's relative_dose multiplies. Required "
+        "where a condition of the grid has a relative_dose; absent otherwise."))
 
 
 LLC_AT = {"oneOf": [

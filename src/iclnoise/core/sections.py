@@ -126,6 +126,10 @@ class NoiseCondition(Section):
         "Emulate this batch size: R = C/B_target − C/B (schedule constant)."))
     budget: float | None = key(optional=True, gt=0, doc=(
         "Integrated injected exposure Σ NE_t over the window (constant, early, late)."))
+    relative_dose: float | None = key(optional=True, gt=0, doc=(
+        "The budget as a multiple of the batch noise's own integrated P-NE* at the run's batch size "
+        "(noise.batch_exposure), instead of `budget` (constant, early, late): the run spec holds the budget it "
+        "resolves to, relative_dose × batch_exposure[B] to 12 significant digits (iclnoise.config.grid.run_spec)."))
     steps_as_batch: int | None = key(optional=True, ge=1, doc=(
         "Train the steps batch B_t takes on the sequence budget (budget mode sequences): with emulate_batch B_t the "
         "injected arm matches B_t's steps and exposure, seeing B/B_t times the sequences (H3 at equal steps)."))
