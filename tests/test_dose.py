@@ -348,10 +348,11 @@ def test_the_dose_grid_is_the_issues_design():
     of each source a decade apart inside the regime (0.03× and 0.3×: log M* has a slope against log dose from full
     grids); and every run of every seed probed (item 5: H4's seed gate)."""
     from iclnoise.config import load_params
-    from iclnoise.config.grid import expand_grid, probe_sections
+    from iclnoise.config.grid import expand_grid, probe_sections, run_spec
 
     p = load_params("params.yaml", ["configs/science.yaml", "configs/dose.yaml"])
-    conds = {c: p["noise"]["conditions"][c] for c in p["grid"]["noise"] if c != "none"}
+    conds = {c: {**p["noise"]["conditions"][c], "budget": run_spec(p, f"M16-B64-{c}-s0")["noise"]["budget"]}
+             for c in p["grid"]["noise"] if c != "none"}   # relative doses resolved to the budgets the runs use
     top = 0.0165   # 0.3x: the highest dose inside the regime for both sources
     for source in ("param", "grad"):
         doses = sorted(c["budget"] for c in conds.values() if c["source"] == source and c["schedule"] == "constant"

@@ -8,7 +8,13 @@ from torch import nn
 
 from iclnoise.core.adam import adam_preconditioner
 from iclnoise.core.model import ModelConfig, build_model, mse_loss
-from iclnoise.noise.curvature import exact_ggn_diag, ggn_curvature, hessian_curvature, stacked_ggn_curvature
+from iclnoise.noise.curvature import (
+    exact_ggn_curvature,
+    exact_ggn_diag,
+    ggn_curvature,
+    hessian_curvature,
+    stacked_ggn_curvature,
+)
 from iclnoise.noise.exposure import (
     AdamState,
     b_simple,
@@ -196,6 +202,23 @@ def test_exact_gauss_newton_diagonal_is_the_full_jacobians(tiny_model):
     diag = exact_ggn_diag(model, xs, ys, 1.0 / xs.shape[-1])
     assert diag.dtype == torch.float64
     torch.testing.assert_close(diag, torch.diagonal(G), rtol=1e-10, atol=1e-14 * float(G.diagonal().max()))
+
+
+@pytest.mark.unit
+def test_exact_curvature_keeps_each_sequence_and_the_batch_spread(tiny_model):
+    """exact_ggn_curvature (exposure.curvature ggn_exact): its diag is exact_ggn_diag's; its samples are the
+    sequences' own exact diagonals (exact_ggn_diag of each sequence alone), so Curv at A and its standard error are
+    the mean and the spread over the held-out sequences of Σ a² diag_i."""
+    model, xs, ys, w0, a = tiny_model
+    ls = 1.0 / xs.shape[-1]
+    c = exact_ggn_curvature(model, xs, ys, ls)
+    diag = exact_ggn_diag(model, xs, ys, ls)
+    torch.testing.assert_close(c.diag.double(), diag, rtol=1e-5, atol=1e-7 * float(diag.abs().max()))
+    each = torch.stack([exact_ggn_diag(model, xs[i:i + 1], ys[i:i + 1], ls) for i in range(xs.shape[0])])
+    per = (each * a.double().square()).sum(1)
+    est, se = c.at(a)
+    assert est == pytest.approx(float(per.mean()), rel=1e-5)
+    assert se == pytest.approx(float(per.std() / xs.shape[0] ** 0.5), rel=1e-4)
 
 
 @pytest.mark.unit

@@ -32,13 +32,20 @@ def test_a_relative_dose_is_the_budget_it_multiplies_out_to():
                                               "M16-B64-trial-s0")["noise"]["budget"] == 0.0055
 
 
-def test_the_committed_dose_configs_reproduce_the_reference_runs_specs():
-    """configs/dose.yaml writes its doses as relative doses; every run of reference/dose has the spec hash the
-    config gives it now (the doses were hand-multiplied budgets when they trained)."""
-    p = load_params("params.yaml", ["configs/science.yaml", "configs/dose.yaml"])
+@pytest.mark.parametrize("ref, configs, n", [
+    ("science", ["configs/science.yaml"], 54),
+    ("noise", ["configs/science.yaml", "configs/noise.yaml"], 90),
+    ("align", ["configs/science.yaml", "configs/align.yaml"], 75),
+    ("dose", ["configs/science.yaml", "configs/dose.yaml"], 234),
+])
+def test_the_committed_configs_reproduce_the_reference_runs_specs(ref, configs, n):
+    """Every run of every reference set has the spec hash its committed configs give it now: configs/dose.yaml and
+    align.yaml write their doses as relative doses (hand-multiplied budgets when they trained), and
+    configs/science.yaml pins the curvature its experiments trained with (params.yaml's default changed)."""
+    p = load_params("params.yaml", configs)
     ids = {k.run_id for k in expand_grid(p)}
-    runs = sorted(Path("reference/dose/runs").iterdir())
-    assert len(runs) == 234
+    runs = sorted(Path(f"reference/{ref}/runs").iterdir())
+    assert len(runs) == n
     for d in runs:
         stored = json.loads((d / "run.json").read_text())
         assert d.name in ids and spec_hash(run_spec(p, d.name)) == stored["spec_hash"], d.name

@@ -59,6 +59,7 @@ OUTCOME_FIELDS = KEY_FIELDS + [
     pa.field("noise_shape", pa.string()), pa.field("noise_level", pa.float64()), pa.field("emulate_batch", pa.int64()),
     pa.field("steps_as_batch", pa.int64()),   # 0: the run's own batch's steps; B_t: batch B_t's (more sequences)
     pa.field("integrated_lr_over_b", pa.float64()),
+    pa.field("books_unchecked", pa.string()),   # '' or the settings whose injected books are unchecked (gate_books)
 ]
 # Columns from optional per-run files: always in the table (null where the file or the key is absent), so the
 # schema of outcomes.parquet does not depend on which probes ran.
@@ -121,6 +122,8 @@ def _noise_fields(spec: RunSpec) -> dict:
 
 
 def run_outcomes(run_dir: Path, transient_tol: float) -> dict:
+    from ..noise.dose_check import books_unchecked  # the noise module judges its books (and imports torch)
+
     spec = RunSpec.of(checked_spec(run_dir))
     metrics = read_parquet(run_dir / "metrics.parquet").sort_values("step")
     end = metrics.iloc[-1]
@@ -136,7 +139,8 @@ def run_outcomes(run_dir: Path, transient_tol: float) -> dict:
            **dict(zip(("ood_loss_fall", "ood_loss_fall_se", "ood_loss_fall_n"), ood_loss_fall(metrics))),
            "t_crit": w["t_crit"], "ood_loss_at_t_crit": float(at.ood_loss), "r_at_t_crit": float(at.r),
            "icl_score_at_t_crit": float(at.icl_score), "transient_window": w["window"],
-           **_noise_fields(spec), "integrated_lr_over_b": integrated_lr_over_b(spec)}
+           **_noise_fields(spec), "integrated_lr_over_b": integrated_lr_over_b(spec),
+           "books_unchecked": books_unchecked(spec)}
     row.update({f.name: None for f in OPTIONAL_FIELDS})
     if (run_dir / "llc.parquet").exists():
         llc = read_parquet(run_dir / "llc.parquet").sort_values("step")

@@ -134,8 +134,14 @@ def _noise_spec(params: dict, name: str, batch: int) -> dict[str, Any]:
     gives, and the run's spec and hash are the same either way)."""
     c = {k: v for k, v in copy.deepcopy(params["noise"]["conditions"][name]).items() if k not in ("batch_sizes", "M")}
     if "relative_dose" in c:
-        c["budget"] = float(f"{c.pop('relative_dose') * params['noise']['batch_exposure'][str(batch)]:.12g}")
+        c["budget"] = budget_at(params, c.pop("relative_dose"), batch)
     return c
+
+
+def budget_at(params: dict, relative_dose: float, batch: int) -> float:
+    """The budget a relative dose stands for at `batch`: relative_dose × noise.batch_exposure[batch], to 12
+    significant digits."""
+    return float(f"{relative_dose * params['noise']['batch_exposure'][str(batch)]:.12g}")
 
 
 def typed_spec(params: dict, run_id: str) -> RunSpec:
@@ -232,15 +238,17 @@ def jobs(params: dict) -> dict[str, Any]:
 
 def has_dose_series(params: dict) -> bool:
     """Whether the grid of `params` holds a dose series (what iclnoise.analysis.dose.dose_runs finds in its outcomes):
-    some injected source and shape at a batch size with ≥ 2 distinct positive budgets under a constant schedule, no
+    some injected source and shape at a batch size with ≥ 2 distinct positive budgets (relative doses resolved) under a
+    constant schedule, no
     emulated batch. The workflow declares the dose tables and figure only then."""
     g, conds = params["grid"], params["noise"]["conditions"]
     budgets: dict[tuple, set] = {}
     for name in g["noise"]:
         c = conds[name]
         if (c.get("source") in ("grad", "param") and c.get("schedule") == "constant" and not c.get("emulate_batch")
-                and not c.get("steps_as_batch") and (c.get("budget") or 0) > 0):
+                and not c.get("steps_as_batch") and (c.get("budget") or c.get("relative_dose") or 0) > 0):
             for b in c.get("batch_sizes") or g["batch_sizes"]:
                 if b in g["batch_sizes"]:
-                    budgets.setdefault((c["source"], c.get("shape"), b), set()).add(float(c["budget"]))
+                    level = c["budget"] if "budget" in c else budget_at(params, c["relative_dose"], b)
+                    budgets.setdefault((c["source"], c.get("shape"), b), set()).add(float(level))
     return any(len(v) >= 2 for v in budgets.values())

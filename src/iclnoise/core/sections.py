@@ -38,8 +38,11 @@ class Exposure(Section):
         {"type": "number", "exclusiveMinimum": 0}, {"type": "null"}, {"type": "string", "enum": ["calibrated"]}]},
         doc="Momentum factor κ: a number, null = the optimizer's (1 for AdamW), or calibrated (measured online from "
             "the update variance).")
-    curvature: str = key(enum=("ggn", "hessian"), doc=(
-        "Ĥ in Curv = Tr(A Ĥ A): Gauss–Newton (PSD, low variance) or Hessian."))
+    curvature: str = key(enum=("ggn", "ggn_exact", "hessian"), doc=(
+        "Ĥ in Curv = Tr(A Ĥ A): Gauss–Newton from Hutchinson probes (PSD, low variance), the Gauss–Newton diagonal "
+        "exactly (ggn_exact: per-sequence Jacobians, about the cost of as many probes as the model has outputs per "
+        "sequence; no probe error, its standard error the held-out batch's spread over sequences), or Hessian "
+        "probes."))
     curvature_probes: int = key(ge=2, doc="Hutchinson probes of diag Ĥ (Curv = Σ a² diag Ĥ).")
     curvature_every: int = key(ge=1, doc=(
         "Inside an injection window, diag Ĥ is measured again every N steps (as well as on logged steps): the "

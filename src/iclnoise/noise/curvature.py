@@ -81,6 +81,24 @@ def exact_ggn_diag(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor, l
     return diag * 2 * loss_scale / ys.numel()
 
 
+def exact_ggn_curvature(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor,
+                        loss_scale: float = 1.0) -> Curvature:
+    """The Gauss–Newton diagonal exactly (`exact_ggn_diag`'s numbers), kept per held-out sequence so that Curv at
+    any A carries the batch's sampling error: sample i is (2 loss_scale / K) Σ_{k ∈ i} J_k², K outputs per sequence,
+    whose mean over sequences is diag G; Curv's standard error is then the spread of Σ a² · sample_i over the
+    sequences (what another held-out batch would change), not a probe error. Per-sequence Jacobians (vmap of
+    jacrev): K backward passes of one sequence each, about what K Hutchinson probes of the whole batch cost."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    buffers = {k: v.detach() for k, v in model.named_buffers()}
+
+    def one(q, x, y):
+        return functional_call(model, (q, buffers), (x[None], y[None]))[0]
+
+    J = vmap(torch.func.jacrev(one), in_dims=(None, 0, 0))(params, xs, ys)
+    per = torch.cat([J[n].square().reshape(xs.shape[0], -1, p.numel()).sum(1) for n, p in params.items()], 1)
+    return Curvature(per, torch.ones_like(per), 2 * loss_scale * xs.shape[0] / ys.numel())
+
+
 def stacked_ggn_curvature(model: torch.nn.Module, params: dict[str, torch.Tensor], xs: torch.Tensor, ys: torch.Tensor,
                           probes: int, generators: list[torch.Generator], loss_scale: float = 1.0) -> list[Curvature]:
     """`ggn_curvature` of R runs in one call: `params` stacked along a leading run axis (R, ...) on a model that

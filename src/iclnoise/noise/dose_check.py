@@ -5,6 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 import torch
 
+from ..core.runspec import RunSpec
 from .curvature import exact_ggn_diag
 from .exposure import preconditioner
 from .hooks import StepContext, Unrecorded
@@ -57,3 +58,27 @@ class DoseReference(Unrecorded):
         self.steps.append(ctx.step)
         self.pne.append(c2 * ne / self._curv)
         self.booked.append(row["pne_injected"])
+
+
+SCIENCE_MODEL = {"D": 5, "d_model": 32, "n_layers": 3}   # where the Hutchinson settings below were measured
+
+
+def books_unchecked(spec: RunSpec) -> str:
+    """'' when the closed loop's books of this run's injected exposure were shown within 5 % of method §6's
+    definition at its settings and model (docs/validation.md, "The exposure books against the definition"), else
+    what its settings are. Shown: the exact Gauss–Newton diagonal refreshed at least every 2 steps (a fast-moving
+    model's 20-step windows from step 0 and at the end, tests/test_noise.py; the hardest case measured), or ≥ 16
+    Hutchinson probes at least every 10 steps on the science model (D = 5, d_model 32, 3 layers: every dose of
+    reference/dose, early and late windows, reference/measurements/dose_accuracy*.csv). A run without injected
+    noise books nothing: ''."""
+    n, e = spec.noise, spec.exposure
+    if n.source == "none" or n.emulate_batch or e is None:
+        return ""
+    if e.curvature == "ggn_exact" and e.curvature_every <= 2 and e.curvature_tol is None:
+        return ""
+    science = (spec.data.D, spec.model.d_model, spec.model.n_layers) == tuple(SCIENCE_MODEL.values())
+    if e.curvature == "ggn" and e.curvature_probes >= 16 and e.curvature_every <= 10 and science:
+        return ""
+    how = (f"{e.curvature} every {e.curvature_every} steps" if e.curvature == "ggn_exact" else
+           f"{e.curvature} {e.curvature_probes} probes every {e.curvature_every} steps")
+    return how + ("" if e.curvature_tol is None else f" (adaptive, tol {e.curvature_tol})")

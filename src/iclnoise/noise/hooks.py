@@ -28,7 +28,7 @@ from torch import nn
 from ..core.runspec import RunSpec
 from ..core.sections import Exposure
 from ..core.tasks import Batch, seed_mix
-from .curvature import Curvature, ggn_curvature, hessian_curvature
+from .curvature import Curvature, exact_ggn_curvature, ggn_curvature, hessian_curvature
 from .exposure import (
     EXPOSURE_SCHEMA,
     AdamState,
@@ -223,6 +223,8 @@ class ExposureLogger:
         gen, held = self.probe_generator(ctx.step), ctx.heldout(ctx.step, self.n_heldout)
         if self.curvature == "ggn":  # the MSE objective: loss_scale 1/D (iclnoise.core.model.mse_loss)
             return ggn_curvature(ctx.model, held.xs, held.ys, self.probes, gen, 1.0 / self.D)
+        if self.curvature == "ggn_exact":
+            return exact_ggn_curvature(ctx.model, held.xs, held.ys, 1.0 / self.D)
         return hessian_curvature(ctx.model, ctx.loss_fn, held.xs, held.ys, self.probes, gen)
 
     def measures_curvature(self, step: int) -> bool:

@@ -126,6 +126,17 @@ def _failed_how(row) -> str:
     return ""
 
 
+def gate_books(runs: pd.DataFrame) -> list[Fail]:
+    """Compared injected exposures rest on books shown within 5 % of method §6's definition at the runs' settings
+    (noise.dose_check.books_unchecked, the outcomes' `books_unchecked`); tables from before the column pass (null)."""
+    if "books_unchecked" not in runs:
+        return []
+    bad = runs[runs.books_unchecked.fillna("").astype(str) != ""]
+    named = sorted({f"{condition_name(b, n, o)}: {w}" for b, n, o, w in
+                    zip(bad.batch, bad.noise, bad.optimizer, bad.books_unchecked)})
+    return [("unchecked books", "; ".join(named) + ", not shown within 5 % of method §6's exposure")] if named else []
+
+
 def gate_seeds(runs: pd.DataFrame, min_seeds: int) -> list[Fail]:
     """A condition needs at least `min_seeds` seeds."""
     k = runs.seed.nunique()

@@ -7,7 +7,7 @@ import pandas as pd
 from ...core.probe_sections import Stats
 from ...core.tasks import M_INF
 from .. import dose, stats
-from .gates import GATES, gate_equal_data, gate_seeds
+from .gates import GATES, gate_books, gate_equal_data, gate_seeds
 from .rows import _direction, _row
 
 
@@ -39,7 +39,8 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
         where = f"doses {', '.join(f'{d:.3g}' for d in res['doses'])}" + (f" (left out: {left})" if left else "")
         used = out[out.run_id.isin(g.run_id[g.target_dose.isin([0.0, *res["doses"]]) & (g.M != M_INF)])]
         zero = res["levels"][res["levels"].target_dose == 0]
-        fails = gate_seeds(used, GATES["min_seeds"]) + gate_equal_data(used, GATES["data_tol"])
+        fails = (gate_seeds(used, GATES["min_seeds"]) + gate_equal_data(used, GATES["data_tol"])
+                 + gate_books(used))
         if not len(zero) or not zero.in_regime.iloc[0]:
             fails.append(("unconverged", f"{name} dose 0: " + (zero.regime.iloc[0] if len(zero) else "no runs")))
         at = {"name": name, "src": src, "where": where, "m_at": ", ".join(map(str, res["ladder"])) or "none",

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pandas as pd
 
 from .. import stats
+from .gates import gate_books
 from .rows import _direction, _row
 
 
@@ -13,7 +14,8 @@ def h2_early_late(fin: pd.DataFrame, alpha: float, gates: dict, common=None) -> 
     anticonservative, 0.285 of planted nulls rejected at α = 0.05 in tests/test_h5.py's design). Where a seed has
     more than one (M, batch) pair, the paired t over the pairs is a sensitivity row beside it (outside the Holm
     family). Valid only when the two arms' realised injected exposure (integrated_pne_injected, after clipping)
-    agrees within gates['exposure_tol']. The arms are the conditions (by name) with schedule early and late: one
+    agrees within gates['exposure_tol'] by books shown within 5 % of method §6's exposure at the runs' settings
+    (gates.gate_books). The arms are the conditions (by name) with schedule early and late: one
     each, else the test does not run (two conditions with one schedule are not averaged)."""
     sched = fin[fin.noise_schedule.isin(["early", "late"])]
     arms = sched.groupby("noise_schedule").noise.unique()
@@ -34,6 +36,7 @@ def h2_early_late(fin: pd.DataFrame, alpha: float, gates: dict, common=None) -> 
         fails.append(("realised exposure not recorded", "integrated_pne_injected"))
     elif not (min(e) > 0 and max(e) / min(e) - 1 <= gates["exposure_tol"]):
         fails.append(("unequal exposure", f"{early} {e[early]:.3g}, {late} {e[late]:.3g}"))
+    fails += gate_books(used)
     words = ("late noise raises ICL more than early", "early noise raises ICL more than late")
     rows = []
     for name, d, fam in ((f"paired t ({late} − {early}){' by seed (mean over M)' if several else ''}, two-sided",

@@ -11,7 +11,7 @@ from scipy import stats as sps
 from ...core.probe_sections import Stats
 from .. import dose, stats
 from ..thresholds import threshold_with_ci
-from .gates import GATES
+from .gates import GATES, gate_books
 from .rows import _direction, _paired, _row
 
 ALIGNED = "nap"   # H5's treatment: the injected noise shaped by the task family (noise.conditions.<c>.shape)
@@ -94,13 +94,14 @@ def _h5_pair(a: pd.DataFrame, b: pd.DataFrame, label: str, at: str, injected: bo
 
 def _gate_shape_exposure(a: pd.DataFrame, b: pd.DataFrame, label: str) -> list:
     """H5 against an injected control: the arms' seed-mean realised injected P-NE* within
-    GATES['shape_exposure_tol'], so that only the noise's shape differs."""
+    GATES['shape_exposure_tol'], so that only the noise's shape differs, by books shown within 5 % of method §6's
+    exposure at the runs' settings (gates.gate_books)."""
     if a.integrated_pne_injected.isna().any() or b.integrated_pne_injected.isna().any():
         return [("realised exposure not recorded", "integrated_pne_injected")]
     e = {"aligned": a.integrated_pne_injected.mean(), label: b.integrated_pne_injected.mean()}
     if not (min(e.values()) > 0 and max(e.values()) / min(e.values()) - 1 <= GATES["shape_exposure_tol"]):
         return [("unequal exposure", ", ".join(f"{k} {v:.3g}" for k, v in e.items()))]
-    return []
+    return gate_books(pd.concat([a, b]))
 
 
 def _h5_mstar_row(name: str, a: pd.DataFrame, b: pd.DataFrame, label: str, fails, alpha) -> dict:
