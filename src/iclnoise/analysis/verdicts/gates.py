@@ -131,7 +131,7 @@ def gate_books(runs: pd.DataFrame) -> list[Fail]:
     (noise.dose_check.books_unchecked, the outcomes' `books_unchecked`); tables from before the column pass (null)."""
     if "books_unchecked" not in runs:
         return []
-    bad = runs[runs.books_unchecked.fillna("").astype(str) != ""]
+    bad = runs[runs.books_unchecked.astype("string").fillna("") != ""]
     named = sorted({f"{condition_name(b, n, o)}: {w}" for b, n, o, w in
                     zip(bad.batch, bad.noise, bad.optimizer, bad.books_unchecked)})
     return [("unchecked books", "; ".join(named) + ", not shown within 5 % of method §6's exposure")] if named else []
