@@ -57,3 +57,24 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def with_dose_references(monkeypatch, n_heldout: int) -> list:
+    """Every injecting run trained after this call gets a DoseReference (method §6's exposure recomputed beside it,
+    iclnoise.noise.dose_check) on `n_heldout` held-out sequences, first among its hooks (on_grads sees A and Ĥ
+    before the injector adds its noise); returns the list they are appended to, in training order."""
+    import iclnoise.run.member as member  # Member.setup builds the hooks
+    from iclnoise.noise.dose_check import DoseReference
+
+    made, build = [], member.build_hooks
+
+    def with_reference(spec, device):
+        hooks = build(spec, device)
+        inj = [h for h in hooks if h.name == "injection"]
+        if inj:
+            made.append(DoseReference(inj[0], n_heldout))
+            hooks.insert(0, made[-1])
+        return hooks
+
+    monkeypatch.setattr(member, "build_hooks", with_reference)
+    return made

@@ -6,12 +6,13 @@ exact Gauss–Newton diagonal on 256 held-out sequences."""
 import copy
 
 import pytest
+from conftest import with_dose_references
 
 from iclnoise.config import read_yaml, validate_params
 from iclnoise.config.grid import run_spec
 from iclnoise.core.io import read_parquet
 from iclnoise.core.runspec import RunSpec
-from iclnoise.noise.dose_check import DoseReference, books_unchecked
+from iclnoise.noise.dose_check import books_unchecked
 from iclnoise.run.train import train_run
 
 pytestmark = pytest.mark.validation
@@ -31,18 +32,7 @@ def fast_model() -> dict:
 def windows(p: dict, seed: int, tmp_path, monkeypatch) -> dict[str, float]:
     """reference / books of the early and the late window of one seed; the budget a fifth of the batch noise's
     post-clip P-NE* over a window of 20 steps."""
-    import iclnoise.run.member as member
-    made, build = [], member.build_hooks
-
-    def with_reference(spec, device):
-        hooks = build(spec, device)
-        inj = [h for h in hooks if h.name == "injection"]
-        if inj:
-            made.append(DoseReference(inj[0], 256))
-            hooks.insert(0, made[-1])
-        return hooks
-
-    monkeypatch.setattr(member, "build_hooks", with_reference)
+    made = with_dose_references(monkeypatch, 256)
     train_run(run_spec(p, f"M4-B16-none-s{seed}"), tmp_path / f"none{seed}", progress=False)
     e = read_parquet(tmp_path / f"none{seed}/exposure.parquet")
     budget = 0.2 * 0.25 * float((e.pne_postclip * e.interval).sum())

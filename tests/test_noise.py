@@ -6,6 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import with_dose_references
 from test_exposure import half_mse, linreg_case
 
 from iclnoise.config import read_yaml, validate_params
@@ -15,7 +16,6 @@ from iclnoise.core.runspec import RunSpec
 from iclnoise.core.sections import Exposure
 from iclnoise.core.tasks import Batch
 from iclnoise.noise import CovModel, psd_clip, shaped_covariance, target_at
-from iclnoise.noise.dose_check import DoseReference
 from iclnoise.noise.exposure import AdamState, grad_noise, group_grads, injected_dose_se, preconditioner, summarize
 from iclnoise.noise.hooks import ExposureState, NoiseMeter, StepContext
 from iclnoise.noise.injection import MAX_LOG_SCALE, SATURATION, NoiseInjector, closed_loop_scale
@@ -278,18 +278,7 @@ def test_early_and_late_realise_their_budget_by_specs_definition_where_A_moves_f
     SATURATION·max(|g|², G²/10)/Tr R', which bounds each step's expected clipping factor c² at ≥ 1/(1 + SATURATION)
     = 0.1 of what it would be without the injected noise, so a window's mean is ≥ 0.1 (measured over seeds 0-11:
     window means 0.27-0.99; single steps go lower, to 0.064, in the saturated late windows)."""
-    import iclnoise.run.member as train_mod  # Member.setup builds the hooks
-    made, build = [], train_mod.build_hooks
-
-    def with_reference(spec, device):
-        hooks = build(spec, device)
-        inj = [h for h in hooks if h.name == "injection"]
-        if inj:
-            made.append(DoseReference(inj[0], 32))
-            hooks.insert(0, made[-1])   # on_grads first: A and Ĥ before the injector adds its noise
-        return hooks
-
-    monkeypatch.setattr(train_mod, "build_hooks", with_reference)
+    made = with_dose_references(monkeypatch, 32)
     p = copy.deepcopy(tiny)
     p["exposure"].update(every=40, curvature_probes=probes, curvature_every=every, heldout=32, curvature_tol=tol)
     out = _early_late(p, tmp_path, 0.3)
