@@ -194,6 +194,23 @@ def test_full_grids_at_two_positive_doses_give_m_star_a_slope():
 
 @pytest.mark.unit
 @pytest.mark.numerics
+def test_m_star_has_a_slope_on_total_exposure_with_dose_zero_in_it():
+    """H1's own axis (method §11): the slope of log2 M* per decade of total exposure (batch + injected), dose 0
+    included. Planted: total exposure 10^ld where M* moves −0.25 octave per ld (ld = log10(d/d₁); dose 0 at d₁'s
+    total), full grids at dose 0, 0.1 and 1: the row's interval covers −0.25, its span is 2 decades and its mde is
+    stated; r50 in the family, the midpoint a sensitivity row."""
+    out = planted(np.random.default_rng(9), shift=-0.25, noise=0.01, full_at=(0.0, 0.1, 1.0))
+    out["integrated_pne"] = np.where(out.noise_level > 0.05, out.noise_level / DOSES[0], 1.0)
+    t = hypothesis_tests(out, CFG)
+    rows = t[t.test.str.contains("per decade of total exposure")]
+    r50, mid = rows.iloc[0], rows.iloc[1]
+    assert r50.status == "run" and r50.in_family and r50.n == 3 and "(2.00 decades)" in r50.test
+    assert r50.ci_lo < -0.25 < r50.ci_hi and r50.ci_hi < 0 and np.isfinite(r50.mde)
+    assert r50.verdict.startswith("M* falls with total exposure") and not mid.in_family
+
+
+@pytest.mark.unit
+@pytest.mark.numerics
 def test_with_a_full_grid_at_every_dose_m_star_slope_is_fitted_by_both_definitions():
     out = planted(np.random.default_rng(3), shift=-0.5, noise=0.01, full_at=(0.0, *DOSES))
     t = h1(out)

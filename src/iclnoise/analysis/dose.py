@@ -32,6 +32,7 @@ DOSE_SCHEMA = pa.schema([   # aggregate/dose.parquet: one row per run of a dose 
     pa.field("target_dose", pa.float64()),     # the condition's budget: integrated injected P-NE*; 0 at dose 0
     pa.field("realised_dose", pa.float64()),   # the run's booked integrated injected P-NE* (exposure.parquet)
     pa.field("realised_dose_se", pa.float64()),   # its SE from diag Ĥ's Hutchinson error (null: not booked)
+    pa.field("total_exposure", pa.float64()),   # the run's integrated P-NE* after clipping, batch + injected
     pa.field("M", pa.int64()), pa.field("seed", pa.int64()), pa.field("r", pa.float64()),
     pa.field("ood_loss", pa.float64()), pa.field("ood_loss_ridge", pa.float64()), pa.field("diverged", pa.bool_()),
     pa.field("converged", pa.bool_()),   # M = ∞ only: the one convergence gate (converged_runs); null at finite M
@@ -70,6 +71,7 @@ def dose_runs(out: pd.DataFrame, tol: float) -> pd.DataFrame:
     conv = converged_runs(rows, tol).converged
     realised = rows.integrated_pne_injected.astype(float).where(rows.target_dose > 0, 0.0)
     df = rows.assign(realised_dose=realised, realised_dose_se=rows.integrated_pne_injected_se.astype(float),
+                     total_exposure=rows.integrated_pne.astype(float),
                      converged=conv.astype(object).where(rows.M == M_INF, None))
     return df.reindex(columns=DOSE_SCHEMA.names).sort_values([*SERIES, "target_dose", "M", "seed"], ignore_index=True)
 
@@ -297,6 +299,9 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
     fit     the positive in-regime doses' runs at the ladder (the finite M run at every one of them and at dose 0),
             with log10_dose; ladder: those M; doses: the positive in-regime doses with finite-M runs (a dose whose
             runs are all M = ∞ is in `levels`, not here); left_out: the positive doses out of the regime;
+    total   each dose's mean total exposure (batch + injected integrated P-NE*) over its finite-M runs;
+    mstar_total: {point: (mstar_slope of log2 M* on log10 total exposure over dose 0 and the in-regime doses with a
+            per-seed M*, decades of total exposure they span, doses)} — the hypothesis's own axis (method §11);
     r       r_slope over `fit`, (M, seed) cells the random intercept (None with < 2 doses); r_seed: the same with a
             seed intercept (the sensitivity model); mstar: {point: (mstar_slope, doses)} over the positive doses
             whose M* has a per-seed interval (≥ 2); mstar_zero: {point: (paired t of log2 M* at the highest such
@@ -315,7 +320,8 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
     per_dose = [set(finite[finite.target_dose == d].M) for d in [0.0, *inside]]
     ladder = sorted(set.intersection(*per_dose)) if per_dose else []
     fit = finite[finite.target_dose.isin(inside) & finite.M.isin(ladder)]
-    res = {"ladder": ladder, "fit": fit, "doses": sorted(inside),
+    total = finite.groupby("target_dose").total_exposure.mean()   # per dose: the mean over its finite-M runs
+    res = {"ladder": ladder, "fit": fit, "doses": sorted(inside), "total": total, "mstar_total": {},
            "left_out": lv[~lv.in_regime & (lv.target_dose > 0)], "r": None, "r_seed": None, "mstar": {},
            "mstar_zero": {},
            "ladder_fit": None,
@@ -369,7 +375,8 @@ def _dose_thresholds(finite: pd.DataFrame, inside: set, level: float, alpha: flo
 
 def _mstar_tests(ex: pd.DataFrame, lv: pd.DataFrame, point: str, alpha: float, res: dict) -> None:
     """res['mstar_zero'][point] (paired t of log2 M* at the highest dose with a per-seed M* against dose 0's, by
-    seed) and res['mstar'][point] (mstar_slope over the ≥ 2 positive such doses), from `_dose_thresholds`' rows."""
+    seed), res['mstar'][point] (mstar_slope over the ≥ 2 positive such doses) and res['mstar_total'][point]
+    (mstar_slope on log10 total exposure over those doses and dose 0), from `_dose_thresholds`' rows."""
     col = f"_seeds_{point}"
     have = ex[ex[col].notna()] if col in ex else ex.iloc[:0]
     zero = have[have.target_dose == 0]
@@ -380,6 +387,15 @@ def _mstar_tests(ex: pd.DataFrame, lv: pd.DataFrame, point: str, alpha: float, r
         if len(common) >= 2:
             res["mstar_zero"][point] = (stats.paired_test([a[k] for k in common], [b[k] for k in common], alpha),
                                         float(have.target_dose.iloc[-1]))
+    with_zero = ex[ex[col].notna()] if col in ex else ex.iloc[:0]
+    total = with_zero.target_dose.map(res["total"])
+    if (total > 0).sum() >= 2:   # dose 0 included: its total exposure is the batch noise's
+        per = pd.DataFrame([{"log10_dose": math.log10(xi), "seed": s, "log2_M_star": v}
+                            for xi, seeds in zip(total, with_zero[col]) if xi > 0 for s, v in seeds.items()])
+        e = _fitted(mstar_slope, per, alpha, res, f"M* total ({point})")
+        if e is not None:
+            res["mstar_total"][point] = (e, float(np.log10(total.max() / total[total > 0].min())),
+                                         int((total > 0).sum()))
     if len(have) >= 2:
         x = np.log10(have.target_dose.map(lv.set_index("target_dose").realised_dose))
         per = pd.DataFrame([{"log10_dose": xi, "seed": s, "log2_M_star": v}

@@ -45,7 +45,8 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
             fails.append(("unconverged", f"{name} dose 0: " + (zero.regime.iloc[0] if len(zero) else "no runs")))
         at = {"name": name, "src": src, "where": where, "m_at": ", ".join(map(str, res["ladder"])) or "none",
               "fails": fails, "alpha": cfg.alpha}
-        rows += [*_dose_r_rows(res, at), *_dose_mstar_rows(res, at), _dose_ladder_row(res, at), _dose_zero_row(res, at),
+        rows += [*_dose_r_rows(res, at), *_dose_mstar_rows(res, at), *_dose_total_rows(res, at),
+                 _dose_ladder_row(res, at), _dose_zero_row(res, at),
                  _dose_exposure_row(out[out.run_id.isin(res["fit"].run_id) | out.run_id.isin(
                      g.run_id[(g.target_dose == 0) & g.M.isin(res["ladder"])])], name, cfg.alpha, fails),
                  _dose_shape_row(res, at)]
@@ -107,6 +108,31 @@ def _dose_mstar_rows(res: dict, at: dict) -> list[dict]:
         else:
             rows.append(_row("H1", test, "log2 M*", family=fam, status="not run: no positive dose in the regime and "
                              "dose 0 both with a per-seed M* (a full M grid) on ≥ 2 common seeds"))
+    return rows
+
+
+def _dose_total_rows(res: dict, at: dict) -> list[dict]:
+    """The slope of log2 M* per decade of *total* exposure (batch + injected integrated P-NE*, each dose's mean over
+    its finite-M runs; dose 0 included), per seed then t over seeds (dose.mstar_slope): H1's own axis (method §11,
+    "The hypothesis's own axis"); r50 in the family, midpoint a sensitivity row. Its mde says what the design could
+    have detected on that axis."""
+    rows = []
+    for point in ("r50", "midpoint"):
+        fam = point == "r50"
+        test = (f"{'' if fam else 'sensitivity: '}dose-response {at['name']}: slope of log2 M* ({point}) per decade of "
+                f"total exposure (batch + injected), per seed, t over seeds, dose 0 and {at['where']}")
+        if point not in res["mstar_total"]:
+            why = (f"fit failed ({res['failed'][f'M* total ({point})']})" if f"M* total ({point})" in res["failed"]
+                   else "fewer than 2 doses with a per-seed M* (a full M grid) and a recorded total exposure")
+            rows.append(_row("H1", test, "log2 M*", family=fam, status=f"not run: {why}"))
+            continue
+        e, span, k = res["mstar_total"][point]
+        rows.append(_row("H1", f"{test} ({span:.2f} decades)", "log2 M*", "log10 total exposure", n=k,
+                         estimate=e.estimate, ci_lo=e.ci_lo, ci_hi=e.ci_hi, p=e.p,
+                         effect_size=e.std_effect, mde=e.mde, fails=at["fails"], family=fam,
+                         power="could detect ≥ {mde:.2g} octaves of M* per decade of total exposure",
+                         words=(f"M* {_direction(e.estimate, 'rises', 'falls')} with total exposure",
+                                "no evidence that M* moves with total exposure")))
     return rows
 
 
