@@ -8,8 +8,11 @@ Both arms are the real training path (data, hooks and exposure logging, evaluati
 `--steps` steps of runs of one ensemble group of the params (default: params.yaml, first group), and
 alternate in rounds so machine noise hits both. Prints aggregate run-steps per second and the ratio.
 
+With --compare rng the two arms are instead the ensemble under train.rng generator (a torch.Generator per run)
+and counter (one counter-based stream for all runs, iclnoise.core.rng).
+
 Usage: python bench/bench_ensemble.py [--runs 12 36] [--steps 100] [--rounds 2] [--device cpu]
-                                      [--override configs/carroll.yaml]
+                                      [--override configs/carroll.yaml] [--compare alone|rng]
 Also: python bench/bench_ensemble.py --dag results benchmarks   (run-steps per job-second of a finished DAG)
 """
 from __future__ import annotations
@@ -70,6 +73,20 @@ def dag_throughput(results: Path, benchmarks: Path) -> None:
     print(f"training rules: {steps} run-steps in {secs:.1f} job-seconds = {steps / secs:.0f} run-steps per job-second")
 
 
+def compare_rng(params: dict, n: int, steps: int, rounds: int, device: torch.device) -> None:
+    """The same n runs as one ensemble under each train.rng, alternating in rounds; run-steps/s and the ratio."""
+    arms = {k: merge(params, {"train": {"rng": k}}) for k in ("generator", "counter")}
+    specs = {k: [run_spec(p, r) for r in runs_for(p, n)] for k, p in arms.items()}
+    t = dict.fromkeys(arms, 0.0)
+    for _ in range(rounds):
+        for k in arms:
+            t[k] += timed(specs[k], steps, device, together=True)
+    rs = n * steps * rounds
+    print(f"N = {n:3d} runs × {steps} steps (batch {specs['counter'][0]['keys']['batch']}, "
+          f"{specs['counter'][0]['keys']['noise']}, {device}): generator {rs / t['generator']:7.1f} run-steps/s, "
+          f"counter {rs / t['counter']:7.1f} run-steps/s, counter / generator {t['generator'] / t['counter']:.2f}×")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, nargs="+", default=[12, 36])
@@ -79,6 +96,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--override", default=None)
+    ap.add_argument("--compare", choices=("alone", "rng"), default="alone")
     ap.add_argument("--dag", nargs=2, metavar=("RESULTS", "BENCHMARKS"), default=None)
     a = ap.parse_args()
     if a.dag:
@@ -91,6 +109,9 @@ def main() -> None:
     validate_params(params)
     device = torch.device(a.device)
     for n in a.runs:
+        if a.compare == "rng":
+            compare_rng(params, n, a.steps, a.rounds, device)
+            continue
         specs = [run_spec(params, r) for r in runs_for(params, n)]
         t_alone = t_ens = 0.0
         for _ in range(a.rounds):

@@ -45,6 +45,9 @@ def tiny() -> dict:
     # Hutchinson probes every 25 steps (params.yaml's curvature before the exact default): the tests' measured
     # numbers and the ensemble's stacked path are on it; tests/test_books.py runs the defaults
     p["exposure"].update(every=10, groups=8, curvature="ggn", curvature_probes=4, curvature_every=25, heldout=16)
+    # a torch.Generator per run (params.yaml's stream before the counter-based default): the single-seed tests'
+    # measured numbers are on its draws; tests/test_engine.py and tests/test_rng.py run the counter stream
+    p["train"]["rng"] = "generator"
     return p
 
 

@@ -217,14 +217,16 @@ def test_isotropic_parameter_noise_is_isotropic_in_parameter_space():
     assert float(a.max() / a.min()) > 2  # A is far from isotropic, so a ∝ A² covariance would fail
 
 
-def _early_late(tiny, tmp_path, clip):
-    """early and late runs whose budget is a fifth of the batch noise's post-clip P-NE* over a window (reachable:
-    under clipping the injected exposure per step saturates, exposure.budget_scale)."""
+def _early_late(tiny, tmp_path, clip, share=0.2):
+    """early and late runs whose budget is `share` of the batch noise's post-clip P-NE* over a window (under clipping
+    the injected exposure per step saturates, exposure.budget_scale). A fifth is not always reachable late: the late
+    run realised 0.50-1.00 of it over seeds 0-3 under either random stream; a twentieth 0.987-1.009 (early
+    0.999-1.007 at both)."""
     p = copy.deepcopy(tiny)
     p["train"]["budget"] = {"mode": "steps", "steps": 80}
     p["train"]["grad_clip"] = clip
     train_run(run_spec(p, "M4-B16-none-s0"), tmp_path / "none", progress=False)
-    budget = 0.2 * 0.4 * float((lambda e: (e.pne_postclip * e.interval).sum())(
+    budget = share * 0.4 * float((lambda e: (e.pne_postclip * e.interval).sum())(
         read_parquet(tmp_path / "none/exposure.parquet")))
     for name in ("early", "late"):
         p["noise"]["conditions"][name].update(fraction=0.4, budget=budget)
@@ -237,11 +239,11 @@ def _early_late(tiny, tmp_path, clip):
 
 
 def test_early_and_late_reach_equal_realised_exposure_after_clipping(tiny, tmp_path):
-    """Budget E of injected P-NE* after clipping (a fifth of the batch noise's over the window), 32-step windows,
+    """Budget E of injected P-NE* after clipping (a twentieth of the batch noise's over the window), 32-step windows,
     clipping at 0.3 (active on most steps, and differently early and late): both schedules realise E within
     2 %, hence each other; the exposure rows never straddle a window boundary, tile the run, and integrate
     to the exact per-step sum."""
-    out = _early_late(tiny, tmp_path, 0.3)
+    out = _early_late(tiny, tmp_path, 0.3, share=0.05)
     E = out.pop("budget")
     for name, (inj, exp) in out.items():
         active = inj[inj.active]

@@ -98,7 +98,8 @@ def params_file(ref: Path, tmp_path: Path) -> Path:
 
     from iclnoise.config import merge_params
 
-    base = yaml.safe_load((ROOT / "params.yaml").read_text())   # sections the provenance predates keep defaults
+    base = yaml.safe_load((ROOT / "params.yaml").read_text())   # sections the provenance predates keep defaults,
+    del base["train"]["rng"]   # keys it predates their declared default (train.rng: the generator its runs used)
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(merge_params(base, json.loads((ref / "provenance.json").read_text())["params"])))
     return path

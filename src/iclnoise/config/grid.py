@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from ..core.runspec import RunKeys, RunSpec, m_label, parse_m, parse_run_id
-from ..core.sections import OPTIMIZERS, ParamsError
+from ..core.sections import OPTIMIZERS, RNGS, ParamsError
 from .memory import ensemble_memory, gpu_limit
 
 
@@ -110,7 +110,8 @@ def run_spec(params: dict, run_id: str) -> dict[str, Any]:
     what it was before grid.optimizer existed (train.sgd_momentum is not part of it)."""
     keys = parse_run_id(run_id)
     train = {k: v for k, v in copy.deepcopy(params["train"]).items()   # how runs are grouped ≠ what they are; the
-             if k not in (*SIZING, "sgd_momentum") and (k not in ENGINE or v)}   # engine switches only when on
+             if k not in (*SIZING, "sgd_momentum") and (k not in ENGINE or v)   # engine switches only when on,
+             and (k != "rng" or v != RNGS[0])}   # the random stream only when not the one of runs before the key
     if keys.optimizer != OPTIMIZERS[0]:
         train["optimizer"] = {"kind": keys.optimizer, **copy.deepcopy(params["train"][keys.optimizer])}
     train["steps"] = steps_for(params, keys.batch, keys.noise)

@@ -17,9 +17,19 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from .keys import M_ITEM, SEED_MAX, ParamsError, Section, key, schema_default
-from .train_sections import OPTIMIZERS, Budget, Checkpoints, LRSchedule, Optimizer, SGDMomentum, Train, TrainParams
+from .train_sections import (
+    OPTIMIZERS,
+    RNGS,
+    Budget,
+    Checkpoints,
+    LRSchedule,
+    Optimizer,
+    SGDMomentum,
+    Train,
+    TrainParams,
+)
 
-__all__ = ["NOISE_SHAPES", "OPTIMIZERS", "Budget", "Checkpoints", "Controller", "Data", "Eval", "Exposure",
+__all__ = ["NOISE_SHAPES", "OPTIMIZERS", "RNGS", "Budget", "Checkpoints", "Controller", "Data", "Eval", "Exposure",
            "LRSchedule", "Model", "NoiseCondition", "Optimizer", "ParamsError", "SGDMomentum", "Section", "TaskPrior",
            "Train", "TrainParams", "enabled", "key", "schema_default"]
 

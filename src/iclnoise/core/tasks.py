@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import rng
 from .runspec import M_INF, m_label, parse_m  # noqa: F401 (M's encoding: sections)
 from .sections import ParamsError, TaskPrior  # noqa: F401 (M's encoding: sections)
 
@@ -146,7 +147,9 @@ class BatchSampler:
     """
 
     def __init__(self, pool: torch.Tensor | None, K: int, D: int, noise_var: float, data_seed: int,
-                 device: torch.device | str = "cpu", stream: int = 0, prior: TaskPrior | None = None):
+                 device: torch.device | str = "cpu", stream: int = 0, prior: TaskPrior | None = None,
+                 counter: bool = False):
+        self.counter = counter   # draws from the counter-based stream (CounterSampler), else a seeded generator
         self.pool = None if pool is None else pool.to(device)
         self.factor = _factor(prior, D, device)   # fresh tasks' prior (M = ∞); a pool was drawn from it already
         self.K, self.D, self.noise_var, self.data_seed, self.device = K, D, noise_var, data_seed, device
@@ -158,6 +161,9 @@ class BatchSampler:
         return self._gen.manual_seed(seed_mix(_BATCH, self.stream, self.data_seed, step))
 
     def batch(self, step: int, size: int) -> Batch:
+        if self.counter:
+            b = CounterSampler([self]).batch(step, size)
+            return Batch(b.xs[0], b.ys[0], b.tasks[0])
         return _draw(self.seeded(step), self.pool, size, self.K, self.D, self.noise_var, self.device, self.factor)
 
 
@@ -172,6 +178,46 @@ def stacked_batch(samplers: list[BatchSampler], step: int, size: int) -> Batch:
     for r, s in enumerate(samplers):
         _fill(s.seeded(step), s.pool, s.factor, tasks[r], xs[r], noise[r])
     return Batch(xs, _labels(xs, tasks, noise, s0.noise_var), tasks)
+
+
+class CounterSampler:
+    """The training batches of R runs drawn at once from the counter-based stream (iclnoise.core.rng; train.rng
+    counter): one call of a fixed number of tensor ops whatever R is. Run r's batch `step` depends only on its key
+    seed_mix(_BATCH, stream, data_seed) and the step: its words [0, B·D) are fresh tasks' normals z (M = ∞; tasks
+    z Lᵀ), [B·D, B·D + B) its pool indices (finite M), then xs (B·K·D) and the label noise (B·K), for every run
+    alike. The samplers share K, D, the noise, the prior and the device (one data section)."""
+
+    def __init__(self, samplers: list[BatchSampler]):
+        s0 = samplers[0]
+        self.K, self.D, self.noise_var, self.device, self.factor = s0.K, s0.D, s0.noise_var, s0.device, s0.factor
+        same = lambda f: f is s0.factor or f is not None and s0.factor is not None and torch.equal(f, s0.factor)  # noqa: E731
+        if not all(same(s.factor) for s in samplers):
+            raise ValueError("a CounterSampler's runs share one task prior (one data section)")
+        self.keys = rng.run_keys([seed_mix(_BATCH, s.stream, s.data_seed) for s in samplers], s0.device)
+        pools = [s.pool for s in samplers]
+        self.fresh = torch.tensor([p is None for p in pools], device=s0.device)
+        sizes = torch.tensor([0 if p is None else p.shape[0] for p in pools], device=s0.device)
+        self.offset = torch.where(self.fresh, 0, sizes.cumsum(0) - sizes)[:, None]   # a fresh run's: unused, in range
+        self.size = sizes.clamp(min=1)[:, None]
+        finite = [p for p in pools if p is not None]
+        self.pool = torch.cat(finite) if finite else None
+        self.mixed = bool(finite) and len(finite) < len(pools)
+
+    def batch(self, step: int, size: int) -> Batch:
+        """Batch `step` of every run: xs (R, size, K, D), ys (R, size, K), tasks (R, size, D)."""
+        R, K, D = self.keys.shape[0], self.K, self.D
+        b = rng.bits(self.keys, step, size * (D + 1 + K * D + K))
+        z, idx, x, e = b.split([size * D, size, size * K * D, size * K], 1)
+        fresh = None
+        if self.pool is None or self.mixed:
+            fresh = rng.normal(z).view(R, size, D)
+            fresh = fresh if self.factor is None else fresh @ self.factor
+        tasks = fresh
+        if self.pool is not None:
+            tasks = self.pool[self.offset + rng.below(idx, self.size)]
+            tasks = torch.where(self.fresh[:, None, None], fresh, tasks) if self.mixed else tasks
+        xs, noise = rng.normal(x).view(R, size, K, D), rng.normal(e).view(R, size, K)
+        return Batch(xs, _labels(xs, tasks, noise, self.noise_var), tasks)
 
 
 def eval_set(kind: str, M: int, n: int, K: int, D: int, noise_var: float, pool_seed: int,

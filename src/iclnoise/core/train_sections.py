@@ -10,6 +10,7 @@ from typing import Callable, ClassVar
 from .keys import Section, key
 from .schedules import checkpoints_until, lr_lambda
 
+RNGS = ("generator", "counter")   # train.rng; the first: a run spec without the key
 OPTIMIZERS = ("adamw", "sgd_momentum")   # grid.optimizer (iclnoise.config.grid); adamw's run ids carry no label
 
 
@@ -93,6 +94,12 @@ class TrainBase(Section):
     diverge_loss: float = key(gt=0, doc="A training loss above this (or NaN) marks the run diverged and stops it.")
     device: str = key(enum=("auto", "cpu", "cuda"), doc=(
         "auto: CUDA where a device is visible, else the CPU; cuda: an error where none is visible."))
+    rng: str = key(default="generator", enum=RNGS, doc=(
+        "The random stream of a run's training batches and injected noise (method §4, \"Random streams\"). "
+        "generator: a torch.Generator per run, seeded per step (every run trained before the key existed; a run spec "
+        "holds the key only when it is not this); counter: one counter-based stream for all of an ensemble's runs "
+        "(iclnoise.core.rng), a fixed number of tensor ops per step whatever the number of runs. The two give "
+        "different draws of the same distributions."))
     cuda_graphs: bool = key(default=False, doc=(
         "On CUDA, capture the ensemble's step (forward, backward, divergence, clipping, AdamW) as CUDA graphs and "
         "replay them (issue 41); where capture is impossible the log says why and the step runs eagerly. No effect "

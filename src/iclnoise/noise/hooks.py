@@ -188,7 +188,15 @@ class ExposureLogger:
         self.meter, self.state, self.window, self.device = meter, state, spec.window, device
         self._rows: list[dict] = []
         self._measured: Measured | None = None
-        self._last, self._clipped_steps, self._steps = -1, 0, 0
+        self._last, self._clipped_steps, self._steps = -1, 0, 0   # since the last row: clipped and live steps
+        self._counted = False   # True: an ensemble counts them (count_in), on_update only reads and resets them
+
+    def count_in(self, clipped: torch.Tensor, steps: torch.Tensor) -> None:
+        """Count the clipped and live steps in these 0-d views of an ensemble's (R,) counters (seeded with this
+        logger's counts), which the ensemble advances for all its runs at once every step: on steps where this
+        logger does not act, the ensemble calls none of its hooks."""
+        clipped.fill_(int(self._clipped_steps)), steps.fill_(int(self._steps))
+        self._clipped_steps, self._steps, self._counted = clipped, steps, True
 
     def _refresh_due(self, step: int) -> bool:
         """diag Ĥ alone is due: none measured yet, or inside the injection window `curvature_every` steps old
@@ -256,8 +264,9 @@ class ExposureLogger:
         self._measured = Measured(noise, a, curv, curv_se, upd_var, upd_pred)
 
     def on_update(self, ctx: StepContext) -> None:
-        self._steps += ctx.live
-        self._clipped_steps += ctx.live & (ctx.clip_coef < 1.0)
+        if not self._counted:
+            self._steps += ctx.live
+            self._clipped_steps += ctx.live & (ctx.clip_coef < 1.0)
         if self._measured is None:
             return
         meas, B, lr, coef = self._measured, self.batch, ctx.lr, float(ctx.clip_coef)
@@ -279,7 +288,10 @@ class ExposureLogger:
             "aca_eigs": lam.tolist(), "tail_index": alpha, "participation_ratio": pr})
         self.state.pne_postclip = cols["pne_postclip"]
         self._last, self._measured = ctx.step, None
-        self._clipped_steps = self._steps = 0
+        if self._counted:
+            self._clipped_steps.zero_(), self._steps.zero_()
+        else:
+            self._clipped_steps = self._steps = 0
 
     def rows(self) -> list[dict]:
         return self._rows

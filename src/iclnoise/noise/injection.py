@@ -17,6 +17,7 @@ import math
 import pyarrow as pa
 import torch
 
+from ..core import rng
 from ..core.runspec import RunSpec
 from ..core.tasks import seed_mix
 from .covariance import CovModel, PIController, shaped_covariance, target_at
@@ -80,6 +81,8 @@ class NoiseInjector:
     def __init__(self, spec: RunSpec, meter: NoiseMeter, state: ExposureState, device: torch.device):
         n, t, exposure = spec.noise, spec.train, spec.exposure
         self.run_id, self.seed = spec.keys.run_id, spec.keys.seed
+        self.counter = t.rng == "counter"   # draws from the counter-based stream (iclnoise.core.rng), keyed noise_key
+        self.noise_key = seed_mix(_NOISE, self.seed)
         self.batch, self.total, self.clip = spec.keys.batch, t.steps, t.grad_clip
         self.source, self.shape, self.rank, self.schedule = n.source, n.shape, n.rank, n.schedule
         self.start, self.stop = spec.window
@@ -170,10 +173,18 @@ class NoiseInjector:
 
     def draw(self, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Step `step`'s unscaled draws from the run's own stream: ε₁ ~ N(0, R') and, for isotropic parameter
-        noise, z ~ N(0, I) after it."""
-        gen = torch.Generator(device=self.device).manual_seed(seed_mix(_NOISE, self.seed, step))
-        eps = self.cov.sample(gen)
+        noise, z ~ N(0, I) after it. Counter stream: words [0, P) are ε₁'s diagonal part, [P, 2P) z, [2P, 2P + r)
+        its low-rank part (BatchedInjection draws the first 2P of many runs at once)."""
         iso = self.source == "param" and self.shape == "isotropic"
+        cov = self.cov
+        if self.counter:
+            P, r = cov.U.shape
+            z = rng.normal(rng.bits(torch.tensor([self.noise_key], device=self.device), step, 2 * P + r)[0],
+                           cov.d.dtype)
+            eps = cov.d.sqrt() * z[:P] + (cov.U @ (cov.lam.sqrt() * z[2 * P:]) if r else 0.0)
+            return eps, z[P:2 * P] if iso else None
+        gen = torch.Generator(device=self.device).manual_seed(seed_mix(_NOISE, self.seed, step))
+        eps = cov.sample(gen)
         return eps, torch.randn(eps.numel(), generator=gen, device=eps.device, dtype=eps.dtype) if iso else None
 
     def pending(self, step: int, active: bool, s: float, ne: float, curv: float) -> dict:
@@ -267,6 +278,9 @@ class BatchedInjection:
 
     def __init__(self, runs: list[int], injectors: list[NoiseInjector], loggers: list, R: int, device: torch.device):
         self.runs, self.inj, self.loggers = runs, injectors, loggers
+        self.counter = injectors[0].counter   # one train section per ensemble
+        self.keys = torch.tensor([i.noise_key for i in injectors], device=device)
+        self.any_iso = any(i.source == "param" and i.shape == "isotropic" for i in injectors)
         self.whole = runs == list(range(R))   # every run of the ensemble, in order: no gather
         f64 = {"dtype": torch.float64, "device": device}
         self.idx = torch.tensor(runs, device=device)
@@ -289,8 +303,9 @@ class BatchedInjection:
         self._noise: torch.Tensor | None = None
 
     def acting(self, step: int, ctxs: dict) -> bool:
-        """A live run's exposure logger acts at this step (so the host looks: ensemble._looks)."""
-        return any(self.loggers[k].acts(step) for k, r in enumerate(self.runs) if r in ctxs)
+        """A live run's exposure logger acts at this step (so the host looks: ensemble._looks; the ensemble makes a
+        context for exactly the live runs whose hooks act)."""
+        return any(r in ctxs for r in self.runs)
 
     def _sync(self, P: int, dtype: torch.dtype) -> None:
         """Copy each run's R' diagonal, trace, clipped trace, κ and diag Ĥ to the device where they changed."""
@@ -309,9 +324,11 @@ class BatchedInjection:
         self.clipped = torch.tensor([i.clipped for i in self.inj], **self.f64)
         self.kappa = torch.tensor([i._kappa() for i in self.inj], **self.f64)
 
-    def on_grads(self, step: int, lr: float, ctxs: dict, adam: AdamState, frozen: torch.Tensor, acting: bool) -> None:
-        """NoiseInjector.on_grads of every live run at once (R' refreshed per run on its due steps, as there)."""
-        live = [k for k, r in enumerate(self.runs) if r in ctxs]
+    def on_grads(self, step: int, lr: float, live: set[int], ctxs: dict, adam: AdamState, frozen: torch.Tensor,
+                 acting: bool) -> None:
+        """NoiseInjector.on_grads of every live run at once (R' refreshed per run on its due steps, as there: a due
+        run's logger acts, so it has a context in `ctxs`)."""
+        live = [k for k, r in enumerate(self.runs) if r in live]
         due = [k for k in live if self.inj[k].meter.due(step) or self.inj[k].cov is None]
         if due:
             self.flush()   # the rows so far carry the R' they used
@@ -345,18 +362,24 @@ class BatchedInjection:
         """Each active run's draws (its own stream; zeros for the others), scaled by sqrt(s): the grad source's added
         to the stacked gradients now, the param source's kept for on_update (η a ε; isotropic z·τ, τ² P = η² Σ a² sR'_ii
         as NoiseInjector.on_grads)."""
-        zero = a.new_zeros(a.shape[1])
-        draws = [self.inj[k].draw(step) if k in act else (zero, None) for k in range(len(self.runs))]
-        eps = torch.stack([e for e, _ in draws]) * s.sqrt().float()[:, None]
+        P = a.shape[1]
+        if self.counter:   # every run's words [0, P) (and [P, 2P): z) at once (NoiseInjector.draw's layout)
+            w = rng.normal(rng.bits(self.keys, step, 2 * P if self.any_iso else P), a.dtype)
+            eps, zs = w[:, :P] * self.diag.sqrt(), w[:, P:]
+        else:
+            zero = a.new_zeros(P)
+            draws = [self.inj[k].draw(step) if k in act else (zero, None) for k in range(len(self.runs))]
+            eps = torch.stack([e for e, _ in draws])
+            zs = torch.stack([zero if z is None else z for _, z in draws]) if self.any_iso else None
+        eps = eps * s.sqrt().float()[:, None]
         if len(self.rows["grad"]):
             self._scatter(grads, eps[self.rows["grad"]], self.rows["grad"])
         if not len(self.rows["param"]):
             return
         noise = lr * a * eps
-        if any(z is not None for _, z in draws):
+        if self.any_iso:
             tau2 = lr ** 2 * (a.square() * self.diag).sum(-1).double() * s / a.shape[1]
-            z = torch.stack([zero if z is None else z for _, z in draws]) * tau2.sqrt().float()[:, None]
-            noise = torch.where(self.iso[:, None], z, noise)
+            noise = torch.where(self.iso[:, None], zs * tau2.sqrt().float()[:, None], noise)
         self._noise = noise[self.rows["param"]]
 
     def _scatter(self, stacked: list[torch.Tensor], flat: torch.Tensor, rows: torch.Tensor) -> None:

@@ -32,7 +32,7 @@ from torch.func import functional_call
 from tqdm import tqdm
 
 from ..core.model import mse_loss
-from ..core.tasks import Batch, stacked_batch
+from ..core.tasks import Batch, CounterSampler, stacked_batch
 from ..noise.curvature import stacked_ggn_curvature
 from ..noise.exposure import stacked_group_grads
 from ..noise.hooks import ExposureLogger, StepContext
@@ -76,6 +76,14 @@ class Ensemble:
         batched = set(self.injection.runs) if self.injection else set()
         self.hooks = [m.hooks[:1] if r in batched else m.hooks for r, m in enumerate(members)]   # called per run
         self.samplers = [m.sampler for m in members]
+        self.counter = CounterSampler(self.samplers) if t.rng == "counter" else None   # else a generator per run
+        # the exposure loggers' clipped and live steps since their last row, counted here for all runs at once
+        self.clipped_n = torch.zeros(R, dtype=torch.long, device=self.device)
+        self.steps_n = torch.zeros(R, dtype=torch.long, device=self.device)
+        loggers = {r: h for r, m in enumerate(members) for h in m.hooks if isinstance(h, ExposureLogger)}
+        for r, h in loggers.items():
+            h.count_in(self.clipped_n[r], self.steps_n[r])
+        self.counting = bool(loggers)
         # divergence on the device (self.frozen, the step and loss it happened at); the host's view, self.known,
         # is brought up to date at the steps _looks names (iclnoise.run.ensemble module docstring)
         self.frozen = torch.tensor([m.diverged for m in members], device=self.device)
@@ -219,12 +227,16 @@ class Ensemble:
         self.loss_sum += torch.where(self.frozen, 0.0, loss.double())
         self.loss_n += ~self.frozen
 
-    def _looks(self, step: int, stop_after: int | None) -> bool:
+    def _acting(self, step: int) -> list[int]:
+        """The runs with a hook that acts at this step (StepHook.acts): only they get a StepContext and hook calls."""
+        return [r for r, hs in enumerate(self.hooks) if any(h.acts(step) for h in hs)]
+
+    def _looks(self, step: int, stop_after: int | None, acts: list[int]) -> bool:
         """The host reads the frozen runs at this step: every LOOK_EVERY steps, before a checkpoint or the last step,
-        whenever a live run's hook acts (a hook never sees a frozen run), and every step on LOOK_ALWAYS devices."""
+        whenever a live run's hook acts (`acts`; a hook never sees a frozen run), and every step on LOOK_ALWAYS
+        devices."""
         return (self.device.type in LOOK_ALWAYS or step % LOOK_EVERY == 0 or step + 1 in self.ckpt_at
-                or step + 1 in (self.stop, stop_after)
-                or any(h.acts(step) for hs, f in zip(self.hooks, self.known) if not f for h in hs))
+                or step + 1 in (self.stop, stop_after) or any(not self.known[r] for r in acts))
 
     def _look(self) -> bool:
         """Record the runs frozen since the host last looked, each at its divergence step s, as they were then (a
@@ -329,7 +341,7 @@ class Ensemble:
     def _step(self, step: int, stop_after: int | None) -> bool:
         """Update `step` of every run; False when every run has diverged (nothing left to train)."""
         members, lr = self.members, self.t.lr(step)
-        batch = stacked_batch(self.samplers, step, self.B)
+        batch = self.counter.batch(step, self.B) if self.counter else stacked_batch(self.samplers, step, self.B)
         self.step_t.fill_(step)
         if self.graphed:
             self.opt.param_groups[0]["lr"].fill_(lr)
@@ -343,13 +355,14 @@ class Ensemble:
             g_back.replay()
         else:
             self._record_losses(self._backward(batch))
-        looked = self._looks(step, stop_after)
+        acts = self._acting(step)
+        looked = self._looks(step, stop_after, acts)
         if looked and not self._look():
             return False
         live = [r for r, f in enumerate(self.known) if not f]
-        ctxs = {r: StepContext(step, self.total, members[r].model, members[r].adam.state(step),
-                               Batch(batch.xs[r], batch.ys[r], batch.tasks[r]), self.mb, lr, mse_loss,
-                               members[r].heldout.batch) for r in live if members[r].hooks}
+        ctxs = {r: StepContext(step, self.total, members[r].model, members[r].adam.state(step),   # the runs whose
+                               Batch(batch.xs[r], batch.ys[r], batch.tasks[r]), self.mb, lr, mse_loss,   # hooks act
+                               members[r].heldout.batch) for r in acts if not self.known[r]}
         self._measure(step, batch, ctxs)
         inj = self.injection
         acting = inj is not None and inj.acting(step, ctxs)   # a batched run's logger acts: book its rows first
@@ -359,7 +372,7 @@ class Ensemble:
             for h in self.hooks[r]:
                 h.on_grads(ctx)
         if inj:
-            inj.on_grads(step, lr, ctxs, self.adam.state(step), self.frozen, acting)
+            inj.on_grads(step, lr, set(live), ctxs, self.adam.state(step), self.frozen, acting)
         if self.graphs:
             *_, g_update, norms, coefs = self.graphs
             g_update.replay()
@@ -368,6 +381,9 @@ class Ensemble:
             self._optimizer_step(looked)
         if inj:
             inj.on_update(coefs, self.P, acting)
+        if self.counting:   # the loggers' counts (ExposureLogger.count_in), before their rows read them
+            self.steps_n += ~self.frozen
+            self.clipped_n += ~self.frozen & (coefs < 1.0)
         for r, ctx in ctxs.items():
             ctx.grad_norm, ctx.clip_coef, ctx.live = norms[r], coefs[r], ~self.frozen[r]
             for h in reversed(self.hooks[r]):

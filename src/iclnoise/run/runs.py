@@ -278,10 +278,12 @@ def checked_spec(run_dir: str | Path) -> dict:
 
 
 def sampler(spec: RunSpec, stream: str, device: str | torch.device = "cpu") -> BatchSampler:
-    """The run's q_M sampler on a named stream (train, heldout, llc, geometry, mech)."""
+    """The run's q_M sampler on a named stream (train, heldout, llc, geometry, mech); the train stream draws as
+    train.rng says, the others from a seeded generator."""
     from ..core.tasks import BatchSampler, pool_for
 
     d, k = spec.data, spec.keys
     return BatchSampler(pool_for(k.M, d.pool_seed, d.D, d.task_prior), d.K, d.D, d.noise_var, k.seed, device,
-                        stream=STREAMS[stream], prior=d.task_prior)
+                        stream=STREAMS[stream], prior=d.task_prior,
+                        counter=stream == "train" and spec.train.rng == "counter")
 
