@@ -356,10 +356,14 @@ def same(a: tuple, b: tuple) -> bool:
 @pytest.fixture
 def closed_loop(injecting):
     """`injecting` (grad source, diagonal, early window 0.4, clipping at 0.3 active) and the param source: diagonal over
-    the whole run (constant), isotropic in the late half."""
+    the whole run (constant), isotropic in the late half; the grad source emulating batch 4 with low-rank noise (scale
+    1, no budget) and the param source's NAP shape at a budget, both over the whole run."""
     c = injecting["noise"]["conditions"]
     c["pdiag"] = {"source": "param", "shape": "diagonal", "schedule": "constant", "budget": 0.002}
     c["pisolate"] = {"source": "param", "shape": "isotropic", "schedule": "late", "fraction": 0.5, "budget": 0.002}
+    c["glow"] = {"source": "grad", "shape": "lowrank", "rank": 4, "schedule": "constant", "emulate_batch": 4}
+    c["pnap"] = {"source": "param", "shape": "nap", "rank": 4, "nap_tasks": 4, "nap_per_task": 4, "nap_memory": 4,
+                 "schedule": "constant", "budget": 0.002}
     return injecting
 
 
@@ -382,11 +386,12 @@ def assert_same_table(a: pd.DataFrame, b: pd.DataFrame, what: str, rtol: float) 
             assert (x == y).all(), f"{what} {col}"
 
 
-@pytest.mark.parametrize("noise", ["early", "pdiag", "pisolate"])
+@pytest.mark.parametrize("noise", ["early", "pdiag", "pisolate", "glow", "pnap"])
 def test_the_batched_closed_loop_equals_the_per_run_path_run_by_run(closed_loop, noise, tmp_path, monkeypatch,
                                                                     caplog):
     """60 steps of a closed-loop injecting arm (grad source with clipping active in most steps, early window; param
-    source diagonal over the whole run; param source isotropic, late window), exposure rows every 10 steps: the
+    source diagonal over the whole run; param source isotropic, late window; grad source low-rank emulating batch 4;
+    param source NAP), exposure rows every 10 steps, under either random stream: the
     batched closed loop (injection.BatchedInjection, logged; no per-run injector call) and the per-run path give each
     run the same parameters, metrics, exposure rows and injection rows (every column) and the same realised
     integrated P-NE*, to float32 round-off (measured: bitwise on the CPU at 1 thread; the two sum |g|², Σ a² Ĥ and
@@ -506,24 +511,29 @@ def quiet_step_ops(p: dict, noise: str, R: int, root) -> int:
     return ops.n
 
 
+QUIET_NOISE = {   # the op count's injecting modes: a budget (closed loop) or emulate_batch (scale 1), each shape kind
+    "grad_diagonal": {"source": "grad", "shape": "diagonal", "schedule": "constant", "budget": 0.002},
+    "param_isotropic": {"source": "param", "shape": "isotropic", "schedule": "constant", "budget": 0.002},
+    "grad_lowrank": {"source": "grad", "shape": "lowrank", "rank": 4, "schedule": "constant", "emulate_batch": 4},
+    "param_nap": {"source": "param", "shape": "nap", "rank": 4, "nap_tasks": 4, "nap_per_task": 4, "nap_memory": 4,
+                  "schedule": "constant", "budget": 0.002}}
+
+
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("mode", ["plain", "exposure", "grad_diagonal", "param_isotropic"])
+@pytest.mark.parametrize("mode", ["plain", "exposure", *QUIET_NOISE])
 def test_a_quiet_step_costs_the_same_ops_at_2_and_8_runs(tiny, mode, tmp_path):
     """train.rng counter: a step where no hook acts dispatches as many aten ops for 8 runs as for 2, without exposure
-    logging, with it, and with the batched closed loop injecting (grad source, diagonal; param source, isotropic):
-    no per-run work on the device. Measured before (generator stream, a context per run per step): 9, 20 and 23
-    ops per run per step on the tiny model. Per-run injectors (low-rank, NAP, emulate_batch, controlled) still act
-    every step; a logging step's host reads still grow with the runs (measured 16 per run)."""
+    logging, with it, and injecting (QUIET_NOISE: diagonal, isotropic, low-rank and NAP shapes, at a budget or
+    emulating a batch): no per-run work on the device. Measured before (generator stream, a context per run per step):
+    9, 20 and 23 ops per run per step on the tiny model without logging, with it and injecting diagonal noise, and the
+    low-rank and NAP injectors acted on every step, per run. The PI controller's runs still do. A logging step's host
+    reads still grow with the runs (measured 16 per run)."""
     p = copy.deepcopy(tiny)
     p["train"]["rng"] = "counter"
     p["exposure"]["enabled"] = mode != "plain"
     noise = {"plain": "none", "exposure": "none"}.get(mode, mode)
-    if noise == "grad_diagonal":
-        p["noise"]["conditions"][noise] = {"source": "grad", "shape": "diagonal", "schedule": "constant",
-                                           "budget": 0.002}
-    if noise == "param_isotropic":
-        p["noise"]["conditions"][noise] = {"source": "param", "shape": "isotropic", "schedule": "constant",
-                                           "budget": 0.002}
+    if noise in QUIET_NOISE:
+        p["noise"]["conditions"][noise] = QUIET_NOISE[noise]
     p["grid"]["noise"] = [noise]
     two, eight = (quiet_step_ops(p, noise, R, tmp_path / str(R)) for R in (2, 8))
     assert two == eight, (two, eight)

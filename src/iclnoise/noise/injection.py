@@ -3,12 +3,11 @@ set open loop (emulate_batch), by a closed loop on the realised exposure (budget
 The maths lives in iclnoise.noise and iclnoise.noise.exposure; iclnoise.noise.hooks has the step protocol and the
 exposure state this hook shares with the exposure logger.
 
-Two paths, one set of numbers: an ensemble (iclnoise.run.ensemble) runs the closed loop of its budget injectors with
-schedule constant, early or late and shape diagonal or isotropic (the dose experiment's conditions) for all their
-runs at once (BatchedInjection: no host read on the step); every other injector (controlled, emulate_batch, low-rank
-and NAP shapes, sgd_momentum, or beside another hook) runs per run (NoiseInjector.on_grads / on_update). The log says
-which path an ensemble's condition takes. Both draw each run's noise from its own stream and book its rows with
-NoiseInjector.book.
+Two paths, one set of numbers: an ensemble (iclnoise.run.ensemble) runs its injectors at a budget (the closed loop;
+schedule constant, early or late) or at emulate_batch's scale 1, of every shape, for all their runs at once
+(BatchedInjection: no host read on the step); the PI controller, sgd_momentum and an injector beside another hook run
+per run (NoiseInjector.on_grads / on_update). The log says which path an ensemble's condition takes. Both draw each
+run's noise from its own stream and book its rows with NoiseInjector.book.
 """
 from __future__ import annotations
 
@@ -30,7 +29,6 @@ MAX_LOG_SCALE = 30.0  # bounds the controller's log-scale
 SATURATION = 9.0      # under clipping at G, s ≤ SATURATION·max(|g|², G²/10)/Tr R' reaches 90 % of the most injected
                       # exposure there is, ∝ G²/Tr R' (more noise only replaces the gradient: exposure.budget_scale);
                       # with |g|² < G²/10 that is s = 0.9·G²/Tr R', where the step is not clipped yet
-BATCHED_SHAPES = ("diagonal", "isotropic")   # budget injectors of these shapes run in one pass (BatchedInjection)
 
 
 INJECTION_SCHEMA = pa.schema([
@@ -64,6 +62,16 @@ def closed_loop_scale(left: float | torch.Tensor, steps_left: int | torch.Tensor
     bound = SATURATION * torch.maximum(grad_sq, clip ** 2 / (1 + SATURATION)) / trace
     s = torch.where(clip.isfinite() & (trace > 0), torch.minimum(s, bound), s)
     return s.clamp(max=math.exp(MAX_LOG_SCALE))
+
+
+def counter_noise(sqrt_d: torch.Tensor, U: torch.Tensor, sqrt_lam: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """n runs' ε ~ N(0, R'), R' = U diag(lam) Uᵀ + diag(d), from their counter-stream normals w (n, 2P + r):
+    ε = √d ⊙ w[:, :P] + U (√lam ⊙ w[:, 2P:]) (words [P, 2P) are isotropic noise's z). sqrt_d (n, P), U (n, P, r),
+    sqrt_lam (n, r). The product U v is a product and a sum along r, whose rounding does not depend on n (a batched
+    matmul's does: the per-run and batched paths parted by 3e-7 within two steps, which NAP's eigenbases amplified)."""
+    P, r = U.shape[1:]
+    eps = sqrt_d * w[:, :P]
+    return eps + (U * (sqrt_lam * w[:, 2 * P:2 * P + r])[:, None, :]).sum(-1) if r else eps
 
 
 class NoiseInjector:
@@ -166,10 +174,9 @@ class NoiseInjector:
 
     @property
     def batched(self) -> bool:
-        """The closed loop BatchedInjection runs for a whole ensemble: a budget with schedule constant, early or late
-        and shape diagonal or isotropic (the dose experiment's conditions). NAP and low-rank shapes, the PI
-        controller and open-loop emulate_batch stay per run."""
-        return self.budget is not None and self.ctl is None and self.shape in BATCHED_SHAPES
+        """BatchedInjection runs it for a whole ensemble: every shape, at a budget (the closed loop; schedule
+        constant, early or late) or at scale 1 (emulate_batch). The PI controller stays per run."""
+        return self.ctl is None
 
     def draw(self, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Step `step`'s unscaled draws from the run's own stream: ε₁ ~ N(0, R') and, for isotropic parameter
@@ -179,10 +186,9 @@ class NoiseInjector:
         cov = self.cov
         if self.counter:
             P, r = cov.U.shape
-            z = rng.normal(rng.bits(torch.tensor([self.noise_key], device=self.device), step, 2 * P + r)[0],
-                           cov.d.dtype)
-            eps = cov.d.sqrt() * z[:P] + (cov.U @ (cov.lam.sqrt() * z[2 * P:]) if r else 0.0)
-            return eps, z[P:2 * P] if iso else None
+            w = rng.normal(rng.bits(torch.tensor([self.noise_key], device=self.device), step, 2 * P + r), cov.d.dtype)
+            eps = counter_noise(cov.d.sqrt()[None], cov.U[None], cov.lam.sqrt()[None], w)[0]
+            return eps, w[0, P:2 * P] if iso else None
         gen = torch.Generator(device=self.device).manual_seed(seed_mix(_NOISE, self.seed, step))
         eps = cov.sample(gen)
         return eps, torch.randn(eps.numel(), generator=gen, device=eps.device, dtype=eps.dtype) if iso else None
@@ -262,11 +268,12 @@ class NoiseInjector:
 
 
 class BatchedInjection:
-    """The closed loop of an ensemble's budget injectors (NoiseInjector.batched) for all their runs at once (issue 41
-    item 3). On the step path everything is an (n,) float64 tensor over the runs, with no host read and no copy to
-    the device: this step's a from the stacked AdamW state (exposure.preconditioner), Curv_t = max(floor, Σ a² diag Ĥ),
-    the NE unit (exposure.ne_unit), |g|², the scale s_t (closed_loop_scale) and, after the update, c² and the realised
-    P-NE* after clipping. Each run's noise is drawn from its own stream (NoiseInjector.draw: the per-run path's bits),
+    """An ensemble's injectors (NoiseInjector.batched) for all their runs at once (issue 41 item 3, issue 66). On the
+    step path everything is an (n,) float64 tensor over the runs, with no host read and no copy to the device: this
+    step's a from the stacked AdamW state (exposure.preconditioner), Curv_t = max(floor, Σ a² diag Ĥ), the NE unit
+    (exposure.ne_unit), |g|², the scale s_t (closed_loop_scale at a budget, 1 for emulate_batch) and, after the update,
+    c² and the realised P-NE* after clipping. Each run's noise is drawn from its own stream (NoiseInjector.draw's
+    values: on the counter stream all runs in one call, R' = U diag(lam) Uᵀ + diag(d) with each run's rank padded),
     scaled, and added to the stacked gradients or weights in one call per parameter tensor.
 
     The step's values stay on the device until `flush` books them into each run's NoiseInjector (NoiseInjector.book,
@@ -284,7 +291,8 @@ class BatchedInjection:
         self.whole = runs == list(range(R))   # every run of the ensemble, in order: no gather
         f64 = {"dtype": torch.float64, "device": device}
         self.idx = torch.tensor(runs, device=device)
-        self.budget = torch.tensor([i.budget for i in injectors], **f64)
+        self.budget = torch.tensor([i.budget or 0.0 for i in injectors], **f64)
+        self.fixed = torch.tensor([i.budget is None for i in injectors], device=device)   # emulate_batch: s = 1
         self.start = torch.tensor([i.start for i in injectors], **f64)
         self.stop = torch.tensor([i.stop for i in injectors], **f64)
         self.floor = torch.tensor([i.floor for i in injectors], **f64)
@@ -297,6 +305,7 @@ class BatchedInjection:
                                        dtype=torch.long) for src in ("grad", "param")}
         self.f64 = f64
         self.diag = self.curv_diag = None   # (n, P): R' and diag Ĥ of each run, copied when they change (_sync)
+        self.sqrt_d = self.U = self.sqrt_lam = None   # R' = U diag(lam) Uᵀ + diag(d): (n, P), (n, P, r), (n, r)
         self._seen: list[tuple] = [(None, None)] * len(runs)
         self._buf: list[tuple[int, torch.Tensor]] = []   # (step, (n, 6) values of the step) until flushed
         self._step: tuple | None = None
@@ -313,10 +322,19 @@ class BatchedInjection:
         if self.diag is None:
             self.diag = torch.zeros(n, P, dtype=dtype, device=dev)
             self.curv_diag = torch.full((n, P), math.nan, dtype=dtype, device=dev)
+            self.sqrt_d = torch.zeros(n, P, dtype=dtype, device=dev)
+        r = max((i.cov.U.shape[1] for i in self.inj if i.cov is not None), default=0)   # padded: lam 0 beyond a
+        if self.U is None or self.U.shape[2] != r:                                       # run's own rank
+            self.U, self.sqrt_lam = torch.zeros(n, P, r, dtype=dtype, device=dev), torch.zeros(n, r, dtype=dtype,
+                                                                                              device=dev)
+            self._seen = [(None, s[1]) for s in self._seen]
         for k, i in enumerate(self.inj):
             cov, curv = self._seen[k]
             if i.cov is not None and i.cov is not cov:
-                self.diag[k] = i._diag
+                rk = i.cov.U.shape[1]
+                self.diag[k], self.sqrt_d[k] = i._diag, i.cov.d.sqrt()
+                self.U[k].zero_(), self.sqrt_lam[k].zero_()
+                self.U[k, :, :rk], self.sqrt_lam[k, :rk] = i.cov.U, i.cov.lam.sqrt()
             if i.state.curv_diag is not None and i.state.curv_diag is not curv:
                 self.curv_diag[k] = i.state.curv_diag
             self._seen[k] = (i.cov, i.state.curv_diag)
@@ -352,7 +370,7 @@ class BatchedInjection:
         unit = ne_unit(lr, self.kappa, a, self.diag)
         g2 = sub(torch.stack([g.reshape(R, -1).norm(dim=1) for g in grads], 1).square().sum(1)).double()  # _grad_sq
         s = closed_loop_scale(self.budget - self.realised, self.stop - step, curv, unit, g2, self.trace, self.clip)
-        s = torch.where(on & ok, s, 0.0)
+        s = torch.where(on & ok, torch.where(self.fixed, 1.0, s), 0.0)
         ne = torch.where(s > 0, s * unit, 0.0)
         self._step = (step, ok, s, ne, curv)
         self._add_noise(step, lr, set(act), a, s, grads)
@@ -363,9 +381,10 @@ class BatchedInjection:
         to the stacked gradients now, the param source's kept for on_update (η a ε; isotropic z·τ, τ² P = η² Σ a² sR'_ii
         as NoiseInjector.on_grads)."""
         P = a.shape[1]
-        if self.counter:   # every run's words [0, P) (and [P, 2P): z) at once (NoiseInjector.draw's layout)
-            w = rng.normal(rng.bits(self.keys, step, 2 * P if self.any_iso else P), a.dtype)
-            eps, zs = w[:, :P] * self.diag.sqrt(), w[:, P:]
+        if self.counter:   # every run's words at once, in NoiseInjector.draw's layout
+            r = self.U.shape[2]
+            w = rng.normal(rng.bits(self.keys, step, 2 * P + r if r else 2 * P if self.any_iso else P), a.dtype)
+            eps, zs = counter_noise(self.sqrt_d, self.U, self.sqrt_lam, w), w[:, P:2 * P]
         else:
             zero = a.new_zeros(P)
             draws = [self.inj[k].draw(step) if k in act else (zero, None) for k in range(len(self.runs))]
