@@ -97,12 +97,19 @@ def alone(spec: dict, tmp) -> tuple[dict, list, list, dict]:
 STEP0_A = ("ne_postclip", "curv", "ne_injected", "pne")
 
 
-def test_the_stacked_ensemble_equals_each_run_trained_alone_through_its_hooks(injecting, tmp_path, monkeypatch):
+@pytest.mark.parametrize("curvature", ["ggn", "ggn_exact"])
+def test_the_stacked_ensemble_equals_each_run_trained_alone_through_its_hooks(injecting, curvature, tmp_path,
+                                                                             monkeypatch):
     """60 steps, clipping in most steps, exposure rows every 10 steps and an injecting closed loop: each run's
     parameters, exposure rows, injection rows and final metrics equal the run trained alone the per-run way, to
     float32 round-off (the two differ in summation order: bmm against F.linear, fused AdamW against foreach).
     The ensemble measured every group gradient and diag Ĥ of its runs in stacked calls (exposure.stacked_group_grads,
-    curvature.stacked_ggn_curvature), none per run."""
+    curvature.stacked_ggn_curvature: 4 probes every 25 steps; stacked_exact_ggn_curvature: exact every 2 steps, the
+    default), none per run."""
+    if curvature == "ggn_exact":   # stacked on CUDA only (ensemble.EXACT_STACKED): here too, to test it
+        injecting["exposure"].update(curvature="ggn_exact", curvature_every=2)
+        monkeypatch.setattr(ens, "EXACT_STACKED", ("cpu",))
+    stacked_fn = "stacked_exact_ggn_curvature" if curvature == "ggn_exact" else "stacked_ggn_curvature"
     calls = {"stacked": 0, "own": 0, "stacked_grads": 0, "own_grads": 0}
 
     def counted(key, f):
@@ -110,7 +117,7 @@ def test_the_stacked_ensemble_equals_each_run_trained_alone_through_its_hooks(in
             calls[key] += 1
             return f(*a, **k)
         return call
-    monkeypatch.setattr(ens, "stacked_ggn_curvature", counted("stacked", ens.stacked_ggn_curvature))
+    monkeypatch.setattr(ens, stacked_fn, counted("stacked", getattr(ens, stacked_fn)))
     monkeypatch.setattr(ens.ExposureLogger, "_curvature", counted("own", ens.ExposureLogger._curvature))
     monkeypatch.setattr(ens, "stacked_group_grads", counted("stacked_grads", ens.stacked_group_grads))
     monkeypatch.setattr(hooks, "group_grads", counted("own_grads", hooks.group_grads))

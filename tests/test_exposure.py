@@ -13,6 +13,7 @@ from iclnoise.noise.curvature import (
     exact_ggn_diag,
     ggn_curvature,
     hessian_curvature,
+    stacked_exact_ggn_curvature,
     stacked_ggn_curvature,
 )
 from iclnoise.noise.exposure import (
@@ -190,6 +191,23 @@ def test_stacked_gauss_newton_probes_equal_each_runs_own(tiny, three_runs):
         assert stacked[r].at(a) == pytest.approx(own.at(a), rel=1e-5)
     other = ggn_curvature(models[1], xs[1], ys[1], P, torch.Generator().manual_seed(5), 0.2)
     assert not torch.allclose(stacked[1].left, other.left, rtol=1e-2, atol=1e-2 * scale)
+
+
+@pytest.mark.unit
+def test_stacked_exact_gauss_newton_equals_each_runs_own(three_runs):
+    """The exact Gauss–Newton samples of three runs with their own weights and held-out batches, in one stacked call:
+    each run's per-sequence samples, diag Ĥ and Curv(A) equal its own exact_ggn_curvature to float32 round-off; a
+    run given another's weights is far off."""
+    models, params, xs, ys = three_runs
+    stacked = stacked_exact_ggn_curvature(models[0], params, xs, ys, 0.2)
+    a = torch.rand(stacked[0].left.shape[1], generator=torch.Generator().manual_seed(4)) + 0.5
+    for r, mod in enumerate(models):
+        own = exact_ggn_curvature(mod, xs[r], ys[r], 0.2)
+        assert stacked[r].scale == own.scale and stacked[r].left.shape == own.left.shape
+        torch.testing.assert_close(stacked[r].left, own.left, rtol=1e-5, atol=1e-6 * float(own.left.abs().max()))
+        assert stacked[r].at(a) == pytest.approx(own.at(a), rel=1e-5)
+    other = exact_ggn_curvature(models[0], xs[1], ys[1], 0.2)
+    assert not torch.allclose(stacked[1].diag, other.diag, rtol=1e-2)
 
 
 @pytest.mark.unit

@@ -99,6 +99,24 @@ def exact_ggn_curvature(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tens
     return Curvature(per, torch.ones_like(per), 2 * loss_scale * xs.shape[0] / ys.numel())
 
 
+def stacked_exact_ggn_curvature(model: torch.nn.Module, params: dict[str, torch.Tensor], xs: torch.Tensor,
+                                ys: torch.Tensor, loss_scale: float = 1.0) -> list[Curvature]:
+    """`exact_ggn_curvature` of R runs in one call: `params` stacked along a leading run axis (R, ...) on a model that
+    stacks runs, xs (R, N, ...), ys (R, N, ...). Run r's outputs depend on its own parameters only, so the Jacobian of
+    the K outputs summed over the runs holds every run's own Jacobian in its slice: K backward passes per sequence for
+    all runs at once (vmap over sequences of jacrev). Run r's samples equal its own `exact_ggn_curvature` to float32
+    round-off."""
+    names, (R, N) = list(params), xs.shape[:2]
+    buffers = {k: v.detach() for k, v in model.named_buffers()}
+
+    def one(q, x, y):   # x (R, ...): one sequence of every run; the runs' K outputs summed over the runs
+        return functional_call(model, (q, buffers), (x[:, None], y[:, None]))[:, 0].sum(0)
+
+    J = vmap(torch.func.jacrev(one), in_dims=(None, 1, 1))({n: p.detach() for n, p in params.items()}, xs, ys)
+    per = torch.cat([J[n].square().sum(1).transpose(0, 1).reshape(R, N, -1) for n in names], 2)   # (R, N, P)
+    return [Curvature(f, torch.ones_like(f), 2 * loss_scale * N / ys[0].numel()) for f in per]
+
+
 def stacked_ggn_curvature(model: torch.nn.Module, params: dict[str, torch.Tensor], xs: torch.Tensor, ys: torch.Tensor,
                           probes: int, generators: list[torch.Generator], loss_scale: float = 1.0) -> list[Curvature]:
     """`ggn_curvature` of R runs in one call: `params` stacked along a leading run axis (R, ...) on a model that
