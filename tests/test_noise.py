@@ -398,3 +398,29 @@ def test_the_closed_loop_scale_of_R_runs_is_each_runs_own_and_the_known_answers(
     batched = closed_loop_scale(t(left), t([10.0] * 7), t(curv), t([1.0] * 7), t(g2), t([1.0] * 7), t(clip))
     assert batched.tolist() == each
     np.testing.assert_allclose(each, want, rtol=1e-15)
+
+
+@pytest.mark.parametrize("rng", ["generator", "counter"])
+def test_a_noise_seed_draws_other_noise_on_the_same_data_and_initialisation(tiny, rng, tmp_path):
+    """Three runs of one seed in one ensemble (their noise sections differ in noise_seed only), param-source diagonal
+    noise at a budget: without noise_seed (the stream of runs before the key), noise_seed 0 and noise_seed 1. They
+    share the first checkpoint's training loss (same data and initialisation) and end apart (other noise); the first
+    and the last, each trained again alone, end where they ended in the ensemble (to float32 round-off: bmm against
+    F.linear), so a run's noise is its own (seed, noise_seed)'s."""
+    p = copy.deepcopy(tiny)
+    p["train"]["rng"] = rng
+    base = {"source": "param", "shape": "diagonal", "schedule": "constant", "budget": 0.002}
+    p["noise"]["conditions"].update(pn={**base}, pn0={**base, "noise_seed": 0}, pn1={**base, "noise_seed": 1})
+    runs = ["M4-B16-pn-s0", "M4-B16-pn0-s0", "M4-B16-pn1-s0"]
+    specs = [run_spec(p, r) for r in runs]
+    assert "noise_seed" not in specs[0]["noise"] and specs[2]["noise"]["noise_seed"] == 1
+    out = train_ensemble(specs, [tmp_path / r for r in runs], progress=False)
+    assert len({float(o.train_loss.dropna().iloc[0]) for o in out}) == 1
+    w = [torch.load(tmp_path / r / "resume.pt", weights_only=False)["params"] for r in runs]
+    assert all(not torch.allclose(w[i]["embed.weight"], w[j]["embed.weight"], rtol=1e-3)
+               for i, j in ((0, 1), (0, 2), (1, 2)))
+    for r, spec in ((runs[0], specs[0]), (runs[2], specs[2])):
+        alone = train_run(spec, tmp_path / "alone" / r, progress=False)
+        pd.testing.assert_frame_equal(alone, out[runs.index(r)], check_exact=False, rtol=1e-4)
+        a = torch.load(tmp_path / "alone" / r / "resume.pt", weights_only=False)["params"]
+        torch.testing.assert_close(a, w[runs.index(r)], rtol=1e-4, atol=2 * p["train"]["optimizer"]["lr"] * 60)

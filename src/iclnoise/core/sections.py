@@ -102,6 +102,7 @@ class NoiseCondition(Section):
     steps_as_batch   None: the run's steps are its own batch's on the budget; B_t: the steps batch B_t takes;
     target           None unless schedule is controlled: a P-NE* or [[fraction, P-NE*], ...];
     controller       None unless schedule is controlled (required there);
+    noise_seed       None: the injected noise's stream is keyed by the run's seed alone (every run before the key);
     batch_sizes      None: the condition runs at every grid batch size;
     M                None: the condition runs at every grid M."""
     SECTION: ClassVar[str] = "noise.conditions.<name>"
@@ -149,6 +150,10 @@ class NoiseCondition(Section):
     target: float | list | None = key(optional=True, schema=TARGET, doc=(
         "P-NE* the controller tracks (schedule controlled): a number, or [[fraction of training, P-NE*], ...]."))
     controller: Controller | None = key(optional=True, doc="PI controller of schedule controlled (required there).")
+    noise_seed: int | None = key(optional=True, ge=0, le=SEED_MAX, doc=(
+        "Key the injected noise's stream by (seed, noise_seed), not by the run's seed alone: runs of one seed and "
+        "different noise_seed share data and initialisation and draw independent noise (common random numbers for "
+        "counterfactual noise, method §13). Absent: the stream of every run before the key."))
 
     @classmethod
     def of_spec(cls, spec: dict) -> NoiseCondition:

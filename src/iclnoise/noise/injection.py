@@ -24,7 +24,7 @@ from .exposure import AdamState, budget_scale, kappa, ne_unit, preconditioner
 from .hooks import ExposureState, NoiseMeter, StepContext
 from .nap import NAP_SHAPES, NapEstimator
 
-_NOISE = 0x7015E
+_NOISE, _NOISE_SEED = 0x7015E, 0x5EED   # the injected noise's stream; its noise_seed's tag
 MAX_LOG_SCALE = 30.0  # bounds the controller's log-scale
 SATURATION = 9.0      # under clipping at G, s ≤ SATURATION·max(|g|², G²/10)/Tr R' reaches 90 % of the most injected
                       # exposure there is, ∝ G²/Tr R' (more noise only replaces the gradient: exposure.budget_scale);
@@ -90,7 +90,8 @@ class NoiseInjector:
         n, t, exposure = spec.noise, spec.train, spec.exposure
         self.run_id, self.seed = spec.keys.run_id, spec.keys.seed
         self.counter = t.rng == "counter"   # draws from the counter-based stream (iclnoise.core.rng), keyed noise_key
-        self.noise_key = seed_mix(_NOISE, self.seed)
+        self.keys = (self.seed,) if n.noise_seed is None else (self.seed, _NOISE_SEED, n.noise_seed)
+        self.noise_key = seed_mix(_NOISE, *self.keys)
         self.batch, self.total, self.clip = spec.keys.batch, t.steps, t.grad_clip
         self.source, self.shape, self.rank, self.schedule = n.source, n.shape, n.rank, n.schedule
         self.start, self.stop = spec.window
@@ -189,7 +190,7 @@ class NoiseInjector:
             w = rng.normal(rng.bits(torch.tensor([self.noise_key], device=self.device), step, 2 * P + r), cov.d.dtype)
             eps = counter_noise(cov.d.sqrt()[None], cov.U[None], cov.lam.sqrt()[None], w)[0]
             return eps, w[0, P:2 * P] if iso else None
-        gen = torch.Generator(device=self.device).manual_seed(seed_mix(_NOISE, self.seed, step))
+        gen = torch.Generator(device=self.device).manual_seed(seed_mix(_NOISE, *self.keys[:1], step, *self.keys[1:]))
         eps = cov.sample(gen)
         return eps, torch.randn(eps.numel(), generator=gen, device=eps.device, dtype=eps.dtype) if iso else None
 
