@@ -544,3 +544,56 @@ def test_a_quiet_step_costs_the_same_ops_at_2_and_8_runs(tiny, mode, tmp_path):
     p["grid"]["noise"] = [noise]
     two, eight = (quiet_step_ops(p, noise, R, tmp_path / str(R)) for R in (2, 8))
     assert two == eight, (two, eight)
+
+
+def logging_step_reads(p: dict, noise: str, R: int, root, row: bool) -> int:
+    """The host reads (SYNCS calls) of one step where every run's logger acts: a row step (`row`), else a step
+    where only diag Ĥ is refreshed; not a checkpoint. The ensemble as quiet_step_ops builds it."""
+    ms = ["inf", 1, 2, 4, 8, 16]
+    members = []
+    for r in range(R):
+        spec = RunSpec.of(run_spec(p, f"M{ms[r % 6]}-B16-{noise}-s{r // 6}"))
+        (root / spec.keys.run_id / "checkpoints").mkdir(parents=True)
+        members.append(Member(spec, root / spec.keys.run_id, spec_hash(spec.raw), torch.device("cpu")))
+        members[-1].setup()
+    e = ens.Ensemble(members, 0, "reads")
+    logger = members[0].hooks[0]
+
+    def wanted(s):   # every logger acts, for a row or (not due) for a diag Ĥ alone
+        return len(e._acting(s)) == R and s + 1 not in e.ckpt_at and s > 2 and logger.meter.due(s) == row
+    step = 0
+    while not wanted(step):
+        e._step(step, None)
+        step += 1
+    n, saved = [0], {name: getattr(torch.Tensor, name) for name in SYNCS}
+
+    def counting(orig):
+        def call(self, *a, **k):
+            n[0] += 1
+            return orig(self, *a, **k)
+        return call
+    try:
+        for name, orig in saved.items():
+            setattr(torch.Tensor, name, counting(orig))
+        e._step(step, None)
+    finally:
+        for name, orig in saved.items():
+            setattr(torch.Tensor, name, orig)
+    return n[0]
+
+
+@pytest.mark.parametrize("mode", ["exposure_row", "injecting_refresh"])
+def test_a_logging_step_reads_the_host_as_often_at_2_and_8_runs(tiny, mode, tmp_path):
+    """The host reads of a step where every run's logger acts, at 2 and 8 runs: an exposure row (measured before:
+    16 per run) and, in the batched closed loop (grad source, diagonal, exact Gauss-Newton curvature every 2 steps),
+    a step that only refreshes diag Ĥ. Still per run: the injected covariance's refresh on a row step (its PSD
+    projection and trace)."""
+    p = copy.deepcopy(tiny)
+    p["train"]["rng"] = "counter"
+    noise = "none" if mode == "exposure_row" else "grad_diagonal"
+    if noise != "none":
+        p["noise"]["conditions"][noise] = QUIET_NOISE[noise]
+        p["exposure"].update(curvature="ggn_exact", curvature_every=2)
+    p["grid"]["noise"] = [noise]
+    two, eight = (logging_step_reads(p, noise, R, tmp_path / str(R), mode == "exposure_row") for R in (2, 8))
+    assert two == eight, (two, eight)

@@ -99,7 +99,8 @@ def test_b_simple_matches_its_formula():
     vals = []
     for i in range(20):
         xs, ys = batch(2048, i)
-        vals.append(b_simple(grad_noise(group_grads(model, half_mse, xs, ys, 64), 32), 2048))
+        n = grad_noise(group_grads(model, half_mse, xs, ys, 64), 32)
+        vals.append(b_simple(float(n.mean.square().sum()), n.trace, 2048))
     truth = float(torch.trace(C) / delta.square().sum())
     assert np.mean(vals) == pytest.approx(truth, rel=0.1)
 
@@ -343,7 +344,7 @@ def test_update_variance_matches_real_adamw_steps_and_calibrates_kappa_to_one(be
             m2.w.grad = g.clone()
             o2.step()
             real.append((m2.w - model.w).detach())
-        v = update_innovation_variance(AdamState.of_torch(opt), G, 64, 1e-3)
+        v = float(update_innovation_variance(AdamState.of_torch(opt), G, 64, 1e-3))
         assert v == pytest.approx(float(torch.stack(real).var(0).sum()), rel=1e-6)
         a = preconditioner(AdamState.of_torch(opt), fallback_grads=False)
         noise = grad_noise(G, 4)
@@ -359,12 +360,13 @@ def test_pne_columns_by_hand():
     clip factor 0.5 and injected post-clip P-NE* 0.3 → NE_post = 0.25·0.95 + 0.3·0.5 = 0.3875, P-NE*_post 0.775;
     a Curv below the floor divides by the floor."""
     a, diag = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])
-    c = pne_columns(0.1, 1.0, 2, a, diag, 0.5, 1e-12, 0.5, 0.2, 0.3)
+    aca = float((a.square() * diag).sum())
+    c = pne_columns(0.1, 1.0, 2, aca, 0.5, 1e-12, 0.5, 0.2, 0.3)
     want = {"trace_aca": 19.0, "ne": 0.95, "ne_total": 1.15, "pne": 2.3, "ne_postclip": 0.3875,
             "pne_postclip": 0.775, "ne_simple": 0.1 * 1.15, "ne_simple_postclip": 0.1 * 0.3875}
     for k, v in want.items():
         assert c[k] == pytest.approx(v, rel=1e-6), k
-    assert pne_columns(0.1, 1.0, 2, a, diag, -3.0, 0.01, 1.0, 0.0, 0.0)["pne"] == pytest.approx(95.0, rel=1e-6)
+    assert pne_columns(0.1, 1.0, 2, aca, -3.0, 0.01, 1.0, 0.0, 0.0)["pne"] == pytest.approx(95.0, rel=1e-6)
 
 
 @pytest.mark.validation

@@ -16,9 +16,11 @@ def _rademacher(shape: tuple, generator: torch.Generator, like: torch.Tensor) ->
     return torch.randint(0, 2, shape, generator=generator, device=like.device).to(like.dtype) * 2 - 1
 
 
-def _mean_se(vals: torch.Tensor) -> tuple[float, float]:
-    v = vals.double().cpu().numpy()
-    return float(v.mean()), float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else math.nan
+def _mean_se(vals: torch.Tensor) -> torch.Tensor:
+    """(mean, standard error of the mean) of the samples, float64 on their device (SE NaN for one sample)."""
+    v = vals.double()
+    se = v.std() / math.sqrt(len(v)) if len(v) > 1 else v.new_tensor(math.nan)
+    return torch.stack([v.mean(), se])
 
 
 @dataclass
@@ -40,6 +42,11 @@ class Curvature:
 
     def at(self, a: torch.Tensor | None) -> tuple[float, float]:
         """(Tr(A Ĥ A), its standard error over probes); a = None gives Tr(Ĥ)."""
+        curv, se = self.at_device(a).tolist()
+        return curv, se
+
+    def at_device(self, a: torch.Tensor | None) -> torch.Tensor:
+        """`at`'s two values as a float64 (2,) tensor on the device, not read."""
         left, right = (self.left, self.right) if a is None else (self.left * a, self.right * a)
         return _mean_se((left * right).sum(1) * self.scale)
 

@@ -99,31 +99,40 @@ def grad_noise(G: torch.Tensor, m: int) -> GradNoise:
     return GradNoise(mean, factor.square().sum(0), factor, m)
 
 
-def b_simple(noise: GradNoise, batch: int) -> float:
-    """Gradient noise scale Tr(C)/|G|² (McCandlish et al.), |G|² estimated without the Tr(C)/B bias;
-    NaN when the noise swamps the signal (|ḡ|² ≤ Tr(C)/B)."""
-    g2 = float(noise.mean.square().sum()) - noise.trace / batch
-    return noise.trace / g2 if g2 > 0 else math.nan
+def b_simple(mean_sq: float, trace: float, batch: int) -> float:
+    """Gradient noise scale Tr(C)/|G|² (McCandlish et al.) from |ḡ|² (`mean_sq`) and Tr(C), |G|² estimated without
+    the Tr(C)/B bias; NaN when the noise swamps the signal (|ḡ|² ≤ Tr(C)/B)."""
+    g2 = mean_sq - trace / batch
+    return trace / g2 if g2 > 0 else math.nan
 
 
-def leading_eigs(factor: torch.Tensor, a: torch.Tensor | None, r: int) -> tuple[np.ndarray, float, float]:
-    """Leading r eigenvalues of A Ĉ A = (F A)ᵀ(F A), their tail index and the participation ratio.
-
-    Exact thin SVD of the K × P matrix when K is small, randomised (torch.svd_lowrank) otherwise.
-    tail index α: slope of −log λ_i against log i over the positive leading eigenvalues (λ_i ∝ i^−α);
-    participation ratio (Σλ)² / Σλ² over the whole spectrum (1 = one direction, P = isotropic)."""
+def spectrum_parts(factor: torch.Tensor, a: torch.Tensor | None,
+                   r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """On the device: the leading r eigenvalues of A Ĉ A = (F A)ᵀ(F A), Tr of the Gram matrix (F A)(F A)ᵀ and its
+    squared Frobenius norm (spectrum_summary reads them). Exact thin SVD of the K × P matrix when K is small,
+    randomised (torch.svd_lowrank) otherwise."""
     FA = factor if a is None else factor * a
     K = FA.shape[0]
-    if K <= 4 * r:
-        s = torch.linalg.svdvals(FA)
-    else:
-        s = torch.svd_lowrank(FA, q=min(r + 8, K), niter=4)[1]
-    lam = (s.square().double().cpu().numpy())[:r]
+    s = torch.linalg.svdvals(FA) if K <= 4 * r else torch.svd_lowrank(FA, q=min(r + 8, K), niter=4)[1]
     gram = FA @ FA.T
-    pr = float(torch.trace(gram) ** 2 / gram.square().sum()) if float(gram.abs().sum()) > 0 else math.nan
+    return s.square()[:r], torch.trace(gram), gram.square().sum()
+
+
+def spectrum_summary(lam: np.ndarray, gram_trace: float, gram_sq: float) -> tuple[np.ndarray, float, float]:
+    """(λ, tail index, participation ratio) from spectrum_parts' values read on the host: tail index α, the slope of
+    −log λ_i against log i over the positive leading eigenvalues (λ_i ∝ i^−α); participation ratio (Σλ)² / Σλ² over
+    the whole spectrum, Tr(gram)² / |gram|²_F (1 = one direction, P = isotropic)."""
+    pr = gram_trace ** 2 / gram_sq if gram_sq > 0 else math.nan
     pos = lam[lam > lam[0] * 1e-12] if len(lam) and lam[0] > 0 else lam[:0]
     alpha = float(-np.polyfit(np.log(np.arange(1, len(pos) + 1)), np.log(pos), 1)[0]) if len(pos) >= 3 else math.nan
     return lam, alpha, pr
+
+
+def leading_eigs(factor: torch.Tensor, a: torch.Tensor | None, r: int) -> tuple[np.ndarray, float, float]:
+    """Leading r eigenvalues of A Ĉ A, their tail index and the participation ratio (spectrum_parts, then
+    spectrum_summary)."""
+    lam, tr, sq = spectrum_parts(factor, a, r)
+    return spectrum_summary(lam.double().cpu().numpy(), float(tr), float(sq))
 
 
 @dataclass
@@ -198,19 +207,20 @@ def ne_unit(lr: float, kappa_: float | torch.Tensor, a: torch.Tensor, diag: torc
     return lr * kappa_ * (float(aca) if aca.dim() == 0 else aca.double())
 
 
-def pne_columns(lr: float, kappa_: float, batch: int, a: torch.Tensor, diag: torch.Tensor, curv: float,
-                floor: float, clip_coef: float, ne_injected: float, pne_injected_postclip: float) -> dict[str, float]:
-    """The exposure columns of one row (method §6), from the measured diag C, Curv and the injector's interval means:
+def pne_columns(lr: float, kappa_: float, batch: int, trace_aca: float, curv: float, floor: float, clip_coef: float,
+                ne_injected: float, pne_injected_postclip: float) -> dict[str, float]:
+    """The exposure columns of one row (method §6), from Σ a² diag(C) (`trace_aca`: the measured diag C at this
+    step's A), Curv and the injector's interval means:
 
         NE = η κ Σ a² diag(C) / B,   NE_total = NE + NE_inj,   P-NE* = NE_total / max(floor, Curv)
         after clipping (factor c): NE_post = c² NE + P-NE*_inj,post · max(floor, Curv),  P-NE*_post = NE_post / den
         simple forms: (η/κ) · NE  (= η² Σ a² (C/B + R'), the per-step update variance)."""
-    ne = ne_unit(lr, kappa_, a, diag) / batch
+    ne = lr * kappa_ * trace_aca / batch   # ne_unit's arithmetic
     den = max(floor, curv)
     ne_total = ne + ne_injected
     ne_post = clip_coef ** 2 * ne + pne_injected_postclip * den
     simple = lr / kappa_
-    return {"trace_aca": float((a.square() * diag).sum()), "ne": ne, "ne_injected": ne_injected,
+    return {"trace_aca": trace_aca, "ne": ne, "ne_injected": ne_injected,
             "ne_total": ne_total, "ne_simple": simple * ne_total, "pne": ne_total / den, "ne_postclip": ne_post,
             "pne_postclip": ne_post / den, "pne_injected_postclip": pne_injected_postclip,
             "ne_simple_postclip": simple * ne_post}
@@ -260,14 +270,14 @@ def injected_dose_se(steps_curv: np.ndarray, pne_se: np.ndarray) -> float:
     return float(np.sqrt(np.nansum(per ** 2)))
 
 
-def update_innovation_variance(adam: AdamState, G: torch.Tensor, batch: int, lr: float) -> float:
+def update_innovation_variance(adam: AdamState, G: torch.Tensor, batch: int, lr: float) -> torch.Tensor | float:
     """Σ_i Var(Δw_i) of one AdamW update at learning rate `lr` from the current state, for batch-B gradient noise.
 
     The K group gradients (rows of G, means over m = B/K sequences, noise C/m) are first shrunk towards
     their mean, ḡ + (g_k − ḡ)·√(m/B), so each carries batch-B noise C/B; the AdamW update rule
     (bias-corrected moments, the v update included) is applied to each from the same state and the
     variance across them taken. Shrinking before the update, not after, keeps Adam's nonlinearity
-    (g² enters v) at the batch's noise level. NaN before step 1."""
+    (g² enters v) at the batch's noise level. A 0-d tensor (the host reads it when it needs it); NaN before step 1."""
     b1, b2 = adam.beta1, adam.beta2
     eps = adam.eps[0] if isinstance(adam.eps, list) else adam.eps
     if adam.exp_avg is None:
@@ -281,7 +291,7 @@ def update_innovation_variance(adam: AdamState, G: torch.Tensor, batch: int, lr:
     m1 = (b1 * m + (1 - b1) * G) / (1 - b1 ** t)
     v1 = (b2 * v + (1 - b2) * G.square()) / (1 - b2 ** t)
     u = lr * m1 / (v1.sqrt() + eps)  # weight decay shifts every row alike: no variance
-    return float(u.var(0, unbiased=True).sum())
+    return u.var(0, unbiased=True).sum()
 
 
 def calibrated_kappa(observed: list[float], predicted: list[float], beta1: float) -> float:

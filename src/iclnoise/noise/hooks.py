@@ -21,6 +21,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Callable, Protocol
 
+import numpy as np
 import pyarrow as pa
 import torch
 from torch import nn
@@ -38,10 +39,11 @@ from .exposure import (
     grad_noise,
     group_grads,
     kappa,
-    leading_eigs,
     pne_columns,
     preconditioner,
     refresh_interval,
+    spectrum_parts,
+    spectrum_summary,
     update_innovation_variance,
 )
 
@@ -125,14 +127,49 @@ class ExposureState:
 
 @dataclass
 class Measured:
-    """What the exposure logger measured in a due step's on_grads, for its on_update to write as a row."""
+    """What the exposure logger measured in a due step's on_grads, for its on_update to write as a row (the floats
+    once HostReads has read them)."""
 
     noise: GradNoise
-    a: torch.Tensor          # this step's A (before the update)
-    curv: float
-    curv_se: float
-    update_var: float        # observed update innovation variance (exposure.update_innovation_variance)
-    update_var_pred: float   # its prediction η² Σ a² C / B
+    a: torch.Tensor                 # this step's A (before the update)
+    curv: float = math.nan
+    curv_se: float = math.nan
+    update_var: float = math.nan        # observed update innovation variance (exposure.update_innovation_variance)
+    update_var_pred: float = math.nan   # its prediction η² Σ a² C / B
+
+
+class HostReads:
+    """Device values hooks need on the host, read in one device-to-host copy per `read` and handed, in the order asked,
+    to the callbacks that asked for them (a 0-d tensor as a float, a 1-d one as a list; other values as they are).
+    `eager`: each ask is read at once (a hook outside an ensemble, or beside a per-run hook that reads the shared
+    state within the step); an ensemble shares one non-eager instance among its loggers and reads it after their
+    on_grads and after their on_update (iclnoise.run.ensemble), so a logging step's host reads do not grow with
+    its runs."""
+
+    def __init__(self, eager: bool = True):
+        self.eager = eager
+        self._asked: list[tuple[list, Callable[[list], None]]] = []
+
+    def ask(self, values: list, then: Callable[[list], None]) -> None:
+        self._asked.append((values, then))
+        if self.eager:
+            self.read()
+
+    def read(self) -> None:
+        asked, self._asked = self._asked, []
+        ts = [v.detach().double().reshape(-1) for vals, _ in asked for v in vals if isinstance(v, torch.Tensor)]
+        flat = torch.cat(ts).tolist() if ts else []   # the one copy
+        i = 0
+        for vals, then in asked:
+            out = []
+            for v in vals:
+                if isinstance(v, torch.Tensor):
+                    n = v.numel()
+                    out.append(flat[i] if v.dim() == 0 else flat[i:i + n])
+                    i += n
+                else:
+                    out.append(v)
+            then(out)
 
 
 class NoiseMeter:
@@ -188,6 +225,7 @@ class ExposureLogger:
         self.meter, self.state, self.window, self.device = meter, state, spec.window, device
         self._rows: list[dict] = []
         self._measured: Measured | None = None
+        self.reads = HostReads()   # an ensemble may share one, read once per logging step (HostReads)
         self._last, self._clipped_steps, self._steps = -1, 0, 0   # since the last row: clipped and live steps
         self._counted = False   # True: an ensemble counts them (count_in), on_update only reads and resets them
 
@@ -207,20 +245,28 @@ class ExposureLogger:
         every = self.curv_every if self.curv_tol is None else min(st.curv_interval, step - start)
         return st.curv_diag is None or (start <= step < stop and step - st.curv_step >= max(1, every))
 
-    def _measure_curvature(self, ctx: StepContext, a: torch.Tensor | None) -> tuple[float, float]:
-        """Hutchinson diag Ĥ on this step's held-out batch, kept in the shared state with its relative standard
-        error at this step's A (the ensemble's measurement in ctx.curvature, else its own); adapts the refresh
-        interval to the drift from the previous Ĥ (curvature_tol)."""
+    def _measure_curvature(self, ctx: StepContext, a: torch.Tensor | None, meas: Measured | None = None) -> None:
+        """diag Ĥ on this step's held-out batch (the ensemble's measurement in ctx.curvature, else its own), kept in
+        the shared state; once read (self.reads), Curv at this step's A and its standard error into `meas`, the
+        relative standard error into the state, and the refresh interval adapted to the drift from the previous Ĥ
+        (curvature_tol)."""
         hess = ctx.curvature or self._curvature(ctx)
         st = self.state
-        curv, se = hess.at(a)
-        rse = se / curv if curv > 0 else math.nan
-        if self.curv_tol is not None and st.curv_diag is not None and a is not None:
-            st.curv_interval = refresh_interval(st.curv_interval, float((a.square() * st.curv_diag).sum()), curv,
-                                                math.hypot(st.curv_rse, rse), self.curv_tol, self.curv_every)
-        st.curv_diag, st.curv_step, st.curv_rse = hess.diag, ctx.step, rse
-        st.close_measurement()
-        return curv, se
+        adapt = self.curv_tol is not None and st.curv_diag is not None and a is not None
+        old = (a.square() * st.curv_diag).sum() if adapt else None
+        st.curv_diag, st.curv_step = hess.diag, ctx.step
+
+        def then(v: list) -> None:
+            (curv, se), old_curv = v
+            rse = se / curv if curv > 0 else math.nan
+            if adapt:
+                st.curv_interval = refresh_interval(st.curv_interval, old_curv, curv, math.hypot(st.curv_rse, rse),
+                                                    self.curv_tol, self.curv_every)
+            st.curv_rse = rse
+            st.close_measurement()
+            if meas is not None:
+                meas.curv, meas.curv_se = curv, se
+        self.reads.ask([hess.at_device(a), old], then)
 
     def probe_generator(self, step: int) -> torch.Generator:
         """The generator of step `step`'s Hutchinson probes (one stream per run and step)."""
@@ -251,17 +297,22 @@ class ExposureLogger:
             return
         noise = self.meter.measure(ctx)
         a = preconditioner(ctx.adam)
-        upd_var = update_innovation_variance(ctx.adam, self.meter.G, self.batch, ctx.lr)
         a_state = preconditioner(ctx.adam, fallback_grads=False)
-        upd_pred = (ctx.lr ** 2 * float((a_state.square() * noise.diag).sum()) / self.batch
-                    if a_state is not None else math.nan)
-        if self.calibrate:
-            k = calibrated_kappa([r["update_var"] for r in self._rows] + [upd_var],
-                                 [r["update_var_pred"] for r in self._rows] + [upd_pred], self.beta1)
-            if math.isfinite(k):
-                self.kappa = self.state.kappa = k
-        curv, curv_se = self._measure_curvature(ctx, a)
-        self._measured = Measured(noise, a, curv, curv_se, upd_var, upd_pred)
+        meas = self._measured = Measured(noise, a)
+        lr = ctx.lr
+
+        def then(v: list) -> None:
+            upd_var, aca = v
+            meas.update_var = upd_var
+            meas.update_var_pred = lr ** 2 * aca / self.batch if aca is not None else math.nan
+            if self.calibrate:
+                k = calibrated_kappa([r["update_var"] for r in self._rows] + [meas.update_var],
+                                     [r["update_var_pred"] for r in self._rows] + [meas.update_var_pred], self.beta1)
+                if math.isfinite(k):
+                    self.kappa = self.state.kappa = k
+        self.reads.ask([update_innovation_variance(ctx.adam, self.meter.G, self.batch, lr),
+                        (a_state.square() * noise.diag).sum() if a_state is not None else None], then)
+        self._measure_curvature(ctx, a, meas)
 
     def on_update(self, ctx: StepContext) -> None:
         if not self._counted:
@@ -269,25 +320,30 @@ class ExposureLogger:
             self._clipped_steps += ctx.live & (ctx.clip_coef < 1.0)
         if self._measured is None:
             return
-        meas, B, lr, coef = self._measured, self.batch, ctx.lr, float(ctx.clip_coef)
-        clipped, steps = int(self._clipped_steps), int(self._steps)
+        meas, B, lr, step = self._measured, self.batch, ctx.lr, ctx.step
         noise, a = meas.noise, meas.a
-        interval = ctx.step - self._last
+        interval = step - self._last
         ne_inj, pne_inj, dose_var = self.state.take_interval()
-        cols = pne_columns(lr, self.kappa, B, a, noise.diag, meas.curv, self.floor, coef,
-                           ne_inj / interval, pne_inj / interval)  # exact interval means
-        lam, alpha, pr = leading_eigs(noise.factor, a, self.rank)
-        self._rows.append({
-            **self.keys, "step": ctx.step, "interval": interval, "lr": lr,
-            "kappa": self.kappa, "update_var": meas.update_var, "update_var_pred": meas.update_var_pred,
-            "groups": noise.factor.shape[0], "group_size": noise.m,
-            "grad_norm": float(noise.mean.norm()), "trace_c": noise.trace,
-            "b_simple": b_simple(noise, B), "curv": meas.curv, "curv_se": meas.curv_se,
-            "clip_coef": coef, "clip_frac": clipped / max(1, steps), **cols,
-            "pne_injected_var": dose_var,
-            "aca_eigs": lam.tolist(), "tail_index": alpha, "participation_ratio": pr})
-        self.state.pne_postclip = cols["pne_postclip"]
-        self._last, self._measured = ctx.step, None
+        counts = [c.clone() if isinstance(c, torch.Tensor) else c for c in (self._clipped_steps, self._steps)]
+
+        def then(v: list) -> None:
+            coef, clipped, steps, aca, trace_c, mean_sq, lam, gram_trace, gram_sq = v
+            cols = pne_columns(lr, self.kappa, B, aca, meas.curv, self.floor, coef,
+                               ne_inj / interval, pne_inj / interval)  # exact interval means
+            lam, alpha, pr = spectrum_summary(np.asarray(lam, dtype=float), gram_trace, gram_sq)
+            self._rows.append({
+                **self.keys, "step": step, "interval": interval, "lr": lr,
+                "kappa": self.kappa, "update_var": meas.update_var, "update_var_pred": meas.update_var_pred,
+                "groups": noise.factor.shape[0], "group_size": noise.m,
+                "grad_norm": math.sqrt(mean_sq), "trace_c": trace_c,
+                "b_simple": b_simple(mean_sq, trace_c, B), "curv": meas.curv, "curv_se": meas.curv_se,
+                "clip_coef": coef, "clip_frac": int(clipped) / max(1, int(steps)), **cols,
+                "pne_injected_var": dose_var,
+                "aca_eigs": lam.tolist(), "tail_index": alpha, "participation_ratio": pr})
+            self.state.pne_postclip = cols["pne_postclip"]
+        self.reads.ask([torch.as_tensor(ctx.clip_coef), *counts, (a.square() * noise.diag).sum(), noise.diag.sum(),
+                        noise.mean.square().sum(), *spectrum_parts(noise.factor, a, self.rank)], then)
+        self._last, self._measured = step, None
         if self._counted:
             self._clipped_steps.zero_(), self._steps.zero_()
         else:

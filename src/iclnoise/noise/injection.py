@@ -105,7 +105,7 @@ class NoiseInjector:
         self.meter, self.state, self.device = meter, state, device
         self.cov: CovModel | None = None
         self.clipped = 0.0
-        self._cached: tuple[CovModel | None, torch.Tensor | None] = (None, None)
+        self._cached: tuple[CovModel | None, torch.Tensor | None, float | None] = (None, None, None)
         self.realised = 0.0                     # Σ injected P-NE* after clipping so far
         self._rows: list[dict] = []
         self._eps: torch.Tensor | None = None
@@ -119,12 +119,16 @@ class NoiseInjector:
     def _diag(self) -> torch.Tensor:
         """diag(R') of the current covariance (cached per covariance)."""
         if self._cached[0] is not self.cov:
-            self._cached = (self.cov, self.cov.diag())
+            self._cached = (self.cov, self.cov.diag(), None)
         return self._cached[1]
 
     @property
     def _trace(self) -> float:
-        return float(self._diag.sum())
+        """Tr R' of the current covariance, read once per covariance."""
+        diag = self._diag
+        if self._cached[2] is None:
+            self._cached = (self.cov, diag, float(diag.sum()))
+        return self._cached[2]
 
     def _refresh(self, ctx: StepContext) -> None:
         if self.nap is not None:   # its own measurement: per-task gradients of the batch's tasks (iclnoise.noise.nap)

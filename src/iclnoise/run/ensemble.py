@@ -35,7 +35,7 @@ from ..core.model import mse_loss
 from ..core.tasks import Batch, CounterSampler, stacked_batch
 from ..noise.curvature import stacked_exact_ggn_curvature, stacked_ggn_curvature
 from ..noise.exposure import stacked_group_grads
-from ..noise.hooks import ExposureLogger, StepContext
+from ..noise.hooks import ExposureLogger, HostReads, StepContext
 from ..noise.injection import BatchedInjection, NoiseInjector
 from .member import Member, save_resume
 from .optim import RunAdam, build_optimizer, load_opt_state, opt_state_of
@@ -88,6 +88,13 @@ class Ensemble:
         for r, h in loggers.items():
             h.count_in(self.clipped_n[r], self.steps_n[r])
         self.counting = bool(loggers)
+        # the host values of the loggers alone among their run's hooks, read once after on_grads and once after
+        # on_update on a logging step (HostReads); a logger beside a per-run hook reads at once (that hook reads
+        # the state it sets within the step)
+        self.reads = HostReads(eager=False)
+        for r, h in loggers.items():
+            if self.hooks[r] == [h]:
+                h.reads = self.reads
         # divergence on the device (self.frozen, the step and loss it happened at); the host's view, self.known,
         # is brought up to date at the steps _looks names (iclnoise.run.ensemble module docstring)
         self.frozen = torch.tensor([m.diverged for m in members], device=self.device)
@@ -381,6 +388,7 @@ class Ensemble:
         for r, ctx in ctxs.items():
             for h in self.hooks[r]:
                 h.on_grads(ctx)
+        self.reads.read()
         if inj:
             inj.on_grads(step, lr, set(live), ctxs, self.adam.state(step), self.frozen, acting)
         if self.graphs:
@@ -398,6 +406,7 @@ class Ensemble:
             ctx.grad_norm, ctx.clip_coef, ctx.live = norms[r], coefs[r], ~self.frozen[r]
             for h in reversed(self.hooks[r]):
                 h.on_update(ctx)
+        self.reads.read()
         if step + 1 in self.ckpt_at:
             self.checkpoints(live, step + 1)
             self.commit(step + 1)
