@@ -371,6 +371,8 @@ def closed_loop(injecting):
     c["glow"] = {"source": "grad", "shape": "lowrank", "rank": 4, "schedule": "constant", "emulate_batch": 4}
     c["pnap"] = {"source": "param", "shape": "nap", "rank": 4, "nap_tasks": 4, "nap_per_task": 4, "nap_memory": 4,
                  "schedule": "constant", "budget": 0.002}
+    c["gpid"] = {"source": "grad", "shape": "diagonal", "schedule": "controlled", "target": 2e-5,
+                 "controller": {"kp": 0.5, "ki": 0.3}}
     return injecting
 
 
@@ -393,12 +395,13 @@ def assert_same_table(a: pd.DataFrame, b: pd.DataFrame, what: str, rtol: float) 
             assert (x == y).all(), f"{what} {col}"
 
 
-@pytest.mark.parametrize("noise", ["early", "pdiag", "pisolate", "glow", "pnap"])
+@pytest.mark.parametrize("noise", ["early", "pdiag", "pisolate", "glow", "pnap", "gpid"])
 def test_the_batched_closed_loop_equals_the_per_run_path_run_by_run(closed_loop, noise, tmp_path, monkeypatch,
                                                                     caplog):
     """60 steps of a closed-loop injecting arm (grad source with clipping active in most steps, early window; param
     source diagonal over the whole run; param source isotropic, late window; grad source low-rank emulating batch 4;
-    param source NAP), exposure rows every 10 steps, under either random stream: the
+    param source NAP; grad source under the PI controller), exposure rows every 10 steps, under either random stream:
+    the
     batched closed loop (injection.BatchedInjection, logged; no per-run injector call) and the per-run path give each
     run the same parameters, metrics, exposure rows and injection rows (every column) and the same realised
     integrated P-NE*, to float32 round-off (measured: bitwise on the CPU at 1 thread; the two sum |g|², Σ a² Ĥ and
@@ -523,18 +526,19 @@ QUIET_NOISE = {   # the op count's injecting modes: a budget (closed loop) or em
     "param_isotropic": {"source": "param", "shape": "isotropic", "schedule": "constant", "budget": 0.002},
     "grad_lowrank": {"source": "grad", "shape": "lowrank", "rank": 4, "schedule": "constant", "emulate_batch": 4},
     "param_nap": {"source": "param", "shape": "nap", "rank": 4, "nap_tasks": 4, "nap_per_task": 4, "nap_memory": 4,
-                  "schedule": "constant", "budget": 0.002}}
+                  "schedule": "constant", "budget": 0.002},
+    "grad_controlled": {"source": "grad", "shape": "diagonal", "schedule": "controlled", "target": 2e-5,
+                        "controller": {"kp": 0.5, "ki": 0.3}}}
 
 
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("mode", ["plain", "exposure", *QUIET_NOISE])
 def test_a_quiet_step_costs_the_same_ops_at_2_and_8_runs(tiny, mode, tmp_path):
     """train.rng counter: a step where no hook acts dispatches as many aten ops for 8 runs as for 2, without exposure
-    logging, with it, and injecting (QUIET_NOISE: diagonal, isotropic, low-rank and NAP shapes, at a budget or
-    emulating a batch): no per-run work on the device. Measured before (generator stream, a context per run per step):
-    9, 20 and 23 ops per run per step on the tiny model without logging, with it and injecting diagonal noise, and the
-    low-rank and NAP injectors acted on every step, per run. The PI controller's runs still do. A logging step's host
-    reads still grow with the runs (measured 16 per run)."""
+    logging, with it, and injecting (QUIET_NOISE: diagonal, isotropic, low-rank and NAP shapes, at a budget, emulating
+    a batch or under the PI controller): no per-run work on the device. Measured before (generator stream, a context
+    per run per step): 9, 20 and 23 ops per run per step on the tiny model without logging, with it and injecting
+    diagonal noise; the low-rank, NAP and controlled injectors acted on every step, per run."""
     p = copy.deepcopy(tiny)
     p["train"]["rng"] = "counter"
     p["exposure"]["enabled"] = mode != "plain"

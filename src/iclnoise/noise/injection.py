@@ -3,10 +3,10 @@ set open loop (emulate_batch), by a closed loop on the realised exposure (budget
 The maths lives in iclnoise.noise and iclnoise.noise.exposure; iclnoise.noise.hooks has the step protocol and the
 exposure state this hook shares with the exposure logger.
 
-Two paths, one set of numbers: an ensemble (iclnoise.run.ensemble) runs its injectors at a budget (the closed loop;
-schedule constant, early or late) or at emulate_batch's scale 1, of every shape, for all their runs at once
-(BatchedInjection: no host read on the step); the PI controller, sgd_momentum and an injector beside another hook run
-per run (NoiseInjector.on_grads / on_update). The log says which path an ensemble's condition takes. Both draw each
+Two paths, one set of numbers: an ensemble (iclnoise.run.ensemble) runs its injectors of every shape and level (a
+budget's closed loop, emulate_batch's scale 1, the PI controller) for all their runs at once (BatchedInjection: no
+host read on the step); sgd_momentum's and an injector beside another hook run per run (NoiseInjector.on_grads /
+on_update). The log says which path an ensemble's condition takes. Both draw each
 run's noise from its own stream and book its rows with NoiseInjector.book.
 """
 from __future__ import annotations
@@ -179,9 +179,9 @@ class NoiseInjector:
 
     @property
     def batched(self) -> bool:
-        """BatchedInjection runs it for a whole ensemble: every shape, at a budget (the closed loop; schedule
-        constant, early or late) or at scale 1 (emulate_batch). The PI controller stays per run."""
-        return self.ctl is None
+        """BatchedInjection runs it for a whole ensemble: every shape and level (budget, emulate_batch, the PI
+        controller)."""
+        return True
 
     def draw(self, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Step `step`'s unscaled draws from the run's own stream: ε₁ ~ N(0, R') and, for isotropic parameter
@@ -297,7 +297,10 @@ class BatchedInjection:
         f64 = {"dtype": torch.float64, "device": device}
         self.idx = torch.tensor(runs, device=device)
         self.budget = torch.tensor([i.budget or 0.0 for i in injectors], **f64)
-        self.fixed = torch.tensor([i.budget is None for i in injectors], device=device)   # emulate_batch: s = 1
+        self.fixed = torch.tensor([i.budget is None and i.ctl is None for i in injectors], device=device)  # s = 1
+        self.ctl = torch.tensor([i.ctl is not None for i in injectors], device=device)   # the PI controller's s
+        self.ctl_runs = [k for k, i in enumerate(injectors) if i.ctl is not None]
+        self.log_s = torch.tensor([i.ctl.log_s if i.ctl else 0.0 for i in injectors], **f64)
         self.start = torch.tensor([i.start for i in injectors], **f64)
         self.stop = torch.tensor([i.stop for i in injectors], **f64)
         self.floor = torch.tensor([i.floor for i in injectors], **f64)
@@ -375,10 +378,36 @@ class BatchedInjection:
         unit = ne_unit(lr, self.kappa, a, self.diag)
         g2 = sub(torch.stack([g.reshape(R, -1).norm(dim=1) for g in grads], 1).square().sum(1)).double()  # _grad_sq
         s = closed_loop_scale(self.budget - self.realised, self.stop - step, curv, unit, g2, self.trace, self.clip)
+        if self.ctl_runs:
+            s = torch.where(self.ctl, self._controlled(step, curv, unit, g2), s)
         s = torch.where(on & ok, torch.where(self.fixed, 1.0, s), 0.0)
         ne = torch.where(s > 0, s * unit, 0.0)
         self._step = (step, ok, s, ne, curv)
         self._add_noise(step, lr, set(act), a, s, grads)
+
+    def _controlled(self, step: int, curv: torch.Tensor, unit: torch.Tensor, g2: torch.Tensor) -> torch.Tensor:
+        """The PI controllers' scales exp(log s) (NoiseInjector._scale's): each controller takes the P-NE* after
+        clipping of a row its logger wrote since the last step (on the host: no read); on a controller's first step
+        its open-loop estimate, the scale that reaches the target by itself (budget_scale), read to start it there."""
+        changed = False
+        for k in self.ctl_runs:
+            i = self.inj[k]
+            pne, i.state.pne_postclip = i.state.pne_postclip, None
+            if i.ctl_started and pne is not None:
+                i.ctl.update(pne, step / i.total)
+                changed = True
+        new = [k for k in self.ctl_runs if not self.inj[k].ctl_started]
+        if new:
+            target = torch.tensor([target_at(i.ctl.target, step / i.total) if i.ctl else 0.0 for i in self.inj],
+                                  **self.f64)
+            s0 = budget_scale(target, curv, unit, g2, self.trace, self.clip).tolist()   # a controller's first step
+            for k in new:
+                i = self.inj[k]
+                i.ctl.u = i.ctl.log_s = min(MAX_LOG_SCALE, math.log(s0[k])) if 0 < s0[k] else -MAX_LOG_SCALE
+                i.ctl_started = changed = True
+        if changed:
+            self.log_s.copy_(torch.tensor([i.ctl.log_s if i.ctl else 0.0 for i in self.inj], dtype=torch.float64))
+        return self.log_s.exp()
 
     def _add_noise(self, step: int, lr: float, act: set[int], a: torch.Tensor, s: torch.Tensor,
                    grads: list[torch.Tensor]) -> None:

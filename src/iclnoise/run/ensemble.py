@@ -144,8 +144,8 @@ class Ensemble:
         if batched:
             log.info("noise injection: %d runs (%s) in one batched closed loop", len(batched), names(batched))
         if rest:
-            log.info("noise injection: %d runs (%s) per run (controlled, sgd_momentum, another hook or "
-                     "INJECT_BATCHED off)", len(rest), names(rest))
+            log.info("noise injection: %d runs (%s) per run (sgd_momentum, another hook or INJECT_BATCHED off)",
+                     len(rest), names(rest))
         if not batched:
             return None
         return BatchedInjection(batched, [hooks[r][1] for r in batched], [hooks[r][0] for r in batched],
