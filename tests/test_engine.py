@@ -601,3 +601,35 @@ def test_a_logging_step_reads_the_host_as_often_at_2_and_8_runs(tiny, mode, tmp_
     p["grid"]["noise"] = [noise]
     two, eight = (logging_step_reads(p, noise, R, tmp_path / str(R), mode == "exposure_row") for R in (2, 8))
     assert two == eight, (two, eight)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_runs_of_different_conditions_share_an_ensemble_with_their_own_numbers(closed_loop, tmp_path):
+    """train.share_conditions: batch noise alone, the grad source's closed loop (clipping), low-rank emulate_batch and
+    the param source's closed loop, one run each, grouped into one ensemble (ensemble_groups) and trained together:
+    every table and final state equals the same run's in its own condition's ensemble, bit for bit (one thread). A
+    condition with other steps (steps_as_batch) keeps an ensemble of its own."""
+    from test_train import assert_same_states, final_states
+
+    from iclnoise.config.grid import ensemble_groups
+
+    p = copy.deepcopy(closed_loop)
+    conds = ["none", "early", "glow", "pdiag"]
+    p["grid"].update(noise=[*conds, "grad_b16_steps"], M=[4], seeds=[0], batch_sizes=[16])
+    p["noise"]["conditions"]["grad_b16_steps"] = {"source": "grad", "shape": "lowrank", "rank": 4,
+                                                  "schedule": "constant", "emulate_batch": 4, "steps_as_batch": 4}
+    p["train"]["budget"] = {"mode": "sequences", "sequences": 960}
+    p["noise"]["conditions"]["early"].pop("batch_sizes", None)   # params.yaml's runs it at batch 64 only
+    assert len(ensemble_groups(p)) == 5
+    p["train"]["share_conditions"] = True
+    groups = ensemble_groups(p)
+    assert sorted(len(g) for g in groups.values()) == [1, 4], groups
+    runs = next(g for g in groups.values() if len(g) == 4)
+    assert all(run_spec(p, r) == run_spec({**p, "train": {**p["train"], "share_conditions": False}}, r) for r in runs)
+    train_ensemble([run_spec(p, r) for r in runs], [tmp_path / "shared" / r for r in runs], progress=False)
+    for r in runs:
+        train_ensemble([run_spec(p, r)], [tmp_path / "own" / r], progress=False)
+        a, b = tmp_path / "shared" / r, tmp_path / "own" / r
+        for f in ("metrics.parquet", "exposure.parquet") + (("injection.parquet",) if "none" not in r else ()):
+            pd.testing.assert_frame_equal(read_parquet(a / f), read_parquet(b / f), check_exact=True, obj=f"{r} {f}")
+        assert_same_states(final_states([a]), final_states([b]))

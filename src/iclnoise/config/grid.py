@@ -101,7 +101,7 @@ def steps_for(params: dict, batch: int, noise: str = "none") -> int:
 
 
 ENGINE = ("cuda_graphs", "tf32")   # train's switches of how the step runs on CUDA
-SIZING = ("ensemble_runs", "gpu_memory_gib")   # train's keys of how runs are grouped into ensembles
+SIZING = ("ensemble_runs", "gpu_memory_gib", "share_conditions")   # train's keys of how runs are grouped into ensembles
 
 
 def run_spec(params: dict, run_id: str) -> dict[str, Any]:
@@ -167,12 +167,14 @@ def ensemble_groups(params: dict) -> dict[str, list[str]]:
     """Ensembles: runs trained together in one process (iclnoise.run.train). Runs of one (batch, noise condition)
     share model shape, step count and training configuration; each such set is split into consecutive chunks (in
     grid order) of at most `train.ensemble_runs` runs, or with `auto` of as many runs as fit the GPU's memory
-    (iclnoise.config.cost.fit_runs), CPU_ENSEMBLE_RUNS on the CPU. Noise conditions never share an ensemble (one noise
-    section per ensemble). Group id `B{batch}-{noise}` (+ `-{optimizer}` for an optimizer other than AdamW,
-    + `-c{k}` when chunked)."""
+    (iclnoise.config.cost.fit_runs), CPU_ENSEMBLE_RUNS on the CPU. Group id `B{batch}-{noise}` (+ `-{optimizer}` for
+    an optimizer other than AdamW, + `-c{k}` when chunked). With `train.share_conditions` the noise conditions of one
+    batch size, optimizer and step count share ensembles: group id `B{batch}-steps{steps}` (+ the same suffixes)."""
+    share = params["train"].get("share_conditions", False)
     by_key: dict[str, list[str]] = {}
     for k in expand_grid(params):
-        by_key.setdefault(f"B{k.batch}-{k.noise}{k.label}", []).append(k.run_id)
+        cond = f"steps{steps_for(params, k.batch, k.noise)}" if share else k.noise
+        by_key.setdefault(f"B{k.batch}-{cond}{k.label}", []).append(k.run_id)
     groups = {}
     for key, runs in by_key.items():
         chunks = _chunks(params, runs)

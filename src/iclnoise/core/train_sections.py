@@ -129,6 +129,10 @@ class TrainParams(TrainBase):
     gpu_memory_gib: float | None = key(optional=True, gt=0, doc=(
         "GPU memory (GiB) that ensemble_runs auto sizes for with train.device cuda, for planning on a host without "
         "the GPU (a SLURM login node); unset: the visible CUDA device's. Not part of a run's spec."))
+    share_conditions: bool = key(default=False, doc=(
+        "Runs of different noise conditions at one batch size, optimizer and step count train in one ensemble (fewer, "
+        "larger ensembles: fewer kernel launches per run-step on a GPU); each run keeps its own noise, hooks and "
+        "numbers. false: one noise condition per ensemble, as every grid before the key. Not part of a run's spec."))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -417,7 +417,8 @@ class Ensemble:
         if self.start == 0:  # a run resumed at step 0 already has its step-0 checkpoint: keep it untouched
             self.checkpoints([r for r, m in enumerate(members) if m.resume is None], 0)
             self.commit(0)
-        desc = members[0].run_id if len(members) == 1 else f"{len(members)} runs B{self.B} {members[0].spec.keys.noise}"
+        noise = "+".join(sorted({m.spec.keys.noise for m in members}))
+        desc = members[0].run_id if len(members) == 1 else f"{len(members)} runs B{self.B} {noise}"
         bar = tqdm(range(self.start, self.stop), initial=self.start, total=self.stop, desc=desc,
                    disable=not progress, mininterval=1.0, dynamic_ncols=True)
         for step in bar:

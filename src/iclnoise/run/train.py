@@ -23,7 +23,6 @@ without that step (a resume state rolled back or replaced) is refused, naming th
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
@@ -51,8 +50,8 @@ from .runs import (
 )
 
 log = logging.getLogger(__name__)
-SHARED = ("data", "model", "train", "eval", "noise", "exposure")  # sections identical across an ensemble (noise:
-# but for noise_seed, so runs of one seed drawing independent noise, common random numbers, may share one)
+SHARED = ("data", "model", "train", "eval", "exposure")  # sections identical across an ensemble; each run's noise is
+# its own (hooks, injector and stream per run: train.share_conditions, noise_seed's common random numbers)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -66,9 +65,7 @@ def resolve_device(name: str) -> torch.device:
 def _check_shared(specs: list[RunSpec]) -> None:
     """An ensemble needs one model shape, step count and training configuration; name the runs that differ."""
     def shared(s: RunSpec) -> tuple:
-        sections = {k: getattr(s, k) for k in SHARED}
-        sections["noise"] = dataclasses.replace(s.noise, noise_seed=None)
-        return tuple(sections.values()) + (s.keys.batch,)
+        return tuple(getattr(s, k) for k in SHARED) + (s.keys.batch,)
 
     bad = [s.keys.run_id for s in specs if shared(s) != shared(specs[0])]
     if bad:
