@@ -23,7 +23,7 @@ over-estimate). --engine sets train.cuda_graphs / train.tf32 for the GPU rows an
 
 --science --inject-paths (issue 41 item 3): only the injecting arm, at each --runs and the largest --batches, on each
 device in this process, its step timed over --steps steps (CPU too) with the injector's closed loop batched
-(injection.BatchedInjection) and per run (ensemble.INJECT_BATCHED off), alternating; prints the rows and the speed-up
+(batched.BatchedInjection) and per run (ensemble.INJECT_BATCHED off), alternating; prints the rows and the speed-up
 and writes --csv with an `injector` column (batched / per_run).
 """
 from __future__ import annotations

@@ -10,6 +10,7 @@ import torch
 
 import iclnoise.noise.hooks as hooks
 import iclnoise.run.ensemble as ens
+import iclnoise.run.measure as meas
 from iclnoise.config.grid import run_spec, spec_hash
 from iclnoise.core.io import read_parquet
 from iclnoise.core.model import mse_loss
@@ -106,9 +107,9 @@ def test_the_stacked_ensemble_equals_each_run_trained_alone_through_its_hooks(in
     The ensemble measured every group gradient and diag Ĥ of its runs in stacked calls (exposure.stacked_group_grads,
     curvature.stacked_ggn_curvature: 4 probes every 25 steps; stacked_exact_ggn_curvature: exact every 2 steps, the
     default), none per run."""
-    if curvature == "ggn_exact":   # stacked on CUDA only (ensemble.EXACT_STACKED): here too, to test it
+    if curvature == "ggn_exact":   # stacked on CUDA only (measure.EXACT_STACKED): here too, to test it
         injecting["exposure"].update(curvature="ggn_exact", curvature_every=2)
-        monkeypatch.setattr(ens, "EXACT_STACKED", ("cpu",))
+        monkeypatch.setattr(meas, "EXACT_STACKED", ("cpu",))
     stacked_fn = "stacked_exact_ggn_curvature" if curvature == "ggn_exact" else "stacked_ggn_curvature"
     calls = {"stacked": 0, "own": 0, "stacked_grads": 0, "own_grads": 0}
 
@@ -117,9 +118,9 @@ def test_the_stacked_ensemble_equals_each_run_trained_alone_through_its_hooks(in
             calls[key] += 1
             return f(*a, **k)
         return call
-    monkeypatch.setattr(ens, stacked_fn, counted("stacked", getattr(ens, stacked_fn)))
+    monkeypatch.setattr(meas, stacked_fn, counted("stacked", getattr(meas, stacked_fn)))
     monkeypatch.setattr(ens.ExposureLogger, "_curvature", counted("own", ens.ExposureLogger._curvature))
-    monkeypatch.setattr(ens, "stacked_group_grads", counted("stacked_grads", ens.stacked_group_grads))
+    monkeypatch.setattr(meas, "stacked_group_grads", counted("stacked_grads", meas.stacked_group_grads))
     monkeypatch.setattr(hooks, "group_grads", counted("own_grads", hooks.group_grads))
     specs = [run_spec(injecting, r) for r in RUNS]
     out = train_ensemble(specs, [tmp_path / r for r in RUNS], progress=False)
@@ -402,7 +403,7 @@ def test_the_batched_closed_loop_equals_the_per_run_path_run_by_run(closed_loop,
     source diagonal over the whole run; param source isotropic, late window; grad source low-rank emulating batch 4;
     param source NAP; grad source under the PI controller), exposure rows every 10 steps, under either random stream:
     the
-    batched closed loop (injection.BatchedInjection, logged; no per-run injector call) and the per-run path give each
+    batched closed loop (batched.BatchedInjection, logged; no per-run injector call) and the per-run path give each
     run the same parameters, metrics, exposure rows and injection rows (every column) and the same realised
     integrated P-NE*, to float32 round-off (measured: bitwise on the CPU at 1 thread; the two sum |g|², Σ a² Ĥ and
     Σ a² R' over the run axis of one tensor against each run's own)."""

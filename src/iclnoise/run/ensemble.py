@@ -5,8 +5,8 @@ The runs' parameters are stacked along a leading run axis and one step is one ca
 AdamW is elementwise, so one AdamW over the stacked tensors is R AdamWs; each run's hooked model aliases its
 slice of the stack, and its hooks read its slice of the optimizer state through `RunAdam`. A step
 (`Ensemble._step`): one stacked draw of every run's batch, backward, freeze runs that diverged, the hooks' `on_grads`
-(the group gradients and diag Ĥ probes of the runs whose loggers measure at this step first, stacked: `_measure`),
-the closed loop of the budget injectors for all their runs at once (injection.BatchedInjection; other injectors per
+(the group gradients and diag Ĥ of the runs whose loggers measure at this step first, stacked: measure.measure),
+the injectors of all their runs at once (batched.BatchedInjection; sgd_momentum's and those beside another hook per
 run), clip per run, the optimizer step (frozen runs restored), the hooks' `on_update` and the due checkpoints.
 
 The step reads nothing from the device on the host (no sync): losses, their interval sums, divergence and freezing,
@@ -33,21 +33,17 @@ from tqdm import tqdm
 
 from ..core.model import mse_loss
 from ..core.tasks import Batch, CounterSampler, stacked_batch
-from ..noise.curvature import stacked_exact_ggn_curvature, stacked_ggn_curvature
-from ..noise.exposure import stacked_group_grads
+from ..noise.batched import BatchedInjection
 from ..noise.hooks import ExposureLogger, HostReads, StepContext
-from ..noise.injection import BatchedInjection, NoiseInjector
+from ..noise.injection import NoiseInjector
+from .measure import measure
 from .member import Member, save_resume
 from .optim import RunAdam, build_optimizer, load_opt_state, opt_state_of
 
 log = logging.getLogger(__name__)
 LOOK_EVERY = 64  # steps between the host's reads of the frozen runs when nothing else makes it look
 LOOK_ALWAYS = ("cpu",)  # devices where the host reads them every step (free there), sparing the restore when none is
-# devices where the exact Gauss–Newton curvature of an ensemble's runs is one stacked call; elsewhere each run measures
-# its own (on this CPU, one thread, science model, 32 held-out sequences, the stacked call took 2.2× the per-run time:
-# 1513 against 686 ms for 18 runs, 220 against 124 ms for 4)
-EXACT_STACKED = ("cuda",)
-INJECT_BATCHED = True  # budget injectors in one closed loop over the runs (injection.BatchedInjection); False: per run
+INJECT_BATCHED = True  # the injectors of all runs at once (batched.BatchedInjection); False: per run
 
 
 class Ensemble:
@@ -316,40 +312,6 @@ class Ensemble:
             self.opt.param_groups[0]["lr"] = float(self.opt.param_groups[0]["lr"])
             log.warning("train.cuda_graphs: capture failed (%s: %s); the step runs eagerly", type(e).__name__, e)
 
-    def _measure(self, step: int, batch: Batch, ctxs: dict[int, StepContext]) -> None:
-        """The exposure measurements of the runs whose loggers measure at this step, each kind in one stacked call
-        per shape, into their contexts: the group gradients (exposure.stacked_group_grads) and the Gauss–Newton
-        diag Ĥ, Hutchinson probes or, on EXACT_STACKED devices, exact (curvature.stacked_ggn_curvature,
-        stacked_exact_ggn_curvature), each run's own batch, held-out batch and probe draws, its
-        numbers its own measurement's to float32 round-off. A kind one run measures takes the same stacked call (the
-        run's own measurement rounds otherwise), so a run measures the same bits alone as in an ensemble."""
-        grads: dict[int, list[int]] = {}
-        curvs: dict[tuple[int, str, int], list[tuple[int, ExposureLogger]]] = {}
-        for r in ctxs:
-            for h in self.members[r].hooks:
-                if not isinstance(h, ExposureLogger):
-                    continue
-                if h.meter.due(step):
-                    grads.setdefault(h.meter.n_groups(self.B), []).append(r)
-                stacks = h.curvature == "ggn" or h.curvature == "ggn_exact" and self.device.type in EXACT_STACKED
-                if stacks and h.measures_curvature(step):
-                    curvs.setdefault((h.n_heldout, h.curvature, h.probes), []).append((r, h))
-        model = self.members[0].model
-        for K, rs in grads.items():
-            idx = torch.tensor(rs, device=self.device)
-            G = stacked_group_grads(model, mse_loss, self._params(rs), batch.xs[idx], batch.ys[idx], K)
-            for r, g in zip(rs, G):
-                ctxs[r].group_grads = g
-        for (n, kind, probes), due in curvs.items():
-            rs = [r for r, _ in due]
-            held = stacked_batch([self.members[r].heldout for r in rs], step, n)
-            scale = 1.0 / due[0][1].D   # mse_loss's 1/D
-            hess = (stacked_exact_ggn_curvature(model, self._params(rs), held.xs, held.ys, scale) if kind == "ggn_exact"
-                    else stacked_ggn_curvature(model, self._params(rs), held.xs, held.ys, probes,
-                                               [h.probe_generator(step) for _, h in due], scale))
-            for r, c in zip(rs, hess):
-                ctxs[r].curvature = c
-
     def _params(self, rs: list[int]) -> dict[str, torch.Tensor]:
         """The stacked parameters of runs `rs` (detached copies)."""
         idx = torch.tensor(rs, device=self.device)
@@ -380,7 +342,7 @@ class Ensemble:
         ctxs = {r: StepContext(step, self.total, members[r].model, members[r].adam.state(step),   # the runs whose
                                Batch(batch.xs[r], batch.ys[r], batch.tasks[r]), self.mb, lr, mse_loss,   # hooks act
                                members[r].heldout.batch) for r in acts if not self.known[r]}
-        self._measure(step, batch, ctxs)
+        measure(step, batch, ctxs, self.members, self._params, self.B, self.device)
         inj = self.injection
         acting = inj is not None and inj.acting(step, ctxs)   # a batched run's logger acts: book its rows first
         if acting:
