@@ -7,7 +7,7 @@ power elsewhere), and the mean reported mde.
 Cells: r's slope (dose.r_slope) at 0 (size), at 0.03 per decade (coverage) and at the null's mean mde (its claimed
 80 % power); the ladder's log2 M* slope (dose.ladder_conversion, delta method) at a planted translation of the r
 curve by 0, −0.25 and −0.5 octave per decade; the ladder's shift at each dose (dose.ladder_shifts) at 0 and −0.25;
-dose.monotonicity's rejection rate under a line in log dose (size) and under a step.
+stats.monotonicity's rejection rate under a line in log dose (size) and under a step.
 
 Usage: OMP_NUM_THREADS=1 python experiments/dose_coverage.py [replications per cell, default 200] [mstar]
 
@@ -55,11 +55,11 @@ from test_dose import DOSES, planted  # noqa: E402  (the planted series the test
 
 def fits(rng, **kw):
     (_, g), = dose.series(dose.dose_runs(planted(rng, **kw), GATES["regime_tol"]))
-    shape_check, dose.monotonicity = dose.monotonicity, lambda cells: None   # measured apart (mono_cell): 3× faster
+    shape_check, stats.monotonicity = stats.monotonicity, lambda cells: None   # measured apart (mono_cell): 3× faster
     try:
         return dose.analyse(g, 0.05, GATES["dose_tol"], 3)
     finally:
-        dose.monotonicity = shape_check
+        stats.monotonicity = shape_check
 
 
 def cell(name, n, key, truth, **kw):
@@ -95,7 +95,7 @@ def shift_cell(name, n, shift):
 
 
 def mono_cell(name, n, shape):
-    """dose.monotonicity's rejection rate on the seed means of a planted response `shape`(log10 dose) (the cells of
+    """stats.monotonicity's rejection rate on the seed means of a planted response `shape`(log10 dose) (the cells of
     test_dose's monotonicity test: run noise 0.02, seed sd 0.03, 3 seeds, 5 doses)."""
     rng = np.random.default_rng(8)
     x = np.log10(DOSES)
@@ -103,7 +103,7 @@ def mono_cell(name, n, shape):
     for _ in range(n):
         cells = pd.DataFrame([{"log10_dose": xi, "seed": s, "y": yi + 0.02 * rng.standard_normal() + 0.03 * u}
                               for s, u in enumerate(rng.standard_normal(3)) for xi, yi in zip(x, shape(x))])
-        reject.append(dose.monotonicity(cells, n_sim=1000)["p"] < 0.05)
+        reject.append(stats.monotonicity(cells, n_sim=1000)["p"] < 0.05)
     print(f"| {name} | {n} | – | – | {np.mean(reject):.3f} | – |", flush=True)
 
 

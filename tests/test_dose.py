@@ -240,9 +240,9 @@ def test_monotonicity_holds_its_size_on_a_line_and_finds_a_step():
     def cells(y):
         return pd.DataFrame([{"log10_dose": xi, "seed": s, "y": yi + 0.02 * rng.standard_normal() + 0.03 * u}
                              for s, u in enumerate(rng.standard_normal(3)) for xi, yi in zip(x, y)])
-    ps = [dose.monotonicity(cells(0.05 * x), n_sim=300)["p"] for _ in range(40)]
+    ps = [stats.monotonicity(cells(0.05 * x), n_sim=300)["p"] for _ in range(40)]
     assert 0.0 <= np.mean(np.array(ps) < 0.05) <= 0.15
-    step = dose.monotonicity(cells(np.where(x > -1.7, 0.2, 0.0)), n_sim=400)
+    step = stats.monotonicity(cells(np.where(x > -1.7, 0.2, 0.0)), n_sim=400)
     assert step["p"] < 0.05 and step["estimate"] > 0
 
 

@@ -25,7 +25,7 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
     - the contrast of the highest in-regime dose against dose 0 (paired t by (M, seed)) — Holm family;
     - log2 M* at the highest in-regime dose with a full M grid against dose 0's (paired t by seed; the CPU plan's
       direct check of the ladder) — Holm family (r50; midpoint a sensitivity row);
-    - monotonicity: isotonic against linear in log dose (dose.monotonicity, parametric bootstrap) — a shape check,
+    - monotonicity: isotonic against linear in log dose (stats.monotonicity, parametric bootstrap) — a shape check,
       outside the family;
     - the exposure association, secondary: r against the runs' measured log integrated P-NE* (batch noise and
       injected, after clipping) on the same runs and dose 0's — outside the family (measured exposure tracks the
@@ -168,7 +168,7 @@ def _dose_zero_row(res: dict, at: dict) -> dict:
 
 
 def _dose_shape_row(res: dict, at: dict) -> dict:
-    """Isotonic against linear in log dose (dose.monotonicity): a shape check, outside the family."""
+    """Isotonic against linear in log dose (stats.monotonicity): a shape check, outside the family."""
     test = f"dose-response {at['name']}: monotonicity, isotonic vs linear in log10(dose), parametric bootstrap"
     mono = res["mono"]
     if mono is None or not np.isfinite(mono["p"]):
