@@ -124,7 +124,8 @@ class TrainParams(TrainBase):
         "noise condition) form an ensemble, split into chunks of this size. auto: on a CUDA device (train.device "
         "cuda, or auto with one visible where the grid is planned) as many runs as the memory model "
         "(iclnoise.config.memory.job_memory) fits in 0.8 of the GPU's memory (at most 32 GiB per job); on the CPU "
-        "18 (the default's two jobs, one per core on 2 cores). Noise conditions never share an ensemble. Grouping "
+        "18 (the default's two jobs, one per core on 2 cores). Noise conditions share one only with "
+        "share_conditions. Grouping "
         "does not change any run's numbers beyond float32 round-off, nor any run's id or spec."))
     gpu_memory_gib: float | None = key(optional=True, gt=0, doc=(
         "GPU memory (GiB) that ensemble_runs auto sizes for with train.device cuda, for planning on a host without "
