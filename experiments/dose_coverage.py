@@ -5,8 +5,8 @@ nominal 95 % interval covers the planted slope, the rejection rate at α = 0.05 
 power elsewhere), and the mean reported mde.
 
 Cells: r's slope (dose.r_slope) at 0 (size), at 0.03 per decade (coverage) and at the null's mean mde (its claimed
-80 % power); the ladder's log2 M* slope (dose.ladder_conversion, delta method) at a planted translation of the r
-curve by 0, −0.25 and −0.5 octave per decade; the ladder's shift at each dose (dose.ladder_shifts) at 0 and −0.25;
+80 % power); the ladder's log2 M* slope (ladder.ladder_conversion, delta method) at a planted translation of the r
+curve by 0, −0.25 and −0.5 octave per decade; the ladder's shift at each dose (ladder.ladder_shifts) at 0 and −0.25;
 stats.monotonicity's rejection rate under a line in log dose (size) and under a step.
 
 Usage: OMP_NUM_THREADS=1 python experiments/dose_coverage.py [replications per cell, default 200] [mstar]
@@ -26,7 +26,7 @@ Measured (2026-11-27, 200 per cell; the ladder rows with local_slope's logistic 
 | monotonicity, a step of 0.1 between doses 0.03 and 0.1 | – | – | 0.970 | – |
 (With the secant over the ladder as the local slope, the ladder rows read +0.0018 / −0.228 / −0.441, coverage
 0.960 / 0.855 / 0.550.)
-¹ dose.ladder_shifts' per-dose intervals, figure 6's ladder points (2026-11-29, 200 per cell, commit 5e43026): the
+¹ ladder.ladder_shifts' per-dose intervals, figure 6's ladder points (2026-11-29, 200 per cell, commit 5e43026): the
 mean estimate and the share of intervals excluding 0 are the top dose's, the coverage is over all 5 doses.
 
 dose.mstar_slope (each seed's least-squares slope of log2 M* on log10 dose, t over 3 seeds) on planted per-seed log2 M*
@@ -78,7 +78,7 @@ def cell(name, n, key, truth, **kw):
 
 
 def shift_cell(name, n, shift):
-    """dose.ladder_shifts' per-dose intervals (figure 6's ladder points) against the planted shift at each positive
+    """ladder.ladder_shifts' per-dose intervals (figure 6's ladder points) against the planted shift at each positive
     dose, shift·log10(d/d₁) octaves: coverage pooled over the 5 doses, and at the top dose the mean estimate and the
     share of intervals that exclude 0."""
     rng = np.random.default_rng(10)

@@ -346,7 +346,8 @@ def test_a_series_under_two_optimizers_is_two_series_each_with_its_own_dose_zero
     both = pd.concat([a, b.assign(run_id=b.run_id + "-sgd_momentum")], ignore_index=True)
     runs = dose.dose_runs(both, GATES["convergence_tol"])
     series = dose.series(runs)
-    assert [k for k, _ in series] == [("param", "diagonal", 64, "adamw"), ("param", "diagonal", 64, "sgd_momentum")]
+    assert [k for k, _ in series] == [("param", "diagonal", "constant", 64, "adamw"),
+                                      ("param", "diagonal", "constant", 64, "sgd_momentum")]
     for (*_, opt), g in series:
         zero = runs[(runs.source == "none") & (runs.optimizer == opt)]
         assert (g.optimizer == opt).all() and len(zero)

@@ -45,7 +45,7 @@ def run(small, tmp_path_factory):
 def test_replay_is_the_run_and_paired_predictions_are_linear_in_the_covariance(small, run, tmp_path):
     names = ["none", "self*2", "self*3", "grad_iso_b16"]
     cfg = json.dumps({"noise": small["noise"]})
-    main(["cnr", str(run), "--counterfactual", *names, "--cfg", cfg, "--probes", "3", "--jac-batch", "4"])
+    main(["cnr-replay", str(run), "--counterfactual", *names, "--cfg", cfg, "--probes", "3", "--jac-batch", "4"])
     df = read_parquet(run / "cnr.parquet", CNR_SCHEMA).set_index(["counterfactual", "metric"])
     assert len(df) == len(names) * len(METRICS)
     for name in names:   # the replayed trajectory ends where the run ended
@@ -64,7 +64,7 @@ def test_replay_is_the_run_and_paired_predictions_are_linear_in_the_covariance(s
     assert {p.suffix for p in fig_cnr(table, tmp_path / "cnr")} == {".png", ".pdf", ".parquet"}
     # a bad name stops the command before any replay, naming it; the table written before stays
     with pytest.raises(SystemExit, match="'nope' is not a noise condition"):
-        main(["cnr", str(run), "--counterfactual", "none", "nope", "--cfg", cfg])
+        main(["cnr-replay", str(run), "--counterfactual", "none", "nope", "--cfg", cfg])
     assert len(read_parquet(run / "cnr.parquet", CNR_SCHEMA)) == len(df)
 
 

@@ -36,7 +36,7 @@ from iclnoise.core.runspec import RunSpec
 from iclnoise.output.figures.cnr import fig_cnr
 from iclnoise.run.ensemble import Ensemble
 from iclnoise.run.member import RESUME, Member
-from iclnoise.run.replay import counterfactual, replay_paths, replay_run, resume_member
+from iclnoise.run.replay import counterfactual, replay_paths, replay_run
 from iclnoise.run.runs import CKPT_DIR, load_torch
 from iclnoise.run.train import train_ensemble
 
@@ -93,7 +93,7 @@ def retrain(p: dict, name: str, run_dir: Path, state: Path | None) -> tuple[pd.S
     m = Member(spec, run_dir, spec_hash(spec.raw), torch.device("cpu"))
     m.setup()
     (run_dir / CKPT_DIR).mkdir(parents=True)
-    start = resume_member(m, load_torch(state), hooks=False)
+    start = m.resume_from(load_torch(state), hooks=False)
     Ensemble([m], start, "cnr-check").run(False)
     return pd.Series(m.rows[-1]), time.time() - t0
 

@@ -30,8 +30,10 @@ COMMANDS = {  # command -> ("iclnoise.commands.<topic>:<command with - as _>", h
     "geometry": ("iclnoise.commands.probes:geometry", "Hessian trace, top eigenvalue, SAM sharpness per checkpoint"),
     "mech": ("iclnoise.commands.probes:mech", "attention, head ablation, layer-norm and linear probes per "
              "checkpoint"),
-    "cnr": ("iclnoise.commands.probes:cnr", "counterfactual noise replay: a run's final metrics under other noise, "
-            "predicted without retraining (cnr.parquet)"),
+    "cnr": ("iclnoise.commands.probes:cnr", "counterfactual noise response by common random numbers: a run forked "
+            "at t0 into counterfactual noise x N noise streams, retrained together (crn.parquet)"),
+    "cnr-replay": ("iclnoise.commands.probes:cnr_replay", "counterfactual noise replay, linearised: a run's final "
+                   "metrics under other noise, predicted without retraining (cnr.parquet)"),
     "ed": ("iclnoise.commands.probes:ed", "essential dynamics of a family of runs"),
     "figures": ("iclnoise.commands.results:figures", "training-curve figures (method §12 fig. 1) and the summary "
                 "table"),

@@ -26,7 +26,7 @@ rule cnr_run:
     conda:
         CONDA_ENV
     shell:
-        "iclnoise cnr {params.run_dir} --counterfactual {params.cfs} --cfg {params.cfg:q} "
+        "iclnoise cnr-replay {params.run_dir} --counterfactual {params.cfs} --cfg {params.cfg:q} "
         "--probes {params.probes} --jac-batch {params.jac_batch} > {log} 2>&1"
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from ..core.io import read_parquet, write_json, write_parquet, write_text
+from ..core.io import CorruptFileError, read_parquet, write_json, write_parquet, write_text
 from ..core.probe_sections import Stats
 from ..core.runspec import KEY_FIELDS, RunSpec
 from ..core.tasks import M_INF, m_label
@@ -52,7 +52,9 @@ OUTCOME_FIELDS = KEY_FIELDS + [
     pa.field("ood_loss_fall", pa.float64()),   # the OOD loss's fall over the last third (verdicts.ood_loss_fall),
     pa.field("ood_loss_fall_se", pa.float64()), pa.field("ood_loss_fall_n", pa.int64()),   # its SE and checkpoints
     pa.field("ood_loss_ridge", pa.float64()), pa.field("ood_loss_dmmse", pa.float64()),
-    pa.field("delta_dmmse", pa.float64()), pa.field("delta_ridge", pa.float64()), pa.field("icl_score", pa.float64()),
+    pa.field("delta_dmmse", pa.float64()), pa.field("delta_ridge", pa.float64()),   # on the q_M set (r's)
+    pa.field("ood_delta_dmmse", pa.float64()), pa.field("ood_delta_ridge", pa.float64()),   # on new tasks
+    pa.field("icl_score", pa.float64()),
     pa.field("t_crit", pa.int64()), pa.field("ood_loss_at_t_crit", pa.float64()), pa.field("r_at_t_crit", pa.float64()),
     pa.field("icl_score_at_t_crit", pa.float64()), pa.field("transient_window", pa.float64()),
     pa.field("noise_source", pa.string()), pa.field("noise_schedule", pa.string()),
@@ -135,7 +137,8 @@ def run_outcomes(run_dir: Path, transient_tol: float) -> dict:
     row = {**spec.key_dict, "optimizer": spec.keys.optimizer, "steps": int(end.step), "sequences": int(end.sequences),
            "diverged": bool(metrics.diverged.any()),
            **{k: float(end[k]) for k in ("ood_loss", "id_loss", "r", "ood_loss_ridge", "ood_loss_dmmse",
-                                         "delta_dmmse", "delta_ridge", "icl_score")},
+                                         "delta_dmmse", "delta_ridge", "ood_delta_dmmse", "ood_delta_ridge",
+                                         "icl_score")},
            **dict(zip(("ood_loss_fall", "ood_loss_fall_se", "ood_loss_fall_n"), ood_loss_fall(metrics))),
            "t_crit": w["t_crit"], "ood_loss_at_t_crit": float(at.ood_loss), "r_at_t_crit": float(at.r),
            "icl_score_at_t_crit": float(at.icl_score), "transient_window": w["window"],
@@ -178,10 +181,19 @@ def _optional_dtypes(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
+ADDED = ("ood_delta_dmmse", "ood_delta_ridge")   # outcomes.parquet's since issue 70 (NaN in tables written before)
+
+
 def read_outcomes(path: str | Path) -> pd.DataFrame:
     """outcomes.parquet with the dtypes `outcomes` returns (optional counts Int64, the others float), so what is
-    drawn from the table is what the aggregate computed."""
-    return _optional_dtypes(read_parquet(path, OUTCOMES_SCHEMA))
+    drawn from the table is what the aggregate computed. A table written before the ADDED columns (the committed
+    reference sets) reads with them NaN."""
+    try:
+        df = read_parquet(path, OUTCOMES_SCHEMA)
+    except CorruptFileError:
+        df = read_parquet(path, pa.schema([f for f in OUTCOMES_SCHEMA if f.name not in ADDED]))
+        df = df.assign(**{c: math.nan for c in ADDED})[OUTCOMES_SCHEMA.names]
+    return _optional_dtypes(df)
 
 
 def trajectories(run_dirs: list[Path]) -> pd.DataFrame:

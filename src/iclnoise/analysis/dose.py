@@ -1,9 +1,10 @@
 """The dose–response of ICL to an injected noise dose (method §11 'Dose–response'; issue 43): the per-run dose table,
 the operating regime, and the slopes of r and of log2 M* against log10 dose with their intervals.
 
-A dose series is one injected source (and shape) at one batch size: constant-schedule injection over the whole run
-with an integrated-exposure budget (the target dose), no emulated batch, at ≥ 2 positive target doses; its dose 0 is
-batch noise alone at that batch (noise source 'none'). Log dose is undefined at 0, so every slope is fitted over
+A dose series is one injected source, shape and schedule at one batch size: injection with an integrated-exposure
+budget (the target dose; constant over the whole run, or early or late over a window: issue 70's arm with the noise
+off for the last part of training is schedule early), no emulated batch, at ≥ 2 positive target doses; its dose 0
+is batch noise alone at that batch (noise source 'none'). Log dose is undefined at 0, so every slope is fitted over
 the positive doses and dose 0 is the reference arm, reported beside (the contrast of the highest dose against it,
 the ladder's shifts against it). Dose is the realised integrated injected P-NE* (after clipping), averaged over the
 runs of its condition: one value per condition, so run-to-run variation of the realised dose, which could track the
@@ -16,18 +17,20 @@ import math
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-from scipy import stats as sps
 
 from ..core.runspec import M_INF
 from . import stats
 from .convergence import converged_runs
-from .thresholds import fit_threshold, logistic, t_interval, threshold_with_ci
+from .ladder import ladder_conversion, ladder_shifts, local_slope
+from .thresholds import t_interval, threshold_with_ci
 
-SERIES = ["source", "shape", "batch", "optimizer"]   # one dose series (grid.optimizer: each optimizer its own)
+SERIES = ["source", "shape", "schedule", "batch", "optimizer"]   # one dose series (each optimizer its own)
+SCHEDULES = ("constant", "early", "late")   # a dose series' schedules (not controlled: its level is a target)
+OUTCOMES = ("id_loss", "delta_ridge", "delta_dmmse", "ood_delta_ridge", "ood_delta_dmmse")   # r's decomposition
 DOSE_SCHEMA = pa.schema([   # aggregate/dose.parquet: one row per run of a dose series (dose 0 included)
     pa.field("run_id", pa.string()), pa.field("source", pa.string()),   # source: grad | param; 'none' at dose 0
-    pa.field("shape", pa.string()), pa.field("batch", pa.int64()), pa.field("optimizer", pa.string()),
-    pa.field("noise", pa.string()),
+    pa.field("shape", pa.string()), pa.field("schedule", pa.string()),   # 'none' at dose 0
+    pa.field("batch", pa.int64()), pa.field("optimizer", pa.string()), pa.field("noise", pa.string()),
     pa.field("target_dose", pa.float64()),     # the condition's budget: integrated injected P-NE*; 0 at dose 0
     pa.field("realised_dose", pa.float64()),   # the run's booked integrated injected P-NE* (exposure.parquet)
     pa.field("realised_dose_se", pa.float64()),   # its SE from diag Ĥ's Hutchinson error (null: not booked)
@@ -35,11 +38,13 @@ DOSE_SCHEMA = pa.schema([   # aggregate/dose.parquet: one row per run of a dose 
     pa.field("M", pa.int64()), pa.field("seed", pa.int64()), pa.field("r", pa.float64()),
     pa.field("ood_loss", pa.float64()), pa.field("ood_loss_ridge", pa.float64()), pa.field("diverged", pa.bool_()),
     pa.field("converged", pa.bool_()),   # M = ∞ only: the one convergence gate (converged_runs); null at finite M
+    *[pa.field(c, pa.float64()) for c in OUTCOMES],   # what r is made of (method §11, "Outcomes that tell ...")
 ])
 LEVELS_SCHEMA = pa.schema([   # aggregate/dose_levels.parquet: one row per (series, target dose), dose 0 included
-    *[pa.field(c, t) for c, t in (("source", pa.string()), ("shape", pa.string()), ("batch", pa.int64()),
-                                  ("optimizer", pa.string()))],
+    *[pa.field(c, t) for c, t in (("source", pa.string()), ("shape", pa.string()), ("schedule", pa.string()),
+                                  ("batch", pa.int64()), ("optimizer", pa.string()))],
     pa.field("noise", pa.string()), pa.field("target_dose", pa.float64()), pa.field("realised_dose", pa.float64()),
+    pa.field("total_exposure", pa.float64()),   # batch + injected integrated P-NE*, the mean over its finite-M runs
     pa.field("n_runs", pa.int64()), pa.field("n_seeds", pa.int64()),
     pa.field("ood_loss_over_ridge", pa.float64()),   # the worst M = ∞ run's (NaN: no M = ∞ run at this dose)
     pa.field("in_regime", pa.bool_()), pa.field("regime", pa.string()),   # why a dose is outside ('' inside)
@@ -54,17 +59,17 @@ def dose_runs(out: pd.DataFrame, tol: float) -> pd.DataFrame:
     """The per-run dose table (DOSE_SCHEMA) of the outcomes `out`: the runs of every dose series (≥ 2 positive target
     doses) and their dose-0 runs; empty when the grid has no series. An M = ∞ run's `converged` is the verdicts'
     one convergence gate at tolerance `tol` (verdicts.converged_runs: a levelled noise floor passes)."""
-    inj = out[out.noise_source.isin(["grad", "param"]) & (out.noise_schedule == "constant")
+    inj = out[out.noise_source.isin(["grad", "param"]) & out.noise_schedule.isin(SCHEDULES)
               & (out.emulate_batch.fillna(0) == 0) & (out.steps_as_batch.fillna(0) == 0)
               & (out.noise_level.astype(float) > 0)]
-    inj = inj.assign(source=inj.noise_source, shape=inj.noise_shape)
+    inj = inj.assign(source=inj.noise_source, shape=inj.noise_shape, schedule=inj.noise_schedule)
     n_doses = inj.groupby(SERIES).noise_level.transform("nunique")
     inj = inj[n_doses >= 2]
     at = pd.MultiIndex.from_frame(inj[["batch", "optimizer"]])   # dose 0: batch noise at a series' batch and optimizer
     zero = out[(out.noise_source == "batch") & (out.steps_as_batch.fillna(0) == 0)
                & pd.MultiIndex.from_frame(out[["batch", "optimizer"]]).isin(at)]
     rows = pd.concat([inj.assign(target_dose=inj.noise_level.astype(float)),
-                      zero.assign(source="none", shape="none", target_dose=0.0)], ignore_index=True)
+                      zero.assign(source="none", shape="none", schedule="none", target_dose=0.0)], ignore_index=True)
     if not len(inj):
         rows = rows.iloc[:0]
     conv = converged_runs(rows, tol).converged
@@ -76,12 +81,28 @@ def dose_runs(out: pd.DataFrame, tol: float) -> pd.DataFrame:
 
 
 def series(runs: pd.DataFrame) -> list[tuple[tuple, pd.DataFrame]]:
-    """(source, shape, batch, optimizer) and the series' runs with its dose-0 runs (source 'none' at its batch and
-    optimizer) appended."""
+    """(source, shape, schedule, batch, optimizer) and the series' runs with its dose-0 runs (source 'none' at its
+    batch and optimizer) appended."""
+    runs = with_schedule(runs)
     inj = runs[runs.source != "none"]
     zero = runs[runs.source == "none"]
-    return [(key, pd.concat([g, zero[(zero.batch == key[2]) & (zero.optimizer == key[3])]], ignore_index=True))
+    return [(key, pd.concat([g, zero[(zero.batch == key[3]) & (zero.optimizer == key[4])]], ignore_index=True))
             for key, g in inj.groupby(SERIES)]
+
+
+def with_schedule(df: pd.DataFrame) -> pd.DataFrame:
+    """A dose or levels table with its `schedule` column: tables written before dose series had schedules held
+    constant-schedule series only (dose 0's is 'none')."""
+    if "schedule" in df:
+        return df
+    return df.assign(schedule=np.where(df.source == "none", "none", "constant"))
+
+
+def series_name(key: tuple) -> str:
+    """A series in words, as the tests name it: 'param (diagonal), batch 64'; a windowed schedule is named
+    ('param (diagonal, early), batch 64')."""
+    src, shape, schedule, batch = key[:4]
+    return f"{src} ({shape}{'' if schedule == 'constant' else f', {schedule}'}), batch {batch}"
 
 
 def regime(g: pd.DataFrame, dose_tol: float) -> pd.DataFrame:
@@ -139,6 +160,15 @@ def r_slope(d: pd.DataFrame, alpha: float, group: str = "cell") -> pd.Series:
     return stats.mixed_model(d, formula, group=group, alpha=alpha).set_index("term").loc["log10_dose"]
 
 
+def total_slope(d: pd.DataFrame, outcome: str, alpha: float) -> pd.Series:
+    """The slope of an outcome (r or one of OUTCOMES) per decade of total exposure at fixed M: MixedLM outcome ~
+    log10_total + C(M) + (1 | M:seed), REML, as r_slope (the doses share each (M, seed) cell); `d`: runs with the
+    outcome, M, seed and log10_total (their dose's mean total exposure, so the run's own phase does not enter).
+    The log10_total row (estimate, se, ci_lo, ci_hi, p, mde, std_effect)."""
+    formula = f"{outcome} ~ log10_total" + (" + C(M)" if d.M.nunique() > 1 else "")
+    return stats.mixed_model(d, formula, group="cell", alpha=alpha).set_index("term").loc["log10_total"]
+
+
 def mstar_slope(per_seed: pd.DataFrame, alpha: float) -> pd.Series:
     """The slope of log2 M* against log10 dose, seeds the unit: b_s = each seed's least-squares slope of its
     per-seed threshold estimates (thresholds.threshold_with_ci's log2_per_seed) on log10 dose (seeds with ≥ 2
@@ -155,77 +185,6 @@ def mstar_slope(per_seed: pd.DataFrame, alpha: float) -> pd.Series:
     t = stats.paired_test(per, np.zeros(len(per)), alpha)
     return pd.Series({k: t[k] for k in ("estimate", "ci_lo", "ci_hi", "p", "mde")}
                      | {"std_effect": t["estimate"] * per_seed.log10_dose.std() / per_seed.log2_M_star.std()})
-
-
-def local_slope(zero: pd.DataFrame, ladder: list[int]) -> dict:
-    """s = d r̄_L/dlog2 M at dose 0: how fast the ladder's mean r, r̄_L = mean over the ladder's M of r, moves when the
-    r-curve translates in log2 M. A translation by δ octaves changes r̄_L by −δ·s to first order, s = the mean over
-    the ladder of dr/dlog2 M, which is how a shift in r reads as a shift in M*. Per seed, from the dose-0 runs on the
-    full M grid: the derivative (ceiling − floor)·g(1 − g)/scale of that seed's logistic4 fit (thresholds.
-    fit_threshold) averaged over the ladder's log2 M ('logistic'); where a seed's fit has no valid curve (too few M,
-    failed, no rise, a parameter on its bound) every seed's least-squares slope of r on log2 M at the ladder's M
-    instead ('secant': 8 % above the mean derivative on a logistic of scale 1 octave centred on {8, 16, 32}).
-    s = the seeds' mean, se = sd/√n (seeds the unit), p = the one-sided t-test that s > 0; `how` says which."""
-    z = zero[~zero.diverged.astype(bool) & zero.r.notna() & (zero.M != M_INF)]
-    xl = np.log2(np.asarray(ladder, float))
-    per, how = [], "logistic"
-    for _, h in z.groupby("seed"):
-        f = fit_threshold(h.M.to_numpy(), h.r.to_numpy(), None)
-        if f["reason"] and not f["reason"].startswith(("r does not cross 0.5", "crossing outside the grid")):
-            per, how = [], "secant"
-            break
-        g = logistic(xl, f["x0"], f["scale"])
-        per.append(float(np.mean((f["ceiling"] - f["floor"]) * g * (1 - g) / f["scale"])))
-    if how == "secant":
-        zl = z[z.M.isin(ladder)]
-        per = [np.polyfit(np.log2(h.M.astype(float)), h.r.astype(float), 1)[0]
-               for _, h in zl.groupby("seed") if h.M.nunique() >= 2]
-    n = len(per)
-    if n < 2:
-        return {"s": math.nan, "se": math.nan, "p": math.nan, "n": n, "how": how}
-    s, se = float(np.mean(per)), float(np.std(per, ddof=1) / math.sqrt(n))
-    p = float(sps.t.sf(s / se, n - 1)) if se > 0 else float(s <= 0)
-    return {"s": s, "se": se, "p": p, "n": n, "how": how}
-
-
-def ladder_conversion(b: float, se_b: float, s: float, se_s: float, alpha: float) -> dict:
-    """A slope b (r per decade, SE se_b) read as a shift of log2 M* per decade through the local slope s (SE se_s,
-    independent: dose 0's runs are not in b's fit): c = −b/s, SE by the delta method
-    √(se_b²/s² + b²·se_s²/s⁴), Wald interval and p, mde = stats.mde_wald(SE). First order in the shift: measured on
-    planted translations of a logistic r-curve (experiments/dose_coverage.py, 200 each; 5 doses over 2 decades, ladder
-    {8, 16, 32} around M* = 16, 3 seeds) coverage 0.960 at 0 (size 0.040), 0.965 at −0.25 octave per decade (mean
-    −0.245), 0.935 at −0.5 (mean −0.475, 5 % low); with the secant slope instead of local_slope's logistic
-    derivative 0.855 and 0.550."""
-    c = -b / s
-    se = math.sqrt(se_b ** 2 / s ** 2 + b ** 2 * se_s ** 2 / s ** 4)
-    z = sps.norm.ppf(1 - alpha / 2)
-    return {"estimate": c, "se": se, "ci_lo": c - z * se, "ci_hi": c + z * se,
-            "p": float(2 * sps.norm.sf(abs(c) / se)) if se > 0 else math.nan, "mde": stats.mde_wald(se, alpha)}
-
-
-def ladder_shifts(g: pd.DataFrame, ladder: list[int], s: dict, level: float) -> pd.DataFrame:
-    """Per positive dose, the shift of log2 M* against dose 0 the ladder reads: Δ = per seed the mean over the
-    ladder's M of r(dose) − r(0) (paired by M and seed), shift = −mean Δ / s; its SE by the delta method from the
-    seeds' spread of Δ (sd/√n) and s's SE, interval ± t_{n−1} × SE. Columns target_dose, ladder_shift, _lo, _hi.
-    Measured on planted translations (experiments/dose_coverage.py, 200 each, 3 seeds): coverage 0.960 over 5 doses with
-    no shift, 0.968 at −0.25 octave per decade; at the top dose (2 decades) 5 % of intervals exclude 0 under no shift,
-    95.5 % at a shift of −0.5 octave. With 2 degrees of freedom an interval's width varies a lot between draws."""
-    z = g[g.M.isin(ladder) & ~g.diverged.astype(bool) & g.r.notna()]
-    zero = z[z.target_dose == 0].set_index(["M", "seed"]).r
-    rows = []
-    for d, lv in z[z.target_dose > 0].groupby("target_dose"):
-        diff = (lv.set_index(["M", "seed"]).r - zero).dropna()
-        per = diff.groupby(level="seed").mean()
-        n = len(per)
-        if n < 2 or not np.isfinite(s["s"]):
-            continue
-        m, se_m = float(per.mean()), float(per.std(ddof=1) / math.sqrt(n))
-        c = ladder_conversion(m, se_m, s["s"], s["se"], 1 - level)
-        half = float(sps.t.ppf(0.5 + level / 2, n - 1)) * c["se"]
-        rows.append({"target_dose": d, "ladder_shift": c["estimate"], "ladder_shift_lo": c["estimate"] - half,
-                     "ladder_shift_hi": c["estimate"] + half})
-    cols = ["target_dose", "ladder_shift", "ladder_shift_lo", "ladder_shift_hi"]
-    return pd.DataFrame(rows, columns=cols).astype(float)
 
 
 def _t_interval(v: pd.Series, level: float) -> tuple[float, float, float]:
@@ -255,6 +214,8 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
             with log10_dose; ladder: those M; doses: the positive in-regime doses with finite-M runs (a dose whose
             runs are all M = ∞ is in `levels`, not here); left_out: the positive doses out of the regime;
     total   each dose's mean total exposure (batch + injected integrated P-NE*) over its finite-M runs;
+    total_fit, decomposition: dose 0's and the in-regime doses' runs at the ladder with log10_total (their dose's
+            total), and {outcome: total_slope} for r and what r is made of (OUTCOMES);
     mstar_total: {point: (mstar_slope of log2 M* on log10 total exposure over dose 0 and the in-regime doses with a
             per-seed M*, decades of total exposure they span, doses)} — the hypothesis's own axis (method §11);
     r       r_slope over `fit`, (M, seed) cells the random intercept (None with < 2 doses); r_seed: the same with a
@@ -285,7 +246,8 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
     res["local"] = local_slope(finite[finite.target_dose == 0], ladder)
     shifts = ladder_shifts(finite[finite.target_dose.isin([0.0, *inside])], ladder, res["local"], level)
     lv = lv.merge(ex.drop(columns=[c for c in ex if c.startswith("_")]), on="target_dose", how="left")
-    res["levels"] = lv.merge(shifts, on="target_dose", how="left")
+    res["levels"] = lv.merge(shifts, on="target_dose", how="left").assign(total_exposure=lambda d: d.target_dose.map(
+        total))
     if len(inside) >= 2 and len(fit) and fit.seed.nunique() >= 2:
         res["r"] = _fitted(r_slope, fit, alpha, res, "r")
         res["r_seed"] = _fitted(lambda d, a: r_slope(d, a, group="seed"), fit, alpha, res, "r (1|seed)")
@@ -296,6 +258,9 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
         res["mono"] = stats.monotonicity(cells)
     for point in ("r50", "midpoint"):
         _mstar_tests(ex, lv, point, alpha, res)
+    res["total_fit"] = finite[finite.target_dose.isin([0.0, *inside]) & finite.M.isin(ladder)].assign(
+        log10_total=lambda d: np.log10(d.target_dose.map(total)))
+    res["decomposition"] = _decomposition(res["total_fit"], alpha, res) if len(inside) else {}
     if len(inside) and ladder:
         top = finite[(finite.target_dose == max(inside)) & finite.M.isin(ladder)].set_index(["M", "seed"]).r
         zero = finite[(finite.target_dose == 0) & finite.M.isin(ladder)].set_index(["M", "seed"]).r
@@ -303,6 +268,20 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
         if len(pairs) >= 2:
             res["zero"] = stats.paired_test(pairs.top.to_numpy(), pairs.zero.to_numpy(), alpha)
     return res
+
+
+def _decomposition(d: pd.DataFrame, alpha: float, res: dict) -> dict:
+    """{outcome: total_slope} for r and each of OUTCOMES recorded on every run of `d` (dose 0 and the in-regime
+    doses at the ladder), fits that fail left out (res['failed'])."""
+    out = {}
+    if d.seed.nunique() < 2 or d.log10_total.nunique() < 2:
+        return out
+    for y in ("r", *OUTCOMES):
+        if y in d and d[y].notna().all():
+            e = _fitted(lambda h, a, y=y: total_slope(h.astype({y: float}), y, a), d, alpha, res, f"{y} total")
+            if e is not None:
+                out[y] = e
+    return out
 
 
 def _dose_thresholds(finite: pd.DataFrame, inside: set, level: float, alpha: float, min_seeds: int) -> pd.DataFrame:

@@ -198,6 +198,23 @@ def paired_test(a: np.ndarray, b: np.ndarray, alpha: float = 0.05) -> dict:
             "mde": mde_paired_t(sd, n, alpha) if n > 1 else math.nan}
 
 
+def paired_effects(values: pd.DataFrame, reference: str = "self", by: tuple[str, ...] = ("counterfactual", "metric"),
+                   pair: str = "realisation") -> pd.DataFrame:
+    """CNR's ground truth by common random numbers (method §13): per counterfactual c and metric f,
+    ΔE f = mean_i (f(c, i) − f(reference, i)) over the realisations i both have (paired: realisation i of every
+    counterfactual draws the same data and noise stream), its standard error sd_i / √n (NaN at n = 1), and the
+    two means. `values`: a column `value` and the columns of `by` and `pair` (further columns, e.g. run and seed,
+    are kept where constant within a group)."""
+    keys = [k for k in by if k != "counterfactual"]
+    ref = values.loc[values.counterfactual == reference, [*keys, pair, "value"]].rename(columns={"value": "ref"})
+    m = values.merge(ref, on=[*keys, pair], how="inner")   # the realisations both have
+    m["d"] = m.value - m.ref
+    out = m.groupby(list(by), sort=False).agg(n_realisations=("d", "size"), crn_mean=("d", "mean"), sd=("d", "std"),
+                                              mean=("value", "mean"), reference_mean=("ref", "mean")).reset_index()
+    out["crn_se"] = out.pop("sd") / np.sqrt(out.n_realisations)   # std is NaN at n = 1
+    return out
+
+
 def tost(a: np.ndarray, b: np.ndarray, margin: float, alpha: float = 0.05) -> dict:
     """Two one-sided Welch tests for |mean(a) − mean(b)| < margin (statsmodels' ttost_ind, unequal variances).
     Equivalence is declared when both one-sided p < alpha, i.e. the (1 − 2α) CI of the difference lies inside

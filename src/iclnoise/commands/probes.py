@@ -1,5 +1,6 @@
-"""`iclnoise llc | llc-calibrate | refined | stages | geometry | mech | ed | cnr`: the probes of a run's checkpoints,
-the essential dynamics of a family of runs and counterfactual noise replay (the work is in iclnoise.run.probing,
+"""`iclnoise llc | llc-calibrate | refined | stages | geometry | mech | ed | cnr | cnr-replay`: the probes of a run's
+checkpoints, the essential dynamics of a family of runs, and a run's response to counterfactual noise, retrained with
+common random numbers or replayed linearised (the work is in iclnoise.run.probing, iclnoise.run.crn,
 iclnoise.run.replay and the formula modules).
 
 Each reads its params section from `--cfg` (llc, refined, stages and llc-calibrate the llc section; geometry, mech
@@ -13,13 +14,16 @@ import logging
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import torch
 
+from ..analysis.stats import paired_effects
 from ..config import ParamsError, every_at, noise_conditions, typed
 from ..core.io import CorruptFileError, read_json, write_parquet
 from ..core.schedules import refined_steps
 from ..probes.ed import EVENTS_SCHEMA, FORMS_SCHEMA, MAX_GAP, PCS_SCHEMA, SAMPLING_SCHEMA, VAR_SCHEMA
 from ..probes.mech import run_summary
+from ..run.crn import REALISATIONS_SCHEMA, REFERENCE, crn
 from ..run.probing import (
     calibrate_for_run,
     essential_dynamics,
@@ -31,6 +35,7 @@ from ..run.probing import (
     stages_for_run,
 )
 from ..run.replay import CNR_SCHEMA, replay_run
+from ..run.runs import checked_spec
 from . import add_cfg, doc, sections
 
 
@@ -176,11 +181,11 @@ def ed(argv: list[str]) -> None:
               f"more than {MAX_GAP} × bandwidth {r.bandwidth}); its forms (or their absence) are not reliable")
 
 
-def cnr(argv: list[str]) -> None:
-    """Counterfactual noise replay (method §13; iclnoise.run.replay): the run's final metrics predicted under each
-    counterfactual noise (NAME or NAME*k: none, self, or a noise condition of the --cfg noise section), with
+def cnr_replay(argv: list[str]) -> None:
+    """Counterfactual noise replay, linearised (method §13; iclnoise.run.replay): the run's final metrics predicted
+    under each counterfactual noise (NAME or NAME*k: none, self, or a noise condition of the --cfg noise section), with
     intervals, without retraining; writes <run>/cnr.parquet."""
-    ap = argparse.ArgumentParser(prog="iclnoise cnr", description=cnr.__doc__)
+    ap = argparse.ArgumentParser(prog="iclnoise cnr-replay", description=cnr_replay.__doc__)
     ap.add_argument("run", help="the run directory (results/runs/<run>)")
     ap.add_argument("--counterfactual", nargs="+", required=True, metavar="NAME")
     add_cfg(ap, "noise")
@@ -204,3 +209,52 @@ def cnr(argv: list[str]) -> None:
     write_parquet(df, a.out or Path(a.run) / "cnr.parquet", CNR_SCHEMA)
     print(df[["counterfactual", "metric", "observed", "delta", "se", "sd_draw", "lo", "hi"]].to_string(index=False))
     print(f"replay with {len(a.counterfactual)} counterfactual(s) x {a.probes} probes: {df.seconds.iloc[0]:.1f} s")
+
+
+CRN_SCHEMA = pa.schema([
+    pa.field("run_id", pa.string()), pa.field("seed", pa.int64()), pa.field("counterfactual", pa.string()),
+    pa.field("metric", pa.string()), pa.field("t0", pa.int64()), pa.field("n_realisations", pa.int64()),
+    pa.field("crn_mean", pa.float64()),        # ΔE f against the run's own noise, paired by realisation
+    pa.field("crn_se", pa.float64()),          # its standard error over the realisations
+    pa.field("mean", pa.float64()), pa.field("reference_mean", pa.float64()),   # E f under c and under self
+    pa.field("seconds", pa.float64()),
+])
+
+
+def cnr(argv: list[str]) -> None:
+    """CNR by common random numbers (method §13; iclnoise.run.crn): the run forked at t0 into (its own noise and
+    each counterfactual) × N realisations of the noise stream (noise_seed 0..N-1), trained to the end in one
+    ensemble; ΔE f ± SE per counterfactual and metric, paired by realisation. Counterfactuals: NAME[*k][+field=value]
+    with NAME none, self or a noise condition of --cfg. Writes <run>/crn.parquet and <run>/crn_realisations.parquet."""
+    ap = argparse.ArgumentParser(prog="iclnoise cnr", description=cnr.__doc__)
+    ap.add_argument("run", help="the run directory (results/runs/<run>: its run.json; the run need not be trained)")
+    ap.add_argument("--counterfactual", nargs="+", required=True, metavar="NAME")
+    ap.add_argument("--realisations", type=int, default=8, help="noise streams per counterfactual (N)")
+    ap.add_argument("--t0", type=int, default=None, help="the step to fork at (default: the start of the run's "
+                    "injection window)")
+    add_cfg(ap, "noise")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default=None, help="default <run>/crn.parquet (and crn_realisations.parquet beside it)")
+    a = ap.parse_args(argv)
+    try:
+        conditions = noise_conditions(sections(a.cfg, "noise"))
+        raw = checked_spec(a.run)
+    except (ParamsError, CorruptFileError, FileNotFoundError) as e:
+        raise SystemExit(f"iclnoise cnr: {e}") from None
+    torch.set_num_threads(a.threads)
+    t = time.time()
+    try:
+        values = crn(raw, a.counterfactual, conditions, a.realisations, a.t0, a.device)
+    except ValueError as e:
+        raise SystemExit(f"iclnoise cnr: {e}") from None
+    seconds = time.time() - t
+    keep = values.groupby(["counterfactual", "metric"], sort=False)[["run_id", "seed", "t0"]].first().reset_index()
+    effects = paired_effects(values, REFERENCE).merge(keep, on=["counterfactual", "metric"]).assign(seconds=seconds)
+    out = Path(a.out) if a.out else Path(a.run) / "crn.parquet"
+    write_parquet(values, out.with_name(out.stem + "_realisations.parquet"), REALISATIONS_SCHEMA)
+    write_parquet(effects, out, CRN_SCHEMA)
+    show = effects[effects.metric.isin(["r", "ood_loss", "ood_delta_ridge"]) & (effects.counterfactual != REFERENCE)]
+    print(show[["counterfactual", "metric", "n_realisations", "crn_mean", "crn_se", "mean"]].to_string(index=False))
+    n = values[["counterfactual", "realisation"]].drop_duplicates().shape[0]
+    print(f"{n} members from t0 = {int(values.t0.iloc[0])}: {seconds:.1f} s")

@@ -138,6 +138,20 @@ def validate_params(params: dict) -> dict:
     return params
 
 
+def validate_condition(c: dict, spec: dict, name: str = "counterfactual") -> dict:
+    """One noise condition for the run of `spec` (a run spec: a counterfactual's, iclnoise.run.crn): the schema's
+    noise.conditions.* and the cross-field rules, as params.yaml's would be at the run's M, batch, exposure and
+    training budget; return it unchanged."""
+    noise = {"conditions": {name: c}}
+    errors = sorted(_Validator(schema()["properties"]["noise"]).iter_errors(noise), key=lambda e: list(e.path))
+    if errors:
+        raise ParamsError("invalid noise condition:\n  - " + "\n  - ".join(_describe(e) for e in errors[:10]))
+    k = spec["keys"]
+    _noise_checks({"grid": {"noise": [name], "M": [k["M"]], "batch_sizes": [k["batch"]]}, "noise": noise,
+                   "exposure": spec.get("exposure") or {}, "train": spec["train"]})
+    return c
+
+
 def _prior_checks(d: dict) -> None:
     """data.task_prior: its spectrum fits data.D."""
     if d.get("task_prior") is not None:

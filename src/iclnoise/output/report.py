@@ -11,7 +11,7 @@ import numpy as np
 import yaml
 
 from .. import __version__
-from ..analysis.dose import SERIES
+from ..analysis.dose import SERIES, series_name, with_schedule
 from ..analysis.verdicts import (
     CONDITION,
     GATES,
@@ -182,8 +182,8 @@ def dose_answer(tests, levels) -> list[str]:
              f"{1 + GATES['convergence_tol']:.2f}× ridge's OOD loss, or levelled at a noise floor with the noise still "
              f"on; realised dose within {GATES['dose_tol']:.0%} of its target, no run diverged); dose 0 (no "
              "injection) is the reference arm.", ""]
-    for (src, shape, batch, opt), g in levels.groupby(SERIES):
-        name = f"{src} ({shape}), batch {batch}"
+    for key, g in with_schedule(levels).groupby(SERIES):
+        name, opt = series_name(key), key[-1]
         inside = g[g.in_regime.astype(bool) & (g.target_dose > 0)].realised_dose
         out = g[~g.in_regime.astype(bool)]
         span = (f"doses {inside.min():.3g}–{inside.max():.3g} ({len(inside)} doses, "
@@ -201,8 +201,24 @@ def dose_answer(tests, levels) -> list[str]:
             ci = f" [{t.ci_lo:+.3g}, {t.ci_hi:+.3g}]" if t.ci_lo == t.ci_lo else ""
             mde = f", mde {t.mde:.2g}" if t.mde == t.mde else ""
             lines.append(f"- {what} [{t.outcome}, {t.term}]: {t.estimate:+.3g}{ci}{mde}. {t.verdict}.")
-        lines.append("")
+        lines += [*ridge_reading(tests[tests.optimizer == opt], name), ""]
     return lines
+
+
+def ridge_reading(tests, name: str) -> list[str]:
+    """One line on whether a rise of r with total exposure is ridge-likeness (method §11, "Outcomes that tell
+    in-context learning from misfit"): only where Δ(f, ridge) on new tasks falls; [] without the decomposition."""
+    rows = {t.outcome: t for t in tests[tests.test.str.startswith(f"dose-response {name}: decomposition")].itertuples()
+            if t.status == "run"}
+    r, ridge, fit = rows.get("r"), rows.get("ood_delta_ridge"), rows.get("id_loss")
+    if r is None or ridge is None or not r.ci_lo > 0:
+        return []
+    if ridge.ci_hi < 0:
+        return ["Reading: r rises with total exposure and Δ(f, ridge) on new tasks falls: more ridge-like."]
+    misfit = fit is not None and fit.ci_lo > 0
+    return [f"Reading: r rises with total exposure but Δ(f, ridge) on new tasks does not fall (CI "
+            f"[{ridge.ci_lo:+.3g}, {ridge.ci_hi:+.3g}]): not more ridge-like"
+            + ("; the in-distribution loss rises with it (misfit pulls r toward ½)." if misfit else ".")]
 
 
 def h5_answer(tests) -> list[str]:

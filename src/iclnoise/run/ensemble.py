@@ -37,7 +37,7 @@ from ..noise.batched import BatchedInjection
 from ..noise.hooks import ExposureLogger, HostReads, StepContext
 from ..noise.injection import NoiseInjector
 from .measure import measure
-from .member import Member, save_resume
+from .member import Member, resume_state, save_resume
 from .optim import RunAdam, build_optimizer, load_opt_state, opt_state_of
 
 log = logging.getLogger(__name__)
@@ -101,10 +101,8 @@ class Ensemble:
         self.loss_n = torch.zeros(R, dtype=torch.long, device=self.device)
         self.step_t = torch.zeros((), dtype=torch.long, device=self.device)    # the step, for _record_losses
         self.graphs: tuple | None = None   # (backward graph, its xs, ys; update graph, its norms, coefs)
-        # runs per stacked evaluation pass (evaluate): on CUDA R·micro_batch // the largest eval split, so a pass
-        # holds no more sequences than a micro-batch over the ensemble does in training (iclnoise.config.memory's
-        # job_memory floor holds); on the CPU 1, each run its own pass (the stacked pass measured no faster there:
-        # 18 runs of the default at batch 64, chunk 2, 4.4 s against 3.3-4.2 s one run at a time, one loaded thread)
+        # runs per stacked evaluation pass: on CUDA as many as a training micro-batch holds (config.memory's floor
+        # holds); on the CPU 1 (stacked measured no faster: 18 runs, chunk 2, 4.4 s against 3.3-4.2 s one at a time)
         e = spec.eval
         self.eval_chunk = R * self.mb // max(e.n_sequences, e.n_root) if self.device.type == "cuda" else 1
 
@@ -142,10 +140,8 @@ class Ensemble:
         if rest:
             log.info("noise injection: %d runs (%s) per run (sgd_momentum, another hook or INJECT_BATCHED off)",
                      len(rest), names(rest))
-        if not batched:
-            return None
         return BatchedInjection(batched, [hooks[r][1] for r in batched], [hooks[r][0] for r in batched],
-                                len(self.members), self.device)
+                                len(self.members), self.device) if batched else None
 
     def _engine(self) -> bool:
         """Apply train.tf32 and say whether train.cuda_graphs is to be tried; on another device, log that they do
@@ -205,11 +201,17 @@ class Ensemble:
         self.loss_sum[r], self.loss_n[r], m.step = 0.0, 0, step
 
     def commit(self, step: int) -> None:
-        """Every member's resume state at `step` (after the step's analysis checkpoints)."""
+        """Every member's resume state at `step` (after the step's analysis checkpoints) into its resume.pt."""
+        for m, state in zip(self.members, self.states(step)):
+            save_resume(m, state)
+
+    def states(self, step: int) -> list[dict]:
+        """Every member's resume state at `step` in memory: what commit saves, and a fork's start (iclnoise.run.crn)."""
         if self.injection:
             self.injection.flush()
-        for r, m in enumerate(self.members):
-            save_resume(m, self.params_of(r), opt_state_of(self.opt, self.names, self.P, r, step), step, self.cohort)
+        return [{**resume_state(m, self.params_of(r), opt_state_of(self.opt, self.names, self.P, r, step), step,
+                                self.cohort), "step": m.step if m.diverged else step}
+                for r, m in enumerate(self.members)]
 
     # ---------------------------------------------------------------- one step, in named parts
     def _backward(self, batch: Batch) -> torch.Tensor:

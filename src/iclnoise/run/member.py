@@ -67,6 +67,17 @@ class Member:
         self.hooks = build_hooks(s, self.device)
         self.evaluator = Evaluator(s, self.device)
 
+    def resume_from(self, state: dict, hooks: bool = True) -> int:
+        """Resume from a resume state (resume_state) as training does, the hooks' states too unless `hooks` is False
+        (another run's state: its hooks start afresh); the commit step it resumes at."""
+        self.resume, self.step, self.diverged = state, state["step"], state["diverged"]
+        if hooks:
+            self.rows, self.tokens, self.root, self.manifest = state["rows"], state["tokens"], state["root"], \
+                state["manifest"]
+            for h, hs in zip(self.hooks, state["hooks"]):
+                h.load_state_dict(hs)
+        return state.get("commit", state["step"])
+
     def record(self, step: int, sequences: int, lr: float, train_loss: float, evaluated: tuple) -> None:
         """The run's rows at analysis checkpoint `step` from Evaluator.score's outputs (metrics, per-token losses,
         root predictions): its metrics row, its token losses, its root predictions."""
@@ -88,14 +99,19 @@ class Member:
                                           "spec_hash": self.hash}, checkpoint_path(self.run_dir, step))
 
 
-def save_resume(m: Member, params: dict[str, torch.Tensor], opt_state: dict | None, commit: int, cohort: str) -> None:
-    """The run's full training state at the ensemble's commit step `commit` (resume.pt); resume.pt of an earlier
-    commit becomes resume.prev.pt first, so the run keeps its state at the ensemble's previous commit."""
+def resume_state(m: Member, params: dict[str, torch.Tensor], opt_state: dict | None, commit: int, cohort: str) -> dict:
+    """The run's full training state at the ensemble's commit step `commit`: what resume.pt holds (save_resume) and
+    what a fork starts from (iclnoise.run.crn)."""
+    return {"spec_hash": m.hash, "step": m.step, "commit": commit, "cohort": cohort, "diverged": m.diverged,
+            "params": params, "opt": opt_state, "hooks": [h.state_dict() for h in m.hooks], "rows": m.rows,
+            "tokens": m.tokens, "root": m.root, "manifest": m.manifest}
+
+
+def save_resume(m: Member, state: dict) -> None:
+    """The run's resume state (resume_state) into resume.pt; resume.pt of an earlier commit becomes resume.prev.pt
+    first, so the run keeps its state at the ensemble's previous commit."""
     cur, prev = m.run_dir / RESUME, m.run_dir / RESUME_PREV
-    state = {"spec_hash": m.hash, "step": m.step, "commit": commit, "cohort": cohort, "diverged": m.diverged,
-             "params": params, "opt": opt_state, "hooks": [h.state_dict() for h in m.hooks], "rows": m.rows,
-             "tokens": m.tokens, "root": m.root, "manifest": m.manifest}
-    if m.saved is not None and m.saved != commit and cur.exists():
+    if m.saved is not None and m.saved != state["commit"] and cur.exists():
         cur.replace(prev)
     save_torch(state, cur)
-    m.saved = commit
+    m.saved = state["commit"]

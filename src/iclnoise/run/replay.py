@@ -317,17 +317,6 @@ def metric_fn(model: torch.nn.Module, evaluator) -> callable:
     return f
 
 
-def resume_member(m: Member, state: dict, hooks: bool = True) -> int:
-    """Set Member m (set up) to resume from a resume state (iclnoise.run.member.save_resume) as training does, its
-    hooks' states too unless `hooks` is False (another run's state: its hooks start afresh); the start step."""
-    m.resume, m.step, m.diverged = state, state["step"], state["diverged"]
-    if hooks:
-        m.rows, m.tokens, m.root, m.manifest = state["rows"], state["tokens"], state["root"], state["manifest"]
-        for h, hs in zip(m.hooks, state["hooks"]):
-            h.load_state_dict(hs)
-    return state.get("commit", state["step"])
-
-
 def replay_run(run_dir: str | Path, names: list[str], conditions: dict, probes: int = 16, jac_batch: int = 16,
                seed: int = 0, device: str = "cpu", state: str | Path | None = None) -> pd.DataFrame:
     """CNR_SCHEMA rows: every counterfactual of `names` (see `counterfactual`) × METRICS, for the run in run_dir.
@@ -371,7 +360,7 @@ def replay_paths(spec: RunSpec, cfs: list[Counterfactual], probes: int, jac_batc
     with tempfile.TemporaryDirectory(prefix="cnr-") as tmp:
         m = Member(spec, Path(tmp), spec_hash(spec.raw), torch.device(device))
         m.setup()
-        start = 0 if state is None else resume_member(m, state)
+        start = 0 if state is None else m.resume_from(state)
         (Path(tmp) / CKPT_DIR).mkdir()
         injector = next((h for h in m.hooks if isinstance(h, NoiseInjector)), None)
         rep = Replayer(spec, m.model, cfs, injector, probes, jac_batch, seed)

@@ -215,10 +215,7 @@ def _train_locked(typed: list[RunSpec], run_dirs: list[Path], device: torch.devi
         m.setup()
         st = m.resume
         if st is not None:
-            m.step, m.diverged = st["step"], st["diverged"]
-            m.rows, m.tokens, m.root, m.manifest = st["rows"], st["tokens"], st["root"], st["manifest"]
-            for h, hs in zip(m.hooks, st["hooks"]):
-                h.load_state_dict(hs)
+            m.resume_from(st)
             log.info("%s: resuming at step %d", m.run_id, st["commit"])
         starts[(st["commit"], st["cohort"]) if st is not None and st["commit"] > 0 else (0, None)].append(m)
     for (start, cohort), group in sorted(starts.items(), key=lambda kv: kv[0][0]):

@@ -7,6 +7,7 @@ import pandas as pd
 from ...core.probe_sections import Stats
 from ...core.tasks import M_INF
 from .. import dose, stats
+from ..dose import OUTCOMES
 from .gates import GATES, gate_books, gate_equal_data, gate_seeds
 from .rows import _direction, _row
 
@@ -20,7 +21,7 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
       intercept per (M, seed) cell — Holm family; with a seed intercept — a sensitivity row;
     - the slope of log2 M* (r50; midpoint as a sensitivity row) per decade (dose.mstar_slope) at the doses with a
       full M grid — Holm family;
-    - the ladder's reading of the r slope as a log2 M* slope (dose.ladder_conversion, delta method) — derived
+    - the ladder's reading of the r slope as a log2 M* slope (ladder.ladder_conversion, delta method) — derived
       from the r slope, so outside the family;
     - the contrast of the highest in-regime dose against dose 0 (paired t by (M, seed)) — Holm family;
     - log2 M* at the highest in-regime dose with a full M grid against dose 0's (paired t by seed; the CPU plan's
@@ -29,12 +30,15 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
       outside the family;
     - the exposure association, secondary: r against the runs' measured log integrated P-NE* (batch noise and
       injected, after clipping) on the same runs and dose 0's — outside the family (measured exposure tracks the
-      phase; the dose is the manipulation).
+      phase; the dose is the manipulation);
+    - what r is made of (method §11, "Outcomes that tell in-context learning from misfit"): r, Δ(f, ridge) and
+      Δ(f, dMMSE_M) on the q_M set and on new tasks, and the in-distribution loss, each per decade of total
+      exposure at the ladder (dose.total_slope) — outside the family: they read the r rows, they do not add tests.
     Gates: seeds, equal data, dose 0 inside the regime. No rows at all when the grid has no dose series."""
     rows = []
-    for (src, shape, batch, _), g in dose.series(dose.dose_runs(out, GATES["convergence_tol"])):
+    for key, g in dose.series(dose.dose_runs(out, GATES["convergence_tol"])):
         res = dose.analyse(g, cfg.alpha, GATES["dose_tol"], GATES["min_seeds"])
-        name = f"{src} ({shape}), batch {batch}"
+        src, name = key[0], dose.series_name(key)
         left = "; ".join(f"{d:.3g}: {w}" for d, w in zip(res["left_out"].target_dose, res["left_out"].regime))
         where = f"doses {', '.join(f'{d:.3g}' for d in res['doses'])}" + (f" (left out: {left})" if left else "")
         used = out[out.run_id.isin(g.run_id[g.target_dose.isin([0.0, *res["doses"]]) & (g.M != M_INF)])]
@@ -49,7 +53,7 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
                  _dose_ladder_row(res, at), _dose_zero_row(res, at),
                  _dose_exposure_row(out[out.run_id.isin(res["fit"].run_id) | out.run_id.isin(
                      g.run_id[(g.target_dose == 0) & g.M.isin(res["ladder"])])], name, cfg.alpha, fails),
-                 _dose_shape_row(res, at)]
+                 _dose_shape_row(res, at), *_dose_outcome_rows(res, at)]
     return rows
 
 
@@ -137,7 +141,7 @@ def _dose_total_rows(res: dict, at: dict) -> list[dict]:
 
 
 def _dose_ladder_row(res: dict, at: dict) -> dict:
-    """The threshold ladder's reading of r's slope as log2 M* per decade (dose.ladder_conversion): derived from
+    """The threshold ladder's reading of r's slope as log2 M* per decade (ladder.ladder_conversion): derived from
     r's slope, outside the family; gated on r rising over the ladder at dose 0."""
     loc = res["local"]
     test = (f"dose-response {at['name']}: threshold ladder, log2 M* slope = −(r slope) / (dr/dlog2 M at dose 0 over "
@@ -200,3 +204,39 @@ def _dose_exposure_row(used: pd.DataFrame, name: str, alpha: float, fails) -> di
                 p=e.p, effect_size=e.std_effect, mde=e.mde, fails=fails, family=False,
                 words=(f"r {_direction(e.estimate, 'increases', 'decreases')} with measured exposure (association)",
                        "no evidence that r changes with measured exposure"))
+
+
+READ = {   # (outcome, what a rise means, what a fall means)
+    "r": ("r", "r rises", "r falls"),
+    "id_loss": ("in-distribution loss", "misfit: the in-distribution loss rises", "the in-distribution loss falls"),
+    "delta_ridge": ("Δ(f, ridge) on the q_M set", "f moves away from ridge on its training tasks",
+                    "f moves toward ridge on its training tasks"),
+    "delta_dmmse": ("Δ(f, dMMSE_M) on the q_M set", "f moves away from dMMSE_M", "f moves toward dMMSE_M"),
+    "ood_delta_ridge": ("Δ(f, ridge) on new tasks", "f moves away from ridge on new tasks",
+                        "more ridge-like: f moves toward ridge on new tasks"),
+    "ood_delta_dmmse": ("Δ(f, dMMSE_M) on new tasks", "f moves away from dMMSE_M on new tasks",
+                        "f moves toward dMMSE_M on new tasks"),
+}
+
+
+def _dose_outcome_rows(res: dict, at: dict) -> list[dict]:
+    """Per outcome of r's decomposition (READ), its slope per decade of total exposure at the ladder
+    (dose.total_slope over dose 0 and the in-regime doses): outside the Holm family. r "more ridge-like" reads as
+    such only where Δ(f, ridge) on new tasks falls."""
+    rows = []
+    for y in ("r", *OUTCOMES):
+        what, up, down = READ[y]
+        test = (f"dose-response {at['name']}: decomposition, MixedLM {y} ~ log10(total exposure) + C(M) + "
+                f"(1 | M:seed), M ∈ {{{at['m_at']}}}, dose 0 and {at['where']}")
+        e = res["decomposition"].get(y)
+        if e is None:
+            why = (f"fit failed ({res['failed'][f'{y} total']})" if f"{y} total" in res["failed"] else
+                   "needs dose 0 and ≥ 1 positive dose inside the regime at the ladder, ≥ 2 seeds, the outcome "
+                   "recorded on every run")
+            rows.append(_row("H1", test, y, family=False, status=f"not run: {why}"))
+            continue
+        rows.append(_row("H1", test, y, "log10 total exposure", n=len(res["total_fit"]), estimate=e.estimate,
+                         ci_lo=e.ci_lo, ci_hi=e.ci_hi, p=e.p, effect_size=e.std_effect, mde=e.mde, fails=at["fails"],
+                         family=False, power="could detect a slope of ≥ {mde:.2g} per decade of total exposure",
+                         words=(up if e.estimate > 0 else down, f"no evidence that {what} moves with total exposure")))
+    return rows

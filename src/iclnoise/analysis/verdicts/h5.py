@@ -9,7 +9,7 @@ import pandas as pd
 from scipy import stats as sps
 
 from ...core.probe_sections import Stats
-from .. import dose, stats
+from .. import ladder, stats
 from ..thresholds import threshold_with_ci
 from .gates import GATES, gate_books
 from .rows import _direction, _paired, _row
@@ -55,7 +55,7 @@ def _h5_pair(a: pd.DataFrame, b: pd.DataFrame, label: str, at: str, injected: bo
       0.03 between runs, 3 seeds × 4 M; by seed 0.07; tests/test_h5.py);
     - r by (M, seed): paired t over the pairs, as method §13 words it — a sensitivity row (exact only when the
       effect is the same in every seed);
-    - log2 M* read from r (dose.ladder_conversion): shift = −(mean difference) / s, s = dose.local_slope on both
+    - log2 M* read from r (ladder.ladder_conversion): shift = −(mean difference) / s, s = ladder.local_slope on both
       arms' runs pooled (uncorrelated with the difference when the arms' run noise is equal), t interval over
       seeds — derived from the first row, outside the family; first order in the shift, valid while the M bracket the
       threshold;
@@ -144,13 +144,13 @@ def _h5_distance_row(pairs: pd.DataFrame, col: str, what: str, label: str, where
 
 def _h5_shift_row(name: str, per: pd.DataFrame, both: pd.DataFrame, ms: list[int], label: str, fails, alpha) -> dict:
     """The per-seed r difference (`per`: seed → r_a, r_b) read as a shift of log2 M* through the local slope of r
-    in log2 M over `ms` (dose.local_slope on `both` arms' runs), t interval over seeds; gated on r rising there."""
-    loc = dose.local_slope(both, ms)
+    in log2 M over `ms` (ladder.local_slope on `both` arms' runs), t interval over seeds; gated on r rising there."""
+    loc = ladder.local_slope(both, ms)
     d = per.r_a - per.r_b
     n = len(d)
     if not np.isfinite(loc["s"]):
         return _row("H5", name, "log2 M*", family=False, status=f"not run: no local slope ({loc['n']} seeds)")
-    c = dose.ladder_conversion(float(d.mean()), float(d.std(ddof=1) / math.sqrt(n)), loc["s"], loc["se"], alpha)
+    c = ladder.ladder_conversion(float(d.mean()), float(d.std(ddof=1) / math.sqrt(n)), loc["s"], loc["se"], alpha)
     t = float(sps.t.ppf(1 - alpha / 2, n - 1))
     flat = [] if loc["p"] < alpha else [("flat ladder", f"dr/dlog2 M = {loc['s']:.3g} ± {loc['se']:.2g}, "
                                                         f"p = {loc['p']:.2g}: r does not rise over these M")]

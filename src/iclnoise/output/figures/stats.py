@@ -10,7 +10,7 @@ import pandas as pd
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator, NullFormatter, ScalarFormatter
 
-from ...analysis.dose import SERIES
+from ...analysis.dose import SERIES, series_name, with_schedule
 from ...analysis.verdicts import optimizer_note
 from ...core.tasks import M_INF
 from . import style
@@ -127,21 +127,23 @@ def fig_icl_vs_exposure(out: pd.DataFrame, path: str | Path) -> None:
 
 
 def fig_dose(levels: pd.DataFrame, path: str | Path) -> None:
-    """Figure 6 for a dose series (aggregate/dose_levels.parquet; issue 43): per series (columns), M* against the
-    realised injected dose with 95 % t-intervals over seeds, r50 (circles, solid) and midpoint (triangles, dotted),
-    and where a dose has no M* of its own (the threshold ladder: 3 M) the ladder's reading, dose 0's M* moved by the
-    ladder's shift (hollow, dashed; its interval is the shift's); below, r at M = 16 against dose. Dose 0 sits half a
-    decade left of the lowest dose (log dose is undefined there); the operating regime (dose_levels' in_regime) is
-    shaded green, the doses outside it grey with the reason listed below the axes."""
+    """Figure 6 for a dose series (aggregate/dose_levels.parquet; issues 43, 70): per series (columns), M* against
+    total exposure (batch + injected integrated P-NE*, log axis: H1's own axis, method §11) with 95 % t-intervals
+    over seeds, r50 (circles, solid) and midpoint (triangles, dotted), and where a dose has no M* of its own (the
+    threshold ladder: 3 M) the ladder's reading, dose 0's M* moved by the ladder's shift (hollow, dashed; its
+    interval is the shift's); below, r at M = 16. A levels table from before issue 70 (no total_exposure) is drawn
+    against the realised injected dose, dose 0 half a decade left of the lowest. The operating regime (dose_levels'
+    in_regime) is shaded green, the doses outside it grey with the reason listed below the axes."""
     style.setup()
-    lv = levels.astype({c: float for c in levels.columns if c.startswith(("M_star", "ladder", "r16", "realised"))})
+    lv = with_schedule(levels).astype({c: float for c in levels.columns
+                                       if c.startswith(("M_star", "ladder", "r16", "realised", "total"))})
     keys = sorted(lv.groupby(SERIES).groups)
     fig, axes = plt.subplots(2, len(keys), figsize=(5 * len(keys), 7), squeeze=False, sharex="col")
     notes = []
     for j, key in enumerate(keys):
         g = lv.groupby(SERIES).get_group(key).sort_values("target_dose")
         notes += _dose_column(axes[0, j], axes[1, j], g, key)
-    fig.suptitle("ICL against the injected noise dose (green: operating regime; grey: outside)", y=1.0)
+    fig.suptitle("ICL against the noise dose (green: operating regime; grey: outside)", y=1.0)
     note = "\n".join(textwrap.fill(n, 110) for n in notes)
     if note:
         fig.text(0.01, 0.0, note, fontsize=6, color="dimgrey", va="top")
@@ -153,8 +155,11 @@ def _dose_column(top: plt.Axes, bottom: plt.Axes, g: pd.DataFrame, key: tuple) -
     """One series' column of the dose figure (`g`: its dose_levels rows by dose): M* above, r at M = 16 below, the
     regime shaded; returns the notes on the doses outside the regime."""
     pos = g[g.target_dose > 0]
-    x0 = pos.realised_dose.min() / 10 ** 0.5
-    x = np.where(g.target_dose > 0, g.realised_dose, x0)
+    total = "total_exposure" in g and bool(g.total_exposure.notna().all())   # tables before issue 70: the dose
+    x0 = g.total_exposure[g.target_dose == 0].min() if total else pos.realised_dose.min() / 10 ** 0.5
+    at = g.total_exposure.to_numpy() if total else np.where(g.target_dose > 0, g.realised_dose, x0)
+    g = g.assign(x_at=at)
+    x = g.x_at.to_numpy()
     _plot_dose_mstar(top, g, x)
     r, rlo, rhi = (g[f"r16{s}"].to_numpy() for s in ("", "_lo", "_hi"))
     bottom.errorbar(x, r, yerr=np.nan_to_num(np.vstack([r - rlo, rhi - r]).clip(min=0)), marker="o", color="C2",
@@ -164,10 +169,9 @@ def _dose_column(top: plt.Axes, bottom: plt.Axes, g: pd.DataFrame, key: tuple) -
     for ax in (top, bottom):
         ax.set_xscale("log")
         if len(inside):
-            ax.axvspan(x0 / 1.5, inside.realised_dose.max() * 1.2, color="green", alpha=0.07, lw=0)
+            ax.axvspan(x0 / 1.2, inside.x_at.max() * 1.2, color="green", alpha=0.07, lw=0)
         for d in outside.itertuples():
-            xd = d.realised_dose if d.target_dose > 0 else x0
-            ax.axvspan(xd / 1.2, xd * 1.2, color="grey", alpha=0.25, lw=0)
+            ax.axvspan(d.x_at / 1.2, d.x_at * 1.2, color="grey", alpha=0.25, lw=0)
     notes = [f"{key[0]} dose {d.target_dose:.3g}: outside the regime ({d.regime})" for d in outside.itertuples()]
     if any(np.isfinite(line.get_ydata()).any() for line in top.get_lines()):
         top.set_yscale("log", base=2)
@@ -176,12 +180,15 @@ def _dose_column(top: plt.Axes, bottom: plt.Axes, g: pd.DataFrame, key: tuple) -
         top.yaxis.set_minor_formatter(NullFormatter())
     else:
         top.text(0.5, 0.5, "no M* at any dose", transform=top.transAxes, ha="center", color="grey")
-    top.set_title(f"{key[0]} ({key[1]}), batch {key[2]}{optimizer_note(key[3])}", fontsize=10)
+    top.set_title(f"{series_name(key)}{optimizer_note(key[-1])}", fontsize=10)
     top.set_ylabel("task-diversity threshold M* (95 % CI)")
     bottom.set_ylabel("r at M = 16 (95 % CI over seeds)")
-    bottom.set_xlabel("realised injected dose: integrated P-NE* (0: none)")
-    ticks = [x0, *pos.realised_dose]
-    bottom.set_xticks(ticks, ["0", *[f"{v:.2g}" for v in pos.realised_dose]])
+    if total:   # H1's own axis (method §11): dose 0 sits at the batch noise's own exposure
+        bottom.set_xlabel("total exposure: integrated P-NE*, batch + injected (log)")
+        bottom.set_xticks(x, [f"{v:.2g}" for v in x])
+    else:
+        bottom.set_xlabel("realised injected dose: integrated P-NE* (0: none)")
+        bottom.set_xticks([x0, *pos.realised_dose], ["0", *[f"{v:.2g}" for v in pos.realised_dose]])
     bottom.xaxis.set_minor_formatter(NullFormatter())
     bottom.tick_params(axis="x", labelrotation=35)   # neighbouring doses a factor 2 apart would overlap
     top.legend(fontsize=7, loc="best")
