@@ -284,6 +284,11 @@ def test_has_dose_series_reads_the_grid_as_dose_runs_reads_the_outcomes():
     assert not has_dose_series(load_params("params.yaml", ["configs/noise.yaml"]))
     assert has_dose_series(load_params("params.yaml", ["configs/science.yaml", "configs/dose_scan.yaml"]))
     assert has_dose_series(load_params("params.yaml", ["configs/science.yaml", "configs/dose.yaml"]))
+    p = load_params("params.yaml", ["configs/science.yaml", "configs/exposure.yaml"])
+    p["grid"]["noise"] = ["none", "off_x1", "off_x10"]   # the noise-off arm alone (schedule early) is a series
+    assert has_dose_series(p)
+    p["grid"]["noise"] = ["none", "off_x1", "on_x10"]    # one dose per schedule: no series
+    assert not has_dose_series(p)
 
 
 @pytest.mark.unit

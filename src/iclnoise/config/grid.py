@@ -241,17 +241,17 @@ def jobs(params: dict) -> dict[str, Any]:
 
 def has_dose_series(params: dict) -> bool:
     """Whether the grid of `params` holds a dose series (what iclnoise.analysis.dose.dose_runs finds in its outcomes):
-    some injected source and shape at a batch size with ≥ 2 distinct positive budgets (relative doses resolved) under a
-    constant schedule, no
-    emulated batch. The workflow declares the dose tables and figure only then."""
+    some injected source, shape and schedule (constant, early or late) at a batch size with ≥ 2 distinct positive
+    budgets (relative doses resolved), no emulated batch. The workflow declares the dose tables and figure only then."""
     g, conds = params["grid"], params["noise"]["conditions"]
     budgets: dict[tuple, set] = {}
     for name in g["noise"]:
         c = conds[name]
-        if (c.get("source") in ("grad", "param") and c.get("schedule") == "constant" and not c.get("emulate_batch")
+        if (c.get("source") in ("grad", "param") and c.get("schedule") in ("constant", "early", "late")
+                and not c.get("emulate_batch")
                 and not c.get("steps_as_batch") and (c.get("budget") or c.get("relative_dose") or 0) > 0):
             for b in c.get("batch_sizes") or g["batch_sizes"]:
                 if b in g["batch_sizes"]:
                     level = c["budget"] if "budget" in c else budget_at(params, c["relative_dose"], b)
-                    budgets.setdefault((c["source"], c.get("shape"), b), set()).add(float(level))
+                    budgets.setdefault((c["source"], c.get("shape"), c["schedule"], b), set()).add(float(level))
     return any(len(v) >= 2 for v in budgets.values())

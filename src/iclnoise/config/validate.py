@@ -286,9 +286,10 @@ def _noise_checks(p: dict) -> None:
             raise ParamsError(f"{key}.steps_as_batch needs train.budget.mode: sequences (with a budget in steps "
                               f"every run already trains the same steps)")
         if c["source"] == "none":
-            extra = sorted(set(c) - {"source", "batch_sizes", "M"})
+            extra = sorted(set(c) - {"source", "batch_sizes", "M", "steps_as_batch"})
             if extra:
-                raise ParamsError(f"{key}: source none takes no other keys, got {', '.join(extra)}")
+                raise ParamsError(f"{key}: source none takes no other keys than steps_as_batch (batch noise at "
+                                  f"another batch's steps), got {', '.join(extra)}")
             continue
         if name in used and "groups" not in exp:
             raise ParamsError(f"{key}: injected noise needs the full exposure section (it measures the covariance); "

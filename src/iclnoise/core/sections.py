@@ -146,7 +146,8 @@ class NoiseCondition(Section):
         "resolves to, relative_dose × batch_exposure[B] to 12 significant digits (iclnoise.config.grid.run_spec)."))
     steps_as_batch: int | None = key(optional=True, ge=1, doc=(
         "Train the steps batch B_t takes on the sequence budget (budget mode sequences): with emulate_batch B_t the "
-        "injected arm matches B_t's steps and exposure, seeing B/B_t times the sequences (H3 at equal steps)."))
+        "injected arm matches B_t's steps and exposure, seeing B/B_t times the sequences (H3 at equal steps); with "
+        "source none, batch noise alone at B_t's steps (the batch axis at equal steps)."))
     target: float | list | None = key(optional=True, schema=TARGET, doc=(
         "P-NE* the controller tracks (schedule controlled): a number, or [[fraction of training, P-NE*], ...]."))
     controller: Controller | None = key(optional=True, doc="PI controller of schedule controlled (required there).")

@@ -9,6 +9,7 @@ from ...core.sections import OPTIMIZERS
 from ...core.tasks import M_INF
 from .gates import GATES, convergence, gate_convergence, gate_equal_data, gate_seeds
 from .h1 import h1_batch_pairs, h1_exposure, h1_noise_beyond_eta_b
+from .h1_batch import h1_batch_axis
 from .h1_dose import h1_dose
 from .h2 import h2_early_late
 from .h3 import h3_rows
@@ -47,6 +48,7 @@ def _tests(out: pd.DataFrame, cfg: Stats, conv: pd.DataFrame) -> list[dict]:
     rows += h2_early_late(fin, alpha, gates, common)
     rows += h3_rows(every, fin, cfg, conv)
     rows += h1_dose(out, cfg)   # nothing without a dose series in the grid
+    rows += h1_batch_axis(every, alpha, common)   # nothing without ≥ 3 batch sizes in an arm
     rows += h5_alignment(fin, cfg, common)   # nothing without an aligned (nap) condition in the grid
     rows += h4_rows(fin, exposure, alpha, gates, common)
     return rows

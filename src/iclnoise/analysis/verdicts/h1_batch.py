@@ -1,0 +1,84 @@
+"""H1 on the natural noise's own axis (method §11, "The batch axis"; issue 70 item 5): M* and r's decomposition
+against total exposure across batch sizes, at equal data and, apart, at equal steps."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from .. import dose
+from ..thresholds import threshold_with_ci
+from .gates import _gate_equal_steps
+from .rows import _direction, _row
+
+
+def batch_arms(every: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """The plain runs (no injection, finite M, not diverged) of each arm with ≥ 3 batch sizes (at two, the paired
+    batch rows of h1_batch_pairs say it already): 'equal data', every
+    batch size at the sequence budget; 'equal steps B_t', the runs trained batch B_t's steps (a source-none
+    condition with steps_as_batch: B_t) with batch B_t's own runs. Empty arms are left out."""
+    plain = every[every.noise_source == "batch"]
+    steps = plain.steps_as_batch.fillna(0).astype(int)
+    arms = {"equal data": plain[steps == 0]}
+    for bt in sorted(set(steps) - {0}):
+        arms[f"equal steps (batch {bt}'s)"] = plain[(steps == bt) | ((steps == 0) & (plain.batch == bt))]
+    return {k: a for k, a in arms.items() if a.batch.nunique() >= 3}
+
+
+def h1_batch_axis(every: pd.DataFrame, alpha: float, common) -> list[dict]:
+    """Per arm (batch_arms): the slope of log2 M* per decade of total exposure across batch sizes (each batch size's
+    per-seed M* from its full M grid, threshold_with_ci; x its mean total integrated P-NE* over its runs; each
+    seed's slope, t over seeds: dose.mstar_slope) — r50 in the Holm family, midpoint a sensitivity row; and r's
+    decomposition per decade of total exposure (dose.total_slope, (M, seed) cells the random intercept), outside
+    the family. No rows without an arm of ≥ 3 batch sizes; rows 'not run' without an exposure record."""
+    rows = []
+    for arm, runs in batch_arms(every).items():
+        name = f"batch axis at {arm}, batch {', '.join(map(str, sorted(runs.batch.unique())))}"
+        at_steps = arm != "equal data"
+
+        def gates(used, at_steps=at_steps):   # an equal-steps arm is gated on its steps, not on equal data
+            fails = common(used)
+            return [f for f in fails if f[0] != "unequal data"] + _gate_equal_steps(used) if at_steps else fails
+        if not runs.integrated_pne.notna().all():
+            rows.append(_row("H1", f"{name}: slope of log2 M* per decade of total exposure", "log2 M*",
+                             status="not run: total exposure not recorded (exposure logging off)"))
+            continue
+        total = runs.groupby("batch").integrated_pne.mean().astype(float)
+        d = runs.assign(log10_total=np.log10(runs.batch.map(total)))
+        span = float(np.log10(total.max() / total.min()))
+        for point in ("r50", "midpoint"):
+            rows.append(_mstar_row(d, name, point, span, alpha, gates))
+        res = {"failed": {}}
+        dec = dose._decomposition(d, alpha, res)
+        for y in ("r", *dose.OUTCOMES):
+            test = f"{name}: decomposition, MixedLM {y} ~ log10(total exposure) + C(M) + (1 | M:seed)"
+            if y not in dec:
+                why = res["failed"].get(f"{y} total", "the outcome not recorded on every run, or < 2 seeds")
+                rows.append(_row("H1", test, y, family=False, status=f"not run: {why}"))
+                continue
+            e = dec[y]
+            rows.append(_row("H1", test, y, "log10 total exposure", n=len(d), estimate=e.estimate, ci_lo=e.ci_lo,
+                             ci_hi=e.ci_hi, p=e.p, effect_size=e.std_effect, mde=e.mde, fails=gates(runs),
+                             family=False, power="could detect a slope of ≥ {mde:.2g} per decade of total exposure",
+                             words=(f"{y} {_direction(e.estimate, 'rises', 'falls')} with total exposure across "
+                                    "batch sizes", f"no evidence that {y} moves with total exposure")))
+    return rows
+
+
+def _mstar_row(d: pd.DataFrame, name: str, point: str, span: float, alpha: float, common) -> dict:
+    fam = point == "r50"
+    test = (f"{'' if fam else 'sensitivity: '}{name}: slope of log2 M* ({point}) per decade of total exposure, per "
+            f"seed, t over seeds ({span:.2f} decades)")
+    per = []
+    for b, g in d.groupby("batch"):
+        seeds = threshold_with_ci(g, level=1 - alpha, alpha=alpha, point=point).get("log2_per_seed") or {}
+        per += [{"log10_dose": float(g.log10_total.iloc[0]), "seed": s, "log2_M_star": v} for s, v in seeds.items()]
+    per = pd.DataFrame(per)
+    if not len(per) or per.groupby("seed").log10_dose.nunique().ge(2).sum() < 2:
+        return _row("H1", test, "log2 M*", family=fam, status="not run: fewer than 2 seeds with a threshold at ≥ 2 "
+                    "batch sizes (a full M grid at each)")
+    e = dose.mstar_slope(per, alpha)
+    return _row("H1", test, "log2 M*", "log10 total exposure", n=int(d.batch.nunique()), estimate=e.estimate,
+                ci_lo=e.ci_lo, ci_hi=e.ci_hi, p=e.p, effect_size=e.std_effect, mde=e.mde, fails=common(d),
+                family=fam, power="could detect ≥ {mde:.2g} octaves of M* per decade of total exposure",
+                words=(f"M* {_direction(e.estimate, 'rises', 'falls')} with the batch noise's total exposure",
+                       "no evidence that M* moves with the batch noise's total exposure"))
