@@ -44,7 +44,7 @@ LEVELS_SCHEMA = pa.schema([   # aggregate/dose_levels.parquet: one row per (seri
     *[pa.field(c, t) for c, t in (("source", pa.string()), ("shape", pa.string()), ("schedule", pa.string()),
                                   ("batch", pa.int64()), ("optimizer", pa.string()))],
     pa.field("noise", pa.string()), pa.field("target_dose", pa.float64()), pa.field("realised_dose", pa.float64()),
-    pa.field("total_exposure", pa.float64()),   # batch + injected integrated P-NE*, the mean over its finite-M runs
+    pa.field("total_exposure", pa.float64()),   # batch + injected integrated P-NE*, the mean at the ladder's M
     pa.field("n_runs", pa.int64()), pa.field("n_seeds", pa.int64()),
     pa.field("ood_loss_over_ridge", pa.float64()),   # the worst M = ∞ run's (NaN: no M = ∞ run at this dose)
     pa.field("in_regime", pa.bool_()), pa.field("regime", pa.string()),   # why a dose is outside ('' inside)
@@ -213,7 +213,8 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
     fit     the positive in-regime doses' runs at the ladder (the finite M run at every one of them and at dose 0),
             with log10_dose; ladder: those M; doses: the positive in-regime doses with finite-M runs (a dose whose
             runs are all M = ∞ is in `levels`, not here); left_out: the positive doses out of the regime;
-    total   each dose's mean total exposure (batch + injected integrated P-NE*) over its finite-M runs;
+    total   each dose's mean total exposure (batch + injected integrated P-NE*) over its runs at the ladder's M
+            (all its finite M without a ladder);
     total_fit, decomposition: dose 0's and the in-regime doses' runs at the ladder with log10_total (their dose's
             total), and {outcome: total_slope} for r and what r is made of (OUTCOMES);
     mstar_total: {point: (mstar_slope of log2 M* on log10 total exposure over dose 0 and the in-regime doses with a
@@ -236,7 +237,10 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
     per_dose = [set(finite[finite.target_dose == d].M) for d in [0.0, *inside]]
     ladder = sorted(set.intersection(*per_dose)) if per_dose else []
     fit = finite[finite.target_dose.isin(inside) & finite.M.isin(ladder)]
-    total = finite.groupby("target_dose").total_exposure.mean()   # per dose: the mean over its finite-M runs
+    # per dose: the mean over its runs at the ladder's M, which every inside dose has (exposure moves with M: a
+    # mean over a dose's own M set would compare a full grid's, M = 1 included, with a ladder's)
+    on = finite[finite.M.isin(ladder)] if ladder else finite
+    total = on.groupby("target_dose").total_exposure.mean()
     res = {"ladder": ladder, "fit": fit, "doses": sorted(inside), "total": total, "mstar_total": {},
            "left_out": lv[~lv.in_regime & (lv.target_dose > 0)], "r": None, "r_seed": None, "mstar": {},
            "mstar_zero": {},
