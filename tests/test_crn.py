@@ -125,3 +125,15 @@ def test_paired_effects_known_answer_and_coverage():
     assert abs(cover - 0.95) <= 4 * math.sqrt(0.95 * 0.05 / reps)
     unpaired = np.sqrt(cf.var(1, ddof=1) / n + base.var(1, ddof=1) / n)
     assert (np.abs(eff.loc["c"].crn_mean.to_numpy() - delta) <= t * unpaired).mean() > 0.999
+
+
+def test_the_crn_table_is_drawn(forked, tmp_path):
+    """`iclnoise cnr-figure` draws a CRN effects table (crn.parquet's columns as CSV) and names what a table lacks."""
+    _, _, rd = forked
+    eff = read_parquet(rd / "crn.parquet")
+    eff[eff.counterfactual != "reference"].to_csv(tmp_path / "effects.csv", index=False)
+    main(["cnr-figure", str(tmp_path / "effects.csv"), "--out", str(tmp_path / "crn")])
+    assert {p.suffix for p in tmp_path.glob("crn.*")} == {".png", ".pdf", ".parquet"}
+    eff[["metric", "seed"]].to_csv(tmp_path / "bad.csv", index=False)
+    with pytest.raises(SystemExit, match="neither a CRN table"):
+        main(["cnr-figure", str(tmp_path / "bad.csv")])

@@ -28,18 +28,26 @@ def figures(argv: list[str]) -> None:
 def cnr_figure(argv: list[str]) -> None:
     import pandas as pd
 
-    from ..output.figures.cnr import fig_cnr
+    from ..output.figures.cnr import fig_cnr, fig_crn
 
     ap = argparse.ArgumentParser(prog="iclnoise cnr-figure", description=doc("output.figures.cnr"))
-    ap.add_argument("table", help="CNR against retraining (CSV), e.g. reference/reproductions/cnr.csv: columns metric, "
-                    "counterfactual, delta, lo_delta, hi_delta, realised")
+    ap.add_argument("table", help="a CSV: CNR's ground truth by common random numbers (columns counterfactual, seed, "
+                    "metric, n_realisations, crn_mean, crn_se; e.g. reference/reproductions/crn/effects.csv), or the "
+                    "linearised replay against single retrainings (metric, counterfactual, delta, lo_delta, "
+                    "hi_delta, realised; reference/reproductions/cnr.csv)")
     ap.add_argument("--out", default="results/figures/cnr_check")
     a = ap.parse_args(argv)
     df = pd.read_csv(a.table)
-    missing = {"metric", "counterfactual", "delta", "lo_delta", "hi_delta", "realised"} - set(df.columns)
+    crn = {"counterfactual", "seed", "metric", "n_realisations", "crn_mean", "crn_se"}
+    replay = {"metric", "counterfactual", "delta", "lo_delta", "hi_delta", "realised"}
+    if crn <= set(df.columns):
+        print(f"wrote {', '.join(map(str, fig_crn(df, a.out)))}")
+        return
+    missing = replay - set(df.columns)
     if missing:
-        raise SystemExit(f"{a.table}: no column(s) {', '.join(sorted(missing))}; write it with "
-                         f"experiments/reproductions/cnr_check.py")
+        raise SystemExit(f"{a.table}: neither a CRN table (no column(s) {', '.join(sorted(crn - set(df.columns)))}; "
+                         f"experiments/reproductions/crn_check.py writes one) nor a replay check (no column(s) "
+                         f"{', '.join(sorted(missing))}; experiments/reproductions/cnr_check.py)")
     print(f"wrote {', '.join(map(str, fig_cnr(df, a.out)))}")
 
 

@@ -117,9 +117,9 @@ def _dose_mstar_rows(res: dict, at: dict) -> list[dict]:
 
 def _dose_total_rows(res: dict, at: dict) -> list[dict]:
     """The slope of log2 M* per decade of *total* exposure (batch + injected integrated P-NE*, each dose's mean over
-    its runs at the ladder's M; dose 0 included), per seed then t over seeds (dose.mstar_slope): H1's own axis (method §11,
-    "The hypothesis's own axis"); r50 in the family, midpoint a sensitivity row. Its mde says what the design could
-    have detected on that axis."""
+    its runs at the ladder's M; dose 0 included), per seed then t over seeds (dose.mstar_slope): H1's own axis
+    (method §11, "The hypothesis's own axis"); r50 in the family, midpoint a sensitivity row. Its mde says what the
+    design could have detected on that axis."""
     rows = []
     for point in ("r50", "midpoint"):
         fam = point == "r50"

@@ -38,3 +38,40 @@ def fig_cnr(table: pd.DataFrame, path: str | Path) -> list[Path]:
         ax.set_ylabel(f"realised change of {metric} (retrained)")
         ax.legend(fontsize=6)
     return style.save_figure(fig, path, table)
+
+
+CRN_PANELS = ("r", "ood_delta_ridge", "id_loss")
+
+
+def fig_crn(effects: pd.DataFrame, path: str | Path) -> list[Path]:
+    """CNR's ground truth (method §13, "CNR by common random numbers"): one panel per metric (CRN_PANELS present),
+    one row per counterfactual, ΔE f against the run's own noise with its 95 % t-interval over the realisations,
+    one point per seed (offset); an estimator's prediction, where `effects` has `predicted` (and predicted_lo,
+    predicted_hi), as a hollow marker beside it. `effects`: columns counterfactual, seed, metric, n_realisations,
+    crn_mean, crn_se."""
+    from scipy import stats as sps
+
+    style.setup()
+    metrics = [m for m in CRN_PANELS if m in set(effects.metric)]
+    cfs = list(effects[effects.metric == metrics[0]].groupby("counterfactual").crn_mean.mean().sort_values().index)
+    seeds = sorted(effects.seed.unique())
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.4 * len(metrics), 0.45 * len(cfs) + 1.6), squeeze=False,
+                             sharey=True)
+    for ax, metric in zip(axes[0], metrics):
+        d = effects[effects.metric == metric]
+        for k, seed in enumerate(seeds):
+            g = d[d.seed == seed].set_index("counterfactual").reindex(cfs)
+            y = np.arange(len(cfs)) + (k - (len(seeds) - 1) / 2) * 0.18
+            half = sps.t.ppf(0.975, (g.n_realisations - 1).clip(lower=1)) * g.crn_se
+            ax.errorbar(g.crn_mean, y, xerr=half, fmt="o", ms=3.5, lw=0.8, capsize=2, color=f"C{k}",
+                        label=f"seed {seed}")
+            if "predicted" in g:
+                err = np.vstack([g.predicted - g.predicted_lo, g.predicted_hi - g.predicted]).clip(min=0)
+                ax.errorbar(g.predicted, y + 0.07, xerr=err, fmt="o", mfc="none", ms=3.5, lw=0.6, color=f"C{k}")
+        ax.axvline(0, color="grey", lw=0.6)
+        ax.set_xlabel(f"ΔE {metric} (CRN, 95 % CI)")
+        ax.set_yticks(np.arange(len(cfs)), cfs)
+    axes[0, 0].legend(fontsize=6, loc="best")
+    fig.suptitle("counterfactual noise against the run's own: retrained with common random numbers", fontsize=10)
+    fig.tight_layout()
+    return style.save_figure(fig, path, effects)
