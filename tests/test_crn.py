@@ -18,7 +18,7 @@ from iclnoise.core.runspec import RunSpec
 from iclnoise.run.crn import METRICS, counterfactual, crn, member_spec
 from iclnoise.run.train import train_run
 
-pytestmark = [pytest.mark.unit, pytest.mark.numerics]
+pytestmark = pytest.mark.numerics
 
 RUN = "M4-B16-late-s0"
 LATE = {"source": "param", "shape": "diagonal", "schedule": "late", "fraction": 0.5, "budget": 0.004}
@@ -48,6 +48,7 @@ def forked(request, tiny, one_thread, tmp_path_factory):
     return p, spec, rd
 
 
+@pytest.mark.unit
 def test_the_runs_own_noise_as_a_counterfactual_changes_nothing_exactly(forked):
     """`self` trained again as its own members (other slots of the same ensemble): ΔE f = 0 and SE 0 exactly, for
     every metric, while the realisations themselves differ (two noise streams) and the counterfactuals move f."""
@@ -64,6 +65,7 @@ def test_the_runs_own_noise_as_a_counterfactual_changes_nothing_exactly(forked):
         assert r[cf, 0] != r["self", 0], cf
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("cf,i", [("self*3", 1), ("none", 0), ("self+shape=isotropic", 0), ("lategrad", 1)])
 def test_each_member_is_its_specs_plain_retraining_bit_for_bit(forked, cf, i, tmp_path):
     """Member (cf, i), forked at t0 from the shared state and trained in the ensemble of all twelve, ends with the
@@ -78,6 +80,7 @@ def test_each_member_is_its_specs_plain_retraining_bit_for_bit(forked, cf, i, tm
         assert alone[k] == want[k] or math.isnan(alone[k]) and math.isnan(want[k]), (k, alone[k], want[k])
 
 
+@pytest.mark.unit
 def test_counterfactuals_cnr_cannot_fork_are_refused(tiny):
     p = _params(tiny, "generator")
     spec = run_spec(p, RUN)
@@ -103,6 +106,7 @@ def test_counterfactuals_cnr_cannot_fork_are_refused(tiny):
     assert counterfactual("late*0.5", conds, RunSpec.of(spec)).noise["budget"] == 0.002
 
 
+@pytest.mark.unit
 def test_paired_effects_known_answer_and_coverage():
     """A planted effect: f(c, i) = f(self, i) + δ_c + e_ci with a seed term 100× the effect's spread. ΔE f is the
     mean paired difference (known answer, by hand), and over 4000 simulated experiments of N = 8 the interval
@@ -127,6 +131,7 @@ def test_paired_effects_known_answer_and_coverage():
     assert (np.abs(eff.loc["c"].crn_mean.to_numpy() - delta) <= t * unpaired).mean() > 0.999
 
 
+@pytest.mark.unit
 def test_the_crn_table_is_drawn(forked, tmp_path):
     """`iclnoise cnr-figure` draws a CRN effects table (crn.parquet's columns as CSV) and names what a table lacks."""
     _, _, rd = forked
@@ -137,3 +142,31 @@ def test_the_crn_table_is_drawn(forked, tmp_path):
     eff[["metric", "seed"]].to_csv(tmp_path / "bad.csv", index=False)
     with pytest.raises(SystemExit, match="neither a CRN table"):
         main(["cnr-figure", str(tmp_path / "bad.csv")])
+
+
+@pytest.mark.integration
+def test_snakemake_crn_plans_one_job_per_injecting_run_of_the_seeds(tmp_path):
+    """`snakemake crn` (cnr.enabled): one crn_run job per run of cnr.seeds that injects noise (Snakemake's dry run),
+    none without cnr.enabled."""
+    import re
+    import subprocess
+    import sys
+
+    import yaml
+
+    cfg = {"grid": {"M": [4, 8], "seeds": [0, 1], "batch_sizes": [16], "noise": ["none", "lateparam"]},
+           "noise": {"conditions": {"lateparam": LATE}},
+           "cnr": {"enabled": True, "seeds": [1], "counterfactuals": ["none", "self*2"], "realisations": 2,
+                   "probes": 2, "jac_batch": 2}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    (tmp_path / "params.yaml").write_text(open("params.yaml").read())   # read from the working directory
+
+    def jobs(*extra):
+        out = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--configfile",
+                              str(tmp_path / "c.yaml"), *extra, "--directory", str(tmp_path), "crn"], cwd=".",
+                             capture_output=True, text=True)
+        return out.stdout + out.stderr
+
+    plan = jobs()
+    assert re.search(r"(?m)^crn_run\s+2$", plan), plan[-2000:]
+    assert "crn_run" not in jobs("--config", "cnr={enabled: false}")

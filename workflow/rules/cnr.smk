@@ -1,5 +1,6 @@
-# Counterfactual noise replay (iclnoise.run.replay), off by default (cnr.enabled): one job per run that injects noise
-# (of cnr.seeds), writing its cnr.parquet; the target `snakemake cnr` asks for all of them (`all` does not).
+# A run's response to counterfactual noise, off by default (cnr.enabled), one job per run that injects noise (of
+# cnr.seeds): by common random numbers (iclnoise.run.crn; crn.parquet; the target `snakemake crn`), and by the
+# linearised replay (iclnoise.run.replay; cnr.parquet; the target `snakemake cnr`). `all` asks for neither.
 
 CNR = PARAMS.get("cnr", {})
 CNR_RUNS = [r for r in RUNS if CNR.get("enabled")
@@ -15,8 +16,8 @@ rule cnr_run:
         run_dir=lambda wc: f"{RES}/runs/{wc.run}",
         cfg=cfg("noise"),
         cfs=" ".join(shlex.quote(c) for c in CNR.get("counterfactuals", [])),
-        probes=CNR.get("probes", 16),
-        jac_batch=CNR.get("jac_batch", 16),
+        probes=CNR.get("probes"),   # every key is required once cnr.enabled (validate): no default here
+        jac_batch=CNR.get("jac_batch"),
     log:
         "logs/cnr/{run}.log",
     threads: 1
@@ -34,3 +35,33 @@ rule cnr:
     """Every replayed run's cnr.parquet (cnr.enabled)."""
     input:
         [f"{RES}/runs/{r}/cnr.parquet" for r in CNR_RUNS],
+
+
+rule crn_run:
+    input:
+        f"{RES}/runs/{{run}}/metrics.parquet",
+    output:
+        f"{RES}/runs/{{run}}/crn.parquet",
+        f"{RES}/runs/{{run}}/crn_realisations.parquet",
+    params:
+        run_dir=lambda wc: f"{RES}/runs/{wc.run}",
+        cfg=cfg("noise"),
+        cfs=" ".join(shlex.quote(c) for c in CNR.get("counterfactuals", [])),
+        realisations=CNR.get("realisations"),
+    log:
+        "logs/crn/{run}.log",
+    threads: 1
+    resources:
+        mem_mb=3000,
+        runtime=480,
+    conda:
+        CONDA_ENV
+    shell:
+        "iclnoise cnr {params.run_dir} --counterfactual {params.cfs} --cfg {params.cfg:q} "
+        "--realisations {params.realisations} > {log} 2>&1"
+
+
+rule crn:
+    """Every such run's crn.parquet (cnr.enabled): CNR's ground truth by common random numbers."""
+    input:
+        [f"{RES}/runs/{r}/crn.parquet" for r in CNR_RUNS],

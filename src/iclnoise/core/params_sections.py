@@ -76,20 +76,25 @@ class LLC(Section):
         "burn_in and draws overridable here. Absent: no refined estimates."))
 
 
-CNR_NAME = r"^[A-Za-z0-9_]+(\*[0-9.]+([eE][-+]?[0-9]+)?)?$"   # NAME or NAME*k
+CNR_NAME = (r"^[A-Za-z0-9_]+(\*[0-9.]+([eE][-+]?[0-9]+)?)?"   # NAME or NAME*k, then +field=value (CRN's only)
+            r"(\+[A-Za-z_]+=[A-Za-z0-9_.-]+)*$")
 
 
 @dataclass(frozen=True, kw_only=True)
 class CNR(Section):
-    """cnr: counterfactual noise replay (iclnoise.run.replay)."""
+    """cnr: a run's response to counterfactual noise, by common random numbers (iclnoise.run.crn, `snakemake crn`)
+    and by the linearised replay (iclnoise.run.replay, `snakemake cnr`)."""
     SECTION: ClassVar[str] = "cnr"
     enabled: bool = key(doc=(
-        "Replay every run that injects noise for `snakemake cnr` (false: the section may be written "
-        "`{enabled: false}` alone)."))
-    seeds: list | None = seeds("Replay only the runs of these seeds (default: all).")
+        "For every run that injects noise: CNR by common random numbers for `snakemake crn`, the linearised replay "
+        "for `snakemake cnr` (false: the section may be written `{enabled: false}` alone)."))
+    seeds: list | None = seeds("Only the runs of these seeds (default: all).")
     counterfactuals: list = key(minItems=1, items={"type": "string", "pattern": CNR_NAME}, doc=(
-        "NAME or NAME*k: none, self (the run's own noise), or an emulate_batch condition of noise.conditions; k "
-        "multiplies the covariance."))
+        "NAME[*k]: none, self (the run's own noise), or a noise condition of noise.conditions; k multiplies the "
+        "level (crn: a budget or target) or the covariance (the replay: its conditions emulate_batch ones). crn also "
+        "takes +field=value (e.g. self+shape=isotropic)."))
+    realisations: int = key(ge=1, doc=(
+        "crn: noise streams per counterfactual (noise_seed 0..N-1); ΔE f's SE shrinks as 1/sqrt."))
     probes: int = key(ge=2, doc="Hutchinson paths per counterfactual (the interval's probe error shrinks as 1/sqrt).")
     jac_batch: int = key(ge=1, doc="Sequences of each step's batch its Jacobian is taken on.")
 
