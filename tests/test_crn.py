@@ -57,6 +57,7 @@ def test_the_runs_own_noise_as_a_counterfactual_changes_nothing_exactly(forked):
     own = eff[eff.counterfactual == "self"]
     assert len(own) == len(METRICS) and (own.crn_mean == 0).all() and (own.crn_se == 0).all()
     assert (own.n_realisations == 2).all() and (eff.t0 == 30).all()   # the window of fraction 0.5 of 60 steps
+    assert not (rd / "crn_work").exists()   # the members' directories, removed once the tables are written
     r = val[(val.metric == "ood_loss")].set_index(["counterfactual", "realisation"]).value
     assert r["self", 0] != r["self", 1]            # noise_seed 0 and 1: other noise
     assert r["self", 1] == r["reference", 1]
@@ -170,3 +171,37 @@ def test_snakemake_crn_plans_one_job_per_injecting_run_of_the_seeds(tmp_path):
     plan = jobs()
     assert re.search(r"(?m)^crn_run\s+2$", plan), plan[-2000:]
     assert "crn_run" not in jobs("--config", "cnr={enabled: false}")
+
+
+class Killed(Exception):
+    pass
+
+
+@pytest.mark.unit
+def test_a_killed_crn_resumes_from_its_work_directory_to_the_same_numbers(tiny, one_thread, tmp_path, monkeypatch):
+    """Killed while the members' states at the last commit are being written (two of four saved), `crn` called again
+    with the same work directory resumes the ensemble from the commit before (the fork's states are not rebuilt) and
+    ends bit for bit where an uninterrupted call ends."""
+    import iclnoise.run.ensemble as ens
+
+    p = _params(tiny, "counter")
+    p["train"]["checkpoints"] = {"linear": 4, "log": 2}   # commits at 0, 1, 15, 30, 45, 60: two inside the window
+    spec, conds = run_spec(p, RUN), p["noise"]["conditions"]
+    whole = crn(spec, ["self*3"], conds, 2, work=tmp_path / "whole")
+    save, saved = ens.save_resume, []
+
+    def dying(m, state):
+        if state["commit"] == 60 and len(saved) == 2:
+            raise Killed
+        saved.extend([1] if state["commit"] == 60 else [])
+        save(m, state)
+
+    monkeypatch.setattr(ens, "save_resume", dying)
+    with pytest.raises(Killed):
+        crn(spec, ["self*3"], conds, 2, work=tmp_path / "killed")
+    monkeypatch.setattr(ens, "save_resume", save)
+    built = []
+    monkeypatch.setattr("iclnoise.run.crn._states_at", lambda *a: built.append(1))
+    again = crn(spec, ["self*3"], conds, 2, work=tmp_path / "killed")
+    assert not built
+    pd.testing.assert_frame_equal(again, whole)

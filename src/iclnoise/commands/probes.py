@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -236,6 +237,8 @@ def cnr(argv: list[str]) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None, help="default <run>/crn.parquet (and crn_realisations.parquet beside it)")
+    ap.add_argument("--work", default=None, help="the members' run directories, so a killed call resumes (default "
+                    "<run>/crn_work; removed once the tables are written)")
     a = ap.parse_args(argv)
     try:
         conditions = noise_conditions(sections(a.cfg, "noise"))
@@ -243,9 +246,10 @@ def cnr(argv: list[str]) -> None:
     except (ParamsError, CorruptFileError, FileNotFoundError) as e:
         raise SystemExit(f"iclnoise cnr: {e}") from None
     torch.set_num_threads(a.threads)
+    work = Path(a.work) if a.work else Path(a.run) / "crn_work"
     t = time.time()
     try:
-        values = crn(raw, a.counterfactual, conditions, a.realisations, a.t0, a.device)
+        values = crn(raw, a.counterfactual, conditions, a.realisations, a.t0, a.device, work)
     except ValueError as e:
         raise SystemExit(f"iclnoise cnr: {e}") from None
     seconds = time.time() - t
@@ -254,6 +258,7 @@ def cnr(argv: list[str]) -> None:
     out = Path(a.out) if a.out else Path(a.run) / "crn.parquet"
     write_parquet(values, out.with_name(out.stem + "_realisations.parquet"), REALISATIONS_SCHEMA)
     write_parquet(effects, out, CRN_SCHEMA)
+    shutil.rmtree(work, ignore_errors=True)
     show = effects[effects.metric.isin(["r", "ood_loss", "ood_delta_ridge"]) & (effects.counterfactual != REFERENCE)]
     print(show[["counterfactual", "metric", "n_realisations", "crn_mean", "crn_se", "mean"]].to_string(index=False))
     n = values[["counterfactual", "realisation"]].drop_duplicates().shape[0]

@@ -23,6 +23,7 @@ size's, not a multiple)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 import tempfile
 from dataclasses import dataclass
@@ -34,11 +35,12 @@ import torch
 
 from ..config.grid import spec_hash
 from ..config.validate import validate_condition
-from ..core.runspec import RunSpec
+from ..core.runspec import RunSpec, parse_run_id
 from ..core.sections import ParamsError
 from .ensemble import Ensemble
-from .member import Member
-from .runs import CKPT_DIR
+from .member import RESUME, RESUME_PREV, Member
+from .runs import CKPT_DIR, save_torch
+from .train import train_ensemble
 
 METRICS = ("r", "id_loss", "ood_loss", "delta_ridge", "delta_dmmse", "ood_delta_ridge", "ood_delta_dmmse")
 LEVELS = ("budget", "target", "emulate_batch", "relative_dose")   # a condition's level, not its injector
@@ -130,6 +132,13 @@ def member_spec(raw: dict, cf: Counterfactual, realisation: int | None) -> dict:
     return {**copy.deepcopy(raw), "noise": noise}
 
 
+def _labelled(s: dict, j: int) -> dict:
+    """Member j's spec under a run id of its own (noise label crn<j>), since an ensemble lists each run once; the
+    label is no input of training (tests/test_crn.py compares members with their unlabelled specs' runs)."""
+    keys = dataclasses.replace(parse_run_id(s["keys"]["run_id"]), noise=f"crn{j}")
+    return {**s, "keys": {**s["keys"], "noise": keys.noise, "run_id": keys.run_id}}
+
+
 def _check_window(spec: RunSpec, t0: int, what: str) -> None:
     if spec.window is not None and spec.window[0] < t0:
         raise ValueError(f"{what} injects noise from step {spec.window[0]}, before the fork at t0 = {t0}: CNR "
@@ -139,10 +148,14 @@ def _check_window(spec: RunSpec, t0: int, what: str) -> None:
 
 
 def crn(raw: dict, names: list[str], conditions: dict, realisations: int, t0: int | None = None,
-        device: str = "cpu") -> pd.DataFrame:
+        device: str = "cpu", work: str | Path | None = None) -> pd.DataFrame:
     """REALISATIONS_SCHEMA rows: the final METRICS of every member (the reference `self`, then each counterfactual
     of `names`, × noise_seed 0..realisations−1), all forked at t0 (default: the start of the run's own injection
-    window) and trained to the end in one ensemble."""
+    window) and trained to the end in one ensemble.
+
+    `work`: a directory for the members' run directories, so that a killed call resumes (the window from the
+    ensemble's last commit, as training does; the first t0 steps, which are not committed, again); None: a
+    temporary one."""
     raw = {k: v for k, v in raw.items() if k != "spec_hash"}
     spec = RunSpec.of(raw)
     if t0 is None:
@@ -155,25 +168,26 @@ def crn(raw: dict, names: list[str], conditions: dict, realisations: int, t0: in
         raise ValueError("realisations must be at least 1")
     own = Counterfactual(REFERENCE, counterfactual("self", conditions, spec).noise)
     cfs = [own, *(counterfactual(n, conditions, spec) for n in names)]
-    specs = {cf.text: [member_spec(raw, cf, i) for i in range(realisations)] for cf in cfs}
+    members = [(cf, i, member_spec(raw, cf, i)) for cf in cfs for i in range(realisations)]
+    members = [(cf, i, _labelled(s, j)) for j, (cf, i, s) in enumerate(members)]
     for cf in cfs:
-        _check_window(RunSpec.of(specs[cf.text][0]), t0, f"counterfactual {cf.text!r}")
+        _check_window(RunSpec.of(member_spec(raw, cf, 0)), t0, f"counterfactual {cf.text!r}")
     with tempfile.TemporaryDirectory(prefix="crn-") as tmp:
-        forks = _states_at(raw, cfs, t0, Path(tmp) / "pre", device)
-        members = []
-        for cf in cfs:
-            for i, s in enumerate(specs[cf.text]):
-                m = _member(RunSpec.of(s), Path(tmp) / f"{len(members)}", device)
-                if forks is not None:
-                    m.resume_from(copy.deepcopy(forks[cf.structure]))
-                members.append((cf, i, m))
-        Ensemble([m for *_, m in members], t0, "crn").run(False)
+        root = Path(work) if work is not None else Path(tmp)
+        dirs = [root / f"{j:04d}" for j in range(len(members))]
+        if t0 > 0 and not any((d / RESUME).exists() or (d / RESUME_PREV).exists() for d in dirs):
+            forks = _states_at(raw, cfs, t0, Path(tmp) / "pre", device)
+            for (cf, _, s), d in zip(members, dirs):   # each member's resume state: its structure's state at t0
+                d.mkdir(parents=True, exist_ok=True)
+                save_torch({**forks[cf.structure], "spec_hash": spec_hash(s), "cohort": "crn", "manifest": {}},
+                           d / RESUME)
+        tables = train_ensemble([s for *_, s in members], dirs, progress=False, device=torch.device(device))
     rows = []
-    for cf, i, m in members:
-        last = m.rows[-1]
+    for (cf, i, _), metrics in zip(members, tables):
+        last = metrics.iloc[-1]
         rows += [{"run_id": spec.keys.run_id, "seed": spec.keys.seed, "counterfactual": cf.text, "realisation": i,
-                  "t0": t0, "step": last["step"], "metric": k, "value": float(last[k]), "diverged": m.diverged}
-                 for k in METRICS]
+                  "t0": t0, "step": int(last["step"]), "metric": k, "value": float(last[k]),
+                  "diverged": bool(metrics.diverged.any())} for k in METRICS]
     return pd.DataFrame(rows, columns=REALISATIONS_SCHEMA.names)
 
 
@@ -193,7 +207,7 @@ def _states_at(raw: dict, cfs: list[Counterfactual], t0: int, tmp: Path, device:
     pre = [_member(RunSpec.of(member_spec(raw, cf, None)), tmp / f"{j}", device) for j, cf in enumerate(first.values())]
     ens = Ensemble(pre, 0, "crn-pre")
     ens.run(False, stop_after=t0)
-    states = ens.states(t0)
+    states = [{**st, "commit": t0} for st in ens.states(t0)]
     ref = states[0]["params"]
     if any(not all(torch.equal(ref[n], s["params"][n]) for n in ref) for s in states[1:]):
         raise RuntimeError("the members' trajectories parted before t0: some noise acted before the fork")

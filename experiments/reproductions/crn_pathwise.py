@@ -1,0 +1,85 @@
+"""The first-order pathwise estimator (iclnoise.run.pathwise) judged against CNR's ground truth (issue 67, item 3), in
+crn_replay.py's setting and against its CRN means (read from its table, `--crn`).
+
+Per seed: the run's resume state at t0 (the window's start), then `--realisations` replays of the run's own noise
+(noise_seed i) carrying the tangent of the noise's log-level; ḡ ± SE per metric; the prediction for the level × k is
+ḡ ln k (NaN at k = 0). Prints Spearman ρ over (counterfactual, seed) for r and the OOD loss (k > 0, and inside
+|Δ log scale| = |ln k| / 2 ≤ 0.5), the coverage of prediction ± 1.96 √(se² + crn_se²), the cost; writes `--out`.
+
+Usage: OMP_NUM_THREADS=1 python experiments/reproductions/crn_pathwise.py [--crn reference/reproductions/crn_replay.csv]
+       [--out reference/reproductions/crn_pathwise.csv]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+from scipy.stats import spearmanr
+
+from iclnoise.config.grid import run_spec
+from iclnoise.core.runspec import RunSpec
+from iclnoise.run.crn import counterfactual, member_spec
+from iclnoise.run.member import RESUME
+from iclnoise.run.pathwise import predict, sensitivity
+from iclnoise.run.runs import load_torch
+from iclnoise.run.train import train_ensemble
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cnr_check import params  # noqa: E402  (the tiny setting, one definition)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--crn", default="reference/reproductions/crn_replay.csv")
+    ap.add_argument("--realisations", type=int, default=8)
+    ap.add_argument("--jac-batch", type=int, default=64, help="sequences of each step's batch in its Jacobian")
+    ap.add_argument("--out", default="reference/reproductions/crn_pathwise.csv")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    ref = pd.read_csv(a.crn)
+    steps, budget = int(ref.steps.iloc[0]), float(ref.budget.iloc[0])
+    p = params(steps, None)
+    p["train"]["checkpoints"] = {"linear": 2, "log": 2}
+    p["noise"]["conditions"]["late"] = {"source": "param", "shape": "diagonal", "schedule": "late", "fraction": 0.5,
+                                        "budget": budget}
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="crn-pathwise-") as tmp:
+        for seed in sorted(ref.seed.unique()):
+            spec, rd, t0 = run_spec(p, f"M8-B64-late-s{seed}"), Path(tmp) / f"s{seed}", steps // 2
+            train_ensemble([spec], [rd], progress=False, stop_after=t0)
+            state = load_torch(rd / RESUME, "cpu")
+            own = counterfactual("self", p["noise"]["conditions"], RunSpec.of(spec))
+            t = time.time()
+            g = [sensitivity(RunSpec.of(member_spec(spec, own, i)), copy.deepcopy(state), a.jac_batch)
+                 for i in range(a.realisations)]
+            seconds = time.time() - t
+            for r in ref[ref.seed == seed].itertuples():
+                pred, se = predict(g, r.k)[r.metric]
+                half = 1.96 * math.hypot(se, r.crn_se)
+                rows.append({"seed": seed, "counterfactual": r.counterfactual, "k": r.k, "metric": r.metric,
+                             "n_realisations": r.n_realisations, "crn_mean": r.crn_mean, "crn_se": r.crn_se,
+                             "predicted": pred, "predicted_se": se, "predicted_lo": pred - half,
+                             "predicted_hi": pred + half, "g": float(pd.Series([gi[r.metric] for gi in g]).mean()),
+                             "pathwise_s": seconds, "crn_s": r.crn_s, "t0": t0, "steps": steps, "budget": budget,
+                             "realisations": a.realisations, "jac_batch": a.jac_batch})
+            print(f"seed {seed}: {a.realisations} pathwise replays {seconds:.0f} s (CRN {r.crn_s:.0f} s)", flush=True)
+    df = pd.DataFrame(rows)
+    df["covered"] = (df.predicted_lo <= df.crn_mean) & (df.crn_mean <= df.predicted_hi)
+    df["local"] = df.k.map(lambda k: k > 0 and abs(math.log(k)) / 2 <= 0.5)
+    df.to_csv(a.out, index=False, float_format="%.6g")
+    for metric in ("r", "ood_loss"):
+        for where, d in (("k > 0", df[(df.metric == metric) & (df.k > 0)]),
+                         ("|Δ log scale| ≤ 0.5", df[(df.metric == metric) & df.local])):
+            rho = spearmanr(d.predicted, d.crn_mean).statistic
+            print(f"{metric}, {where}: Spearman ρ {rho:.2f} over {len(d)}; coverage {d.covered.mean():.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""A first-order pathwise estimator of CNR (method §13; issue 67, item 3): the derivative of E f(θ_T) with respect to
+the log-level α of the run's own injected noise over [t0, T), from N replays, no counterfactual retrained.
+
+Along one realisation of the noise, the injected draw at step t is ξ_t(α) = e^{α/2} ξ_t (the level multiplies the
+covariance), so its tangent is ½ ξ_t, the draw itself halved. Carried through the linearised AdamW step on the
+replayed trajectory (iclnoise.run.replay's Replayer, one path, probes = 1), it gives dθ_T/dα along that realisation,
+and g_i = ∇f(θ_T) · dθ_T/dα. Averaging over realisations i (noise_seed i) estimates d E f / dα, since the derivative
+of the mean is the mean of the derivatives where f ∘ θ_T is smooth in α; its SE is the spread of the g_i over √N.
+The prediction for the level × k is ΔE f ≈ ḡ · ln k, first order in α = ln k.
+
+What it leaves out (beyond the replay's own approximations, iclnoise.run.replay): the closed loop's answer to the
+counterfactual (a budget level sets s_t from the realised exposure; here s_t is taken to scale by k exactly), and
+every term of second and higher order in ln k. Parameter-source noise only: a gradient-source draw is added into the
+gradient and not kept by the injector."""
+from __future__ import annotations
+
+import math
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..config.grid import spec_hash
+from ..core.runspec import RunSpec
+from ..noise.injection import NoiseInjector
+from .ensemble import Ensemble
+from .member import Member
+from .replay import METRICS, Replayer, _functional, metric_fn
+from .runs import CKPT_DIR
+
+
+class Pathwise(Replayer):
+    """The Replayer with one path, driven by the run's own injected draws halved (module docstring)."""
+
+    def __init__(self, spec: RunSpec, model: torch.nn.Module, injector: NoiseInjector, jac_batch: int):
+        super().__init__(spec, model, [], injector, 1, jac_batch, 0)
+
+    def on_grads(self, ctx) -> None:
+        super().on_grads(ctx)
+        eps = self.injector._eps   # this step's parameter noise (the injector acted first)
+        self.now["drawn"] = None if eps is None else eps.detach().clone()
+
+    def _draw(self, g: int, now: dict, row: dict | None, k: int) -> tuple[str, torch.Tensor] | None:
+        return None if now.get("drawn") is None else ("param", 0.5 * now["drawn"])
+
+
+def sensitivity(spec: RunSpec, state: dict, jac_batch: int, device: str = "cpu") -> dict[str, float]:
+    """g = df(θ_T)/dα for each of METRICS along the realisation of `spec` (its noise_seed), replayed from the resume
+    state `state` (its step is t0)."""
+    if spec.noise.source != "param":
+        raise ValueError(f"run {spec.keys.run_id}: the pathwise estimator takes parameter-source noise (its draws "
+                         f"are kept by the injector), not {spec.noise.source}")
+    with tempfile.TemporaryDirectory(prefix="pathwise-") as tmp:
+        m = Member(spec, Path(tmp), spec_hash(spec.raw), torch.device(device))
+        m.setup()
+        (Path(tmp) / CKPT_DIR).mkdir()
+        start = m.resume_from(state)
+        injector = next(h for h in m.hooks if isinstance(h, NoiseInjector))
+        rep = Pathwise(spec, m.model, injector, jac_batch)
+        m.hooks.append(rep)
+        Ensemble([m], start, "pathwise").run(False)
+        m.model.eval()
+        f = metric_fn(m.model, m.evaluator)
+        first, _ = rep.finish(f, _functional(m.model)[1].clone())[0]
+    return {k: float(v) for k, v in zip(METRICS, first[0])}
+
+
+def predict(g: list[dict[str, float]], k: float) -> dict[str, tuple[float, float]]:
+    """ΔE f ≈ ḡ ln k with its SE |ln k| sd(g)/√N, per metric, from the per-realisation sensitivities `g`; NaN at
+    k = 0 (ln k = −∞: outside any first-order range)."""
+    out = {}
+    for metric in METRICS:
+        v = torch.tensor([gi[metric] for gi in g], dtype=torch.float64)
+        n, lk = len(v), math.log(k) if k > 0 else math.nan
+        se = float(v.std()) / math.sqrt(n) if n > 1 else math.nan
+        out[metric] = (float(v.mean()) * lk, abs(lk) * se)
+    return out
