@@ -3,8 +3,8 @@
 and COUNTERFACTUALS × `--realisations` noise streams (iclnoise.run.crn), per seed; ΔE f ± SE per counterfactual,
 paired by realisation (iclnoise.analysis.stats.paired_effects).
 
-One seed is one process and one file (`--out`/realisations_s<seed>.parquet, written when the seed is done), so a
-killed check resumes by seed. When every seed is there it writes `--out`/effects.csv (all metrics) beside them.
+One seed is one ensemble and one file (`--out`/realisations_s<seed>.parquet, written when the seed is done); a killed
+check resumes: a finished seed from its file, the running one from its members' last commit (`--out`/work_s<seed>). When every seed is there it writes `--out`/effects.csv (all metrics) beside them.
 
 Usage: OMP_NUM_THREADS=1 python experiments/reproductions/crn_check.py [--seeds 0 1 2] [--realisations 8]
        [--out reference/reproductions/crn]
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -48,8 +49,11 @@ def main() -> None:
         if path.exists():
             continue
         t = time.time()
-        values = crn(run_spec(p, f"M16-B64-late-s{seed}"), COUNTERFACTUALS, p["noise"]["conditions"], a.realisations)
+        work = out / f"work_s{seed}"   # the members' run directories: a killed check resumes from the last commit
+        values = crn(run_spec(p, f"M16-B64-late-s{seed}"), COUNTERFACTUALS, p["noise"]["conditions"], a.realisations,
+                     work=work)
         write_parquet(values, path, REALISATIONS_SCHEMA, spec_hash=f"commit {commit}, {time.time() - t:.0f} s")
+        shutil.rmtree(work)
         print(f"seed {seed}: {time.time() - t:.0f} s", flush=True)
     paths = [out / f"realisations_s{s}.parquet" for s in a.seeds]
     if all(q.exists() for q in paths):
