@@ -4,7 +4,8 @@ and COUNTERFACTUALS × `--realisations` noise streams (iclnoise.run.crn), per se
 paired by realisation (iclnoise.analysis.stats.paired_effects).
 
 One seed is one ensemble and one file (`--out`/realisations_s<seed>.parquet, written when the seed is done); a killed
-check resumes: a finished seed from its file, the running one from its members' last commit (`--out`/work_s<seed>). When every seed is there it writes `--out`/effects.csv (all metrics) beside them.
+check resumes: a finished seed from its file, the running one from its members' last commit (`--out`/work_s<seed>).
+When every seed is there it writes `--out`/effects.csv (all metrics) beside them.
 
 Usage: OMP_NUM_THREADS=1 python experiments/reproductions/crn_check.py [--seeds 0 1 2] [--realisations 8]
        [--out reference/reproductions/crn]
