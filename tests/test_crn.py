@@ -18,7 +18,6 @@ from iclnoise.core.runspec import RunSpec
 from iclnoise.run.crn import METRICS, counterfactual, crn, member_spec
 from iclnoise.run.train import train_run
 
-pytestmark = pytest.mark.numerics
 
 RUN = "M4-B16-late-s0"
 LATE = {"source": "param", "shape": "diagonal", "schedule": "late", "fraction": 0.5, "budget": 0.004}
@@ -48,6 +47,7 @@ def forked(request, tiny, one_thread, tmp_path_factory):
     return p, spec, rd
 
 
+@pytest.mark.numerics
 @pytest.mark.unit
 def test_the_runs_own_noise_as_a_counterfactual_changes_nothing_exactly(forked):
     """`self` trained again as its own members (other slots of the same ensemble): ΔE f = 0 and SE 0 exactly, for
@@ -66,6 +66,7 @@ def test_the_runs_own_noise_as_a_counterfactual_changes_nothing_exactly(forked):
         assert r[cf, 0] != r["self", 0], cf
 
 
+@pytest.mark.numerics
 @pytest.mark.unit
 @pytest.mark.parametrize("cf,i", [("self*3", 1), ("none", 0), ("self+shape=isotropic", 0), ("lategrad", 1)])
 def test_each_member_is_its_specs_plain_retraining_bit_for_bit(forked, cf, i, tmp_path):
@@ -177,6 +178,7 @@ class Killed(Exception):
     pass
 
 
+@pytest.mark.numerics
 @pytest.mark.unit
 def test_a_killed_crn_resumes_from_its_work_directory_to_the_same_numbers(tiny, one_thread, tmp_path, monkeypatch):
     """Killed while the members' states at the last commit are being written (two of four saved), `crn` called again
