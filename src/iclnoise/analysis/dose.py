@@ -265,13 +265,18 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
     res["total_fit"] = finite[finite.target_dose.isin([0.0, *inside]) & finite.M.isin(ladder)].assign(
         log10_total=lambda d: np.log10(d.target_dose.map(total)))
     res["decomposition"] = _decomposition(res["total_fit"], alpha, res) if len(inside) else {}
-    if len(inside) and ladder:
-        top = finite[(finite.target_dose == max(inside)) & finite.M.isin(ladder)].set_index(["M", "seed"]).r
-        zero = finite[(finite.target_dose == 0) & finite.M.isin(ladder)].set_index(["M", "seed"]).r
-        pairs = pd.concat([top, zero], axis=1, keys=["top", "zero"]).dropna()
-        if len(pairs) >= 2:
-            res["zero"] = stats.paired_test(pairs.top.to_numpy(), pairs.zero.to_numpy(), alpha)
+    res["zero"] = _zero_contrast(finite, inside, ladder, alpha)
     return res
+
+
+def _zero_contrast(finite: pd.DataFrame, inside: list, ladder: list[int], alpha: float) -> dict | None:
+    """r at the highest in-regime dose − dose 0, paired by (M, seed) at the ladder (None with < 2 pairs)."""
+    if not len(inside) or not ladder:
+        return None
+    top = finite[(finite.target_dose == max(inside)) & finite.M.isin(ladder)].set_index(["M", "seed"]).r
+    zero = finite[(finite.target_dose == 0) & finite.M.isin(ladder)].set_index(["M", "seed"]).r
+    pairs = pd.concat([top, zero], axis=1, keys=["top", "zero"]).dropna()
+    return stats.paired_test(pairs.top.to_numpy(), pairs.zero.to_numpy(), alpha) if len(pairs) >= 2 else None
 
 
 def _decomposition(d: pd.DataFrame, alpha: float, res: dict) -> dict:
