@@ -28,9 +28,10 @@ from iclnoise.config.grid import run_spec
 from iclnoise.core.io import read_parquet, write_parquet
 from iclnoise.run.crn import REALISATIONS_SCHEMA, REFERENCE, crn
 
-# the noise scale (×k of the budget), the shape, the source and the window, each against the run's own
-COUNTERFACTUALS = ["none", "self*0.5", "self*2", "self*4", "self+shape=isotropic", "self+source=param",
-                   "self*4+source=param", "self+fraction=0.15"]
+# the noise scale (×k of the budget: 7 levels, the first-order pathwise estimator's direction, iclnoise.run.pathwise),
+# none, and the shape, the source and the window, each against the run's own
+COUNTERFACTUALS = ["none", "self*0.25", "self*0.5", "self*0.75", "self*1.5", "self*2", "self*3", "self*4",
+                   "self+shape=isotropic", "self+source=param", "self+fraction=0.15"]
 
 
 def main() -> None:

@@ -40,7 +40,7 @@ def fig_cnr(table: pd.DataFrame, path: str | Path) -> list[Path]:
     return style.save_figure(fig, path, table)
 
 
-CRN_PANELS = ("r", "ood_delta_ridge", "id_loss")
+CRN_PANELS = ("r", "ood_loss", "ood_delta_ridge", "id_loss")
 
 
 def fig_crn(effects: pd.DataFrame, path: str | Path) -> list[Path]:
@@ -72,6 +72,7 @@ def fig_crn(effects: pd.DataFrame, path: str | Path) -> list[Path]:
         ax.set_xlabel(f"ΔE {metric} (CRN, 95 % CI)")
         ax.set_yticks(np.arange(len(cfs)), cfs)
     axes[0, 0].legend(fontsize=6, loc="best")
-    fig.suptitle("counterfactual noise against the run's own: retrained with common random numbers", fontsize=10)
+    fig.suptitle("counterfactual noise against the run's own: retrained with common random numbers (filled)"
+                 + ("; an estimator's prediction (hollow)" if "predicted" in effects else ""), fontsize=10)
     fig.tight_layout()
     return style.save_figure(fig, path, effects)
