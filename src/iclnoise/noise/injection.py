@@ -109,6 +109,8 @@ class NoiseInjector:
         self.realised = 0.0                     # Σ injected P-NE* after clipping so far
         self._rows: list[dict] = []
         self._eps: torch.Tensor | None = None
+        self.keep_draw = False   # keep each step's injected draw as `drawn` (iclnoise.run.pathwise reads it)
+        self.drawn: torch.Tensor | None = None
         self._pending: dict | None = None
         self._plist: list[torch.Tensor] | None = None
         self.nap = (NapEstimator(n.shape, n.rank, n.nap_tasks, n.nap_per_task, n.nap_memory, spec.data.K,
@@ -213,7 +215,7 @@ class NoiseInjector:
         s = self._scale(ctx, a, curv) if active else 0.0
         ne = s * ne_unit(ctx.lr, self._kappa(), a, self._diag) if s > 0 else 0.0
         self._pending = self.pending(ctx.step, active, s, ne, curv)
-        self._eps = None
+        self._eps = self.drawn = None
         if s <= 0:
             return
         eps, z = self.draw(ctx.step)
@@ -222,11 +224,14 @@ class NoiseInjector:
         if self.source == "grad":
             for p, e in zip(params, eps.split([p.numel() for p in params])):
                 p.grad.add_(e.view_as(p))
+            self.drawn = eps if self.keep_draw else None
         elif z is not None:  # isotropic in parameter space: τ² I with τ² P = η² Tr(A sR' A) (method §5)
             tau2 = ctx.lr ** 2 * float((a.square() * self._diag).sum()) * s / a.numel()
             self._eps = z * math.sqrt(tau2)
         else:
             self._eps = ctx.lr * a * eps
+        if self.keep_draw and self.source == "param":
+            self.drawn = self._eps
 
     def book(self, row: dict, c2: float, pne: float) -> None:
         """Complete the step's row with its clipping factor c² and realised P-NE* after clipping, and add them to

@@ -10,8 +10,8 @@ The prediction for the level × k is ΔE f ≈ ḡ · ln k, first order in α = 
 
 What it leaves out (beyond the replay's own approximations, iclnoise.run.replay): the closed loop's answer to the
 counterfactual (a budget level sets s_t from the realised exposure; here s_t is taken to scale by k exactly), and
-every term of second and higher order in ln k. Parameter-source noise only: a gradient-source draw is added into the
-gradient and not kept by the injector."""
+every term of second and higher order in ln k. A gradient-source draw enters the step as an input (through AdamW's
+map, before the held clip), a parameter-source draw is added after it."""
 from __future__ import annotations
 
 import math
@@ -34,22 +34,24 @@ class Pathwise(Replayer):
 
     def __init__(self, spec: RunSpec, model: torch.nn.Module, injector: NoiseInjector, jac_batch: int):
         super().__init__(spec, model, [], injector, 1, jac_batch, 0)
+        injector.keep_draw = True
 
     def on_grads(self, ctx) -> None:
         super().on_grads(ctx)
-        eps = self.injector._eps   # this step's parameter noise (the injector acted first)
+        eps = self.injector.drawn   # this step's injected draw (the injector acted first)
         self.now["drawn"] = None if eps is None else eps.detach().clone()
 
     def _draw(self, g: int, now: dict, row: dict | None, k: int) -> tuple[str, torch.Tensor] | None:
-        return None if now.get("drawn") is None else ("param", 0.5 * now["drawn"])
+        """("grad", ½ ε): an input of the step (added to the gradient before the held clip); ("param", ½ w): added
+        to θ after it."""
+        return None if now.get("drawn") is None else (self.spec.noise.source, 0.5 * now["drawn"])
 
 
 def sensitivity(spec: RunSpec, state: dict, jac_batch: int, device: str = "cpu") -> dict[str, float]:
     """g = df(θ_T)/dα for each of METRICS along the realisation of `spec` (its noise_seed), replayed from the resume
     state `state` (its step is t0)."""
-    if spec.noise.source != "param":
-        raise ValueError(f"run {spec.keys.run_id}: the pathwise estimator takes parameter-source noise (its draws "
-                         f"are kept by the injector), not {spec.noise.source}")
+    if not spec.injects:
+        raise ValueError(f"run {spec.keys.run_id} injects no noise: there is no level to differentiate")
     with tempfile.TemporaryDirectory(prefix="pathwise-") as tmp:
         m = Member(spec, Path(tmp), spec_hash(spec.raw), torch.device(device))
         m.setup()
