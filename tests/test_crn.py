@@ -134,12 +134,21 @@ def test_paired_effects_known_answer_and_coverage():
 
 @pytest.mark.unit
 def test_the_crn_table_is_drawn(forked, tmp_path):
-    """`iclnoise cnr-figure` draws a CRN effects table (crn.parquet's columns as CSV) and names what a table lacks."""
-    _, _, rd = forked
+    """`iclnoise cnr-figure` draws a CRN effects table (crn.parquet's columns as CSV) and names what a table lacks;
+    `iclnoise cnr` refuses a work directory it would remove with something else in it."""
+    p, _, rd = forked
     eff = read_parquet(rd / "crn.parquet")
     eff[eff.counterfactual != "reference"].to_csv(tmp_path / "effects.csv", index=False)
     main(["cnr-figure", str(tmp_path / "effects.csv"), "--out", str(tmp_path / "crn")])
     assert {p.suffix for p in tmp_path.glob("crn.*")} == {".png", ".pdf", ".parquet"}
+    for work in (rd, rd.parent):   # a work directory is removed at the end: never the run's or one holding it
+        with pytest.raises(SystemExit, match="holds the run directory"):
+            main(["cnr", str(rd), "--counterfactual", "none", "--cfg", _cfg(p), "--work", str(work)])
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(SystemExit, match="not members' run directories"):
+        main(["cnr", str(rd), "--counterfactual", "none", "--cfg", _cfg(p), "--work", str(tmp_path / "mine")])
+    assert (tmp_path / "mine" / "notes.txt").exists()
     eff[["metric", "seed"]].to_csv(tmp_path / "bad.csv", index=False)
     with pytest.raises(SystemExit, match="neither a CRN table"):
         main(["cnr-figure", str(tmp_path / "bad.csv")])

@@ -247,6 +247,12 @@ def cnr(argv: list[str]) -> None:
         raise SystemExit(f"iclnoise cnr: {e}") from None
     torch.set_num_threads(a.threads)
     work = Path(a.work) if a.work else Path(a.run) / "crn_work"
+    if Path(a.run).resolve().is_relative_to(work.resolve()):
+        raise SystemExit(f"iclnoise cnr: --work {work} holds the run directory; it is removed at the end: give "
+                         f"another directory")
+    if work.is_dir() and any(not (p.is_dir() and p.name.isdigit()) for p in work.iterdir()):
+        raise SystemExit(f"iclnoise cnr: --work {work} holds files that are not members' run directories; it is "
+                         f"removed at the end: give a new or empty directory")
     t = time.time()
     try:
         values = crn(raw, a.counterfactual, conditions, a.realisations, a.t0, a.device, work)
