@@ -99,6 +99,8 @@ def test_counterfactuals_cnr_cannot_fork_are_refused(tiny):
         crn(spec, ["self+noise_seed=3"], conds, 1)
     with pytest.raises(ValueError, match="emulate_batch"):
         counterfactual("eb*2", {"eb": {"source": "grad", "shape": "diagonal", "emulate_batch": 8}}, RunSpec.of(spec))
+    with pytest.raises(ValueError, match="relative_dose"):
+        counterfactual("rel*2", {"rel": {**LATE, "budget": None, "relative_dose": 3}}, RunSpec.of(spec))
     with pytest.raises(ValueError, match="shape"):
         counterfactual("self+shape=round", conds, RunSpec.of(spec))
     with pytest.raises(ValueError, match="outside the run's training steps"):

@@ -103,6 +103,10 @@ def counterfactual(text: str, conditions: dict, spec: RunSpec) -> Counterfactual
         base = {key: v for key, v in spec.raw.get("noise", {"source": "none"}).items() if key not in OWN}
     elif name in conditions:
         base = {key: v for key, v in conditions[name].items() if key not in OWN}
+        if "relative_dose" in base:
+            raise ValueError(f"counterfactual {text!r}: condition {name!r} gives a relative_dose, which a run spec "
+                             f"holds as the budget it resolves to at the run's batch size: use self*k on a run of "
+                             f"that condition, or a condition with its budget")
     else:
         raise ValueError(f"counterfactual {text!r}: {name!r} is not a noise condition of params.yaml "
                          f"(noise.conditions: {', '.join(sorted(conditions)) or 'none'}; or none, self)")
