@@ -264,7 +264,7 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
         _mstar_tests(ex, lv, point, alpha, res)
     res["total_fit"] = finite[finite.target_dose.isin([0.0, *inside]) & finite.M.isin(ladder)].assign(
         log10_total=lambda d: np.log10(d.target_dose.map(total)))
-    res["decomposition"] = _decomposition(res["total_fit"], alpha, res) if len(inside) else {}
+    res["decomposition"] = decomposition(res["total_fit"], alpha, res) if len(inside) else {}
     res["zero"] = _zero_contrast(finite, inside, ladder, alpha)
     return res
 
@@ -279,7 +279,7 @@ def _zero_contrast(finite: pd.DataFrame, inside: list, ladder: list[int], alpha:
     return stats.paired_test(pairs.top.to_numpy(), pairs.zero.to_numpy(), alpha) if len(pairs) >= 2 else None
 
 
-def _decomposition(d: pd.DataFrame, alpha: float, res: dict) -> dict:
+def decomposition(d: pd.DataFrame, alpha: float, res: dict) -> dict:
     """{outcome: total_slope} for r and each of OUTCOMES recorded on every run of `d` (dose 0 and the in-regime
     doses at the ladder), fits that fail left out (res['failed'])."""
     out = {}

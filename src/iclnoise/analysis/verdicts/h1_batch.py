@@ -48,7 +48,7 @@ def h1_batch_axis(every: pd.DataFrame, alpha: float, common) -> list[dict]:
         for point in ("r50", "midpoint"):
             rows.append(_mstar_row(d, name, point, span, alpha, gates))
         res = {"failed": {}}
-        dec = dose._decomposition(d, alpha, res)
+        dec = dose.decomposition(d, alpha, res)
         for y in ("r", *dose.OUTCOMES):
             test = f"{name}: decomposition, MixedLM {y} ~ log10(total exposure) + C(M) + (1 | M:seed)"
             if y not in dec:
