@@ -252,3 +252,27 @@ def test_the_pathwise_derivative_along_a_realisation_is_its_central_difference(t
     pw, fd = np.array(pw), np.array(fd)
     slope, corr = float(pw @ fd / (fd @ fd)), float(np.corrcoef(pw, fd)[0, 1])
     assert 0.7 <= slope <= 1.3 and corr >= 0.95, (slope, corr)
+
+
+@pytest.mark.validation
+def test_the_committed_small_scale_crn_means_reproduce(one_thread):
+    """reference/reproductions/crn_replay.csv's seed-0 row for self*2 (r and the OOD loss) comes out of `crn` again:
+    the same setting (experiments/reproductions/crn_replay.py), with only that counterfactual beside the reference
+    (a member's numbers do not depend on its ensemble). Equal to the CSV's 6 digits on the machine that wrote it;
+    elsewhere float32 rounds otherwise, so the bound is a quarter of the mean's own SE."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "experiments" / "reproductions"))
+    from cnr_check import params
+
+    p = params(200, None)
+    p["train"]["checkpoints"] = {"linear": 2, "log": 2}
+    p["noise"]["conditions"]["late"] = {"source": "param", "shape": "diagonal", "schedule": "late", "fraction": 0.5,
+                                        "budget": 0.05}
+    eff = paired_effects(crn(run_spec(p, "M8-B64-late-s0"), ["self*2"], p["noise"]["conditions"], 8, 100),
+                         "reference").set_index(["counterfactual", "metric"])
+    ref = pd.read_csv("reference/reproductions/crn_replay.csv").set_index(["seed", "counterfactual", "metric"])
+    for metric in ("r", "ood_loss"):
+        got, want = eff.loc[("self*2", metric)], ref.loc[(0, "self*2", metric)]
+        assert abs(got.crn_mean - want.crn_mean) <= 0.25 * want.crn_se, (metric, got.crn_mean, want.crn_mean)
