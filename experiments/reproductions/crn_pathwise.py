@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from scipy.stats import spearmanr
 
 from iclnoise.config.grid import run_spec
 from iclnoise.core.runspec import RunSpec
@@ -36,6 +35,7 @@ from iclnoise.run.train import train_ensemble
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cnr_check import params  # noqa: E402  (the tiny setting, one definition)
+from crn_replay import judge  # noqa: E402  (the same judgement of both estimators)
 
 
 def main() -> None:
@@ -76,15 +76,7 @@ def main() -> None:
                              "pathwise_s": seconds, "crn_s": r.crn_s, "t0": t0, "steps": steps, "budget": budget,
                              "realisations": a.realisations, "jac_batch": a.jac_batch})
             print(f"seed {seed}: {a.realisations} pathwise replays {seconds:.0f} s (CRN {r.crn_s:.0f} s)", flush=True)
-    df = pd.DataFrame(rows)
-    df["covered"] = (df.predicted_lo <= df.crn_mean) & (df.crn_mean <= df.predicted_hi)
-    df["local"] = df.k.map(lambda k: k > 0 and abs(math.log(k)) / 2 <= 0.5)
-    df.to_csv(a.out, index=False, float_format="%.6g")
-    for metric in ("r", "ood_loss"):
-        for where, d in (("k > 0", df[(df.metric == metric) & (df.k > 0)]),
-                         ("|Δ log scale| ≤ 0.5", df[(df.metric == metric) & df.local])):
-            rho = spearmanr(d.predicted, d.crn_mean).statistic
-            print(f"{metric}, {where}: Spearman ρ {rho:.2f} over {len(d)}; coverage {d.covered.mean():.2f}")
+    judge(pd.DataFrame(rows), a.out)
 
 
 def per_path(p: dict, t0: int, h: float, jac_batch: int) -> None:
