@@ -185,7 +185,11 @@ def _dose_column(top: plt.Axes, bottom: plt.Axes, g: pd.DataFrame, key: tuple) -
     bottom.set_ylabel("r at M = 16 (95 % CI over seeds)")
     if total:   # H1's own axis (method §11): dose 0 sits at the batch noise's own exposure
         bottom.set_xlabel("total exposure: integrated P-NE*, batch + injected (log)")
-        bottom.set_xticks(x, [f"{v:.2g}" for v in x])
+        kept = []   # a label per dose unless it would sit within 0.05 decade of the last one labelled
+        for v in sorted(x[np.isfinite(x)]):
+            if not kept or np.log10(v / kept[-1]) >= 0.05:
+                kept.append(v)
+        bottom.set_xticks(kept, [f"{v:.2g}" for v in kept])
     else:
         bottom.set_xlabel("realised injected dose: integrated P-NE* (0: none)")
         bottom.set_xticks([x0, *pos.realised_dose], ["0", *[f"{v:.2g}" for v in pos.realised_dose]])
