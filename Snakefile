@@ -21,7 +21,7 @@ from iclnoise.config import (
 from iclnoise.config.cost import PARAMS_RECORD, check_cost, format_cost, rerun_note
 from iclnoise.core.io import write_json
 from iclnoise.config.grid import (
-    PROBE_TABLES, ed_families, expand_grid, has_dose_series, job_cfg, jobs, shared_spec, typed_spec,
+    PROBE_TABLES, ed_families, expand_grid, has_batch_axis, has_dose_series, job_cfg, jobs, shared_spec, typed_spec,
 )
 from iclnoise.run.runs import missing_checkpoints
 

@@ -221,14 +221,43 @@ def test_a_killed_crn_resumes_from_its_work_directory_to_the_same_numbers(tiny, 
 
 @pytest.mark.numerics
 @pytest.mark.unit
+def test_a_second_call_forks_from_the_kept_state_to_the_same_numbers(tiny, one_thread, tmp_path, monkeypatch):
+    """`crn(..., fork=F)` writes the reference's state at t0 to F; a second call with more counterfactuals forks its
+    reference-structure members from F (only another structure trains its first t0 steps), and every member ends
+    bit for bit where one call with all the counterfactuals ends; a state at another step is refused."""
+    import iclnoise.run.crn as crn_mod
+    from iclnoise.run.runs import load_torch, save_torch
+
+    p = _params(tiny, "counter")
+    spec, conds, fork = run_spec(p, RUN), p["noise"]["conditions"], tmp_path / "fork.pt"
+    first = crn(spec, ["self*3"], conds, 2, fork=fork)
+    trained, states_at = [], crn_mod._states_at
+    monkeypatch.setattr(crn_mod, "_states_at", lambda raw, cfs, *a: trained.extend(cfs) or states_at(raw, cfs, *a))
+    second = crn(spec, ["self*0.5", "self+shape=isotropic"], conds, 2, fork=fork)
+    assert [cf.text for cf in trained] == ["self+shape=isotropic"]
+    whole = crn(spec, ["self*3", "self*0.5", "self+shape=isotropic"], conds, 2)
+    key = ["counterfactual", "realisation", "metric"]
+    both = pd.concat([first, second[second.counterfactual != "reference"]]).sort_values(key, ignore_index=True)
+    pd.testing.assert_frame_equal(both, whole.sort_values(key, ignore_index=True))
+    pd.testing.assert_frame_equal(first[first.counterfactual == "reference"],
+                                  second[second.counterfactual == "reference"])
+    save_torch({**load_torch(fork, "cpu"), "step": 20}, fork)
+    with pytest.raises(ValueError, match="not the fork's t0 = 30"):
+        crn(spec, ["self*2"], conds, 1, fork=fork)
+
+
+@pytest.mark.numerics
+@pytest.mark.unit
 def test_the_pathwise_derivative_along_a_realisation_is_its_central_difference(tiny, one_thread, tmp_path):
     """The first-order pathwise estimator's known answer, per path: dr/d ln k, dOOD/d ln k and dΔ(f, ridge)/d ln k
     along realisations 0-2 (iclnoise.run.pathwise, Jacobian on the whole batch) against central differences of CRN
     members at ln k = ±0.03 along the same realisations (the closed loop, the clip factor and second order all in
     there), parameter-space noise at budget 0.004 on the tiny model, counter stream. Measured: least-squares slope of
     pathwise on difference 1.11, correlation 0.999 over the 9 pairs; a tangent of the wrong sign or size (ξ instead
-    of ½ ξ: slope 2.2) fails."""
+    of ½ ξ: slope 2.2) fails. The state it replays from is the one `crn` keeps (`fork`): the run's plain state at t0."""
     import copy as cp
+
+    import torch
 
     from iclnoise.run.member import RESUME
     from iclnoise.run.pathwise import sensitivity
@@ -240,7 +269,10 @@ def test_the_pathwise_derivative_along_a_realisation_is_its_central_difference(t
     train_ensemble([spec], [tmp_path / "s0"], progress=False, stop_after=30)
     state = load_torch(tmp_path / "s0" / RESUME, "cpu")
     up, down = f"self*{math.exp(0.03):.6g}", f"self*{math.exp(-0.03):.6g}"
-    v = crn(spec, [up, down], conds, 3)
+    v = crn(spec, [up, down], conds, 3, fork=tmp_path / "fork.pt")
+    kept = load_torch(tmp_path / "fork.pt", "cpu")
+    assert kept["step"] == 30 and all(torch.equal(state["params"][n], kept["params"][n]) for n in state["params"])
+    state = kept
     own = counterfactual("self", conds, RunSpec.of(spec))
     pw, fd = [], []
     for i in range(3):

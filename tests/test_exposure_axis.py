@@ -175,3 +175,39 @@ def test_the_batch_axis_slope_holds_its_size_and_finds_the_planted_mde():
     size = np.mean([p_of(0.0, s) < 0.05 for s in range(100)])
     power = np.mean([p_of(0.1, s) < 0.05 for s in range(100)])
     assert size <= 0.05 + 2 * math.sqrt(0.05 * 0.95 / 100) and power >= 0.8
+
+
+@pytest.mark.unit
+def test_the_batch_axis_levels_hold_the_planted_thresholds_and_are_drawn(tmp_path):
+    """batch_levels on a planted batch axis (slope 0.3 octave per decade): one row per arm and batch size, each at
+    its planted mean total exposure, M* by midpoint and by r50 (the planted logistic's crossing of ½) within their
+    intervals of the planted values (± the seeds' shift, sd 0.04 octave), batch 64 shared by both arms; figure 6 on
+    the batch axis draws them; `has_batch_axis` finds the arm in configs/exposure_batch.yaml's grid and none in
+    configs/science.yaml's (two batch sizes)."""
+    from iclnoise.analysis.thresholds import crossing
+    from iclnoise.analysis.verdicts.h1_batch import batch_levels
+    from iclnoise.config import load_params
+    from iclnoise.config.grid import has_batch_axis
+    from iclnoise.output.figures.stats import fig_batch_axis
+
+    out = batch_axis(np.random.default_rng(5), slope=0.3)
+    lv = batch_levels(out, 0.05, 3)
+    assert sorted(lv.arm.unique()) == ["equal data", "equal steps (batch 64's)"]
+    assert (lv.groupby("arm").batch.apply(sorted) == pd.Series([list(BATCHES)] * 2, index=sorted(lv.arm.unique()))
+            ).all()
+    assert (lv.n_seeds == 5).all() and (lv.n_runs == 5 * len(FULL)).all()
+    for r in lv.itertuples():
+        k = 1.96 if r.arm == "equal data" else 0.96
+        e = 0.0525 * (r.batch / 64) ** -k
+        assert r.total_exposure == pytest.approx(e, rel=0.02)
+        x0 = 4 + 0.3 * math.log10(e / 0.0525)
+        for point, x in (("midpoint", x0), ("r50", crossing(0.05, 0.85, x0, 1.0))):
+            lo, hi = getattr(r, f"M_star_{point}_lo"), getattr(r, f"M_star_{point}_hi")
+            assert lo / 1.06 <= 2 ** x <= hi * 1.06, (point, r.arm, r.batch, lo, 2 ** x, hi)
+    b64 = lv[lv.batch == 64].set_index("arm")
+    assert b64.M_star_r50.nunique() == 1   # one set of runs, read in both arms
+    fig_batch_axis(lv, tmp_path / "fig")
+    assert (tmp_path / "fig.png").exists()
+    science = load_params("params.yaml", ["configs/science.yaml"])
+    both = load_params("params.yaml", ["configs/science.yaml", "configs/exposure.yaml", "configs/exposure_batch.yaml"])
+    assert not has_batch_axis(science) and has_batch_axis(both)

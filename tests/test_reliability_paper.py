@@ -414,3 +414,28 @@ def test_paper_says_when_a_set_is_not_as_git_holds_it(ref, tmp_path, figures, ca
     assert f"{ref}: not as git holds it at HEAD" in caplog.text and "metrics.parquet" in caplog.text
     report = (tmp_path / "out2" / "science" / "report.md").read_text()
     assert "It is not as git holds it at HEAD (2 file(s) changed" in report and name.split("/")[-1] in report
+
+
+@pytest.mark.unit
+def test_a_cnr_check_attached_to_a_set_is_sealed_drawn_and_reported(small_set, ref, tmp_path, figures):
+    """`iclnoise paper --attach-crn TABLE` keeps the check in the set (crn/crn.csv, its origin in provenance.json,
+    sealed: `make paper` accepts the set and refuses it edited), draws figure 13 from it and reports r's ρ and
+    coverage (reference/reproductions/crn_pathwise.csv, the small-scale check: ρ 0.96 over 21, 1.00 over 12); a
+    table without the predictions is refused, naming the columns, and the set is left as it was."""
+    from iclnoise.output.paper import CRN_TABLE, verify
+
+    table = ROOT / "reference" / "reproductions" / "crn_pathwise.csv"
+    paper_cmd([str(ref), "--out", str(tmp_path / "paper"), "--attach-crn", str(table), "--note", "test"])
+    prov = verify(ref)
+    assert prov["crn"]["from"] == str(table) and prov["crn"]["note"] == "test" and CRN_TABLE in prov["sha256"]
+    assert (tmp_path / "paper" / "science" / "figures" / "fig13_crn.png").exists()
+    report = (ref / "report.md").read_text()
+    assert "Spearman ρ 0.96 over 21" in report and "Spearman ρ 1.00 over 12" in report, report
+    (ref / CRN_TABLE).write_text((ref / CRN_TABLE).read_text().replace("self*2,", "self*2.5,", 1))
+    assert refused(paper_cmd, [ref, "--out", tmp_path / "again"]).startswith(str(ref / CRN_TABLE))
+    bare, other = tmp_path / "bare.csv", Path(shutil.copytree(small_set, tmp_path / "other" / "science"))
+    pd.read_csv(table).drop(columns=["predicted_lo"]).to_csv(bare, index=False)
+    before = snapshot(other)
+    msg = refused(paper_cmd, [other, "--out", tmp_path / "p3", "--attach-crn", bare])
+    assert msg.startswith(str(bare)) and "predicted_lo" in msg, msg
+    assert snapshot(other) == before

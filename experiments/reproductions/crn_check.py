@@ -1,44 +1,161 @@
-"""CNR's ground truth on the science window (issue 67, item 4): the run M16-B64-late-s<seed> of configs/science.yaml
-(late grad-source diagonal noise over the last 30 % of 20 000 steps) forked at the window's start into its own noise
-and COUNTERFACTUALS × `--realisations` noise streams (iclnoise.run.crn), per seed; ΔE f ± SE per counterfactual,
-paired by realisation (iclnoise.analysis.stats.paired_effects).
+"""CNR's ground truth on the science window, and the first-order pathwise estimator judged against it (issue 67,
+items 3-4): the run M16-B64-late-s<seed> of configs/science.yaml (late grad-source diagonal noise over the last 30 %
+of 20 000 steps).
 
-One seed is one ensemble and one file (`--out`/realisations_s<seed>.parquet, written when the seed is done); a killed
-check resumes: a finished seed from its file, the running one from its members' last commit (`--out`/work_s<seed>).
-When every seed is there it writes `--out`/effects.csv (all metrics) beside them.
+Stage `crn`: per seed, the run forked at the window's start into its own noise and COUNTERFACTUALS ×
+`--realisations` noise streams (iclnoise.run.crn), one ensemble and one file (`--out`/realisations_s<seed>.parquet,
+written when the seed is done); the reference's state at the fork is kept (`--out`/fork_s<seed>.pt), and a second
+call forks from it into MORE_LEVELS (realisations_s<seed>_levels.parquet). Killed, it resumes: a finished call from
+its file, the running one from its members' last commit (`--out`/work_s<seed>[_levels]).
 
-Usage: OMP_NUM_THREADS=1 python experiments/reproductions/crn_check.py [--seeds 0 1 2] [--realisations 8]
-       [--out reference/reproductions/crn]
+Stage `pathwise`: per seed, from the fork state (trained to t0 here if the crn stage has not kept it), one replay of
+each realisation i < `--realisations` of the run's own noise carrying the tangent of its log-level
+(iclnoise.run.pathwise.sensitivity); each realisation's g_i is appended to `--out`/pathwise_s<seed>.parquet as it
+finishes, so a killed stage resumes at the next realisation. The two stages may run at once, in two processes.
+
+After either stage, when every seed has both: `--out`/effects.csv (ΔE f ± SE per counterfactual, seed and metric,
+paired by realisation: iclnoise.analysis.stats.paired_effects) and `--table` (the same with the pathwise prediction
+ΔE f ≈ ḡ ln k for the level counterfactuals self*k, its SE, and the interval prediction ± 1.96 √(se² + crn_se²);
+Spearman ρ and coverage printed, for r and the OOD loss, over every k and inside |Δ log scale| ≤ 0.5).
+
+Usage: OMP_NUM_THREADS=1 python experiments/reproductions/crn_check.py [--stage crn|pathwise] [--seeds 0 1 2]
+       [--realisations 8] [--out reference/reproductions/crn] [--table reference/science/crn/crn.csv]
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
+import re
 import shutil
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
 import torch
 
 from iclnoise.analysis.stats import paired_effects
 from iclnoise.config import load_params
 from iclnoise.config.grid import run_spec
 from iclnoise.core.io import read_parquet, write_parquet
-from iclnoise.run.crn import REALISATIONS_SCHEMA, REFERENCE, crn
+from iclnoise.core.runspec import RunSpec
+from iclnoise.run.crn import REALISATIONS_SCHEMA, REFERENCE, counterfactual, crn, member_spec
+from iclnoise.run.member import RESUME
+from iclnoise.run.pathwise import predict, sensitivity
+from iclnoise.run.runs import load_torch, save_torch
+from iclnoise.run.train import train_ensemble
+
+sys.path.insert(0, str(Path(__file__).parent))
+from crn_replay import judge  # noqa: E402  (one judgement of every estimator)
 
 # the noise scale (×k of the budget: 7 levels, the first-order pathwise estimator's direction, iclnoise.run.pathwise),
 # none, and the shape, the source and the window, each against the run's own
 COUNTERFACTUALS = ["none", "self*0.25", "self*0.5", "self*0.75", "self*1.5", "self*2", "self*3", "self*4",
                    "self+shape=isotropic", "self+source=param", "self+fraction=0.15"]
+# four more levels inside the pathwise estimator's local range (|ln k| / 2 ≤ 0.5), a second call forking from the
+# kept state (its reference members are the first call's, bit for bit)
+MORE_LEVELS = ["self*0.6", "self*0.85", "self*1.2", "self*1.75"]
+PARTS = (("", COUNTERFACTUALS), ("_levels", MORE_LEVELS))
+JAC_BATCH = 64   # sequences of each step's batch in the replay's Jacobian (crn_pathwise.py's)
+PATHWISE_SCHEMA = pa.schema([("seed", pa.int64()), ("realisation", pa.int64()), ("metric", pa.string()),
+                             ("g", pa.float64()), ("seconds", pa.float64())])
+
+
+def level(text: str) -> float | None:
+    """k of a level counterfactual (self*k; none is k = 0), None for any other."""
+    if text == "none":
+        return 0.0
+    m = re.fullmatch(r"self\*([0-9.eE+-]+)", text)
+    return float(m.group(1)) if m else None
+
+
+def crn_stage(p: dict, seed: int, out: Path, n: int, commit: str) -> None:
+    for part, names in PARTS:
+        path = out / f"realisations_s{seed}{part}.parquet"
+        if path.exists():
+            continue
+        t = time.time()
+        work = out / f"work_s{seed}{part}"   # the members' run directories: a killed call resumes from the last commit
+        values = crn(run_spec(p, f"M16-B64-late-s{seed}"), names, p["noise"]["conditions"], n, work=work,
+                     fork=out / f"fork_s{seed}.pt")
+        write_parquet(values, path, REALISATIONS_SCHEMA, spec_hash=f"commit {commit}, {time.time() - t:.0f} s")
+        shutil.rmtree(work)
+        print(f"seed {seed}{part}: CRN {time.time() - t:.0f} s", flush=True)
+
+
+def realisations(out: Path, seed: int) -> pd.DataFrame:
+    """Both calls' members of a seed, the reference once (checked equal in both)."""
+    main, more = (read_parquet(out / f"realisations_s{seed}{part}.parquet") for part, _ in PARTS)
+    ref = [v[v.counterfactual == REFERENCE].reset_index(drop=True) for v in (main, more)]
+    pd.testing.assert_frame_equal(ref[0], ref[1])
+    return pd.concat([main, more[more.counterfactual != REFERENCE]], ignore_index=True)
+
+
+def pathwise_stage(p: dict, seed: int, out: Path, n: int, commit: str) -> None:
+    path, fork = out / f"pathwise_s{seed}.parquet", out / f"fork_s{seed}.pt"
+    done = read_parquet(path) if path.exists() else pd.DataFrame(columns=PATHWISE_SCHEMA.names)
+    todo = [i for i in range(n) if i not in set(done.realisation)]
+    if not todo:
+        return
+    spec = run_spec(p, f"M16-B64-late-s{seed}")
+    t0 = RunSpec.of(spec).window[0]
+    if not fork.exists():
+        with tempfile.TemporaryDirectory(prefix="crn-fork-") as tmp:
+            train_ensemble([spec], [Path(tmp)], progress=False, stop_after=t0)
+            save_torch(load_torch(Path(tmp) / RESUME, "cpu"), fork)
+    state = load_torch(fork, "cpu")
+    if state["step"] != t0:
+        raise SystemExit(f"{fork}: a state at step {state['step']}, not the window's start {t0}")
+    own = counterfactual("self", p["noise"]["conditions"], RunSpec.of(spec))
+    for i in todo:
+        t = time.time()
+        g = sensitivity(RunSpec.of(member_spec(spec, own, i)), copy.deepcopy(state), JAC_BATCH)
+        rows = pd.DataFrame([{"seed": seed, "realisation": i, "metric": k, "g": v, "seconds": time.time() - t}
+                             for k, v in g.items()])
+        done = pd.concat([done, rows], ignore_index=True) if len(done) else rows
+        write_parquet(done, path, PATHWISE_SCHEMA, spec_hash=f"commit {commit}")
+        print(f"seed {seed}, realisation {i}: pathwise r {g['r']:+.5f}, {time.time() - t:.0f} s", flush=True)
+
+
+def table(out: Path, seeds: list[int], n: int, dest: Path) -> None:
+    if not all((out / f"realisations_s{s}{part}.parquet").exists() for s in seeds for part, _ in PARTS):
+        return
+    values = pd.concat([realisations(out, s) for s in seeds])
+    eff = paired_effects(values, REFERENCE, by=("counterfactual", "seed", "metric"))
+    eff = eff[eff.counterfactual != REFERENCE]
+    eff.to_csv(out / "effects.csv", index=False, float_format="%.6g")
+    paths = [out / f"pathwise_s{s}.parquet" for s in seeds]
+    if not all(q.exists() for q in paths):
+        return
+    g = pd.concat([read_parquet(q) for q in paths])
+    if g.groupby("seed").realisation.nunique().min() < n:
+        return
+    rows = []
+    for r in eff.itertuples():
+        k = level(r.counterfactual)
+        gs = [dict(zip(d.metric, d.g)) for _, d in g[g.seed == r.seed].groupby("realisation")]
+        nan = (float("nan"), float("nan"))   # no prediction: not a level, or a metric the replay does not read
+        pred, se = predict(gs, k).get(r.metric, nan) if k is not None else nan
+        half = 1.96 * (se ** 2 + r.crn_se ** 2) ** 0.5
+        rows.append({"counterfactual": r.counterfactual, "seed": r.seed, "metric": r.metric,
+                     "n_realisations": r.n_realisations, "crn_mean": r.crn_mean, "crn_se": r.crn_se,
+                     "predicted": pred, "predicted_se": se, "predicted_lo": pred - half, "predicted_hi": pred + half,
+                     "k": float("nan") if k is None else k})
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    judge(pd.DataFrame(rows), str(dest))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage", choices=("crn", "pathwise"), default="crn")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--realisations", type=int, default=8)
     ap.add_argument("--out", default="reference/reproductions/crn")
+    ap.add_argument("--table", default="reference/science/crn/crn.csv")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     torch.set_num_threads(1)
@@ -47,23 +164,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     for seed in a.seeds:
-        path = out / f"realisations_s{seed}.parquet"
-        if path.exists():
-            continue
-        t = time.time()
-        work = out / f"work_s{seed}"   # the members' run directories: a killed check resumes from the last commit
-        values = crn(run_spec(p, f"M16-B64-late-s{seed}"), COUNTERFACTUALS, p["noise"]["conditions"], a.realisations,
-                     work=work)
-        write_parquet(values, path, REALISATIONS_SCHEMA, spec_hash=f"commit {commit}, {time.time() - t:.0f} s")
-        shutil.rmtree(work)
-        print(f"seed {seed}: {time.time() - t:.0f} s", flush=True)
-    paths = [out / f"realisations_s{s}.parquet" for s in a.seeds]
-    if all(q.exists() for q in paths):
-        values = pd.concat([read_parquet(q) for q in paths])
-        eff = paired_effects(values, REFERENCE, by=("counterfactual", "seed", "metric"))
-        eff = eff[eff.counterfactual != REFERENCE]
-        eff.to_csv(out / "effects.csv", index=False, float_format="%.6g")
-        print(eff[eff.metric == "r"].to_string(index=False))
+        (crn_stage if a.stage == "crn" else pathwise_stage)(p, seed, out, a.realisations, commit)
+    table(out, a.seeds, a.realisations, Path(a.table))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 # The dose tables exist only where the grid has a dose series (iclnoise.config.grid.has_dose_series).
 DOSE_TABLES = ([f"{RES}/aggregate/{name}" for name in ("dose.parquet", "dose_levels.parquet", "dose.md",
                                                           "dose_levels.md")] if has_dose_series(PARAMS) else [])
+# The batch axis (issue 70): an arm of ≥ 3 batch sizes (iclnoise.config.grid.has_batch_axis).
+BATCH_TABLES = ([f"{RES}/aggregate/{name}" for name in ("batch_levels.parquet", "batch_levels.md")]
+                if has_batch_axis(PARAMS) else [])
 # H5 (issue 45): the noise-shaped runs' injection logs carry the alignment figure 6 by noise shape draws.
 SHAPED = [r for r in RUNS if (SPECS[r].noise.shape or "").startswith("nap")]
 ALIGNED = any(SPECS[r].noise.shape == "nap" for r in SHAPED)
@@ -21,6 +24,7 @@ rule aggregate:
         metrics=f"{RES}/aggregate/metrics.json",
         md=multiext(f"{RES}/aggregate/", "outcomes.md", "thresholds.md", "tests.md"),
         dose=DOSE_TABLES,   # a dose series in the grid (issue 43): dose.parquet, dose_levels.parquet (+ .md)
+        batch=BATCH_TABLES,   # the batch axis (issue 70): batch_levels.parquet (+ .md)
     params:
         res=RES,
         cfg=cfg("stats"),
@@ -53,6 +57,8 @@ rule aggregate_figures:
         **{f"f10_{k}": v for k, v in figure("fig10_exposure_series", "fig10", "Exposure").items()},
         **({f"f6d_{k}": v for k, v in figure("fig06_threshold_vs_noise_dose", "fig06", "Hypotheses").items()}
            if DOSE_TABLES else {}),
+        **({f"f6b_{k}": v for k, v in figure("fig06_threshold_vs_noise_batch", "fig06", "Hypotheses").items()}
+           if BATCH_TABLES else {}),
         **({f"f6s_{k}": v for k, v in figure("fig06_threshold_vs_noise_shape", "fig06", "Hypotheses").items()}
            if ALIGNED else {}),
     params:

@@ -42,6 +42,7 @@ from .verdicts import (
     ood_loss_fall,
     optimizer_note,
 )
+from .verdicts.h1_batch import BATCH_LEVELS_SCHEMA, batch_levels
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +302,8 @@ def markdown(df: pd.DataFrame) -> str:
 
 def aggregate(run_dirs: list[Path], out_dir: Path, cfg: Stats) -> pd.DataFrame:
     """Outcomes, thresholds and tests of `run_dirs` into `out_dir` (.parquet and .md) with metrics.json, and where
-    the grid has a dose series (iclnoise.analysis.dose) dose.parquet (one row per run) and dose_levels.parquet; returns
+    the grid has a dose series (iclnoise.analysis.dose) dose.parquet (one row per run) and dose_levels.parquet, and
+    where an arm has ≥ 3 batch sizes batch_levels.parquet (verdicts.h1_batch); returns
     the tests. Figures 6-10 are drawn from these tables (iclnoise.output.figures.aggregate)."""
     out, schema = outcomes(run_dirs, cfg.transient_tol)
     write_parquet(out, out_dir / "outcomes.parquet", schema)
@@ -318,6 +320,10 @@ def aggregate(run_dirs: list[Path], out_dir: Path, cfg: Stats) -> pd.DataFrame:
         write_parquet(runs, out_dir / "dose.parquet", DOSE_SCHEMA)
         write_parquet(levels, out_dir / "dose_levels.parquet", LEVELS_SCHEMA)
         tables += [("dose", runs), ("dose_levels", levels)]
+    batch = batch_levels(out, cfg.alpha, GATES["min_seeds"])
+    if len(batch):   # an arm of ≥ 3 batch sizes (issue 70): figure 6 on the batch axis
+        write_parquet(batch, out_dir / "batch_levels.parquet", BATCH_LEVELS_SCHEMA)
+        tables.append(("batch_levels", batch))
     for name, df in tables:
         write_text(markdown(df), out_dir / f"{name}.md")
     return tests

@@ -153,7 +153,7 @@ def export(argv: list[str]) -> None:
 
 def paper(argv: list[str]) -> None:
     from ..core.io import write_bytes
-    from ..output.paper import apart, rehash, update_aggregate, verify
+    from ..output.paper import apart, attach_crn, rehash, update_aggregate, verify
     from ..output.paper import paper as run
 
     ap = argparse.ArgumentParser(prog="iclnoise paper", description=doc("output.paper"),
@@ -167,7 +167,14 @@ def paper(argv: list[str]) -> None:
     ap.add_argument("--stats-from", metavar="PARAMS",
                     help="with --update-aggregate: aggregate with this params file's stats section (e.g. params.yaml "
                          "after a new stats key), recorded in the set's provenance.json; default: the set's own")
+    ap.add_argument("--attach-crn", metavar="TABLE",
+                    help="first attach this CNR check to the set (one set): a CSV of CRN means with an estimator's "
+                         "predictions (experiments/reproductions/crn_check.py --table), kept as <set>/crn/crn.csv "
+                         "with its origin in provenance.json; figure 13 and the report's CNR section draw it")
+    ap.add_argument("--note", default="", help="with --attach-crn: how the table was made (the command, the machine)")
     a = ap.parse_args(argv)
+    if a.attach_crn and len(a.references) != 1:
+        raise SystemExit("--attach-crn: give one reference set, the one the check's run belongs to")
     refs = []
     for ref in map(Path, a.references):
         if ref.name.endswith(".tmp") or ref.name.startswith("."):
@@ -182,13 +189,16 @@ def paper(argv: list[str]) -> None:
         apart(Path(a.out) / ref.name, refs)
         verify(ref)
     for ref in refs:
+        if a.attach_crn:
+            attach_crn(ref, Path(a.attach_crn), a.note)
+            print(f"{ref.name}: CNR check {a.attach_crn} attached as {ref / 'crn' / 'crn.csv'}")
         if a.update_aggregate:
             from ..config import load_params
             params = load_params(a.stats_from) if a.stats_from else None
             print(f"{ref.name}: aggregate rerun; changed: {', '.join(update_aggregate(ref, params)) or 'nothing'}")
         t0 = time.perf_counter()
         pngs = run(ref, Path(a.out) / ref.name)
-        if a.update_aggregate:   # the set's report follows its aggregate
+        if a.update_aggregate or a.attach_crn:   # the set's report follows its aggregate and its CNR check
             write_bytes((Path(a.out) / ref.name / "report.md").read_bytes(), ref / "report.md")
             rehash(ref)
         print(f"{ref.name}: {len(pngs)} figures and report.md in {Path(a.out) / ref.name} "

@@ -8,7 +8,7 @@ import hashlib
 import json
 from typing import Any
 
-from ..core.runspec import RunKeys, RunSpec, m_label, parse_m, parse_run_id
+from ..core.runspec import M_INF, RunKeys, RunSpec, m_label, parse_m, parse_run_id
 from ..core.sections import OPTIMIZERS, RNGS, ParamsError
 from .memory import ensemble_memory, gpu_limit
 
@@ -237,6 +237,20 @@ def jobs(params: dict) -> dict[str, Any]:
               *["refined_figures"] * any("refined" in s for s in probe.values()),
               "aggregate", "aggregate_figures", "report", "all"]
     return {"train": ensemble_groups(params), "probe": probe, "ed": ed_families(params), "single": single}
+
+
+def has_batch_axis(params: dict) -> bool:
+    """Whether the grid of `params` holds an arm of ≥ 3 batch sizes of plain runs at finite M (what
+    iclnoise.analysis.verdicts.h1_batch.batch_arms finds in its outcomes): at equal data (source none, no
+    steps_as_batch), or at batch B_t's steps (steps_as_batch B_t, with B_t's equal-data runs). The workflow declares
+    the batch-axis table and figure only then."""
+    conds, arms = params["noise"]["conditions"], {}
+    for k in expand_grid(params):
+        c = conds[k.noise]
+        if c.get("source") == "none" and k.M != M_INF:
+            arms.setdefault(int(c.get("steps_as_batch") or 0), set()).add(k.batch)
+    data = arms.get(0, set())
+    return len(data) >= 3 or any(len(bs | ({bt} & data)) >= 3 for bt, bs in arms.items() if bt)
 
 
 def has_dose_series(params: dict) -> bool:

@@ -20,6 +20,11 @@ an existing output that is not theirs (no provenance.json / report.md in it). Th
 beside the output (hidden, unique: `.<name>.<random>.tmp`) and rename it into place (io.replace_dir), so a killed
 command leaves the old output and a temporary directory (named in the log by the next export or paper), never a
 half-written output, and two commands writing the same output do not collide.
+
+A CNR check (method §13: a CRN effects table with an estimator's predictions, experiments/reproductions/
+crn_check.py) is attached to a set with `iclnoise paper --attach-crn TABLE` (attach_crn): it lies at
+reference/<name>/crn/crn.csv, provenance.json's `crn` says where it came from, and `iclnoise paper` draws it
+(figure 13) and puts its r rows in the report.
 """
 from __future__ import annotations
 
@@ -119,6 +124,35 @@ def seal(reference: Path, prov: dict) -> dict:
     prov[SEAL] = content_hash(prov)
     write_json(prov, reference / "provenance.json")
     return prov
+
+
+CRN_TABLE = "crn/crn.csv"   # a CNR check attached to the set (attach_crn)
+CRN_STEM = "fig13_crn"
+CRN_COLUMNS = ("counterfactual", "seed", "metric", "n_realisations", "crn_mean", "crn_se", "predicted",
+               "predicted_lo", "predicted_hi")
+
+
+def attach_crn(reference: Path, table: Path, note: str) -> dict:
+    """Attach a CNR check to a reference set (module docstring): `table` (a CSV with CRN_COLUMNS) copied to
+    CRN_TABLE, provenance.json's `crn` set to where it came from (`note`, the table's path, the commit now) and the
+    set sealed again; the set must match its provenance.json first. Returns the provenance written."""
+    from datetime import datetime, timezone
+
+    prov = verify(reference)
+    try:
+        df = pd.read_csv(table)
+    except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError) as e:
+        raise SystemExit(f"{table}: not a readable CSV ({e}); experiments/reproductions/crn_check.py writes one")
+    missing = [c for c in CRN_COLUMNS if c not in df]
+    if missing:
+        raise SystemExit(f"{table}: no column(s) {', '.join(missing)}: not a CNR check with an estimator's "
+                         f"predictions (experiments/reproductions/crn_check.py --table writes one)")
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    (reference / CRN_TABLE).parent.mkdir(exist_ok=True)
+    write_bytes(Path(table).read_bytes(), reference / CRN_TABLE)
+    prov["crn"] = {"from": str(table), "note": note, "attached_at_commit": commit or "unknown",
+                   "attached": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    return seal(reference, prov)
 
 
 def rehash(reference: Path) -> None:
@@ -267,7 +301,8 @@ def _render(reference: Path, out: Path, prov: dict, changed: list[str] | None = 
     agg, figs = out / "aggregate", out / "figures"
     training_figures([r / "metrics.parquet" for r in runs], out)
     aggregate(runs, agg, typed(params, "stats"))
-    for name in AGGREGATE_TABLES + tuple(p.name for p in sorted((reference / "aggregate").glob("dose*.parquet"))):
+    extra = sorted(p for g in ("dose*.parquet", "batch_levels.parquet") for p in (reference / "aggregate").glob(g))
+    for name in AGGREGATE_TABLES + tuple(p.name for p in extra):
         ours, theirs = read_parquet(agg / name), read_parquet(reference / "aggregate" / name)
         try:
             pd.testing.assert_frame_equal(ours, theirs)
@@ -285,6 +320,9 @@ def _render(reference: Path, out: Path, prov: dict, changed: list[str] | None = 
     rllc = [r / "rllc.parquet" for r in runs if (r / "rllc.parquet").exists()]
     if rllc:
         refined_figures(rllc, [p.with_name("susceptibility.parquet") for p in rllc], figs)
+    if (out / CRN_TABLE).exists():   # an attached CNR check (attach_crn)
+        from .figures.cnr import fig_crn
+        fig_crn(pd.read_csv(out / CRN_TABLE), figs / CRN_STEM)
     for fam in sorted(p for p in (out / "ed").glob("*") if (p / "sampling.parquet").exists()):
         fam_runs = read_parquet(fam / "sampling.parquet").run_id.tolist()
         ed_figures([out / "runs" / r for r in fam_runs], fam.name, fam, figs, typed(params, "ed"))

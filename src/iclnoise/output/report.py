@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import yaml
 
 from .. import __version__
@@ -36,6 +37,7 @@ FIGURES = [
     ("fig10_exposure_series", "10. P-NE time series per condition"),
     ("fig11_rllc_over_training", "11. Refined LLC per attention head over training, per M and batch size"),
     ("fig12_susceptibility", "12. Susceptibility of each component to new tasks (component × perturbation, per M)"),
+    ("fig13_crn", "13. CNR's ground truth by common random numbers (filled) and an estimator's predictions (hollow)"),
 ]
 
 
@@ -300,6 +302,32 @@ def verdict_section(tests) -> list[str]:
     return lines
 
 
+def crn_section(table: pd.DataFrame) -> list[str]:
+    """A CNR check attached to the set (crn/crn.csv; method §13): what it is, the estimator's Spearman ρ and
+    interval coverage against the CRN means for r (every counterfactual with a prediction, and inside its local
+    range where the table marks one, column `local`), and r's rows."""
+    from scipy.stats import spearmanr
+
+    r = table[table.metric == "r"]
+    lines = ["## CNR check: the noise's counterfactual effect on r, by common random numbers", "",
+             "Each counterfactual's ΔE r is the mean, over realisations of the noise, of its retraining from the fork "
+             "minus the run's own retraining on the same data and noise stream (crn_mean ± crn_se); an estimator "
+             "that retrains nothing predicts it (predicted, interval predicted_lo..predicted_hi). Figure 13 draws "
+             "every metric.", ""]
+    have = r[r.predicted.notna()]
+    scopes = [("every counterfactual with a prediction", have)]
+    if "local" in have:
+        scopes.append(("inside the estimator's local range", have[have.local.astype(bool)]))
+    for where, d in scopes:
+        if len(d) >= 3:
+            cover = ((d.predicted_lo <= d.crn_mean) & (d.crn_mean <= d.predicted_hi)).mean()
+            lines.append(f"- {where}: Spearman ρ {spearmanr(d.predicted, d.crn_mean).statistic:.2f} over "
+                         f"{len(d)} (counterfactual, seed) pairs; interval coverage {cover:.2f}")
+    cols = [c for c in ("counterfactual", "seed", "n_realisations", "crn_mean", "crn_se", "predicted",
+                        "predicted_lo", "predicted_hi") if c in r]
+    return lines + ["", r[cols].to_markdown(index=False, floatfmt=".4g"), ""]
+
+
 def build(results: Path, params: dict, root: Path, origin: str | None = None) -> str:
     """The text of report.md from the aggregate tables and figures under `results`, ending with `params` (the
     resolved parameters); the code version is that of the checkout at `root`, and `origin` (a reference set's:
@@ -320,6 +348,8 @@ def build(results: Path, params: dict, root: Path, origin: str | None = None) ->
     if tests is not None:
         lines += verdict_section(tests)
     lines += exposure_section(results)
+    if (results / "crn" / "crn.csv").exists():   # an attached CNR check (iclnoise paper --attach-crn)
+        lines += crn_section(pd.read_csv(results / "crn" / "crn.csv"))
     lines += ["## Figures", ""]
     for stem, caption in FIGURES:
         pngs = sorted(figs.glob(f"{stem}.png")) + sorted(figs.glob(f"{stem}_*.png"))
@@ -327,6 +357,7 @@ def build(results: Path, params: dict, root: Path, origin: str | None = None) ->
             lines += [f"### {caption}", ""]
             lines += [f"![{png.stem}]({os.path.relpath(png, results)})" for png in pngs] + [""]
     for name, title in (("thresholds", "Task-diversity thresholds"), ("dose_levels", "Dose levels per series"),
+                        ("batch_levels", "The batch axis: levels per arm and batch size"),
                         ("outcomes", "Outcomes per run"),
                         ("tests", "Hypothesis tests (full table)")):
         md = agg / f"{name}.md"

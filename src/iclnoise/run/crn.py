@@ -39,7 +39,7 @@ from ..core.runspec import RunSpec, parse_run_id
 from ..core.sections import ParamsError
 from .ensemble import Ensemble
 from .member import RESUME, RESUME_PREV, Member
-from .runs import CKPT_DIR, save_torch
+from .runs import CKPT_DIR, load_torch, save_torch
 from .train import train_ensemble
 
 METRICS = ("r", "id_loss", "ood_loss", "delta_ridge", "delta_dmmse", "ood_delta_ridge", "ood_delta_dmmse")
@@ -152,14 +152,17 @@ def _check_window(spec: RunSpec, t0: int, what: str) -> None:
 
 
 def crn(raw: dict, names: list[str], conditions: dict, realisations: int, t0: int | None = None,
-        device: str = "cpu", work: str | Path | None = None) -> pd.DataFrame:
+        device: str = "cpu", work: str | Path | None = None, fork: str | Path | None = None) -> pd.DataFrame:
     """REALISATIONS_SCHEMA rows: the final METRICS of every member (the reference `self`, then each counterfactual
     of `names`, × noise_seed 0..realisations−1), all forked at t0 (default: the start of the run's own injection
     window) and trained to the end in one ensemble.
 
     `work`: a directory for the members' run directories, so that a killed call resumes (the window from the
     ensemble's last commit, as training does; the first t0 steps, which are not committed, again); None: a
-    temporary one."""
+    temporary one. `fork`: a file for the reference's resume state at t0 (the state an estimator replays from,
+    iclnoise.run.pathwise). Where it exists, the members of the reference's structure fork from it and only other
+    structures train their first t0 steps (a second call on the same run with more counterfactuals); otherwise it
+    is written when the members are planted."""
     raw = {k: v for k, v in raw.items() if k != "spec_hash"}
     spec = RunSpec.of(raw)
     if t0 is None:
@@ -180,7 +183,7 @@ def crn(raw: dict, names: list[str], conditions: dict, realisations: int, t0: in
         root = Path(work) if work is not None else Path(tmp)
         dirs = [root / f"{j:04d}" for j in range(len(members))]
         if t0 > 0 and not any((d / RESUME).exists() or (d / RESUME_PREV).exists() for d in dirs):
-            forks = _states_at(raw, cfs, t0, Path(tmp) / "pre", device)
+            forks = _forks(raw, cfs, t0, Path(tmp) / "pre", device, fork)
             for (cf, _, s), d in zip(members, dirs):   # each member's resume state: its structure's state at t0
                 d.mkdir(parents=True, exist_ok=True)
                 save_torch({**forks[cf.structure], "spec_hash": spec_hash(s), "cohort": "crn", "manifest": {}},
@@ -200,6 +203,24 @@ def _member(spec: RunSpec, run_dir: Path, device: str) -> Member:
     (run_dir / CKPT_DIR).mkdir(parents=True)
     m.setup()
     return m
+
+
+def _forks(raw: dict, cfs: list[Counterfactual], t0: int, tmp: Path, device: str, fork: str | Path | None) -> dict:
+    """Each structure's state at t0: the reference's from `fork` where that file exists (its step checked), the
+    others trained (_states_at) and checked to hold its parameters; `fork` written where it did not exist."""
+    own = cfs[0]
+    kept = {own.structure: load_torch(Path(fork), "cpu")} if fork is not None and Path(fork).exists() else {}
+    if kept and kept[own.structure]["step"] != t0:
+        raise ValueError(f"{fork}: a state at step {kept[own.structure]['step']}, not the fork's t0 = {t0}; "
+                         f"delete it, or fork at its step")
+    need = [cf for cf in cfs if cf.structure not in kept]
+    forks = {**kept, **(_states_at(raw, need, t0, tmp, device) if need else {})}
+    ref = forks[own.structure]["params"]
+    if any(not all(torch.equal(ref[n], st["params"][n]) for n in ref) for st in forks.values()):
+        raise RuntimeError(f"the state in {fork} and the trained forks differ at t0: it is not this run's fork")
+    if fork is not None and not kept:
+        save_torch(forks[own.structure], fork)
+    return forks
 
 
 def _states_at(raw: dict, cfs: list[Counterfactual], t0: int, tmp: Path, device: str) -> dict[tuple, dict] | None:

@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
+from ...core.tasks import M_INF
 from .. import dose
-from ..thresholds import threshold_with_ci
+from ..thresholds import t_interval, threshold_with_ci
 from .gates import _gate_equal_steps
 from .rows import _direction, _row
+
+BATCH_LEVELS_SCHEMA = pa.schema([   # aggregate/batch_levels.parquet: one row per (optimizer, arm, batch size)
+    pa.field("optimizer", pa.string()), pa.field("arm", pa.string()), pa.field("batch", pa.int64()),
+    pa.field("total_exposure", pa.float64()),   # the batch size's mean integrated P-NE* (h1_batch_axis's x)
+    pa.field("n_runs", pa.int64()), pa.field("n_seeds", pa.int64()),
+    pa.field("r16", pa.float64()), pa.field("r16_lo", pa.float64()), pa.field("r16_hi", pa.float64()),
+    *[pa.field(f"M_star_{p}{k}", pa.float64()) for p in ("r50", "midpoint") for k in ("", "_lo", "_hi")],
+])
 
 
 def batch_arms(every: pd.DataFrame) -> dict[str, pd.DataFrame]:
@@ -82,3 +92,24 @@ def _mstar_row(d: pd.DataFrame, name: str, point: str, span: float, alpha: float
                 family=fam, power="could detect ≥ {mde:.2g} octaves of M* per decade of total exposure",
                 words=(f"M* {_direction(e.estimate, 'rises', 'falls')} with the batch noise's total exposure",
                        "no evidence that M* moves with the batch noise's total exposure"))
+
+
+def batch_levels(out: pd.DataFrame, alpha: float, min_seeds: int) -> pd.DataFrame:
+    """aggregate/batch_levels.parquet (BATCH_LEVELS_SCHEMA; figure 6 on the batch axis): per optimizer, arm
+    (batch_arms) and batch size, its mean total exposure, r at M = 16 with its t-interval over seeds, and M* by r50
+    and by midpoint from its full M grid with their intervals (threshold_with_ci). Empty without an arm of ≥ 3
+    batch sizes."""
+    rows = []
+    for opt, o in out.groupby("optimizer"):
+        for arm, runs in batch_arms(o[(o.M != M_INF) & ~o.diverged]).items():
+            for b, h in runs.groupby("batch"):
+                row = {"optimizer": opt, "arm": arm, "batch": int(b), "n_runs": len(h), "n_seeds": h.seed.nunique(),
+                       "total_exposure": float(h.integrated_pne.astype(float).mean())}
+                r16 = h[h.M == 16].groupby("seed").r.mean().dropna()
+                m, se, t = t_interval(r16, 1 - alpha) if len(r16) >= 2 else (r16.mean(), np.nan, np.nan)
+                row.update(r16=m, r16_lo=m - t * se, r16_hi=m + t * se)
+                for point in ("r50", "midpoint"):
+                    est = threshold_with_ci(h, level=1 - alpha, min_seeds=min_seeds, alpha=alpha, point=point)
+                    row.update({f"M_star_{point}{k}": est[f"M_star{k}"] for k in ("", "_lo", "_hi")})
+                rows.append(row)
+    return pd.DataFrame(rows, columns=BATCH_LEVELS_SCHEMA.names)

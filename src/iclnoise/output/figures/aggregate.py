@@ -12,19 +12,21 @@ from ...core.io import read_parquet
 from .align import alignment_rows, fig_noise_shape, has_aligned
 from .noise import fig_exposure_series, fig_schedules
 from .probes import fig_geometry
-from .stats import fig_dose, fig_icl_vs_exposure, fig_threshold_vs_noise
+from .stats import fig_batch_axis, fig_dose, fig_icl_vs_exposure, fig_threshold_vs_noise
 
 STEMS = ("fig06_threshold_vs_noise", "fig07_icl_vs_exposure", "fig08_early_late", "fig09_geometry",
          "fig10_exposure_series")
 DOSE_STEM = "fig06_threshold_vs_noise_dose"   # the report shows it under figure 6's caption
 SHAPE_STEM = "fig06_threshold_vs_noise_shape"   # likewise
+BATCH_STEM = "fig06_threshold_vs_noise_batch"   # likewise
 
 
 def aggregate_figures(agg: Path, exposure_files: list, figs: Path, alignment_files: list = ()) -> list[Path]:
     """Figures 6-10 into `figs` from outcomes.parquet and thresholds.parquet in `agg` and the runs'
     exposure.parquet (concatenated in the order given), figure 6 against the dose where `agg` holds
-    dose_levels.parquet, and by noise shape where the outcomes hold an aligned condition (with tests.parquet and
-    the shaped runs' injection.parquet or alignment.parquet, `alignment_files`); returns the PNGs."""
+    dose_levels.parquet, on the batch axis where it holds batch_levels.parquet, and by noise shape where the
+    outcomes hold an aligned condition (with tests.parquet and the shaped runs' injection.parquet or
+    alignment.parquet, `alignment_files`); returns the PNGs."""
     out, th = read_outcomes(agg / "outcomes.parquet"), read_parquet(agg / "thresholds.parquet")
     fig_threshold_vs_noise(th, figs / "fig06_threshold_vs_noise")
     fig_icl_vs_exposure(out, figs / "fig07_icl_vs_exposure")
@@ -36,6 +38,9 @@ def aggregate_figures(agg: Path, exposure_files: list, figs: Path, alignment_fil
     if (agg / "dose_levels.parquet").exists():   # a dose series (issue 43): figure 6 against the dose
         fig_dose(read_parquet(agg / "dose_levels.parquet"), figs / DOSE_STEM)
         stems.insert(1, DOSE_STEM)
+    if (agg / "batch_levels.parquet").exists():   # an arm of ≥ 3 batch sizes (issue 70): the batch axis
+        fig_batch_axis(read_parquet(agg / "batch_levels.parquet"), figs / BATCH_STEM)
+        stems.insert(1, BATCH_STEM)
     if has_aligned(out):   # H5 (issue 45): figure 6 by noise shape
         rows = [alignment_rows(read_parquet(f)) for f in alignment_files]
         fig_noise_shape(out, read_parquet(agg / "tests.parquet"),

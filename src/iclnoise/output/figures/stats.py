@@ -151,6 +151,46 @@ def fig_dose(levels: pd.DataFrame, path: str | Path) -> None:
     style.save_figure(fig, path, lv)
 
 
+def fig_batch_axis(levels: pd.DataFrame, path: str | Path) -> None:
+    """Figure 6 on the batch axis (aggregate/batch_levels.parquet; issue 70 item 5): per arm (columns: equal data,
+    equal steps), M* against the batch noise's own total exposure (integrated P-NE*, log axis) with 95 % t-intervals
+    over seeds, r50 (circles, solid) and midpoint (triangles, dotted); below, r at M = 16; each tick names its
+    batch size."""
+    style.setup()
+    lv = levels.astype({c: float for c in levels.columns if c.startswith(("M_star", "r16", "total"))})
+    keys = sorted(lv.groupby(["optimizer", "arm"]).groups)
+    fig, axes = plt.subplots(2, len(keys), figsize=(5 * len(keys), 7), squeeze=False, sharex="col")
+    for j, (opt, arm) in enumerate(keys):
+        g = lv[(lv.optimizer == opt) & (lv.arm == arm)].sort_values("total_exposure")
+        top, bottom, x = axes[0, j], axes[1, j], g.total_exposure.to_numpy()
+        for k, (point, mk, ls) in enumerate((("r50", "o", "-"), ("midpoint", "^", ":"))):
+            m, lo, hi = (g[f"M_star_{point}{s}"].to_numpy() for s in ("", "_lo", "_hi"))
+            top.errorbar(x * (0.96 if point == "midpoint" else 1.0), m, marker=mk, ls=ls, color=f"C{k}", capsize=3,
+                         yerr=np.nan_to_num(np.vstack([m - lo, hi - m]).clip(min=0)), label=f"M* ({point})")
+        r, rlo, rhi = (g[f"r16{s}"].to_numpy() for s in ("", "_lo", "_hi"))
+        bottom.errorbar(x, r, yerr=np.nan_to_num(np.vstack([r - rlo, rhi - r]).clip(min=0)), marker="o",
+                        color="C2", capsize=3)
+        for ax in (top, bottom):
+            ax.set_xscale("log")
+        if np.isfinite(g.M_star_r50).any() or np.isfinite(g.M_star_midpoint).any():
+            top.set_yscale("log", base=2)
+            top.yaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))
+            top.yaxis.set_major_formatter(ScalarFormatter())
+            top.yaxis.set_minor_formatter(NullFormatter())
+            top.legend(fontsize=7, loc="best")
+        else:
+            top.text(0.5, 0.5, "no M* at any batch size", transform=top.transAxes, ha="center", color="grey")
+        top.set_title(f"batch noise at {arm}{optimizer_note(opt)}", fontsize=10)
+        top.set_ylabel("task-diversity threshold M* (95 % CI)")
+        bottom.set_ylabel("r at M = 16 (95 % CI over seeds)")
+        bottom.set_xlabel("total exposure: the batch noise's integrated P-NE* (log)")
+        bottom.set_xticks(x, [f"{v:.2g}\nB{b}" for v, b in zip(x, g.batch)])
+        bottom.xaxis.set_minor_formatter(NullFormatter())
+    fig.suptitle("ICL against the batch noise's own exposure: batch sizes at equal data and at equal steps", y=1.0)
+    fig.tight_layout()
+    style.save_figure(fig, path, lv)
+
+
 def _dose_column(top: plt.Axes, bottom: plt.Axes, g: pd.DataFrame, key: tuple) -> list[str]:
     """One series' column of the dose figure (`g`: its dose_levels rows by dose): M* above, r at M = 16 below, the
     regime shaded; returns the notes on the doses outside the regime."""
