@@ -286,6 +286,35 @@ def test_the_pathwise_derivative_along_a_realisation_is_its_central_difference(t
     assert 0.7 <= slope <= 1.3 and corr >= 0.95, (slope, corr)
 
 
+@pytest.mark.numerics
+@pytest.mark.unit
+def test_the_pathwise_first_order_pass_is_the_replays_first_term(tiny, one_thread, tmp_path, monkeypatch):
+    """The pathwise replay carries δ alone (Replayer.order 1: one forward-mode product per step); its g equals the
+    first-order term of the replay carrying (δ, e) (order 2) within 1e-9 relative (equal here), for a gradient-source
+    and a parameter-source run. Measured on crn_pathwise.py's setting: 2.5-3× faster, the same digits."""
+    import copy as cp
+
+    from iclnoise.run.member import RESUME
+    from iclnoise.run.pathwise import Pathwise, sensitivity
+    from iclnoise.run.runs import load_torch
+    from iclnoise.run.train import train_ensemble
+
+    p = _params(tiny, "counter")
+    conds = p["noise"]["conditions"]
+    for name in ("late", "lategrad"):
+        spec = run_spec(p, RUN.replace("late", name))
+        train_ensemble([spec], [tmp_path / name], progress=False, stop_after=30)
+        state = load_torch(tmp_path / name / RESUME, "cpu")
+        one = RunSpec.of(member_spec(spec, counterfactual("self", conds, RunSpec.of(spec)), 0))
+        g1 = sensitivity(one, cp.deepcopy(state), 16)
+        monkeypatch.setattr(Pathwise, "order", 2)
+        g2 = sensitivity(one, cp.deepcopy(state), 16)
+        monkeypatch.setattr(Pathwise, "order", 1)
+        assert g1.keys() == g2.keys() and any(v != 0 for v in g1.values())
+        for k in g1:
+            assert g1[k] == pytest.approx(g2[k], rel=1e-9, abs=1e-12), (name, k)
+
+
 @pytest.mark.validation
 def test_the_committed_small_scale_crn_means_reproduce(one_thread):
     """reference/reproductions/crn_replay.csv's seed-0 row for self*2 (r and the OOD loss) comes out of `crn` again:

@@ -89,6 +89,11 @@ def propagate(phi: Map, theta: torch.Tensor, delta: torch.Tensor | None,
     return jd, 0.5 * d2 if e is None else jvp(phi, (theta,), (e,))[1] + 0.5 * d2
 
 
+def propagate1(phi: Map, theta: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """One step of the perturbation to first order: J δ at θ (propagate's first term, one forward-mode product)."""
+    return jvp(phi, (theta,), (delta,))[1]
+
+
 def metric_terms(f: Map, theta_T: torch.Tensor, delta: torch.Tensor | None,
                  e: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(∇f·δ_T, ∇f·e_T + ½ D²f[δ_T, δ_T]): the first- and second-order change of f."""

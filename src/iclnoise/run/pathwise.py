@@ -32,6 +32,8 @@ from .runs import CKPT_DIR
 class Pathwise(Replayer):
     """The Replayer with one path, driven by the run's own injected draws halved (module docstring)."""
 
+    order = 1   # first order: one forward-mode product per step, not the replay's second-order pair
+
     def __init__(self, spec: RunSpec, model: torch.nn.Module, injector: NoiseInjector, jac_batch: int):
         super().__init__(spec, model, [], injector, 1, jac_batch, 0)
         injector.keep_draw = True

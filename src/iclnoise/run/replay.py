@@ -55,7 +55,7 @@ from ..core.runspec import RunSpec
 from ..core.sections import NoiseCondition
 from ..core.tasks import seed_mix
 from ..noise import shaped_covariance
-from ..noise.cnr import Map, estimate, metric_terms, propagate
+from ..noise.cnr import Map, estimate, metric_terms, propagate, propagate1
 from ..noise.exposure import AdamState, grad_noise, group_grads, preconditioner
 from ..noise.hooks import Unrecorded
 from ..noise.injection import NoiseInjector
@@ -124,6 +124,7 @@ class Replayer(Unrecorded):
     into the run."""
 
     name, schema = "cnr", pa.schema([pa.field("step", pa.int64())])
+    order = 2   # the expansion carried: 2, (δ, e); 1, δ alone (its second-order term `e` stays None: zero)
 
     def __init__(self, spec: RunSpec, model: torch.nn.Module, cfs: list[Counterfactual], injector: NoiseInjector | None,
                  probes: int, jac_batch: int, seed: int):
@@ -191,7 +192,9 @@ class Replayer(Unrecorded):
                 step = lambda y: phi(y[:3 * P], y[3 * P:])  # noqa: E731
             else:
                 e, step = self.e, lambda y: phi(y, None)  # noqa: E731
-            if e is None:
+            if self.order == 1:
+                self.delta = vmap(lambda d: propagate1(step, x, d))(delta)
+            elif e is None:
                 self.delta, self.e = vmap(lambda d: propagate(step, x, d, None))(delta)
             else:
                 self.delta, self.e = vmap(lambda d, ee: propagate(step, x, d, ee))(delta, e)
