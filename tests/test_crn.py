@@ -315,6 +315,45 @@ def test_the_pathwise_first_order_pass_is_the_replays_first_term(tiny, one_threa
             assert g1[k] == pytest.approx(g2[k], rel=1e-9, abs=1e-12), (name, k)
 
 
+@pytest.mark.numerics
+@pytest.mark.unit
+def test_cnr_pathwise_predicts_the_same_from_the_kept_fork_and_from_its_own(tiny, one_thread, tmp_path):
+    """`iclnoise cnr-pathwise` replays from the state `iclnoise cnr --fork` keeps or from one it trains itself, to the
+    same numbers; its ḡ is the mean of the realisations' sensitivities (noise_seed 0, 1: the realisations CRN pairs)
+    and its prediction ḡ ln k ± |ln k| SE; k ≤ 0 and a run without noise are refused with the reason."""
+    import copy as cp
+
+    from iclnoise.run.pathwise import sensitivity
+    from iclnoise.run.runs import load_torch
+
+    p = _params(tiny, "counter")
+    rd, fork = tmp_path / RUN, tmp_path / "fork.pt"
+    rd.mkdir()
+    spec = run_spec(p, RUN)
+    write_json({**spec, "spec_hash": spec_hash(spec)}, rd / "run.json")
+    main(["cnr", str(rd), "--counterfactual", "self*2", "--realisations", "2", "--cfg", _cfg(p), "--fork", str(fork)])
+    common = ["cnr-pathwise", str(rd), "--k", "0.5", "2", "--realisations", "2", "--jac-batch", "16"]
+    main([*common, "--fork", str(fork), "--out", str(tmp_path / "kept.parquet")])
+    main([*common, "--out", str(tmp_path / "own.parquet")])
+    kept, own = (read_parquet(tmp_path / f"{n}.parquet").drop(columns="seconds") for n in ("kept", "own"))
+    pd.testing.assert_frame_equal(kept, own)
+    cf = counterfactual("self", {}, RunSpec.of(spec))
+    g = [sensitivity(RunSpec.of(member_spec(spec, cf, i)), cp.deepcopy(load_torch(fork, "cpu")), 16) for i in (0, 1)]
+    for r in kept.itertuples():
+        v = [gi[r.metric] for gi in g]
+        assert r.g == pytest.approx(np.mean(v), rel=1e-12) and r.t0 == 30 and r.n_realisations == 2
+        assert r.predicted == pytest.approx(r.g * math.log(r.k), rel=1e-12)
+        assert r.predicted_se == pytest.approx(abs(math.log(r.k)) * np.std(v, ddof=1) / math.sqrt(2), rel=1e-9)
+    with pytest.raises(SystemExit, match="every k must be > 0"):
+        main([*common[:3], "0", "2", *common[5:]])
+    none = tmp_path / RUN.replace("late", "none")
+    none.mkdir()
+    plain = run_spec(p, none.name)
+    write_json({**plain, "spec_hash": spec_hash(plain)}, none / "run.json")
+    with pytest.raises(SystemExit, match="injects no noise"):
+        main(["cnr-pathwise", str(none)])
+
+
 @pytest.mark.validation
 def test_the_committed_small_scale_crn_means_reproduce(one_thread):
     """reference/reproductions/crn_replay.csv's seed-0 row for self*2 (r and the OOD loss) comes out of `crn` again:

@@ -30,7 +30,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -44,10 +43,8 @@ from iclnoise.config.grid import run_spec
 from iclnoise.core.io import read_parquet, write_parquet
 from iclnoise.core.runspec import RunSpec
 from iclnoise.run.crn import REALISATIONS_SCHEMA, REFERENCE, counterfactual, crn, member_spec
-from iclnoise.run.member import RESUME
-from iclnoise.run.pathwise import predict, sensitivity
+from iclnoise.run.pathwise import fork_state, predict, sensitivity
 from iclnoise.run.runs import load_torch, save_torch
-from iclnoise.run.train import train_ensemble
 
 sys.path.insert(0, str(Path(__file__).parent))
 from crn_replay import judge  # noqa: E402  (one judgement of every estimator)
@@ -104,9 +101,7 @@ def pathwise_stage(p: dict, seed: int, out: Path, n: int, commit: str) -> None:
     spec = run_spec(p, f"M16-B64-late-s{seed}")
     t0 = RunSpec.of(spec).window[0]
     if not fork.exists():
-        with tempfile.TemporaryDirectory(prefix="crn-fork-") as tmp:
-            train_ensemble([spec], [Path(tmp)], progress=False, stop_after=t0)
-            save_torch(load_torch(Path(tmp) / RESUME, "cpu"), fork)
+        save_torch(fork_state(spec, t0), fork)
     state = load_torch(fork, "cpu")
     if state["step"] != t0:
         raise SystemExit(f"{fork}: a state at step {state['step']}, not the window's start {t0}")

@@ -18,7 +18,6 @@ import argparse
 import copy
 import math
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,10 +27,7 @@ import torch
 from iclnoise.config.grid import run_spec
 from iclnoise.core.runspec import RunSpec
 from iclnoise.run.crn import counterfactual, crn, member_spec
-from iclnoise.run.member import RESUME
-from iclnoise.run.pathwise import predict, sensitivity
-from iclnoise.run.runs import load_torch
-from iclnoise.run.train import train_ensemble
+from iclnoise.run.pathwise import fork_state, predict, sensitivity
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cnr_check import params  # noqa: E402  (the tiny setting, one definition)
@@ -56,26 +52,24 @@ def main() -> None:
     if a.per_path:
         return per_path(p, steps // 2, a.per_path, a.jac_batch)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="crn-pathwise-") as tmp:
-        for seed in sorted(ref.seed.unique()):
-            spec, rd, t0 = run_spec(p, f"M8-B64-late-s{seed}"), Path(tmp) / f"s{seed}", steps // 2
-            train_ensemble([spec], [rd], progress=False, stop_after=t0)
-            state = load_torch(rd / RESUME, "cpu")
-            own = counterfactual("self", p["noise"]["conditions"], RunSpec.of(spec))
-            t = time.time()
-            g = [sensitivity(RunSpec.of(member_spec(spec, own, i)), copy.deepcopy(state), a.jac_batch)
-                 for i in range(a.realisations)]
-            seconds = time.time() - t
-            for r in ref[ref.seed == seed].itertuples():
-                pred, se = predict(g, r.k)[r.metric]
-                half = 1.96 * math.hypot(se, r.crn_se)
-                rows.append({"seed": seed, "counterfactual": r.counterfactual, "k": r.k, "metric": r.metric,
-                             "n_realisations": r.n_realisations, "crn_mean": r.crn_mean, "crn_se": r.crn_se,
-                             "predicted": pred, "predicted_se": se, "predicted_lo": pred - half,
-                             "predicted_hi": pred + half, "g": float(pd.Series([gi[r.metric] for gi in g]).mean()),
-                             "pathwise_s": seconds, "crn_s": r.crn_s, "t0": t0, "steps": steps, "budget": budget,
-                             "realisations": a.realisations, "jac_batch": a.jac_batch})
-            print(f"seed {seed}: {a.realisations} pathwise replays {seconds:.0f} s (CRN {r.crn_s:.0f} s)", flush=True)
+    for seed in sorted(ref.seed.unique()):
+        spec, t0 = run_spec(p, f"M8-B64-late-s{seed}"), steps // 2
+        state = fork_state(spec, t0)
+        own = counterfactual("self", p["noise"]["conditions"], RunSpec.of(spec))
+        t = time.time()
+        g = [sensitivity(RunSpec.of(member_spec(spec, own, i)), copy.deepcopy(state), a.jac_batch)
+             for i in range(a.realisations)]
+        seconds = time.time() - t
+        for r in ref[ref.seed == seed].itertuples():
+            pred, se = predict(g, r.k)[r.metric]
+            half = 1.96 * math.hypot(se, r.crn_se)
+            rows.append({"seed": seed, "counterfactual": r.counterfactual, "k": r.k, "metric": r.metric,
+                         "n_realisations": r.n_realisations, "crn_mean": r.crn_mean, "crn_se": r.crn_se,
+                         "predicted": pred, "predicted_se": se, "predicted_lo": pred - half,
+                         "predicted_hi": pred + half, "g": float(pd.Series([gi[r.metric] for gi in g]).mean()),
+                         "pathwise_s": seconds, "crn_s": r.crn_s, "t0": t0, "steps": steps, "budget": budget,
+                         "realisations": a.realisations, "jac_batch": a.jac_batch})
+        print(f"seed {seed}: {a.realisations} pathwise replays {seconds:.0f} s (CRN {r.crn_s:.0f} s)", flush=True)
     judge(pd.DataFrame(rows), a.out)
 
 
@@ -83,9 +77,7 @@ def per_path(p: dict, t0: int, h: float, jac_batch: int) -> None:
     """Seed 0, realisations 0-2: the pathwise derivative against CRN's central difference along the realisation."""
     spec = run_spec(p, "M8-B64-late-s0")
     up, down = f"self*{math.exp(h):.6g}", f"self*{math.exp(-h):.6g}"
-    with tempfile.TemporaryDirectory(prefix="crn-per-path-") as tmp:
-        train_ensemble([spec], [Path(tmp) / "s0"], progress=False, stop_after=t0)
-        state = load_torch(Path(tmp) / "s0" / RESUME, "cpu")
+    state = fork_state(spec, t0)
     v = crn(spec, [up, down], p["noise"]["conditions"], 3, t0)
     own = counterfactual("self", p["noise"]["conditions"], RunSpec.of(spec))
     for i in range(3):

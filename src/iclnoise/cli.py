@@ -32,6 +32,9 @@ COMMANDS = {  # command -> ("iclnoise.commands.<topic>:<command with - as _>", h
              "checkpoint"),
     "cnr": ("iclnoise.commands.probes:cnr", "counterfactual noise response by common random numbers: a run forked "
             "at t0 into counterfactual noise x N noise streams, retrained together (crn.parquet)"),
+    "cnr-pathwise": ("iclnoise.commands.probes:cnr_pathwise", "CNR's first-order pathwise estimator: a run's "
+                     "final metrics had its noise level been k times as large, without retraining "
+                     "(cnr_pathwise.parquet)"),
     "cnr-replay": ("iclnoise.commands.probes:cnr_replay", "counterfactual noise replay, linearised: a run's final "
                    "metrics under other noise, predicted without retraining (cnr.parquet)"),
     "ed": ("iclnoise.commands.probes:ed", "essential dynamics of a family of runs"),

@@ -239,6 +239,8 @@ def cnr(argv: list[str]) -> None:
     ap.add_argument("--out", default=None, help="default <run>/crn.parquet (and crn_realisations.parquet beside it)")
     ap.add_argument("--work", default=None, help="the members' run directories, so a killed call resumes (default "
                     "<run>/crn_work; removed once the tables are written)")
+    ap.add_argument("--fork", default=None, help="a file for the run's state at t0: kept here when the members are "
+                    "planted, or, where it exists, forked from (iclnoise cnr-pathwise --fork replays from it)")
     a = ap.parse_args(argv)
     try:
         conditions = noise_conditions(sections(a.cfg, "noise"))
@@ -255,7 +257,7 @@ def cnr(argv: list[str]) -> None:
                          f"removed at the end: give a new or empty directory")
     t = time.time()
     try:
-        values = crn(raw, a.counterfactual, conditions, a.realisations, a.t0, a.device, work)
+        values = crn(raw, a.counterfactual, conditions, a.realisations, a.t0, a.device, work, a.fork)
     except ValueError as e:
         raise SystemExit(f"iclnoise cnr: {e}") from None
     seconds = time.time() - t
@@ -269,3 +271,38 @@ def cnr(argv: list[str]) -> None:
     print(show[["counterfactual", "metric", "n_realisations", "crn_mean", "crn_se", "mean"]].to_string(index=False))
     n = values[["counterfactual", "realisation"]].drop_duplicates().shape[0]
     print(f"{n} members from t0 = {int(values.t0.iloc[0])}: {seconds:.1f} s")
+
+
+def cnr_pathwise(argv: list[str]) -> None:
+    """CNR's first-order pathwise estimator (method §13; iclnoise.run.pathwise): the change of a run's final metrics
+    had its own noise level been k times as large, ΔE f ≈ ḡ ln k, from N replays of [t0, T) along the realisations
+    iclnoise cnr pairs, no counterfactual retrained. Writes <run>/cnr_pathwise.parquet."""
+    from ..run.pathwise import PATHWISE_SCHEMA, pathwise
+
+    ap = argparse.ArgumentParser(prog="iclnoise cnr-pathwise", description=cnr_pathwise.__doc__)
+    ap.add_argument("run", help="the run directory (results/runs/<run>: its run.json; the run need not be trained)")
+    ap.add_argument("--k", type=float, nargs="+", default=[0.5, 0.75, 1.5, 2.0],
+                    help="levels × k to predict (first order: keep |ln k| / 2 ≤ 0.5, method §13)")
+    ap.add_argument("--realisations", type=int, default=8, help="replays (noise_seed 0..N-1)")
+    ap.add_argument("--t0", type=int, default=None, help="the step to replay from (default: the start of the "
+                    "run's injection window)")
+    ap.add_argument("--fork", default=None, help="the run's state at t0 as iclnoise cnr --fork keeps it (default: "
+                    "train the first t0 steps here)")
+    ap.add_argument("--jac-batch", type=int, default=64, help="sequences of each step's batch in its Jacobian")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default=None, help="default <run>/cnr_pathwise.parquet")
+    a = ap.parse_args(argv)
+    try:
+        raw = checked_spec(a.run)
+    except (CorruptFileError, FileNotFoundError) as e:
+        raise SystemExit(f"iclnoise cnr-pathwise: {e}") from None
+    torch.set_num_threads(a.threads)
+    try:
+        df = pathwise(raw, a.k, a.realisations, a.t0, a.fork, a.jac_batch, a.device)
+    except (ValueError, CorruptFileError, FileNotFoundError) as e:
+        raise SystemExit(f"iclnoise cnr-pathwise: {e}") from None
+    write_parquet(df, a.out or Path(a.run) / "cnr_pathwise.parquet", PATHWISE_SCHEMA)
+    show = df[df.metric.isin(["r", "ood_loss", "ood_delta_ridge"])]
+    print(show[["metric", "k", "g", "g_se", "predicted", "predicted_se"]].to_string(index=False))
+    print(f"{a.realisations} replays from t0 = {int(df.t0.iloc[0])}: {df.seconds.iloc[0]:.1f} s")

@@ -14,19 +14,34 @@ every term of second and higher order in ln k. A gradient-source draw enters the
 map, before the held clip), a parameter-source draw is added after it."""
 from __future__ import annotations
 
+import copy
 import math
 import tempfile
+import time
 from pathlib import Path
 
+import pandas as pd
+import pyarrow as pa
 import torch
 
 from ..config.grid import spec_hash
 from ..core.runspec import RunSpec
 from ..noise.injection import NoiseInjector
+from .crn import counterfactual, member_spec
 from .ensemble import Ensemble
-from .member import Member
+from .member import RESUME, Member
 from .replay import METRICS, Replayer, _functional, metric_fn
-from .runs import CKPT_DIR
+from .runs import CKPT_DIR, load_torch
+from .train import train_ensemble
+
+PATHWISE_SCHEMA = pa.schema([   # <run>/cnr_pathwise.parquet: one row per (metric, k)
+    pa.field("run_id", pa.string()), pa.field("seed", pa.int64()), pa.field("t0", pa.int64()),
+    pa.field("metric", pa.string()), pa.field("k", pa.float64()),   # the level × k of the run's own noise
+    pa.field("n_realisations", pa.int64()),
+    pa.field("g", pa.float64()), pa.field("g_se", pa.float64()),   # ḡ = d E f / d ln k and its SE over realisations
+    pa.field("predicted", pa.float64()), pa.field("predicted_se", pa.float64()),   # ΔE f ≈ ḡ ln k, |ln k| SE
+    pa.field("seconds", pa.float64()),   # the replays' wall time (the fork's training not included)
+])
 
 
 class Pathwise(Replayer):
@@ -79,3 +94,45 @@ def predict(g: list[dict[str, float]], k: float) -> dict[str, tuple[float, float
         se = float(v.std()) / math.sqrt(n) if n > 1 else math.nan
         out[metric] = (float(v.mean()) * lk, abs(lk) * se)
     return out
+
+
+def fork_state(raw: dict, t0: int, device: str = "cpu") -> dict:
+    """The run's resume state at step t0, trained from step 0 alone (in a scratch directory)."""
+    with tempfile.TemporaryDirectory(prefix="pathwise-fork-") as tmp:
+        train_ensemble([raw], [Path(tmp)], progress=False, stop_after=t0, device=torch.device(device))
+        return load_torch(Path(tmp) / RESUME, device)
+
+
+def pathwise(raw: dict, ks: list[float], realisations: int, t0: int | None = None, fork: str | Path | None = None,
+             jac_batch: int = 64, device: str = "cpu") -> pd.DataFrame:
+    """PATHWISE_SCHEMA rows: the prediction ΔE f ≈ ḡ ln k for the run's own noise level × k, k in `ks`, from
+    `realisations` replays (noise_seed 0..N−1, the realisations CRN pairs: iclnoise.run.crn) of [t0, T) from the
+    run's state at t0 (default: the start of its injection window): `fork` (a state at t0, as `crn(..., fork=...)`
+    keeps it) or trained here."""
+    raw = {k: v for k, v in raw.items() if k != "spec_hash"}
+    spec = RunSpec.of(raw)
+    if not spec.injects:
+        raise ValueError(f"run {spec.keys.run_id} injects no noise: there is no level to differentiate")
+    if any(not k > 0 for k in ks):
+        raise ValueError(f"every k must be > 0 (ln k: the first-order prediction), got {ks}")
+    t0 = spec.window[0] if t0 is None else t0
+    if spec.window[0] < t0:
+        raise ValueError(f"run {spec.keys.run_id} injects from step {spec.window[0]}, before t0 = {t0}: its noise "
+                         f"before t0 would be held, not differentiated; fork at or before {spec.window[0]}")
+    state = load_torch(Path(fork), device) if fork is not None else fork_state(raw, t0, device)
+    if state["step"] != t0:
+        raise ValueError(f"{fork}: a state at step {state['step']}, not t0 = {t0}")
+    own = counterfactual("self", {}, spec)
+    t = time.time()
+    g = [sensitivity(RunSpec.of(member_spec(raw, own, i)), copy.deepcopy(state), jac_batch, device)
+         for i in range(realisations)]
+    seconds = time.time() - t
+    rows = []
+    for k in ks:
+        for metric, (pred, se) in predict(g, k).items():
+            v = torch.tensor([gi[metric] for gi in g], dtype=torch.float64)
+            rows.append({"run_id": spec.keys.run_id, "seed": spec.keys.seed, "t0": t0, "metric": metric, "k": k,
+                         "n_realisations": realisations, "g": float(v.mean()),
+                         "g_se": float(v.std()) / math.sqrt(len(v)) if len(v) > 1 else math.nan,
+                         "predicted": pred, "predicted_se": se, "seconds": seconds})
+    return pd.DataFrame(rows, columns=PATHWISE_SCHEMA.names)
