@@ -219,7 +219,6 @@ def test_a_killed_crn_resumes_from_its_work_directory_to_the_same_numbers(tiny, 
     pd.testing.assert_frame_equal(again, whole)
 
 
-@pytest.mark.numerics
 @pytest.mark.unit
 def test_a_second_call_forks_from_the_kept_state_to_the_same_numbers(tiny, one_thread, tmp_path, monkeypatch):
     """`crn(..., fork=F)` writes the reference's state at t0 to F; a second call with more counterfactuals forks its
@@ -315,7 +314,6 @@ def test_the_pathwise_first_order_pass_is_the_replays_first_term(tiny, one_threa
             assert g1[k] == pytest.approx(g2[k], rel=1e-9, abs=1e-12), (name, k)
 
 
-@pytest.mark.numerics
 @pytest.mark.unit
 def test_cnr_pathwise_predicts_the_same_from_the_kept_fork_and_from_its_own(tiny, one_thread, tmp_path):
     """`iclnoise cnr-pathwise` replays from the state `iclnoise cnr --fork` keeps or from one it trains itself, to the
