@@ -315,6 +315,22 @@ def test_the_pathwise_first_order_pass_is_the_replays_first_term(tiny, one_threa
 
 
 @pytest.mark.unit
+def test_realisations_replayed_together_give_each_ones_own_sensitivity(tiny, one_thread, tmp_path):
+    """`sensitivities` replays realisations 0-2 in one ensemble (stacked training, a tangent each): each g equals its
+    realisation's replay alone, bit for bit (one thread), and the realisations differ."""
+    from iclnoise.run.pathwise import fork_state, sensitivities, sensitivity
+
+    p = _params(tiny, "counter")
+    spec = run_spec(p, RUN)
+    state = fork_state(spec, 30)
+    cf = counterfactual("self", {}, RunSpec.of(spec))
+    specs = [RunSpec.of(member_spec(spec, cf, i)) for i in range(3)]
+    together = sensitivities(specs, state, 16)
+    assert together == [sensitivity(s, state, 16) for s in specs]
+    assert len({g["r"] for g in together}) == 3
+
+
+@pytest.mark.unit
 def test_cnr_pathwise_predicts_the_same_from_the_kept_fork_and_from_its_own(tiny, one_thread, tmp_path):
     """`iclnoise cnr-pathwise` replays from the state `iclnoise cnr --fork` keeps or from one it trains itself, to the
     same numbers; its ḡ is the mean of the realisations' sensitivities (noise_seed 0, 1: the realisations CRN pairs)

@@ -136,7 +136,7 @@ def member_spec(raw: dict, cf: Counterfactual, realisation: int | None) -> dict:
     return {**copy.deepcopy(raw), "noise": noise}
 
 
-def _labelled(s: dict, j: int) -> dict:
+def labelled(s: dict, j: int) -> dict:
     """Member j's spec under a run id of its own (noise label crn<j>), since an ensemble lists each run once; the
     label is no input of training (tests/test_crn.py compares members with their unlabelled specs' runs)."""
     keys = dataclasses.replace(parse_run_id(s["keys"]["run_id"]), noise=f"crn{j}")
@@ -176,7 +176,7 @@ def crn(raw: dict, names: list[str], conditions: dict, realisations: int, t0: in
     own = Counterfactual(REFERENCE, counterfactual("self", conditions, spec).noise)
     cfs = [own, *(counterfactual(n, conditions, spec) for n in names)]
     members = [(cf, i, member_spec(raw, cf, i)) for cf in cfs for i in range(realisations)]
-    members = [(cf, i, _labelled(s, j)) for j, (cf, i, s) in enumerate(members)]
+    members = [(cf, i, labelled(s, j)) for j, (cf, i, s) in enumerate(members)]
     for cf in cfs:
         _check_window(RunSpec.of(member_spec(raw, cf, 0)), t0, f"counterfactual {cf.text!r}")
     with tempfile.TemporaryDirectory(prefix="crn-") as tmp:

@@ -27,7 +27,7 @@ import torch
 from ..config.grid import spec_hash
 from ..core.runspec import RunSpec
 from ..noise.injection import NoiseInjector
-from .crn import counterfactual, member_spec
+from .crn import counterfactual, labelled, member_spec
 from .ensemble import Ensemble
 from .member import RESUME, Member
 from .replay import METRICS, Replayer, _functional, metric_fn
@@ -67,21 +67,36 @@ class Pathwise(Replayer):
 def sensitivity(spec: RunSpec, state: dict, jac_batch: int, device: str = "cpu") -> dict[str, float]:
     """g = df(θ_T)/dα for each of METRICS along the realisation of `spec` (its noise_seed), replayed from the resume
     state `state` (its step is t0)."""
-    if not spec.injects:
-        raise ValueError(f"run {spec.keys.run_id} injects no noise: there is no level to differentiate")
+    return sensitivities([spec], state, jac_batch, device)[0]
+
+
+def sensitivities(specs: list[RunSpec], state: dict, jac_batch: int, device: str = "cpu") -> list[dict[str, float]]:
+    """`sensitivity` of each spec (realisations of one run), all replayed from `state` in one ensemble: the runs
+    train stacked, each carries its own tangent; each g is the one its spec's replay alone gives (tested)."""
+    for s in specs:
+        if not s.injects:
+            raise ValueError(f"run {s.keys.run_id} injects no noise: there is no level to differentiate")
     with tempfile.TemporaryDirectory(prefix="pathwise-") as tmp:
-        m = Member(spec, Path(tmp), spec_hash(spec.raw), torch.device(device))
-        m.setup()
-        (Path(tmp) / CKPT_DIR).mkdir()
-        start = m.resume_from(state)
-        injector = next(h for h in m.hooks if isinstance(h, NoiseInjector))
-        rep = Pathwise(spec, m.model, injector, jac_batch)
-        m.hooks.append(rep)
-        Ensemble([m], start, "pathwise").run(False)
-        m.model.eval()
-        f = metric_fn(m.model, m.evaluator)
-        first, _ = rep.finish(f, _functional(m.model)[1].clone())[0]
-    return {k: float(v) for k, v in zip(METRICS, first[0])}
+        members, reps, start = [], [], None
+        for j, s in enumerate(specs):   # a run id of its own each: an ensemble lists each run once
+            s = RunSpec.of(labelled(s.raw, j)) if len(specs) > 1 else s
+            d = Path(tmp) / f"{j}"
+            d.mkdir()
+            m = Member(s, d, spec_hash(s.raw), torch.device(device))
+            m.setup()
+            (d / CKPT_DIR).mkdir()
+            start = m.resume_from(copy.deepcopy(state))
+            injector = next(h for h in m.hooks if isinstance(h, NoiseInjector))
+            reps.append(Pathwise(s, m.model, injector, jac_batch))
+            m.hooks.append(reps[-1])
+            members.append(m)
+        Ensemble(members, start, "pathwise").run(False)
+        out = []
+        for m, rep in zip(members, reps):
+            m.model.eval()
+            first, _ = rep.finish(metric_fn(m.model, m.evaluator), _functional(m.model)[1].clone())[0]
+            out.append({k: float(v) for k, v in zip(METRICS, first[0])})
+    return out
 
 
 def predict(g: list[dict[str, float]], k: float) -> dict[str, tuple[float, float]]:
@@ -124,8 +139,7 @@ def pathwise(raw: dict, ks: list[float], realisations: int, t0: int | None = Non
         raise ValueError(f"{fork}: a state at step {state['step']}, not t0 = {t0}")
     own = counterfactual("self", {}, spec)
     t = time.time()
-    g = [sensitivity(RunSpec.of(member_spec(raw, own, i)), copy.deepcopy(state), jac_batch, device)
-         for i in range(realisations)]
+    g = sensitivities([RunSpec.of(member_spec(raw, own, i)) for i in range(realisations)], state, jac_batch, device)
     seconds = time.time() - t
     rows = []
     for k in ks:
