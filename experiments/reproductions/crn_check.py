@@ -20,7 +20,8 @@ paired by realisation: iclnoise.analysis.stats.paired_effects) and `--table` (th
 Spearman ρ and coverage printed, for r and the OOD loss, over every k and inside |Δ log scale| ≤ 0.5).
 
 Usage: OMP_NUM_THREADS=1 python experiments/reproductions/crn_check.py [--stage crn|pathwise] [--seeds 0 1 2]
-       [--realisations 8] [--out reference/reproductions/crn] [--table reference/science/crn/crn.csv]
+       [--realisations 8] [--out DIR] [--table DIR/crn.csv]
+Then: iclnoise paper reference/science --attach-crn DIR/crn.csv --note "..." (the set's figure 13 and report).
 """
 from __future__ import annotations
 
@@ -152,8 +153,8 @@ def main() -> None:
     ap.add_argument("--stage", choices=("crn", "pathwise"), default="crn")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--realisations", type=int, default=8)
-    ap.add_argument("--out", default="reference/reproductions/crn")
-    ap.add_argument("--table", default="reference/science/crn/crn.csv")
+    ap.add_argument("--out", default="results/crn_check", help="the realisations, fork states and work directories")
+    ap.add_argument("--table", default=None, help="default --out/crn.csv")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     torch.set_num_threads(1)
@@ -163,7 +164,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     for seed in a.seeds:
         (crn_stage if a.stage == "crn" else pathwise_stage)(p, seed, out, a.realisations, commit)
-    table(out, a.seeds, a.realisations, Path(a.table))
+    table(out, a.seeds, a.realisations, Path(a.table) if a.table else out / "crn.csv")
 
 
 if __name__ == "__main__":
