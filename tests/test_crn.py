@@ -290,7 +290,7 @@ def test_the_pathwise_derivative_along_a_realisation_is_its_central_difference(t
 def test_the_pathwise_first_order_pass_is_the_replays_first_term(tiny, one_thread, tmp_path, monkeypatch):
     """The pathwise replay carries δ alone (Replayer.order 1: one forward-mode product per step); its g equals the
     first-order term of the replay carrying (δ, e) (order 2) within 1e-9 relative (equal here), for a gradient-source
-    and a parameter-source run. Measured on crn_pathwise.py's setting: 2.5-3× faster, the same digits."""
+    and a parameter-source run. bench/bench_pathwise.py: 2.3-2.4× faster."""
     import copy as cp
 
     from iclnoise.run.member import RESUME
