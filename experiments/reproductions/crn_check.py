@@ -59,7 +59,7 @@ COUNTERFACTUALS = ["none", "self*0.25", "self*0.5", "self*0.75", "self*1.5", "se
 MORE_LEVELS = ["self*0.6", "self*0.85", "self*1.2", "self*1.75"]
 PARTS = (("", COUNTERFACTUALS), ("_levels", MORE_LEVELS))
 JAC_BATCH = 64   # sequences of each step's batch in the replay's Jacobian (crn_pathwise.py's)
-GROUP = 4   # realisations replayed together (one ensemble: 1.30x four alone, the same g: bench/bench_pathwise.py); written per group
+GROUP = 4   # realisations replayed together (1.30x four alone, the same g: bench/bench_pathwise.py), written per group
 PATHWISE_SCHEMA = pa.schema([("seed", pa.int64()), ("realisation", pa.int64()), ("metric", pa.string()),
                              ("g", pa.float64()), ("seconds", pa.float64())])
 
