@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from scipy import stats
 
 from iclnoise.analysis.stats import paired_effects
@@ -20,7 +21,7 @@ from iclnoise.run.train import train_run
 
 RUN = "M4-B16-late-s0"
 LATE = {"source": "param", "shape": "diagonal", "schedule": "late", "fraction": 0.5, "budget": 0.004}
-CFS = ["self", "self*3", "none", "self+shape=isotropic", "lategrad"]
+CFS = ["self", "self*3", "none", "self+shape=isotropic", "lategrad", "self+layers=blocks.1,unembed"]
 
 
 def _params(tiny, rng):
@@ -67,11 +68,13 @@ def test_the_runs_own_noise_as_a_counterfactual_changes_nothing_exactly(forked):
 
 @pytest.mark.numerics
 @pytest.mark.unit
-@pytest.mark.parametrize("cf,i", [("self*3", 1), ("none", 0), ("self+shape=isotropic", 0), ("lategrad", 1)])
+@pytest.mark.parametrize("cf,i", [("self*3", 1), ("none", 0), ("self+shape=isotropic", 0), ("lategrad", 1),
+                                  ("self+layers=blocks.1,unembed", 1)])
 def test_each_member_is_its_specs_plain_retraining_bit_for_bit(forked, cf, i, tmp_path):
-    """Member (cf, i), forked at t0 from the shared state and trained in the ensemble of all twelve, ends with the
+    """Member (cf, i), forked at t0 from the shared state and trained in the ensemble of all fourteen, ends with the
     final metrics of its spec trained alone from step 0 (N = 1 of a counterfactual is plain retraining), whether
-    its injector is the run's (budget × 3), another shape, another source, or none (one thread)."""
+    its injector is the run's (budget × 3), another shape, another source, the run's on some layers, or none (one
+    thread)."""
     p, spec, rd = forked
     val = read_parquet(rd / "crn_realisations.parquet")
     want = val[(val.counterfactual == cf) & (val.realisation == i)].set_index("metric").value
@@ -105,6 +108,10 @@ def test_counterfactuals_cnr_cannot_fork_are_refused(tiny):
         counterfactual("self+shape=round", conds, RunSpec.of(spec))
     with pytest.raises(ValueError, match="outside the run's training steps"):
         crn(spec, [], conds, 1, t0=60)
+    with pytest.raises(ValueError, match="blocks.9 names no parameter"):
+        crn(spec, ["self+layers=blocks.9"], conds, 1)
+    assert counterfactual("self+layers=blocks.1,embed", conds, RunSpec.of(spec)).noise["layers"] == ["blocks.1",
+                                                                                                    "embed"]
     assert counterfactual("self*0", conds, RunSpec.of(spec)).noise == {"source": "none"}
     assert counterfactual("late*0.5", conds, RunSpec.of(spec)).noise["budget"] == 0.002
 
@@ -213,7 +220,7 @@ def test_a_killed_crn_resumes_from_its_work_directory_to_the_same_numbers(tiny, 
         crn(spec, ["self*3"], conds, 2, work=tmp_path / "killed")
     monkeypatch.setattr(ens, "save_resume", save)
     built = []
-    monkeypatch.setattr("iclnoise.run.crn._states_at", lambda *a: built.append(1))
+    monkeypatch.setattr("iclnoise.run.crn.states_at", lambda *a: built.append(1))
     again = crn(spec, ["self*3"], conds, 2, work=tmp_path / "killed")
     assert not built
     pd.testing.assert_frame_equal(again, whole)
@@ -230,8 +237,8 @@ def test_a_second_call_forks_from_the_kept_state_to_the_same_numbers(tiny, one_t
     p = _params(tiny, "counter")
     spec, conds, fork = run_spec(p, RUN), p["noise"]["conditions"], tmp_path / "fork.pt"
     first = crn(spec, ["self*3"], conds, 2, fork=fork)
-    trained, states_at = [], crn_mod._states_at
-    monkeypatch.setattr(crn_mod, "_states_at", lambda raw, cfs, *a: trained.extend(cfs) or states_at(raw, cfs, *a))
+    trained, states_at = [], crn_mod.states_at
+    monkeypatch.setattr(crn_mod, "states_at", lambda raw, cfs, *a: trained.extend(cfs) or states_at(raw, cfs, *a))
     second = crn(spec, ["self*0.5", "self+shape=isotropic"], conds, 2, fork=fork)
     assert [cf.text for cf in trained] == ["self+shape=isotropic"]
     whole = crn(spec, ["self*3", "self*0.5", "self+shape=isotropic"], conds, 2)
@@ -360,6 +367,13 @@ def test_cnr_pathwise_predicts_the_same_from_the_kept_fork_and_from_its_own(tiny
         assert r.predicted_se == pytest.approx(abs(math.log(r.k)) * np.std(v, ddof=1) / math.sqrt(2), rel=1e-9)
     with pytest.raises(SystemExit, match="every k must be > 0"):
         main([*common[:3], "0", "2", *common[5:]])
+    # a fork between two commits (23: no checkpoint step) is the state at that step, as crn keeps it
+    from iclnoise.run.pathwise import fork_state
+    mid = fork_state(spec, 23)
+    crn(spec, [], p["noise"]["conditions"], 1, t0=23, fork=tmp_path / "mid.pt")
+    kept = load_torch(tmp_path / "mid.pt", "cpu")
+    assert mid["step"] == kept["step"] == 23
+    assert all(torch.equal(mid["params"][n], w) for n, w in kept["params"].items())
     none = tmp_path / RUN.replace("late", "none")
     none.mkdir()
     plain = run_spec(p, none.name)

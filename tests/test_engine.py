@@ -374,6 +374,8 @@ def closed_loop(injecting):
                  "schedule": "constant", "budget": 0.002}
     c["gpid"] = {"source": "grad", "shape": "diagonal", "schedule": "controlled", "target": 2e-5,
                  "controller": {"kp": 0.5, "ki": 0.3}}
+    c["glayer"] = {**c["early"], "layers": ["blocks.1", "embed"]}   # noise.layers: the grad and param sources
+    c["pisolayer"] = {**c["pisolate"], "layers": ["blocks.0.attn"]}
     return injecting
 
 
@@ -396,13 +398,13 @@ def assert_same_table(a: pd.DataFrame, b: pd.DataFrame, what: str, rtol: float) 
             assert (x == y).all(), f"{what} {col}"
 
 
-@pytest.mark.parametrize("noise", ["early", "pdiag", "pisolate", "glow", "pnap", "gpid"])
+@pytest.mark.parametrize("noise", ["early", "pdiag", "pisolate", "glow", "pnap", "gpid", "glayer", "pisolayer"])
 def test_the_batched_closed_loop_equals_the_per_run_path_run_by_run(closed_loop, noise, tmp_path, monkeypatch,
                                                                     caplog):
     """60 steps of a closed-loop injecting arm (grad source with clipping active in most steps, early window; param
     source diagonal over the whole run; param source isotropic, late window; grad source low-rank emulating batch 4;
-    param source NAP; grad source under the PI controller), exposure rows every 10 steps, under either random stream:
-    the
+    param source NAP; grad source under the PI controller; the first and the isotropic one restricted to some layers),
+    exposure rows every 10 steps, under either random stream: the
     batched closed loop (batched.BatchedInjection, logged; no per-run injector call) and the per-run path give each
     run the same parameters, metrics, exposure rows and injection rows (every column) and the same realised
     integrated P-NE*, to float32 round-off (measured: bitwise on the CPU at 1 thread; the two sum |g|², Σ a² Ĥ and

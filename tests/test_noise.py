@@ -9,13 +9,15 @@ import torch
 from conftest import with_dose_references
 from test_exposure import half_mse, linreg_case
 
+import iclnoise.run.ensemble as ens
 from iclnoise.config import read_yaml, validate_params
 from iclnoise.config.grid import run_spec
 from iclnoise.core.io import read_parquet
+from iclnoise.core.model import ModelConfig, build_model
 from iclnoise.core.runspec import RunSpec
 from iclnoise.core.sections import Exposure
 from iclnoise.core.tasks import Batch
-from iclnoise.noise import CovModel, psd_clip, shaped_covariance, target_at
+from iclnoise.noise import CovModel, parameter_mask, psd_clip, restricted, shaped_covariance, target_at
 from iclnoise.noise.exposure import AdamState, grad_noise, group_grads, injected_dose_se, preconditioner, summarize
 from iclnoise.noise.hooks import ExposureState, NoiseMeter, StepContext
 from iclnoise.noise.injection import MAX_LOG_SCALE, SATURATION, NoiseInjector, closed_loop_scale
@@ -424,3 +426,75 @@ def test_a_noise_seed_draws_other_noise_on_the_same_data_and_initialisation(tiny
         pd.testing.assert_frame_equal(alone, out[runs.index(r)], check_exact=False, rtol=1e-4)
         a = torch.load(tmp_path / "alone" / r / "resume.pt", weights_only=False)["params"]
         torch.testing.assert_close(a, w[runs.index(r)], rtol=1e-4, atol=2 * p["train"]["optimizer"]["lr"] * 60)
+
+
+# ---------------------------------------------------------------- noise on some layers (noise.layers, method §5)
+def test_a_restricted_covariance_is_M_R_M_and_its_draw_the_whole_draw_masked():
+    """parameter_mask marks exactly the named parameters' coordinates (blocks.1 is not blocks.10's prefix); the
+    restricted R' is M R' M as a dense matrix, and its draw from one generator state is the unrestricted draw from
+    the same state with the coordinates outside M zeroed, bit for bit. A prefix that names no parameter is refused
+    with the names there are."""
+    names = [("embed.weight", 3), ("blocks.1.attn.W_Q", 4), ("blocks.10.mlp.b", 2), ("blocks.1.ln1.w", 1)]
+    m = parameter_mask(names, ["blocks.1"])
+    assert m.tolist() == [0] * 3 + [1] * 4 + [0] * 2 + [1]
+    assert parameter_mask(names, ["blocks.1.attn", "embed"]).tolist() == [1] * 7 + [0] * 3
+    with pytest.raises(ValueError, match=r"blocks\.2 names no parameter.*blocks\.1, blocks\.10, embed"):
+        parameter_mask(names, ["blocks.2"])
+    g = torch.Generator().manual_seed(0)
+    P, r = 10, 3
+    U = torch.linalg.qr(torch.randn(P, r, generator=g, dtype=torch.float64))[0]
+    cov = CovModel(U, torch.tensor([3.0, 2.0, 0.5], dtype=torch.float64), torch.rand(P, generator=g,
+                                                                                      dtype=torch.float64))
+    rc = restricted(cov, m)
+    M = torch.diag(m.double())
+    torch.testing.assert_close(rc.dense(), M @ cov.dense() @ M, rtol=0, atol=1e-15)
+    assert float(rc.diag().sum()) == pytest.approx(float((cov.diag() * m).sum()), rel=1e-15)
+    a, b = (c.sample(torch.Generator().manual_seed(5)) for c in (cov, rc))
+    assert torch.equal(b, a * m)
+
+
+@pytest.mark.parametrize("source", ["param", "grad"])
+def test_noise_on_some_layers_is_on_those_parameters_alone_at_the_same_exposure(tiny, tmp_path, monkeypatch, source):
+    """noise.layers = [blocks.1, unembed], diagonal noise over the whole run at a budget, no clipping, per-run path
+    (test_engine: the batched path gives the same numbers): every step's injected draw is exactly zero outside those
+    parameters and not zero on them; the run books its budget as the unrestricted run books it (within 2 %), so a
+    restriction moves where the noise is, not how much exposure it carries."""
+    monkeypatch.setattr(ens, "INJECT_BATCHED", False)
+    p = copy.deepcopy(tiny)
+    p["train"]["grad_clip"] = None
+    base = {"source": source, "shape": "diagonal", "schedule": "constant", "budget": 0.002}
+    p["noise"]["conditions"].update(whole=base, some={**base, "layers": ["blocks.1", "unembed"]})
+    p["grid"]["noise"] = ["whole", "some"]
+    p = validate_params(p)
+    drawn, restrict, on_grads = [], NoiseInjector.restrict, NoiseInjector.on_grads
+
+    def keep(self, model):
+        restrict(self, model)
+        self.keep_draw = True
+
+    def record(self, ctx):
+        on_grads(self, ctx)
+        if self.drawn is not None and self.layers:
+            drawn.append(self.drawn.clone())
+
+    monkeypatch.setattr(NoiseInjector, "restrict", keep)
+    monkeypatch.setattr(NoiseInjector, "on_grads", record)
+    booked = {}
+    for cond in ("whole", "some"):
+        train_run(run_spec(p, f"M4-B16-{cond}-s0"), tmp_path / cond, progress=False)
+        booked[cond] = float(read_parquet(tmp_path / cond / "injection.parquet").pne_injected.sum())
+    model = build_model(ModelConfig(D=p["data"]["D"], K=p["data"]["K"], **p["model"]), 0)
+    m = parameter_mask([(n, q.numel()) for n, q in model.named_parameters()], ["blocks.1", "unembed"]).bool()
+    assert len(drawn) == p["train"]["budget"]["steps"] and 0 < int(m.sum()) < m.numel()
+    assert all(bool((d[~m] == 0).all()) and bool((d[m] != 0).any()) for d in drawn)
+    assert booked["some"] == pytest.approx(0.002, rel=0.02) and booked["whole"] == pytest.approx(0.002, rel=0.02)
+
+
+def test_a_layer_the_model_does_not_have_is_refused_before_training(tiny, tmp_path):
+    p = copy.deepcopy(tiny)
+    p["noise"]["conditions"]["some"] = {"source": "param", "shape": "diagonal", "schedule": "constant",
+                                        "budget": 0.002, "layers": ["blocks.2"]}   # the model has 2 layers: 0, 1
+    p["grid"]["noise"] = ["some"]
+    with pytest.raises(ValueError, match=r"blocks\.2 names no parameter of the model.*blocks\.0, blocks\.1"):
+        train_run(run_spec(validate_params(p), "M4-B16-some-s0"), tmp_path / "r", progress=False)
+    assert not (tmp_path / "r" / "resume.pt").exists()

@@ -82,6 +82,7 @@ class Controller(Section):
         "(iclnoise.noise.injection)."))
 
 
+LAYER_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$"   # a dotted parameter-name prefix (noise.layers)
 # noise.conditions.*.shape: iclnoise.noise.covariance.SHAPES and iclnoise.noise.nap.NAP_SHAPES (tests/test_schema.py)
 NOISE_SHAPES = ("isotropic", "diagonal", "lowrank", "nap", "nap_misaligned", "nap_within_task", "nap_isotropic")
 TARGET = {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"type": "array", "minItems": 1, "items": {
@@ -102,6 +103,7 @@ class NoiseCondition(Section):
     steps_as_batch   None: the run's steps are its own batch's on the budget; B_t: the steps batch B_t takes;
     target           None unless schedule is controlled: a P-NE* or [[fraction, P-NE*], ...];
     controller       None unless schedule is controlled (required there);
+    layers           None: the noise is on every parameter;
     noise_seed       None: the injected noise's stream is keyed by the run's seed alone (every run before the key);
     batch_sizes      None: the condition runs at every grid batch size;
     M                None: the condition runs at every grid M."""
@@ -151,6 +153,11 @@ class NoiseCondition(Section):
     target: float | list | None = key(optional=True, schema=TARGET, doc=(
         "P-NE* the controller tracks (schedule controlled): a number, or [[fraction of training, P-NE*], ...]."))
     controller: Controller | None = key(optional=True, doc="PI controller of schedule controlled (required there).")
+    layers: list | None = key(optional=True, minItems=1, items={"type": "string", "pattern": LAYER_PATTERN}, doc=(
+        "Inject into these parameters only: dotted prefixes of the model's parameter names (blocks.0, blocks.1.attn, "
+        "embed, pos_embed, unembed, ...). R' becomes M R' M with M the 0/1 mask of the named parameters, so the "
+        "noise, its exposure and a budget's closed loop all count those coordinates alone (method §5, 'Noise on "
+        "some layers'). Absent: every parameter."))
     noise_seed: int | None = key(optional=True, ge=0, le=SEED_MAX, doc=(
         "Key the injected noise's stream by (seed, noise_seed), not by the run's seed alone: runs of one seed and "
         "different noise_seed share data and initialisation and draw independent noise (common random numbers for "

@@ -18,10 +18,12 @@ from .covariance import (
     SHAPES,
     CovModel,
     PIController,
+    parameter_mask,
     psd_clip,
+    restricted,
     shaped_covariance,
     target_at,
 )
 
-__all__ = ["DENSE_CLIP_MAX", "SCHEDULES", "SHAPES", "CovModel", "PIController", "psd_clip", "shaped_covariance",
-           "target_at"]
+__all__ = ["DENSE_CLIP_MAX", "SCHEDULES", "SHAPES", "CovModel", "PIController", "parameter_mask", "psd_clip",
+           "restricted", "shaped_covariance", "target_at"]

@@ -49,6 +49,8 @@ class BatchedInjection:
                                   for i in injectors], **f64)   # the param source's noise is not clipped
         self.grad = torch.tensor([i.source == "grad" for i in injectors], device=device)
         self.iso = torch.tensor([i.source == "param" and i.shape == "isotropic" for i in injectors], device=device)
+        self.zmask = None   # (n, P): noise.layers' masks of isotropic noise's z (built with the first draw)
+        self.support = torch.tensor([i.support or 0 for i in injectors], **f64)   # 0: every coordinate
         self.realised = torch.tensor([i.realised for i in injectors], **f64)
         self.rows = {src: torch.tensor([k for k, i in enumerate(injectors) if i.source == src], device=device,
                                        dtype=torch.long) for src in ("grad", "param")}
@@ -160,6 +162,10 @@ class BatchedInjection:
             r = self.U.shape[2]
             w = rng.normal(rng.bits(self.keys, step, 2 * P + r if r else 2 * P if self.any_iso else P), a.dtype)
             eps, zs = counter_noise(self.sqrt_d, self.U, self.sqrt_lam, w), w[:, P:2 * P]
+            if self.any_iso and any(i.mask is not None for i in self.inj):
+                if self.zmask is None:
+                    self.zmask = torch.stack([a.new_ones(P) if i.mask is None else i.mask.to(a) for i in self.inj])
+                zs = zs * self.zmask
         else:
             zero = a.new_zeros(P)
             draws = [self.inj[k].draw(step) if k in act else (zero, None) for k in range(len(self.runs))]
@@ -172,7 +178,8 @@ class BatchedInjection:
             return
         noise = lr * a * eps
         if self.any_iso:
-            tau2 = lr ** 2 * (a.square() * self.diag).sum(-1).double() * s / a.shape[1]
+            tau2 = lr ** 2 * (a.square() * self.diag).sum(-1).double() * s / torch.where(self.support > 0,
+                                                                                            self.support, P)
             noise = torch.where(self.iso[:, None], zs * tau2.sqrt().float()[:, None], noise)
         self._noise = noise[self.rows["param"]]
 

@@ -47,7 +47,8 @@ from .exposure import GradNoise
 # ---------------------------------------------------------------- covariance models
 @dataclass
 class CovModel:
-    """R' = U diag(lam) Uᵀ + diag(d) with lam, d ≥ 0; U (P, r) orthonormal columns (r may be 0)."""
+    """R' = U diag(lam) Uᵀ + diag(d) with lam, d ≥ 0; U (P, r) orthonormal columns (r may be 0; restricted to some
+    parameters, M U: `restricted`)."""
 
     U: torch.Tensor
     lam: torch.Tensor
@@ -71,6 +72,30 @@ class CovModel:
 
     def state_dict(self) -> dict:
         return {"U": self.U, "lam": self.lam, "d": self.d}
+
+
+def parameter_mask(names: list[tuple[str, int]], prefixes: list[str]) -> torch.Tensor:
+    """The 0/1 diagonal of M (method §5, "Noise on some layers"): 1 on every coordinate of a parameter whose dotted
+    name is one of `prefixes` or starts with one and a dot, 0 elsewhere. `names`: (name, numel) in the order the
+    run's flat parameter vector takes (the model's named_parameters). A prefix that names no parameter is an error."""
+    hits = {q: [n for n, _ in names if n == q or n.startswith(q + ".")] for q in prefixes}
+    missing = [q for q, h in hits.items() if not h]
+    if missing:
+        tops = sorted({n.split(".")[0] if not n.startswith("blocks.") else ".".join(n.split(".")[:2])
+                       for n, _ in names})
+        raise ValueError(f"noise.layers: {', '.join(missing)} names no parameter of the model; its parameters are "
+                         f"under {', '.join(tops)} (a dotted prefix of a name, e.g. blocks.0.attn)")
+    on = {n for h in hits.values() for n in h}
+    return torch.cat([torch.full((k,), float(n in on)) for n, k in names])
+
+
+def restricted(cov: CovModel, mask: torch.Tensor) -> CovModel:
+    """M R' M for the 0/1 diagonal M = diag(mask): the covariance of M ε, ε ~ N(0, R'). Its U is M U (orthonormal
+    columns only before the mask), so a draw from it (`CovModel.sample`, injection.counter_noise) is the unrestricted
+    draw from the same words with the coordinates outside the mask zeroed, and diag and trace count the mask's
+    coordinates alone."""
+    mask = mask.to(cov.d)
+    return CovModel(cov.U * mask[:, None], cov.lam, cov.d * mask)
 
 
 DENSE_CLIP_MAX = 4096  # exact PSD projection of the whole R' by a dense eigh up to this many parameters

@@ -19,7 +19,7 @@ import torch
 from ..core import rng
 from ..core.runspec import RunSpec
 from ..core.tasks import seed_mix
-from .covariance import CovModel, PIController, shaped_covariance, target_at
+from .covariance import CovModel, PIController, parameter_mask, restricted, shaped_covariance, target_at
 from .exposure import budget_scale, kappa, ne_unit, preconditioner
 from .hooks import ExposureState, NoiseMeter, StepContext
 from .nap import NAP_SHAPES, NapEstimator
@@ -116,6 +116,20 @@ class NoiseInjector:
         self.nap = (NapEstimator(n.shape, n.rank, n.nap_tasks, n.nap_per_task, n.nap_memory, spec.data.K,
                                  spec.data.noise_var, self.seed) if n.shape in NAP_SHAPES else None)
         self.alignment = math.nan
+        self.layers = n.layers
+        self.mask: torch.Tensor | None = None   # noise.layers' 0/1 mask over the flat parameters (`restrict`)
+
+    def restrict(self, model: torch.nn.Module) -> None:
+        """Build noise.layers' mask from the run's model (before training: a layer that names no parameter is an error
+        then, not at step 0 of an ensemble); nothing without noise.layers."""
+        if self.layers:
+            names = [(n, p.numel()) for n, p in model.named_parameters()]
+            self.mask = parameter_mask(names, self.layers).to(self.device)
+
+    @property
+    def support(self) -> int | None:
+        """The number of coordinates the noise is on (noise.layers' mask), None for all."""
+        return None if self.mask is None else int(self.mask.sum())
 
     @property
     def _diag(self) -> torch.Tensor:
@@ -133,10 +147,14 @@ class NoiseInjector:
         return self._cached[2]
 
     def _refresh(self, ctx: StepContext) -> None:
+        """R' anew from this step's measurement, restricted to noise.layers' parameters where it names some (the
+        clipped trace and a NAP shape's alignment stay the whole R''s)."""
         if self.nap is not None:   # its own measurement: per-task gradients of the batch's tasks (iclnoise.noise.nap)
             self.cov, self.alignment = self.nap.refresh(ctx.model, ctx.loss_fn, ctx.batch.tasks, ctx.step)
-            return
-        self.cov, self.clipped = shaped_covariance(self.meter.measure(ctx), self.coef, self.shape, self.rank)
+        else:
+            self.cov, self.clipped = shaped_covariance(self.meter.measure(ctx), self.coef, self.shape, self.rank)
+        if self.mask is not None:
+            self.cov = restricted(self.cov, self.mask)
 
     def _kappa(self) -> float:
         return self.kappa if self.state.kappa is None else self.state.kappa
@@ -195,10 +213,15 @@ class NoiseInjector:
             P, r = cov.U.shape
             w = rng.normal(rng.bits(torch.tensor([self.noise_key], device=self.device), step, 2 * P + r), cov.d.dtype)
             eps = counter_noise(cov.d.sqrt()[None], cov.U[None], cov.lam.sqrt()[None], w)[0]
-            return eps, w[0, P:2 * P] if iso else None
+            return eps, self._masked(w[0, P:2 * P]) if iso else None
         gen = torch.Generator(device=self.device).manual_seed(seed_mix(_NOISE, *self.keys[:1], step, *self.keys[1:]))
         eps = cov.sample(gen)
-        return eps, torch.randn(eps.numel(), generator=gen, device=eps.device, dtype=eps.dtype) if iso else None
+        return eps, self._masked(torch.randn(eps.numel(), generator=gen, device=eps.device, dtype=eps.dtype)) \
+            if iso else None
+
+    def _masked(self, z: torch.Tensor) -> torch.Tensor:
+        """Isotropic noise's z on noise.layers' coordinates only (R' is restricted where it is measured)."""
+        return z if self.mask is None else z * self.mask.to(z)
 
     def pending(self, step: int, active: bool, s: float, ne: float, curv: float) -> dict:
         """The step's row as on_grads knows it (on_update completes it: `book`)."""
@@ -225,8 +248,8 @@ class NoiseInjector:
             for p, e in zip(params, eps.split([p.numel() for p in params])):
                 p.grad.add_(e.view_as(p))
             self.drawn = eps if self.keep_draw else None
-        elif z is not None:  # isotropic in parameter space: τ² I with τ² P = η² Tr(A sR' A) (method §5)
-            tau2 = ctx.lr ** 2 * float((a.square() * self._diag).sum()) * s / a.numel()
+        elif z is not None:  # isotropic in parameter space: τ² I with τ² P = η² Tr(A sR' A) (method §5), P the
+            tau2 = ctx.lr ** 2 * float((a.square() * self._diag).sum()) * s / (self.support or a.numel())  # support
             self._eps = z * math.sqrt(tau2)
         else:
             self._eps = ctx.lr * a * eps

@@ -17,9 +17,9 @@ its own condition would have had at t0, and a member is bit for bit the run a pl
 Counterfactuals (`counterfactual`): NAME[*k][+field=value...], NAME one of `self` (the run's noise section),
 `none`, or a noise condition of params.yaml; `*k` multiplies its level (budget or target: the injected exposure
 is k times the condition's; k = 0 is none); `+field=value` replaces a field of the section (shape, rank, source,
-fraction, schedule, ...: NoiseCondition's, validated as params.yaml's are). What cannot be a counterfactual here:
-per-layer noise (no condition injects per layer), and `*k` on an emulate_batch level (its covariance is a batch
-size's, not a multiple)."""
+fraction, schedule, layers, ...: NoiseCondition's, validated as params.yaml's are; `+layers=blocks.0,embed` puts
+the noise on those parameters alone, at the same level: method §5, "Noise on some layers"). What cannot be a
+counterfactual here: `*k` on an emulate_batch level (its covariance is a batch size's, not a multiple)."""
 from __future__ import annotations
 
 import copy
@@ -47,7 +47,7 @@ LEVELS = ("budget", "target", "emulate_batch", "relative_dose")   # a condition'
 OWN = ("noise_seed", "batch_sizes", "M")   # grid and stream keys: never part of a member's condition as given
 REFERENCE = "reference"   # the run's own noise: the members every counterfactual's pair with
 NAME = re.compile(r"(?P<name>[A-Za-z0-9_]+)(?:\*(?P<k>[0-9.]+(?:[eE][-+]?[0-9]+)?))?"
-                  r"(?P<set>(?:\+[A-Za-z_]+=[A-Za-z0-9_.-]+)*)")
+                  r"(?P<set>(?:\+[A-Za-z_]+=[A-Za-z0-9_.,-]+)*)")
 REALISATIONS_SCHEMA = pa.schema([
     pa.field("run_id", pa.string()), pa.field("seed", pa.int64()), pa.field("counterfactual", pa.string()),
     pa.field("realisation", pa.int64()),   # the member's noise_seed
@@ -115,7 +115,7 @@ def counterfactual(text: str, conditions: dict, spec: RunSpec) -> Counterfactual
         if key in OWN:
             raise ValueError(f"counterfactual {text!r}: {key} is not the noise's to set (the realisations set "
                              f"noise_seed; the grid keys are the run's)")
-        base[key] = _value(v)
+        base[key] = v.split(",") if key == "layers" else _value(v)
     if k == 0 or base.get("source") == "none":
         base = {"source": "none"}
     elif k != 1:
@@ -207,14 +207,14 @@ def _member(spec: RunSpec, run_dir: Path, device: str) -> Member:
 
 def _forks(raw: dict, cfs: list[Counterfactual], t0: int, tmp: Path, device: str, fork: str | Path | None) -> dict:
     """Each structure's state at t0: the reference's from `fork` where that file exists (its step checked), the
-    others trained (_states_at) and checked to hold its parameters; `fork` written where it did not exist."""
+    others trained (states_at) and checked to hold its parameters; `fork` written where it did not exist."""
     own = cfs[0]
     kept = {own.structure: load_torch(Path(fork), "cpu")} if fork is not None and Path(fork).exists() else {}
     if kept and kept[own.structure]["step"] != t0:
         raise ValueError(f"{fork}: a state at step {kept[own.structure]['step']}, not the fork's t0 = {t0}; "
                          f"delete it, or fork at its step")
     need = [cf for cf in cfs if cf.structure not in kept]
-    forks = {**kept, **(_states_at(raw, need, t0, tmp, device) if need else {})}
+    forks = {**kept, **(states_at(raw, need, t0, tmp, device) if need else {})}
     ref = forks[own.structure]["params"]
     if any(not all(torch.equal(ref[n], st["params"][n]) for n in ref) for st in forks.values()):
         raise RuntimeError(f"the state in {fork} and the trained forks differ at t0: it is not this run's fork")
@@ -223,7 +223,7 @@ def _forks(raw: dict, cfs: list[Counterfactual], t0: int, tmp: Path, device: str
     return forks
 
 
-def _states_at(raw: dict, cfs: list[Counterfactual], t0: int, tmp: Path, device: str) -> dict[tuple, dict] | None:
+def states_at(raw: dict, cfs: list[Counterfactual], t0: int, tmp: Path, device: str) -> dict[tuple, dict] | None:
     """The state at t0 of one run per distinct structure (module docstring), trained together from step 0; None
     at t0 = 0. Raises if their parameters differ at t0 (noise acted before the fork)."""
     if t0 == 0:

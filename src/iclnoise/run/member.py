@@ -65,6 +65,9 @@ class Member:
         self.sampler = sampler(s, "train", self.device)
         self.heldout = sampler(s, "heldout", self.device)
         self.hooks = build_hooks(s, self.device)
+        for h in self.hooks:
+            if isinstance(h, NoiseInjector):
+                h.restrict(self.model)   # noise.layers' mask, checked against the model before any step
         self.evaluator = Evaluator(s, self.device)
 
     def resume_from(self, state: dict, hooks: bool = True) -> int:

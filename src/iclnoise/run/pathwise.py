@@ -27,12 +27,11 @@ import torch
 from ..config.grid import spec_hash
 from ..core.runspec import RunSpec
 from ..noise.injection import NoiseInjector
-from .crn import counterfactual, labelled, member_spec
+from .crn import counterfactual, labelled, member_spec, states_at
 from .ensemble import Ensemble
-from .member import RESUME, Member
+from .member import Member
 from .replay import METRICS, Replayer, _functional, metric_fn
 from .runs import CKPT_DIR, load_torch
-from .train import train_ensemble
 
 PATHWISE_SCHEMA = pa.schema([   # <run>/cnr_pathwise.parquet: one row per (metric, k)
     pa.field("run_id", pa.string()), pa.field("seed", pa.int64()), pa.field("t0", pa.int64()),
@@ -112,10 +111,11 @@ def predict(g: list[dict[str, float]], k: float) -> dict[str, tuple[float, float
 
 
 def fork_state(raw: dict, t0: int, device: str = "cpu") -> dict:
-    """The run's resume state at step t0, trained from step 0 alone (in a scratch directory)."""
+    """The run's resume state at step t0 (t0 > 0), trained from step 0 alone, as `crn(..., fork=...)` keeps it: the
+    state in memory at t0, not the last commit before it (a commit falls on a checkpoint step)."""
+    own = counterfactual("self", {}, RunSpec.of(raw))
     with tempfile.TemporaryDirectory(prefix="pathwise-fork-") as tmp:
-        train_ensemble([raw], [Path(tmp)], progress=False, stop_after=t0, device=torch.device(device))
-        return load_torch(Path(tmp) / RESUME, device)
+        return states_at(raw, [own], t0, Path(tmp), device)[own.structure]
 
 
 def pathwise(raw: dict, ks: list[float], realisations: int, t0: int | None = None, fork: str | Path | None = None,
