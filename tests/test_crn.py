@@ -338,6 +338,36 @@ def test_realisations_replayed_together_give_each_ones_own_sensitivity(tiny, one
 
 
 @pytest.mark.unit
+def test_the_layer_groups_split_the_pathwise_sensitivity(tiny, one_thread, tmp_path):
+    """Per layer group (blocks.0, blocks.1 and the rest: embeddings, final norm, unembedding), the tangents of one
+    replay add up to the whole noise's g for every metric (to float32 round-off of the sum), and the groups' g differ.
+    On a run whose noise is restricted to blocks.1 (noise.layers), the rest's g is exactly 0 and blocks.1's is the
+    whole g. Overlapping groups are refused."""
+    from iclnoise.run.pathwise import fork_state, layer_sensitivities, sensitivity
+
+    p = _params(tiny, "counter")
+    for layers in (None, ["blocks.1"]):
+        if layers:
+            p["noise"]["conditions"]["late"] = {**LATE, "layers": layers}
+        spec = run_spec(p, RUN)
+        state = fork_state(spec, 30)
+        one = RunSpec.of(member_spec(spec, counterfactual("self", {}, RunSpec.of(spec)), 0))
+        whole = sensitivity(one, copy.deepcopy(state), 16)
+        (by,) = layer_sensitivities([one], copy.deepcopy(state), 16, ["blocks.0", "blocks.1"])
+        assert list(by) == ["blocks.0", "blocks.1", "rest"]
+        for k, g in whole.items():
+            parts = [by[grp][k] for grp in by]
+            assert sum(parts) == pytest.approx(g, rel=1e-4, abs=1e-6 * max(map(abs, parts))), (layers, k)
+        if layers:
+            assert all(v == 0 for v in by["rest"].values()) and all(v == 0 for v in by["blocks.0"].values())
+            assert by["blocks.1"] == pytest.approx(whole, rel=1e-4, abs=1e-12)   # float32: 3 paths vmapped, not 1
+        else:
+            assert len({by[grp]["r"] for grp in by}) == 3 and all(by[grp]["r"] != 0 for grp in by)
+    with pytest.raises(ValueError, match="overlap"):
+        layer_sensitivities([one], state, 16, ["blocks.0", "blocks.0.attn"])
+
+
+@pytest.mark.unit
 def test_cnr_pathwise_predicts_the_same_from_the_kept_fork_and_from_its_own(tiny, one_thread, tmp_path):
     """`iclnoise cnr-pathwise` replays from the state `iclnoise cnr --fork` keeps or from one it trains itself, to the
     same numbers; its ḡ is the mean of the realisations' sensitivities (noise_seed 0, 1: the realisations CRN pairs)

@@ -289,6 +289,10 @@ def cnr_pathwise(argv: list[str]) -> None:
     ap.add_argument("--fork", default=None, help="the run's state at t0 as iclnoise cnr --fork keeps it (default: "
                     "train the first t0 steps here)")
     ap.add_argument("--jac-batch", type=int, default=64, help="sequences of each step's batch in its Jacobian")
+    ap.add_argument("--layers", nargs="+", default=None, help="per layer group instead of the whole noise: each "
+                    "group dotted parameter-name prefixes joined by commas (blocks.0 blocks.1 or "
+                    "blocks.0.attn,blocks.1.attn), disjoint; the parameters none names form `rest`. The groups' g add "
+                    "up to the whole noise's; each costs one more tangent of the replay")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None, help="default <run>/cnr_pathwise.parquet")
@@ -299,10 +303,10 @@ def cnr_pathwise(argv: list[str]) -> None:
         raise SystemExit(f"iclnoise cnr-pathwise: {e}") from None
     torch.set_num_threads(a.threads)
     try:
-        df = pathwise(raw, a.k, a.realisations, a.t0, a.fork, a.jac_batch, a.device)
+        df = pathwise(raw, a.k, a.realisations, a.t0, a.fork, a.jac_batch, a.device, a.layers)
     except (ValueError, CorruptFileError, FileNotFoundError) as e:
         raise SystemExit(f"iclnoise cnr-pathwise: {e}") from None
     write_parquet(df, a.out or Path(a.run) / "cnr_pathwise.parquet", PATHWISE_SCHEMA)
     show = df[df.metric.isin(["r", "ood_loss", "ood_delta_ridge"])]
-    print(show[["metric", "k", "g", "g_se", "predicted", "predicted_se"]].to_string(index=False))
+    print(show[["layers", "metric", "k", "g", "g_se", "predicted", "predicted_se"]].to_string(index=False))
     print(f"{a.realisations} replays from t0 = {int(df.t0.iloc[0])}: {df.seconds.iloc[0]:.1f} s")

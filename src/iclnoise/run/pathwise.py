@@ -8,6 +8,11 @@ and g_i = ∇f(θ_T) · dθ_T/dα. Averaging over realisations i (noise_seed i) 
 of the mean is the mean of the derivatives where f ∘ θ_T is smooth in α; its SE is the spread of the g_i over √N.
 The prediction for the level × k is ΔE f ≈ ḡ · ln k, first order in α = ln k.
 
+Per layer (`layers`): the level of the noise on some parameters alone, α_ℓ, has the tangent ½ M_ℓ ξ_t (M_ℓ the
+0/1 mask of those parameters, iclnoise.noise.covariance.parameter_mask). Disjoint groups that cover every parameter
+split g exactly, g = Σ_ℓ g_ℓ (linear in the tangent): which layers' noise moves f. Each group is one more tangent
+path of the same replay.
+
 What it leaves out (beyond the replay's own approximations, iclnoise.run.replay): the closed loop's answer to the
 counterfactual (a budget level sets s_t from the realised exposure; here s_t is taken to scale by k exactly), and
 every term of second and higher order in ln k. A gradient-source draw enters the step as an input (through AdamW's
@@ -26,6 +31,7 @@ import torch
 
 from ..config.grid import spec_hash
 from ..core.runspec import RunSpec
+from ..noise.covariance import parameter_mask
 from ..noise.injection import NoiseInjector
 from .crn import counterfactual, labelled, member_spec, states_at
 from .ensemble import Ensemble
@@ -33,8 +39,11 @@ from .member import Member
 from .replay import METRICS, Replayer, _functional, metric_fn
 from .runs import CKPT_DIR, load_torch
 
-PATHWISE_SCHEMA = pa.schema([   # <run>/cnr_pathwise.parquet: one row per (metric, k)
+ALL = "all"   # the group of every parameter: the level of the whole noise
+
+PATHWISE_SCHEMA = pa.schema([   # <run>/cnr_pathwise.parquet: one row per (layers, metric, k)
     pa.field("run_id", pa.string()), pa.field("seed", pa.int64()), pa.field("t0", pa.int64()),
+    pa.field("layers", pa.string()),   # the parameters whose noise level moves: ALL, a group of --layers, or rest
     pa.field("metric", pa.string()), pa.field("k", pa.float64()),   # the level × k of the run's own noise
     pa.field("n_realisations", pa.int64()),
     pa.field("g", pa.float64()), pa.field("g_se", pa.float64()),   # ḡ = d E f / d ln k and its SE over realisations
@@ -44,12 +53,15 @@ PATHWISE_SCHEMA = pa.schema([   # <run>/cnr_pathwise.parquet: one row per (metri
 
 
 class Pathwise(Replayer):
-    """The Replayer with one path, driven by the run's own injected draws halved (module docstring)."""
+    """The Replayer with one path per mask (None: every parameter), driven by the run's own injected draws halved and
+    masked (module docstring)."""
 
     order = 1   # first order: one forward-mode product per step, not the replay's second-order pair
 
-    def __init__(self, spec: RunSpec, model: torch.nn.Module, injector: NoiseInjector, jac_batch: int):
-        super().__init__(spec, model, [], injector, 1, jac_batch, 0)
+    def __init__(self, spec: RunSpec, model: torch.nn.Module, injector: NoiseInjector, jac_batch: int,
+                 masks: list[torch.Tensor | None] = (None,)):
+        super().__init__(spec, model, [], injector, len(masks), jac_batch, 0)
+        self.masks = list(masks)
         injector.keep_draw = True
 
     def on_grads(self, ctx) -> None:
@@ -58,9 +70,26 @@ class Pathwise(Replayer):
         self.now["drawn"] = None if eps is None else eps.detach().clone()
 
     def _draw(self, g: int, now: dict, row: dict | None, k: int) -> tuple[str, torch.Tensor] | None:
-        """("grad", ½ ε): an input of the step (added to the gradient before the held clip); ("param", ½ w): added
-        to θ after it."""
-        return None if now.get("drawn") is None else (self.spec.noise.source, 0.5 * now["drawn"])
+        """Path k: ("grad", ½ M_k ε), an input of the step (added to the gradient before the held clip); ("param",
+        ½ M_k w), added to θ after it."""
+        if now.get("drawn") is None:
+            return None
+        m = self.masks[k]
+        return self.spec.noise.source, 0.5 * (now["drawn"] if m is None else now["drawn"] * m.to(now["drawn"]))
+
+
+def layer_groups(model: torch.nn.Module, layers: list[str]) -> dict[str, torch.Tensor]:
+    """The masks of `layers` (each a group: dotted parameter-name prefixes joined by commas, e.g. blocks.0.attn or
+    embed,pos_embed), plus `rest` for the parameters none names; the groups must not overlap, so they split g."""
+    names = [(n, p.numel()) for n, p in model.named_parameters()]
+    groups = {g: parameter_mask(names, g.split(",")) for g in layers}
+    total = sum(groups.values())
+    if len(groups) < len(layers) or (total > 1).any():
+        raise ValueError(f"--layers {' '.join(layers)}: the groups overlap (a parameter in two), so their "
+                         f"sensitivities would not split the whole; give disjoint groups")
+    if (total == 0).any():
+        groups["rest"] = (total == 0).float()
+    return groups
 
 
 def sensitivity(spec: RunSpec, state: dict, jac_batch: int, device: str = "cpu") -> dict[str, float]:
@@ -72,6 +101,13 @@ def sensitivity(spec: RunSpec, state: dict, jac_batch: int, device: str = "cpu")
 def sensitivities(specs: list[RunSpec], state: dict, jac_batch: int, device: str = "cpu") -> list[dict[str, float]]:
     """`sensitivity` of each spec (realisations of one run), all replayed from `state` in one ensemble: the runs
     train stacked, each carries its own tangent; each g is the one its spec's replay alone gives (tested)."""
+    return [g[ALL] for g in layer_sensitivities(specs, state, jac_batch, None, device)]
+
+
+def layer_sensitivities(specs: list[RunSpec], state: dict, jac_batch: int, layers: list[str] | None,
+                        device: str = "cpu") -> list[dict[str, dict[str, float]]]:
+    """Per spec, {group: {metric: g}}: `sensitivities` per layer group (`layer_groups`; None: ALL alone), every
+    group a tangent path of the same replay."""
     for s in specs:
         if not s.injects:
             raise ValueError(f"run {s.keys.run_id} injects no noise: there is no level to differentiate")
@@ -86,7 +122,8 @@ def sensitivities(specs: list[RunSpec], state: dict, jac_batch: int, device: str
             (d / CKPT_DIR).mkdir()
             start = m.resume_from(copy.deepcopy(state))
             injector = next(h for h in m.hooks if isinstance(h, NoiseInjector))
-            reps.append(Pathwise(s, m.model, injector, jac_batch))
+            groups = {ALL: None} if layers is None else layer_groups(m.model, layers)
+            reps.append(Pathwise(s, m.model, injector, jac_batch, list(groups.values())))
             m.hooks.append(reps[-1])
             members.append(m)
         Ensemble(members, start, "pathwise").run(False)
@@ -94,7 +131,7 @@ def sensitivities(specs: list[RunSpec], state: dict, jac_batch: int, device: str
         for m, rep in zip(members, reps):
             m.model.eval()
             first, _ = rep.finish(metric_fn(m.model, m.evaluator), _functional(m.model)[1].clone())[0]
-            out.append({k: float(v) for k, v in zip(METRICS, first[0])})
+            out.append({grp: {k: float(v) for k, v in zip(METRICS, first[j])} for j, grp in enumerate(groups)})
     return out
 
 
@@ -119,11 +156,12 @@ def fork_state(raw: dict, t0: int, device: str = "cpu") -> dict:
 
 
 def pathwise(raw: dict, ks: list[float], realisations: int, t0: int | None = None, fork: str | Path | None = None,
-             jac_batch: int = 64, device: str = "cpu") -> pd.DataFrame:
+             jac_batch: int = 64, device: str = "cpu", layers: list[str] | None = None) -> pd.DataFrame:
     """PATHWISE_SCHEMA rows: the prediction ΔE f ≈ ḡ ln k for the run's own noise level × k, k in `ks`, from
     `realisations` replays (noise_seed 0..N−1, the realisations CRN pairs: iclnoise.run.crn) of [t0, T) from the
     run's state at t0 (default: the start of its injection window): `fork` (a state at t0, as `crn(..., fork=...)`
-    keeps it) or trained here."""
+    keeps it) or trained here. `layers`: per layer group (`layer_groups`), the level of the noise on those
+    parameters alone × k; None: the whole noise's (layers ALL)."""
     raw = {k: v for k, v in raw.items() if k != "spec_hash"}
     spec = RunSpec.of(raw)
     if not spec.injects:
@@ -139,14 +177,17 @@ def pathwise(raw: dict, ks: list[float], realisations: int, t0: int | None = Non
         raise ValueError(f"{fork}: a state at step {state['step']}, not t0 = {t0}")
     own = counterfactual("self", {}, spec)
     t = time.time()
-    g = sensitivities([RunSpec.of(member_spec(raw, own, i)) for i in range(realisations)], state, jac_batch, device)
+    by = layer_sensitivities([RunSpec.of(member_spec(raw, own, i)) for i in range(realisations)], state, jac_batch,
+                             layers, device)
     seconds = time.time() - t
     rows = []
-    for k in ks:
-        for metric, (pred, se) in predict(g, k).items():
-            v = torch.tensor([gi[metric] for gi in g], dtype=torch.float64)
-            rows.append({"run_id": spec.keys.run_id, "seed": spec.keys.seed, "t0": t0, "metric": metric, "k": k,
-                         "n_realisations": realisations, "g": float(v.mean()),
-                         "g_se": float(v.std()) / math.sqrt(len(v)) if len(v) > 1 else math.nan,
-                         "predicted": pred, "predicted_se": se, "seconds": seconds})
+    for grp in by[0]:
+        g = [b[grp] for b in by]
+        for k in ks:
+            for metric, (pred, se) in predict(g, k).items():
+                v = torch.tensor([gi[metric] for gi in g], dtype=torch.float64)
+                rows.append({"run_id": spec.keys.run_id, "seed": spec.keys.seed, "t0": t0, "layers": grp,
+                             "metric": metric, "k": k, "n_realisations": realisations, "g": float(v.mean()),
+                             "g_se": float(v.std()) / math.sqrt(len(v)) if len(v) > 1 else math.nan,
+                             "predicted": pred, "predicted_se": se, "seconds": seconds})
     return pd.DataFrame(rows, columns=PATHWISE_SCHEMA.names)

@@ -98,6 +98,9 @@ def counterfactual(text: str, conditions: dict, spec: RunSpec) -> Counterfactual
     if name == "none" or k == 0:
         return Counterfactual(text, None, False, 0.0)
     if name == "self":
+        if spec.noise.layers and spec.noise.shape == "isotropic":
+            raise ValueError(f"counterfactual {text!r}: run {spec.keys.run_id}'s isotropic noise is on some layers "
+                             f"(noise.layers), which this replay does not restrict; iclnoise cnr retrains it")
         if spec.noise.source == "none":
             raise ValueError(f"counterfactual {text!r}: run {spec.keys.run_id} injects no noise to scale; name a "
                              f"noise condition instead")
@@ -106,6 +109,9 @@ def counterfactual(text: str, conditions: dict, spec: RunSpec) -> Counterfactual
         raise ValueError(f"counterfactual {text!r}: {name!r} is not a noise condition of params.yaml "
                          f"(noise.conditions: {', '.join(sorted(conditions))}; or none, self)")
     cond = NoiseCondition.from_dict({k2: v for k2, v in conditions[name].items() if k2 not in ("batch_sizes", "M")})
+    if cond.layers:
+        raise ValueError(f"counterfactual {text!r}: noise condition {name!r} is on some layers (noise.layers), which "
+                         f"this replay does not restrict; iclnoise cnr retrains it")
     if cond.source == "none":
         return Counterfactual(text, None, False, 0.0)
     if cond.emulate_batch is None:
