@@ -179,6 +179,9 @@ def test_bad_counterfactuals_are_refused(small):
         counterfactual("self**2", conds, spec)
     with pytest.raises(ValueError, match="injects no noise"):
         counterfactual("self*2", conds, RunSpec.of(run_spec(small, "M4-B64-none-s0")))
+    some = {**conds["grad_b16"], "layers": ["blocks.0"]}   # noise on some layers: this replay does not restrict it
+    with pytest.raises(ValueError, match="some layers"):
+        counterfactual("some", {**conds, "some": some}, spec)
     assert counterfactual("self*0.5", conds, spec).factor == 0.5 and counterfactual("none", conds, spec).noise is None
     assert not math.isnan(counterfactual("grad_b16*4", conds, spec).factor)
 

@@ -100,8 +100,25 @@ def judge(df: pd.DataFrame, out: str) -> pd.DataFrame:
         have = df[(df.metric == metric) & df.predicted.notna()]
         for where, d in (("every k with a prediction", have), ("|Δ log scale| ≤ 0.5", have[have.local])):
             rho = spearmanr(d.predicted, d.crn_mean).statistic
-            print(f"{metric}, {where}: Spearman ρ {rho:.2f} over {len(d)}; coverage {d.covered.mean():.2f}")
+            print(f"{metric}, {where}: Spearman ρ {rho:.2f} over {len(d)}; coverage {d.covered.mean():.2f}; "
+                  f"{resolution(d)}")
     return df
+
+
+def resolution(d: pd.DataFrame, sims: int = 2000) -> str:
+    """Whether the CRN means can rank an estimator at all: their spread (sd over the rows) against one draw's sd
+    (crn_se √n) and their own SE, and ρ_max, the median Spearman ρ a perfect estimator reaches against means this
+    noisy (simulated: true effects with the means' spread less their SEs' share, each seen through its own SE)."""
+    m, se = d.crn_mean.to_numpy(), d.crn_se.to_numpy()
+    draw = float((se * d.n_realisations.to_numpy() ** 0.5).mean())
+    true_sd = math.sqrt(max(0.0, m.var() - (se ** 2).mean()))
+    g = torch.Generator().manual_seed(0)
+    z = lambda: torch.randn(sims, len(m), generator=g, dtype=torch.float64).numpy()  # noqa: E731
+    truth = m.mean() + true_sd * z()
+    seen = truth + se * z()
+    rho = sorted(spearmanr(t, o).statistic for t, o in zip(truth, seen))[sims // 2]
+    return (f"the means spread sd {m.std():.2g} against one draw's {draw:.2g} and their SE {se.mean():.2g}: "
+            f"ρ_max {rho:.2f}")
 
 
 if __name__ == "__main__":
