@@ -48,7 +48,7 @@ from iclnoise.run.pathwise import fork_state, predict, sensitivities
 from iclnoise.run.runs import load_torch, save_torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from crn_replay import judge  # noqa: E402  (one judgement of every estimator)
+from crn_pathwise import judge  # noqa: E402  (one judgement of every estimator)
 
 # the noise scale (×k of the budget: 7 levels, the first-order pathwise estimator's direction, iclnoise.run.pathwise),
 # none, and the shape, the source and the window, each against the run's own

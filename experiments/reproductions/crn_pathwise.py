@@ -1,5 +1,8 @@
-"""The first-order pathwise estimator (iclnoise.run.pathwise) judged against CNR's ground truth (issue 67, item 3), in
-crn_replay.py's setting and against its CRN means (read from its table, `--crn`).
+"""The first-order pathwise estimator (iclnoise.run.pathwise) judged against CNR's ground truth (issue 67, item 3) at a
+small CPU scale: the CRN means of reference/reproductions/crn_replay.csv (`--crn`; the tests' tiny model, 200 steps,
+M = 8, batch 64, parameter-space diagonal noise at budget 0.05 over the last half, k ∈ {0, 0.25, ..., 4}, seeds 0-2,
+8 realisations: written by the linearised replay's check at commit 18a0265, whose predictions it also holds;
+tests/test_crn.py reproduces its CRN means). `judge` is every estimator's judgement (crn_check.py's too).
 
 Per seed: the run's resume state at t0 (the window's start), then `--realisations` replays of the run's own noise
 (noise_seed i) carrying the tangent of the noise's log-level; ḡ ± SE per metric; the prediction for the level × k is
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from scipy.stats import spearmanr
 
 from iclnoise.config.grid import run_spec
 from iclnoise.core.runspec import RunSpec
@@ -30,8 +34,9 @@ from iclnoise.run.crn import counterfactual, crn, member_spec
 from iclnoise.run.pathwise import fork_state, predict, sensitivity
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cnr_check import params  # noqa: E402  (the tiny setting, one definition)
-from crn_replay import judge  # noqa: E402  (the same judgement of both estimators)
+from tiny import params  # noqa: E402  (the tiny setting, one definition)
+
+METRICS = ("r", "ood_loss")
 
 
 def main() -> None:
@@ -45,7 +50,7 @@ def main() -> None:
     torch.set_num_threads(1)
     ref = pd.read_csv(a.crn)
     steps, budget = int(ref.steps.iloc[0]), float(ref.budget.iloc[0])
-    p = params(steps, None)
+    p = params(steps)
     p["train"]["checkpoints"] = {"linear": 2, "log": 2}
     p["noise"]["conditions"]["late"] = {"source": "param", "shape": "diagonal", "schedule": "late", "fraction": 0.5,
                                         "budget": budget}
@@ -71,6 +76,38 @@ def main() -> None:
                          "realisations": a.realisations, "jac_batch": a.jac_batch})
         print(f"seed {seed}: {a.realisations} pathwise replays {seconds:.0f} s (CRN {r.crn_s:.0f} s)", flush=True)
     judge(pd.DataFrame(rows), a.out)
+
+
+def judge(df: pd.DataFrame, out: str) -> pd.DataFrame:
+    """An estimator's predictions against the CRN means (columns k, metric, crn_mean, predicted, predicted_lo,
+    predicted_hi): whether each interval covers, whether k is inside |Δ log scale| = |ln k| / 2 ≤ 0.5; written to
+    `out`; Spearman ρ and coverage printed for r and the OOD loss over the pairs with a prediction, and inside."""
+    df = df.assign(covered=(df.predicted_lo <= df.crn_mean) & (df.crn_mean <= df.predicted_hi),
+                   local=df.k.map(lambda k: k > 0 and abs(math.log(k)) / 2 <= 0.5))
+    df.to_csv(out, index=False, float_format="%.6g")
+    for metric in METRICS:
+        have = df[(df.metric == metric) & df.predicted.notna()]
+        for where, d in (("every k with a prediction", have), ("|Δ log scale| ≤ 0.5", have[have.local])):
+            rho = spearmanr(d.predicted, d.crn_mean).statistic
+            print(f"{metric}, {where}: Spearman ρ {rho:.2f} over {len(d)}; coverage {d.covered.mean():.2f}; "
+                  f"{resolution(d)}")
+    return df
+
+
+def resolution(d: pd.DataFrame, sims: int = 2000) -> str:
+    """Whether the CRN means can rank an estimator at all: their spread (sd over the rows) against one draw's sd
+    (crn_se √n) and their own SE, and ρ_max, the median Spearman ρ a perfect estimator reaches against means this
+    noisy (simulated: true effects with the means' spread less their SEs' share, each seen through its own SE)."""
+    m, se = d.crn_mean.to_numpy(), d.crn_se.to_numpy()
+    draw = float((se * d.n_realisations.to_numpy() ** 0.5).mean())
+    true_sd = math.sqrt(max(0.0, m.var() - (se ** 2).mean()))
+    g = torch.Generator().manual_seed(0)
+    z = lambda: torch.randn(sims, len(m), generator=g, dtype=torch.float64).numpy()  # noqa: E731
+    truth = m.mean() + true_sd * z()
+    seen = truth + se * z()
+    rho = sorted(spearmanr(t, o).statistic for t, o in zip(truth, seen))[sims // 2]
+    return (f"the means spread sd {m.std():.2g} against one draw's {draw:.2g} and their SE {se.mean():.2g}: "
+            f"ρ_max {rho:.2f}")
 
 
 def per_path(p: dict, t0: int, h: float, jac_batch: int) -> None:

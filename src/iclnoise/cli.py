@@ -35,8 +35,6 @@ COMMANDS = {  # command -> ("iclnoise.commands.<topic>:<command with - as _>", h
     "cnr-pathwise": ("iclnoise.commands.probes:cnr_pathwise", "CNR's first-order pathwise estimator: a run's "
                      "final metrics had its noise level been k times as large, without retraining "
                      "(cnr_pathwise.parquet)"),
-    "cnr-replay": ("iclnoise.commands.probes:cnr_replay", "counterfactual noise replay, linearised: a run's final "
-                   "metrics under other noise, predicted without retraining (cnr.parquet)"),
     "ed": ("iclnoise.commands.probes:ed", "essential dynamics of a family of runs"),
     "figures": ("iclnoise.commands.results:figures", "training-curve figures (method §12 fig. 1) and the summary "
                 "table"),
@@ -44,8 +42,8 @@ COMMANDS = {  # command -> ("iclnoise.commands.<topic>:<command with - as _>", h
                     "training)"),
     "refined-figures": ("iclnoise.commands.results:refined_figures", "figures 11 (refined LLC per head over "
                         "training) and 12 (susceptibilities)"),
-    "cnr-figure": ("iclnoise.commands.results:cnr_figure", "CNR's predicted against realised changes (from "
-                   "reference/reproductions/cnr.csv)"),
+    "cnr-figure": ("iclnoise.commands.results:cnr_figure", "CNR's ground truth by common random numbers and an "
+                   "estimator's predictions beside it (from a CRN table)"),
     "ed-figures": ("iclnoise.commands.results:ed_figures", "figures 2 and 5 from results/ed/<family>"),
     "aggregate": ("iclnoise.commands.results:aggregate", "outcomes, thresholds and hypothesis tests over all runs"),
     "aggregate-figures": ("iclnoise.commands.results:aggregate_figures", "figures 6-10 from the aggregate tables"),

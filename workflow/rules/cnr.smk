@@ -1,6 +1,7 @@
 # A run's response to counterfactual noise, off by default (cnr.enabled), one job per run that injects noise (of
 # cnr.seeds): by common random numbers (iclnoise.run.crn; crn.parquet; the target `snakemake crn`), and by the
-# linearised replay (iclnoise.run.replay; cnr.parquet; the target `snakemake cnr`). `all` asks for neither.
+# first-order pathwise estimator (iclnoise.run.pathwise; cnr_pathwise.parquet; the target `snakemake cnr`). `all`
+# asks for neither.
 
 CNR = PARAMS.get("cnr", {})
 CNR_RUNS = [r for r in RUNS if CNR.get("enabled")
@@ -11,12 +12,11 @@ rule cnr_run:
     input:
         f"{RES}/runs/{{run}}/metrics.parquet",
     output:
-        f"{RES}/runs/{{run}}/cnr.parquet",
+        f"{RES}/runs/{{run}}/cnr_pathwise.parquet",
     params:
         run_dir=lambda wc: f"{RES}/runs/{wc.run}",
-        cfg=cfg("noise"),
-        cfs=" ".join(shlex.quote(c) for c in CNR.get("counterfactuals", [])),
-        probes=CNR.get("probes"),   # every key is required once cnr.enabled (validate): no default here
+        k=" ".join(str(k) for k in CNR.get("k", [])),   # every key is required once cnr.enabled (validate)
+        realisations=CNR.get("realisations"),
         jac_batch=CNR.get("jac_batch"),
     log:
         "logs/cnr/{run}.log",
@@ -27,14 +27,14 @@ rule cnr_run:
     conda:
         CONDA_ENV
     shell:
-        "iclnoise cnr-replay {params.run_dir} --counterfactual {params.cfs} --cfg {params.cfg:q} "
-        "--probes {params.probes} --jac-batch {params.jac_batch} > {log} 2>&1"
+        "iclnoise cnr-pathwise {params.run_dir} --k {params.k} --realisations {params.realisations} "
+        "--jac-batch {params.jac_batch} > {log} 2>&1"
 
 
 rule cnr:
-    """Every replayed run's cnr.parquet (cnr.enabled)."""
+    """Every such run's cnr_pathwise.parquet (cnr.enabled): the pathwise estimator's predictions."""
     input:
-        [f"{RES}/runs/{r}/cnr.parquet" for r in CNR_RUNS],
+        [f"{RES}/runs/{r}/cnr_pathwise.parquet" for r in CNR_RUNS],
 
 
 rule crn_run:

@@ -1,7 +1,7 @@
-"""`iclnoise llc | llc-calibrate | refined | stages | geometry | mech | ed | cnr | cnr-replay`: the probes of a run's
-checkpoints, the essential dynamics of a family of runs, and a run's response to counterfactual noise, retrained with
-common random numbers or replayed linearised (the work is in iclnoise.run.probing, iclnoise.run.crn,
-iclnoise.run.replay and the formula modules).
+"""`iclnoise llc | llc-calibrate | refined | stages | geometry | mech | ed | cnr | cnr-pathwise`: the probes of a
+run's checkpoints, the essential dynamics of a family of runs, and a run's response to counterfactual noise, retrained
+with common random numbers or estimated pathwise (the work is in iclnoise.run.probing, iclnoise.run.crn,
+iclnoise.run.pathwise and the formula modules).
 
 Each reads its params section from `--cfg` (llc, refined, stages and llc-calibrate the llc section; geometry, mech
 and ed their own), and the probes of checkpoints take `every` (and llc `at`) from it.
@@ -35,7 +35,6 @@ from ..run.probing import (
     refined_for_run,
     stages_for_run,
 )
-from ..run.replay import CNR_SCHEMA, replay_run
 from ..run.runs import checked_spec
 from . import add_cfg, doc, sections
 
@@ -180,36 +179,6 @@ def ed(argv: list[str]) -> None:
     for _, r in res["sampling"][res["sampling"].undersampled].iterrows():
         print(f"inconclusive: {r.run_id} is undersampled (checkpoints up to {r.max_gap_log:.2f} apart in log-step, "
               f"more than {MAX_GAP} × bandwidth {r.bandwidth}); its forms (or their absence) are not reliable")
-
-
-def cnr_replay(argv: list[str]) -> None:
-    """Counterfactual noise replay, linearised (method §13; iclnoise.run.replay): the run's final metrics predicted
-    under each counterfactual noise (NAME or NAME*k: none, self, or a noise condition of the --cfg noise section), with
-    intervals, without retraining; writes <run>/cnr.parquet."""
-    ap = argparse.ArgumentParser(prog="iclnoise cnr-replay", description=cnr_replay.__doc__)
-    ap.add_argument("run", help="the run directory (results/runs/<run>)")
-    ap.add_argument("--counterfactual", nargs="+", required=True, metavar="NAME")
-    add_cfg(ap, "noise")
-    ap.add_argument("--probes", type=int, default=16, help="Hutchinson paths per counterfactual (>= 2)")
-    ap.add_argument("--jac-batch", type=int, default=16, help="sequences of each segment's batch in its Jacobian")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--state", default=None, help="a resume state of the run at a step t0 (resume.pt, resume.prev.pt "
-                    "or a copy kept): replay from it, the counterfactual noise over [t0, T] only")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=None, help="default <run>/cnr.parquet")
-    a = ap.parse_args(argv)
-    try:
-        conditions = noise_conditions(sections(a.cfg, "noise"))
-    except ParamsError as e:
-        raise SystemExit(f"--cfg: {e}") from None
-    torch.set_num_threads(a.threads)
-    try:
-        df = replay_run(a.run, a.counterfactual, conditions, a.probes, a.jac_batch, a.seed, state=a.state)
-    except (ValueError, CorruptFileError) as e:
-        raise SystemExit(str(e)) from None
-    write_parquet(df, a.out or Path(a.run) / "cnr.parquet", CNR_SCHEMA)
-    print(df[["counterfactual", "metric", "observed", "delta", "se", "sd_draw", "lo", "hi"]].to_string(index=False))
-    print(f"replay with {len(a.counterfactual)} counterfactual(s) x {a.probes} probes: {df.seconds.iloc[0]:.1f} s")
 
 
 CRN_SCHEMA = pa.schema([

@@ -28,27 +28,20 @@ def figures(argv: list[str]) -> None:
 def cnr_figure(argv: list[str]) -> None:
     import pandas as pd
 
-    from ..output.figures.cnr import fig_cnr, fig_crn
+    from ..output.figures.cnr import fig_crn
 
     ap = argparse.ArgumentParser(prog="iclnoise cnr-figure", description=doc("output.figures.cnr"))
-    ap.add_argument("table", help="a CSV: CNR's ground truth by common random numbers (columns counterfactual, seed, "
-                    "metric, n_realisations, crn_mean, crn_se; e.g. reference/reproductions/crn/effects.csv), or the "
-                    "linearised replay against single retrainings (metric, counterfactual, delta, lo_delta, "
-                    "hi_delta, realised; reference/reproductions/cnr.csv)")
+    ap.add_argument("table", help="a CSV of CNR's ground truth by common random numbers (columns counterfactual, "
+                    "seed, metric, n_realisations, crn_mean, crn_se; an estimator's predicted, predicted_lo, "
+                    "predicted_hi drawn beside them where present), e.g. reference/reproductions/crn_pathwise.csv")
     ap.add_argument("--out", default="results/figures/cnr_check")
     a = ap.parse_args(argv)
     df = pd.read_csv(a.table)
-    crn = {"counterfactual", "seed", "metric", "n_realisations", "crn_mean", "crn_se"}
-    replay = {"metric", "counterfactual", "delta", "lo_delta", "hi_delta", "realised"}
-    if crn <= set(df.columns):
-        print(f"wrote {', '.join(map(str, fig_crn(df, a.out)))}")
-        return
-    missing = replay - set(df.columns)
+    missing = {"counterfactual", "seed", "metric", "n_realisations", "crn_mean", "crn_se"} - set(df.columns)
     if missing:
-        raise SystemExit(f"{a.table}: neither a CRN table (no column(s) {', '.join(sorted(crn - set(df.columns)))}; "
-                         f"experiments/reproductions/crn_check.py writes one) nor a replay check (no column(s) "
-                         f"{', '.join(sorted(missing))}; experiments/reproductions/cnr_check.py)")
-    print(f"wrote {', '.join(map(str, fig_cnr(df, a.out)))}")
+        raise SystemExit(f"{a.table}: not a CRN table (no column(s) {', '.join(sorted(missing))}); "
+                         f"experiments/reproductions/crn_check.py writes one")
+    print(f"wrote {', '.join(map(str, fig_crn(df, a.out)))}")
 
 
 def llc_figures(argv: list[str]) -> None:

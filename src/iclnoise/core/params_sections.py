@@ -76,27 +76,30 @@ class LLC(Section):
         "burn_in and draws overridable here. Absent: no refined estimates."))
 
 
-CNR_NAME = (r"^[A-Za-z0-9_]+(\*[0-9.]+([eE][-+]?[0-9]+)?)?"   # NAME or NAME*k, then +field=value (CRN's only)
-            r"(\+[A-Za-z_]+=[A-Za-z0-9_.-]+)*$")
+CNR_NAME = (r"^[A-Za-z0-9_]+(\*[0-9.]+([eE][-+]?[0-9]+)?)?"   # NAME or NAME*k, then +field=value
+            r"(\+[A-Za-z_]+=[A-Za-z0-9_.,-]+)*$")
 
 
 @dataclass(frozen=True, kw_only=True)
 class CNR(Section):
     """cnr: a run's response to counterfactual noise, by common random numbers (iclnoise.run.crn, `snakemake crn`)
-    and by the linearised replay (iclnoise.run.replay, `snakemake cnr`)."""
+    and by the first-order pathwise estimator (iclnoise.run.pathwise, `snakemake cnr`)."""
     SECTION: ClassVar[str] = "cnr"
     enabled: bool = key(doc=(
-        "For every run that injects noise: CNR by common random numbers for `snakemake crn`, the linearised replay "
+        "For every run that injects noise: CNR by common random numbers for `snakemake crn`, the pathwise estimator "
         "for `snakemake cnr` (false: the section may be written `{enabled: false}` alone)."))
     seeds: list | None = seeds("Only the runs of these seeds (default: all).")
     counterfactuals: list = key(minItems=1, items={"type": "string", "pattern": CNR_NAME}, doc=(
-        "NAME[*k]: none, self (the run's own noise), or a noise condition of noise.conditions; k multiplies the "
-        "level (crn: a budget or target) or the covariance (the replay: its conditions emulate_batch ones). crn also "
-        "takes +field=value (e.g. self+shape=isotropic)."))
+        "crn: NAME[*k][+field=value...]: none, self (the run's own noise), or a noise condition of noise.conditions; "
+        "k multiplies the level (a budget or target), +field=value replaces a field of the section (e.g. "
+        "self+shape=isotropic, self+layers=blocks.0)."))
     realisations: int = key(ge=1, doc=(
-        "crn: noise streams per counterfactual (noise_seed 0..N-1); ΔE f's SE shrinks as 1/sqrt."))
-    probes: int = key(ge=2, doc="Hutchinson paths per counterfactual (the interval's probe error shrinks as 1/sqrt).")
-    jac_batch: int = key(ge=1, doc="Sequences of each step's batch its Jacobian is taken on.")
+        "Noise streams (noise_seed 0..N-1): crn's per counterfactual (ΔE f's SE shrinks as 1/sqrt), the pathwise "
+        "estimator's replays."))
+    k: list = key(minItems=1, items={"type": "number", "exclusiveMinimum": 0}, doc=(
+        "The pathwise estimator's levels: the run's own noise level × k, predicted to first order in ln k (keep "
+        "|ln k| / 2 ≤ 0.5, method §13)."))
+    jac_batch: int = key(ge=1, doc="The pathwise estimator: sequences of each step's batch its Jacobian is taken on.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,5 +128,6 @@ class Params(Section):
         "Mechanistic probes (method §10), mech.parquet per run. Attention and ablation use the OOD evaluation set of "
         "metrics (eval.n_sequences sequences), so the ablation ICL score is the metrics one."))
     cnr: CNR = key(doc=(
-        "Counterfactual noise replay (method §13, iclnoise.run.replay): cnr.parquet per replayed run, the target "
-        "`snakemake cnr` (not part of `all`). Only runs that inject noise are replayed."))
+        "Counterfactual noise response (method §13): crn.parquet by common random numbers (`snakemake crn`) and "
+        "cnr_pathwise.parquet by the pathwise estimator (`snakemake cnr`) per run that injects noise; neither is part "
+        "of `all`."))

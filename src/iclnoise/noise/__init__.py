@@ -4,7 +4,7 @@
   exposure    noise exposure P-NE*: gradient-noise covariance, AdamW's preconditioner, the exposure columns
   covariance  the injected covariances, their shapes, PSD clipping, schedules and the controller
   nap         noise aligned with the task prior
-  cnr         counterfactual noise replay's formulas
+  cnr         the first-order perturbation of a run's dynamics (CNR's pathwise estimator)
   hooks       the training step's hook protocol and the exposure logger (state between steps)
   injection   the injector hook: sets its scale from this step's measurement and adds the noise
   dose_check  the injected dose recomputed by method §6's definition beside a run (a check of the books)

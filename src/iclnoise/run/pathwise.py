@@ -2,9 +2,10 @@
 the log-level α of the run's own injected noise over [t0, T), from N replays, no counterfactual retrained.
 
 Along one realisation of the noise, the injected draw at step t is ξ_t(α) = e^{α/2} ξ_t (the level multiplies the
-covariance), so its tangent is ½ ξ_t, the draw itself halved. Carried through the linearised AdamW step on the
-replayed trajectory (iclnoise.run.replay's Replayer, one path, probes = 1), it gives dθ_T/dα along that realisation,
-and g_i = ∇f(θ_T) · dθ_T/dα. Averaging over realisations i (noise_seed i) estimates d E f / dα, since the derivative
+covariance), so its tangent is ½ ξ_t, the draw itself halved. Carried through the linearised AdamW step
+(iclnoise.run.linearised) beside the replayed run (`Pathwise`: the training engine retrains the run from its state
+at t0, bitwise, and the hook carries the tangent), it gives dθ_T/dα along that realisation, and
+g_i = ∇f(θ_T) · dθ_T/dα. Averaging over realisations i (noise_seed i) estimates d E f / dα, since the derivative
 of the mean is the mean of the derivatives where f ∘ θ_T is smooth in α; its SE is the spread of the g_i over √N.
 The prediction for the level × k is ΔE f ≈ ḡ · ln k, first order in α = ln k.
 
@@ -13,10 +14,13 @@ Per layer (`layers`): the level of the noise on some parameters alone, α_ℓ, h
 split g exactly, g = Σ_ℓ g_ℓ (linear in the tangent): which layers' noise moves f. Each group is one more tangent
 path of the same replay.
 
-What it leaves out (beyond the replay's own approximations, iclnoise.run.replay): the closed loop's answer to the
+What it leaves out (beyond the linearised step's own, iclnoise.run.linearised): the closed loop's answer to the
 counterfactual (a budget level sets s_t from the realised exposure; here s_t is taken to scale by k exactly), and
 every term of second and higher order in ln k. A gradient-source draw enters the step as an input (through AdamW's
-map, before the held clip), a parameter-source draw is added after it."""
+map, before the held clip), a parameter-source draw is added after it.
+
+Cost: the replay (training from t0) plus, per step and tangent path, one JVP of the gradient on `jac_batch`
+sequences."""
 from __future__ import annotations
 
 import copy
@@ -28,15 +32,20 @@ from pathlib import Path
 import pandas as pd
 import pyarrow as pa
 import torch
+from torch.func import functional_call, grad, vmap
 
 from ..config.grid import spec_hash
+from ..core.model import mse_loss
 from ..core.runspec import RunSpec
+from ..noise.cnr import change, propagate
 from ..noise.covariance import parameter_mask
+from ..noise.exposure import preconditioner
+from ..noise.hooks import Unrecorded
 from ..noise.injection import NoiseInjector
 from .crn import counterfactual, labelled, member_spec, states_at
 from .ensemble import Ensemble
+from .linearised import METRICS, adamw_map, flat_params, metric_fn, step_preconditioner
 from .member import Member
-from .replay import METRICS, Replayer, _functional, metric_fn
 from .runs import CKPT_DIR, load_torch
 
 ALL = "all"   # the group of every parameter: the level of the whole noise
@@ -52,30 +61,99 @@ PATHWISE_SCHEMA = pa.schema([   # <run>/cnr_pathwise.parquet: one row per (layer
 ])
 
 
-class Pathwise(Replayer):
-    """The Replayer with one path per mask (None: every parameter), driven by the run's own injected draws halved and
-    masked (module docstring)."""
+class Pathwise(Unrecorded):
+    """A step hook (iclnoise.noise.hooks protocol) that carries one tangent path per mask (None: every parameter)
+    beside the replayed run, driven by the run's own injected draws halved and masked (module docstring). Each
+    step's record (state, gradient, clip factor) is kept at `on_update`; at the next step's `on_grads` (or `finish`),
+    once the injector has drawn that step's noise, every path goes through the step's linearised update, a
+    gradient-source draw entering it as an input, a parameter-source draw added after it. Put after the injector;
+    it writes nothing into the run."""
 
-    order = 1   # first order: one forward-mode product per step, not the replay's second-order pair
+    name, schema = "pathwise", pa.schema([pa.field("step", pa.int64())])
 
     def __init__(self, spec: RunSpec, model: torch.nn.Module, injector: NoiseInjector, jac_batch: int,
                  masks: list[torch.Tensor | None] = (None,)):
-        super().__init__(spec, model, [], injector, len(masks), jac_batch, 0)
+        self.spec, self.model, self.injector, self.jac_batch = spec, model, injector, jac_batch
         self.masks = list(masks)
         injector.keep_draw = True
+        o = spec.train.optimizer
+        self.betas, self.wd, self.eps = tuple(o.betas), o.weight_decay, o.eps
+        self.unflat, theta = flat_params(model)
+        self.P = theta.numel()
+        self.delta: torch.Tensor | None = None   # (paths, 3P): the tangents of the state (θ, m, v)
+        self.now: dict | None = None
+        self.pending: dict | None = None
+        self.norms: list[tuple[int, float]] = []   # (step, RMS ‖δθ‖ over the paths)
 
     def on_grads(self, ctx) -> None:
-        super().on_grads(ctx)
+        self._advance()
+        b, adam = ctx.batch, ctx.adam
+        flat = lambda ts: torch.cat([t.detach().reshape(-1) for t in ts])  # noqa: E731
+        theta = flat(ctx.model.parameters())
+        zero = torch.zeros_like(theta)
         eps = self.injector.drawn   # this step's injected draw (the injector acted first)
-        self.now["drawn"] = None if eps is None else eps.detach().clone()
+        self.now = {"step": ctx.step, "theta": theta,
+                    "m": zero if adam.exp_avg is None else flat(adam.exp_avg),
+                    "v": zero if adam.exp_avg_sq is None else flat(adam.exp_avg_sq),
+                    "n": adam.step or 0, "g": flat(p.grad for p in ctx.model.parameters()),  # the injected noise in
+                    "a": preconditioner(adam).detach().clone(), "lr": ctx.lr,
+                    "xs": b.xs[:self.jac_batch], "ys": b.ys[:self.jac_batch],
+                    "drawn": None if eps is None else eps.detach().clone()}
 
-    def _draw(self, g: int, now: dict, row: dict | None, k: int) -> tuple[str, torch.Tensor] | None:
-        """Path k: ("grad", ½ M_k ε), an input of the step (added to the gradient before the held clip); ("param",
-        ½ M_k w), added to θ after it."""
-        if now.get("drawn") is None:
+    def on_update(self, ctx) -> None:
+        now, self.now = self.now, None
+        now["clip"], now["live"] = float(ctx.clip_coef), step_preconditioner(ctx.adam) > 0
+        self.pending = now
+
+    def _draw(self, now: dict, k: int) -> torch.Tensor | None:
+        """Path k's tangent input of the step: ½ M_k ε (a gradient input, source grad) or ½ M_k w (added to θ after
+        the step, source param); None where the step injected nothing."""
+        if now["drawn"] is None:
             return None
         m = self.masks[k]
-        return self.spec.noise.source, 0.5 * (now["drawn"] if m is None else now["drawn"] * m.to(now["drawn"]))
+        return 0.5 * (now["drawn"] if m is None else now["drawn"] * m.to(now["drawn"]))
+
+    def _advance(self) -> None:
+        """The pending step: every path through its linearised update, its draws added."""
+        now, self.pending = self.pending, None
+        if now is None:
+            return
+        draws = [self._draw(now, k) for k in range(len(self.masks))]
+        P, grad_in = self.P, self.spec.noise.source == "grad" and draws[0] is not None
+        if self.delta is not None or grad_in:
+            phi, x = self._phi(now), torch.cat([now["theta"], now["m"], now["v"]])
+            delta = torch.zeros(len(draws), 3 * P, dtype=x.dtype, device=x.device) if self.delta is None \
+                else self.delta
+            if grad_in:   # the gradient noise is an input of the step: (x, u) ↦ Φ(x, u), u = 0 on the record
+                x, delta = torch.cat([x, torch.zeros_like(now["g"])]), torch.cat([delta, torch.stack(draws)], 1)
+                step = lambda y: phi(y[:3 * P], y[3 * P:])  # noqa: E731
+            else:
+                step = lambda y: phi(y, None)  # noqa: E731
+            self.delta = vmap(lambda d: propagate(step, x, d))(delta)
+        if self.spec.noise.source == "param" and draws[0] is not None:
+            add = torch.cat([torch.stack(draws), torch.zeros(len(draws), 2 * P, dtype=draws[0].dtype,
+                                                             device=draws[0].device)], 1)
+            self.delta = add if self.delta is None else self.delta + add
+        if self.delta is not None:   # one realisation's displacement, linearised: the expansion's size
+            self.norms.append((now["step"], float(self.delta[:, :P].norm(dim=1).square().mean().sqrt())))
+
+    def _phi(self, now: dict):
+        """AdamW's step on the state (θ, m, v) (`adamw_map`), its gradient at θ the recorded one plus the change
+        of the gradient on the first `jac_batch` sequences, the clip factor held."""
+        g = grad(lambda th: mse_loss(lambda u, v: functional_call(self.model, self.unflat(th), (u, v)), now["xs"],
+                                     now["ys"]))
+        g_rec, g_sub = now["g"], g(now["theta"]).detach()
+        return adamw_map(lambda th: g_rec + (g(th) - g_sub), now["lr"], self.wd, self.betas, self.eps, now["n"],
+                         now["clip"], now["live"])
+
+    def finish(self, f, theta_T: torch.Tensor) -> torch.Tensor:
+        """(paths, metrics): ∇f·δ_T of each path, after the last step and its draws."""
+        self._advance()
+        x = torch.cat([theta_T, torch.zeros(2 * self.P, dtype=theta_T.dtype, device=theta_T.device)])
+        fx = lambda y: f(y[:self.P])  # noqa: E731 - the metrics read θ only
+        if self.delta is None:
+            return torch.zeros(len(self.masks), *fx(x).shape, dtype=x.dtype)
+        return vmap(lambda d: change(fx, x, d))(self.delta)
 
 
 def layer_groups(model: torch.nn.Module, layers: list[str]) -> dict[str, torch.Tensor]:
@@ -130,7 +208,7 @@ def layer_sensitivities(specs: list[RunSpec], state: dict, jac_batch: int, layer
         out = []
         for m, rep in zip(members, reps):
             m.model.eval()
-            first, _ = rep.finish(metric_fn(m.model, m.evaluator), _functional(m.model)[1].clone())[0]
+            first = rep.finish(metric_fn(m.model, m.evaluator), flat_params(m.model)[1].clone())
             out.append({grp: {k: float(v) for k, v in zip(METRICS, first[j])} for j, grp in enumerate(groups)})
     return out
 

@@ -1,27 +1,21 @@
-"""Counterfactual noise replay of a run directory (iclnoise.run.replay): the replay is the run, the linearised step is
-AdamW's, paired draws make the prediction linear in the covariance change, bad counterfactuals are refused."""
+"""AdamW's step as a differentiable map (iclnoise.run.linearised), what the pathwise estimator carries its tangents
+through: its value at the recorded state is the step AdamW took, and its JVP is AdamW's Jacobian in (θ, m, v)."""
 import dataclasses
-import json
-import math
-import shutil
 
 import pytest
 import torch
 from torch.func import functional_call, grad
 
-from iclnoise.cli import main
 from iclnoise.config.grid import run_spec, spec_hash
 from iclnoise.core.adam import adam_a
-from iclnoise.core.io import read_parquet
 from iclnoise.core.model import ModelConfig, build_model, mse_loss
 from iclnoise.core.runspec import RunSpec
 from iclnoise.noise.injection import NoiseInjector
-from iclnoise.output.figures.cnr import fig_cnr
 from iclnoise.run.ensemble import Ensemble
+from iclnoise.run.linearised import adamw_map, flat_params
 from iclnoise.run.member import Member
-from iclnoise.run.replay import CNR_SCHEMA, METRICS, Replayer, _functional, adamw_map, counterfactual, replay_run
+from iclnoise.run.pathwise import Pathwise
 from iclnoise.run.runs import sampler
-from iclnoise.run.train import train_ensemble, train_run
 
 pytestmark = [pytest.mark.unit, pytest.mark.numerics]
 
@@ -35,40 +29,7 @@ def small(tiny):
     return p
 
 
-@pytest.fixture(scope="module")
-def run(small, tmp_path_factory):
-    rd = tmp_path_factory.mktemp("cnr") / RUN
-    train_run(run_spec(small, RUN), rd, progress=False)
-    return rd
-
-
-def test_replay_is_the_run_and_paired_predictions_are_linear_in_the_covariance(small, run, tmp_path):
-    names = ["none", "self*2", "self*3", "grad_iso_b16"]
-    cfg = json.dumps({"noise": small["noise"]})
-    main(["cnr-replay", str(run), "--counterfactual", *names, "--cfg", cfg, "--probes", "3", "--jac-batch", "4"])
-    df = read_parquet(run / "cnr.parquet", CNR_SCHEMA).set_index(["counterfactual", "metric"])
-    assert len(df) == len(names) * len(METRICS)
-    for name in names:   # the replayed trajectory ends where the run ended
-        ood = df.loc[(name, "ood_loss")]
-        assert ood.replayed == pytest.approx(ood.observed, rel=1e-6)
-    d = df["delta"].unstack("metric")
-    # u = √k v, second-order terms are quadratic in the draws: Δ(k) = (k − 1) · mean second(v), in float32
-    assert torch.allclose(torch.tensor(d.loc["self*3"].values), 2 * torch.tensor(d.loc["self*2"].values), rtol=1e-3)
-    assert torch.allclose(torch.tensor(d.loc["none"].values), -torch.tensor(d.loc["self*2"].values), rtol=1e-3)
-    assert (d.loc["self*2"].abs() > 0).all()
-    assert not torch.allclose(torch.tensor(d.loc["grad_iso_b16"].values), torch.tensor(d.loc["none"].values))
-    assert (df.lo <= df.predicted).all() and (df.predicted <= df.hi).all()
-    # the figure of predicted against realised changes draws from such a table (realised: here a stand-in)
-    table = df.reset_index().assign(lo_delta=lambda t: t.lo - t.observed, hi_delta=lambda t: t.hi - t.observed,
-                                    realised=lambda t: t.delta)
-    assert {p.suffix for p in fig_cnr(table, tmp_path / "cnr")} == {".png", ".pdf", ".parquet"}
-    # a bad name stops the command before any replay, naming it; the table written before stays
-    with pytest.raises(SystemExit, match="'nope' is not a noise condition"):
-        main(["cnr-replay", str(run), "--counterfactual", "none", "nope", "--cfg", cfg])
-    assert len(read_parquet(run / "cnr.parquet", CNR_SCHEMA)) == len(df)
-
-
-class _StepCheck(Replayer):
+class _StepCheck(Pathwise):
     """Compares the linearised step's value at the recorded state with the step AdamW really took (full batch)."""
 
     errors: list
@@ -96,7 +57,7 @@ def test_the_linearised_step_is_adamws_step(small, tmp_path):
     m.setup()
     (tmp_path / "checkpoints").mkdir()
     inj = next(h for h in m.hooks if isinstance(h, NoiseInjector))
-    check = _StepCheck(spec, m.model, [], inj, probes=2, jac_batch=spec.keys.batch, seed=0)
+    check = _StepCheck(spec, m.model, inj, jac_batch=spec.keys.batch)
     check.errors = []
     m.hooks.append(check)
     Ensemble([m], 0, "check").run(False)
@@ -135,10 +96,10 @@ def test_the_tangent_map_is_adamws_jacobian(small):
     o, clip, lr = spec.train.optimizer, 0.7, 3e-3
     hyper, n = (lr, o.weight_decay, tuple(o.betas), o.eps), 4
     P = sum(p.numel() for p in model.parameters())
-    x = torch.cat([_functional(model)[1], torch.zeros(2 * P, dtype=torch.float64)])
+    x = torch.cat([flat_params(model)[1], torch.zeros(2 * P, dtype=torch.float64)])
     for k in range(n):
         x = _adamw(model, (*x.chunk(3), k), xs, ys, clip, *hyper)
-    unflat = _functional(model)[0]
+    unflat = flat_params(model)[0]
     g = grad(lambda th: mse_loss(lambda a, b: functional_call(model, unflat(th), (a, b)), xs, ys))
     real = _adamw(model, (*x.chunk(3), n), xs, ys, clip, *hyper)
     live = adam_a(real.chunk(3)[2], n + 1, o.betas[1], o.eps) > 0
@@ -166,46 +127,3 @@ def test_the_tangent_map_is_adamws_jacobian(small):
         b1 * y[P:2 * P] + (1 - b1) * clip * g(y[:P])) / (1 - b1 ** (n + 1))
     old = torch.func.jvp(frozen, (x,), (d,))[1]
     assert (old - fd[:P])[live].norm() > 1e-3 * fd[:P][live].norm()
-
-
-def test_bad_counterfactuals_are_refused(small):
-    spec = RunSpec.of(run_spec(small, RUN))
-    conds = small["noise"]["conditions"]
-    with pytest.raises(ValueError, match="not a noise condition"):
-        counterfactual("nope", conds, spec)
-    with pytest.raises(ValueError, match="closed loop"):
-        counterfactual("early", conds, spec)
-    with pytest.raises(ValueError, match="NAME or NAME"):
-        counterfactual("self**2", conds, spec)
-    with pytest.raises(ValueError, match="injects no noise"):
-        counterfactual("self*2", conds, RunSpec.of(run_spec(small, "M4-B64-none-s0")))
-    some = {**conds["grad_b16"], "layers": ["blocks.0"]}   # noise on some layers: this replay does not restrict it
-    with pytest.raises(ValueError, match="some layers"):
-        counterfactual("some", {**conds, "some": some}, spec)
-    assert counterfactual("self*0.5", conds, spec).factor == 0.5 and counterfactual("none", conds, spec).noise is None
-    assert not math.isnan(counterfactual("grad_b16*4", conds, spec).factor)
-
-
-def test_a_windowed_replay_starts_from_the_runs_resume_state(small, tmp_path):
-    """Replaying from a resume state at t0 is the run from t0 (the replay ends where the run ended) and changes the
-    noise over [t0, T] only: a state at T leaves nothing to change; another run's state is refused, named."""
-    rd, spec = tmp_path / RUN, run_spec(small, RUN)
-    train_ensemble([spec], [rd], progress=False, stop_after=4)   # a checkpoint step (0 1 4 11 16): resume.pt at 4
-    shutil.copyfile(rd / "resume.pt", tmp_path / "t0.pt")
-    train_ensemble([spec], [rd], progress=False)
-    conds = small["noise"]["conditions"]
-    df = replay_run(rd, ["none", "self*2"], conds, 2, 4, state=tmp_path / "t0.pt")
-    df = df.set_index(["counterfactual", "metric"])
-    ood = df.loc[("none", "ood_loss")]
-    assert ood.replayed == pytest.approx(ood.observed, rel=1e-6)
-    whole = tmp_path / "whole"   # the same run uninterrupted, here: the `run` fixture may have trained under another
-    train_ensemble([spec], [whole], progress=False)   # thread count (`iclnoise cnr` sets it): float32 sums an ulp apart
-    assert ood.observed == read_parquet(whole / "metrics.parquet").iloc[-1].ood_loss   # resumed training is the run
-    d = df["delta"].unstack("metric")
-    assert (d.loc["none"].abs() > 0).all()
-    assert torch.allclose(torch.tensor(d.loc["none"].values), -torch.tensor(d.loc["self*2"].values), rtol=1e-3)
-    assert (replay_run(rd, ["none"], conds, 2, 4, state=rd / "resume.pt").delta == 0).all()   # t0 = T
-    other = tmp_path / "other"
-    train_ensemble([run_spec(small, "M4-B64-none-s0")], [other], progress=False, stop_after=1)
-    with pytest.raises(ValueError, match="not a resume state of"):
-        replay_run(rd, ["none"], conds, 2, 4, state=other / "resume.pt")
