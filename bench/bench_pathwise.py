@@ -2,7 +2,7 @@
 
   together : `--realisations` realisations replayed one after another (sensitivity) against together in one
              ensemble (sensitivities); the same g each
-  layers   : one realisation per layer group (blocks.0, blocks.1, rest: three tangents, layer_sensitivities)
+  layers   : one realisation per layer group (blocks.0, blocks.1, rest: three tangents, split_sensitivities)
              against the whole noise's one tangent (sensitivity); the groups' g add up to the whole's
 
 (The second-order pass of the removed linearised replay took 2.34-2.39× the first-order one: docs/benchmarks.md.)
@@ -25,7 +25,7 @@ import torch
 from iclnoise.config.grid import run_spec
 from iclnoise.core.runspec import RunSpec
 from iclnoise.run.crn import counterfactual, member_spec
-from iclnoise.run.pathwise import fork_state, layer_sensitivities, sensitivities, sensitivity
+from iclnoise.run.pathwise import fork_state, sensitivities, sensitivity, split_sensitivities
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments" / "reproductions"))
 from tiny import params  # noqa: E402  (the tiny setting, one definition)
@@ -55,8 +55,8 @@ def main() -> None:
     specs = [RunSpec.of(member_spec(spec, own, i)) for i in range(a.realisations)]
 
     def split() -> list[dict]:
-        by = layer_sensitivities(specs[:1], state, 64, ["blocks.0", "blocks.1"])[0]
-        return [{k: sum(g[k] for g in by.values()) for k in by["rest"]}]
+        by = split_sensitivities(specs[:1], state, 64, ["blocks.0", "blocks.1"])[0]
+        return [{k: sum(g[k] for g in by.values()) for k in next(iter(by.values()))}]
 
     arms = {"together": (lambda: [sensitivity(s, state, 64) for s in specs], lambda: sensitivities(specs, state, 64),
                          "the same g"),

@@ -317,12 +317,19 @@ def test_realisations_replayed_together_give_each_ones_own_sensitivity(tiny, one
 
 
 @pytest.mark.unit
-def test_the_layer_groups_split_the_pathwise_sensitivity(tiny, one_thread, tmp_path):
-    """Per layer group (blocks.0, blocks.1 and the rest: embeddings, final norm, unembedding), the tangents of one
-    replay add up to the whole noise's g for every metric (to float32 round-off of the sum), and the groups' g differ.
-    On a run whose noise is restricted to blocks.1 (noise.layers), the rest's g is exactly 0 and blocks.1's is the
-    whole g. Overlapping groups are refused."""
-    from iclnoise.run.pathwise import fork_state, layer_sensitivities, sensitivity
+def test_layer_groups_and_windows_split_the_pathwise_sensitivity(tiny, one_thread, tmp_path):
+    """Per layer group (blocks.0, blocks.1 and the rest: embeddings, final norm, unembedding) and per window of the
+    noise's [30, 60) (three of 10 steps), the tangents of one replay add up to the whole noise's g for every metric
+    (to float32 round-off of the sum), and the groups' g differ. Known answers: the last window's g is the whole g of
+    a replay forked at step 50 from the same realisation; on a run whose noise is restricted to blocks.1
+    (noise.layers) the other groups' g is exactly 0 and blocks.1's is the whole g. Overlapping groups are refused."""
+    from iclnoise.run.crn import Counterfactual, states_at
+    from iclnoise.run.pathwise import fork_state, sensitivity, split_sensitivities
+
+    def adds_up(parts: list[dict], whole: dict, what) -> None:
+        for k, g in whole.items():
+            v = [q[k] for q in parts]
+            assert sum(v) == pytest.approx(g, rel=1e-4, abs=1e-6 * max(map(abs, v))), (what, k)
 
     p = _params(tiny, "counter")
     for layers in (None, ["blocks.1"]):
@@ -330,27 +337,33 @@ def test_the_layer_groups_split_the_pathwise_sensitivity(tiny, one_thread, tmp_p
             p["noise"]["conditions"]["late"] = {**LATE, "layers": layers}
         spec = run_spec(p, RUN)
         state = fork_state(spec, 30)
-        one = RunSpec.of(member_spec(spec, counterfactual("self", {}, RunSpec.of(spec)), 0))
+        own = counterfactual("self", {}, RunSpec.of(spec))
+        one = RunSpec.of(member_spec(spec, own, 0))
         whole = sensitivity(one, copy.deepcopy(state), 16)
-        (by,) = layer_sensitivities([one], copy.deepcopy(state), 16, ["blocks.0", "blocks.1"])
-        assert list(by) == ["blocks.0", "blocks.1", "rest"]
-        for k, g in whole.items():
-            parts = [by[grp][k] for grp in by]
-            assert sum(parts) == pytest.approx(g, rel=1e-4, abs=1e-6 * max(map(abs, parts))), (layers, k)
+        (by,) = split_sensitivities([one], copy.deepcopy(state), 16, ["blocks.0", "blocks.1"], windows=3)
+        groups, spans = ["blocks.0", "blocks.1", "rest"], [(30, 40), (40, 50), (50, 60)]
+        assert list(by) == [(g, a, b) for g in groups for a, b in spans]
+        adds_up(list(by.values()), whole, layers)
         if layers:
-            assert all(v == 0 for v in by["rest"].values()) and all(v == 0 for v in by["blocks.0"].values())
-            assert by["blocks.1"] == pytest.approx(whole, rel=1e-4, abs=1e-12)   # float32: 3 paths vmapped, not 1
-        else:
-            assert len({by[grp]["r"] for grp in by}) == 3 and all(by[grp]["r"] != 0 for grp in by)
+            assert all(v == 0 for (g, *_), q in by.items() if g != "blocks.1" for v in q.values())
+            adds_up([by["blocks.1", a, b] for a, b in spans], whole, "blocks.1")
+            continue
+        assert len({q["r"] for q in by.values()}) == 9 and all(q["r"] != 0 for q in by.values())
+        mine = Counterfactual("0", member_spec(spec, own, 0)["noise"])   # realisation 0's stream up to step 50
+        at50 = states_at(spec, [mine], 50, tmp_path / "fork", "cpu")[mine.structure]
+        adds_up([by[g, 50, 60] for g in groups], sensitivity(one, at50, 16), "the last window")
     with pytest.raises(ValueError, match="overlap"):
-        layer_sensitivities([one], state, 16, ["blocks.0", "blocks.0.attn"])
+        split_sensitivities([one], state, 16, ["blocks.0", "blocks.0.attn"])
+    with pytest.raises(ValueError, match="windows = 31"):
+        split_sensitivities([one], state, 16, windows=31)
 
 
 @pytest.mark.unit
 def test_cnr_pathwise_predicts_the_same_from_the_kept_fork_and_from_its_own(tiny, one_thread, tmp_path):
     """`iclnoise cnr-pathwise` replays from the state `iclnoise cnr --fork` keeps or from one it trains itself, to the
     same numbers; its ḡ is the mean of the realisations' sensitivities (noise_seed 0, 1: the realisations CRN pairs)
-    and its prediction ḡ ln k ± |ln k| SE; k ≤ 0 and a run without noise are refused with the reason."""
+    and its prediction ḡ ln k ± |ln k| SE; split by --layers and --windows, the groups' ḡ add up to it; k ≤ 0 and a
+    run without noise are refused with the reason."""
     import copy as cp
 
     from iclnoise.run.pathwise import sensitivity
@@ -367,6 +380,14 @@ def test_cnr_pathwise_predicts_the_same_from_the_kept_fork_and_from_its_own(tiny
     main([*common, "--out", str(tmp_path / "own.parquet")])
     kept, own = (read_parquet(tmp_path / f"{n}.parquet").drop(columns="seconds") for n in ("kept", "own"))
     pd.testing.assert_frame_equal(kept, own)
+    assert (kept.layers == "all").all() and (kept.window_start == 30).all() and (kept.window_stop == 60).all()
+    main([*common, "--fork", str(fork), "--layers", "blocks.0", "--windows", "2", "--out", str(tmp_path / "split.pq")])
+    split = read_parquet(tmp_path / "split.pq")
+    assert set(zip(split.layers, split.window_start, split.window_stop)) == {
+        (g, a, b) for g in ("blocks.0", "rest") for a, b in ((30, 45), (45, 60))}
+    total = split.groupby(["metric", "k"]).g.sum()
+    for r in kept.itertuples():
+        assert total[r.metric, r.k] == pytest.approx(r.g, rel=1e-4, abs=1e-9), r.metric
     cf = counterfactual("self", {}, RunSpec.of(spec))
     g = [sensitivity(RunSpec.of(member_spec(spec, cf, i)), cp.deepcopy(load_torch(fork, "cpu")), 16) for i in (0, 1)]
     for r in kept.itertuples():

@@ -262,6 +262,8 @@ def cnr_pathwise(argv: list[str]) -> None:
                     "group dotted parameter-name prefixes joined by commas (blocks.0 blocks.1 or "
                     "blocks.0.attn,blocks.1.attn), disjoint; the parameters none names form `rest`. The groups' g add "
                     "up to the whole noise's; each costs one more tangent of the replay")
+    ap.add_argument("--windows", type=int, default=1, help="per window: [t0, T) cut into this many equal windows, "
+                    "the level over each window's steps alone (with --layers, per group and window); they add up too")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None, help="default <run>/cnr_pathwise.parquet")
@@ -272,10 +274,11 @@ def cnr_pathwise(argv: list[str]) -> None:
         raise SystemExit(f"iclnoise cnr-pathwise: {e}") from None
     torch.set_num_threads(a.threads)
     try:
-        df = pathwise(raw, a.k, a.realisations, a.t0, a.fork, a.jac_batch, a.device, a.layers)
+        df = pathwise(raw, a.k, a.realisations, a.t0, a.fork, a.jac_batch, a.device, a.layers, a.windows)
     except (ValueError, CorruptFileError, FileNotFoundError) as e:
         raise SystemExit(f"iclnoise cnr-pathwise: {e}") from None
     write_parquet(df, a.out or Path(a.run) / "cnr_pathwise.parquet", PATHWISE_SCHEMA)
     show = df[df.metric.isin(["r", "ood_loss", "ood_delta_ridge"])]
-    print(show[["layers", "metric", "k", "g", "g_se", "predicted", "predicted_se"]].to_string(index=False))
+    print(show[["layers", "window_start", "window_stop", "metric", "k", "g", "g_se", "predicted",
+                "predicted_se"]].to_string(index=False))
     print(f"{a.realisations} replays from t0 = {int(df.t0.iloc[0])}: {df.seconds.iloc[0]:.1f} s")

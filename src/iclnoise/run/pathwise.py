@@ -9,10 +9,11 @@ g_i = ∇f(θ_T) · dθ_T/dα. Averaging over realisations i (noise_seed i) esti
 of the mean is the mean of the derivatives where f ∘ θ_T is smooth in α; its SE is the spread of the g_i over √N.
 The prediction for the level × k is ΔE f ≈ ḡ · ln k, first order in α = ln k.
 
-Per layer (`layers`): the level of the noise on some parameters alone, α_ℓ, has the tangent ½ M_ℓ ξ_t (M_ℓ the
-0/1 mask of those parameters, iclnoise.noise.covariance.parameter_mask). Disjoint groups that cover every parameter
-split g exactly, g = Σ_ℓ g_ℓ (linear in the tangent): which layers' noise moves f. Each group is one more tangent
-path of the same replay.
+Per layer and window (`split_sensitivities`): the level of the noise on some parameters alone over some steps,
+α_{ℓ,w}, has the tangent ½ M_ℓ ξ_t for t in window w and 0 elsewhere (M_ℓ the 0/1 mask of those parameters,
+iclnoise.noise.covariance.parameter_mask). Disjoint groups that cover every parameter and every step split g
+exactly, g = Σ_{ℓ,w} g_{ℓ,w} (linear in the tangent): which layers' noise, and when, moves f. Each group is one more
+tangent path of the same replay.
 
 What it leaves out (beyond the linearised step's own, iclnoise.run.linearised): the closed loop's answer to the
 counterfactual (a budget level sets s_t from the realised exposure; here s_t is taken to scale by k exactly), and
@@ -53,6 +54,7 @@ ALL = "all"   # the group of every parameter: the level of the whole noise
 PATHWISE_SCHEMA = pa.schema([   # <run>/cnr_pathwise.parquet: one row per (layers, metric, k)
     pa.field("run_id", pa.string()), pa.field("seed", pa.int64()), pa.field("t0", pa.int64()),
     pa.field("layers", pa.string()),   # the parameters whose noise level moves: ALL, a group of --layers, or rest
+    pa.field("window_start", pa.int64()), pa.field("window_stop", pa.int64()),   # the steps [start, stop) it moves on
     pa.field("metric", pa.string()), pa.field("k", pa.float64()),   # the level × k of the run's own noise
     pa.field("n_realisations", pa.int64()),
     pa.field("g", pa.float64()), pa.field("g_se", pa.float64()),   # ḡ = d E f / d ln k and its SE over realisations
@@ -62,8 +64,9 @@ PATHWISE_SCHEMA = pa.schema([   # <run>/cnr_pathwise.parquet: one row per (layer
 
 
 class Pathwise(Unrecorded):
-    """A step hook (iclnoise.noise.hooks protocol) that carries one tangent path per mask (None: every parameter)
-    beside the replayed run, driven by the run's own injected draws halved and masked (module docstring). Each
+    """A step hook (iclnoise.noise.hooks protocol) that carries one tangent path per (mask, window) (None: every
+    parameter, every step) beside the replayed run, driven by the run's own injected draws halved and masked, on
+    the path's window's steps (module docstring). Each
     step's record (state, gradient, clip factor) is kept at `on_update`; at the next step's `on_grads` (or `finish`),
     once the injector has drawn that step's noise, every path goes through the step's linearised update, a
     gradient-source draw entering it as an input, a parameter-source draw added after it. Put after the injector;
@@ -72,9 +75,9 @@ class Pathwise(Unrecorded):
     name, schema = "pathwise", pa.schema([pa.field("step", pa.int64())])
 
     def __init__(self, spec: RunSpec, model: torch.nn.Module, injector: NoiseInjector, jac_batch: int,
-                 masks: list[torch.Tensor | None] = (None,)):
+                 paths: list[tuple[torch.Tensor | None, tuple[int, int] | None]] = ((None, None),)):
         self.spec, self.model, self.injector, self.jac_batch = spec, model, injector, jac_batch
-        self.masks = list(masks)
+        self.paths = list(paths)
         injector.keep_draw = True
         o = spec.train.optimizer
         self.betas, self.wd, self.eps = tuple(o.betas), o.weight_decay, o.eps
@@ -105,12 +108,12 @@ class Pathwise(Unrecorded):
         now["clip"], now["live"] = float(ctx.clip_coef), step_preconditioner(ctx.adam) > 0
         self.pending = now
 
-    def _draw(self, now: dict, k: int) -> torch.Tensor | None:
-        """Path k's tangent input of the step: ½ M_k ε (a gradient input, source grad) or ½ M_k w (added to θ after
-        the step, source param); None where the step injected nothing."""
-        if now["drawn"] is None:
-            return None
-        m = self.masks[k]
+    def _draw(self, now: dict, k: int) -> torch.Tensor:
+        """Path k's tangent input of the step (`drawn` the step's injected draw): ½ M_k ε (a gradient input, source
+        grad) or ½ M_k w (added to θ after the step, source param); 0 outside its window."""
+        m, span = self.paths[k]
+        if span is not None and not span[0] <= now["step"] < span[1]:
+            return torch.zeros_like(now["drawn"])
         return 0.5 * (now["drawn"] if m is None else now["drawn"] * m.to(now["drawn"]))
 
     def _advance(self) -> None:
@@ -118,11 +121,11 @@ class Pathwise(Unrecorded):
         now, self.pending = self.pending, None
         if now is None:
             return
-        draws = [self._draw(now, k) for k in range(len(self.masks))]
-        P, grad_in = self.P, self.spec.noise.source == "grad" and draws[0] is not None
+        draws = None if now["drawn"] is None else [self._draw(now, k) for k in range(len(self.paths))]
+        P, grad_in = self.P, self.spec.noise.source == "grad" and draws is not None
         if self.delta is not None or grad_in:
             phi, x = self._phi(now), torch.cat([now["theta"], now["m"], now["v"]])
-            delta = torch.zeros(len(draws), 3 * P, dtype=x.dtype, device=x.device) if self.delta is None \
+            delta = torch.zeros(len(self.paths), 3 * P, dtype=x.dtype, device=x.device) if self.delta is None \
                 else self.delta
             if grad_in:   # the gradient noise is an input of the step: (x, u) ↦ Φ(x, u), u = 0 on the record
                 x, delta = torch.cat([x, torch.zeros_like(now["g"])]), torch.cat([delta, torch.stack(draws)], 1)
@@ -130,7 +133,7 @@ class Pathwise(Unrecorded):
             else:
                 step = lambda y: phi(y, None)  # noqa: E731
             self.delta = vmap(lambda d: propagate(step, x, d))(delta)
-        if self.spec.noise.source == "param" and draws[0] is not None:
+        if self.spec.noise.source == "param" and draws is not None:
             add = torch.cat([torch.stack(draws), torch.zeros(len(draws), 2 * P, dtype=draws[0].dtype,
                                                              device=draws[0].device)], 1)
             self.delta = add if self.delta is None else self.delta + add
@@ -152,7 +155,7 @@ class Pathwise(Unrecorded):
         x = torch.cat([theta_T, torch.zeros(2 * self.P, dtype=theta_T.dtype, device=theta_T.device)])
         fx = lambda y: f(y[:self.P])  # noqa: E731 - the metrics read θ only
         if self.delta is None:
-            return torch.zeros(len(self.masks), *fx(x).shape, dtype=x.dtype)
+            return torch.zeros(len(self.paths), *fx(x).shape, dtype=x.dtype)
         return vmap(lambda d: change(fx, x, d))(self.delta)
 
 
@@ -170,6 +173,14 @@ def layer_groups(model: torch.nn.Module, layers: list[str]) -> dict[str, torch.T
     return groups
 
 
+def windows_of(t0: int, total: int, n: int) -> list[tuple[int, int]]:
+    """[t0, total) cut into n consecutive windows of (nearly) equal steps."""
+    if not 1 <= n <= total - t0:
+        raise ValueError(f"windows = {n}: give 1 to {total - t0} (the steps from t0 = {t0} to {total})")
+    cuts = [t0 + round(i * (total - t0) / n) for i in range(n + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
 def sensitivity(spec: RunSpec, state: dict, jac_batch: int, device: str = "cpu") -> dict[str, float]:
     """g = df(θ_T)/dα for each of METRICS along the realisation of `spec` (its noise_seed), replayed from the resume
     state `state` (its step is t0)."""
@@ -179,16 +190,17 @@ def sensitivity(spec: RunSpec, state: dict, jac_batch: int, device: str = "cpu")
 def sensitivities(specs: list[RunSpec], state: dict, jac_batch: int, device: str = "cpu") -> list[dict[str, float]]:
     """`sensitivity` of each spec (realisations of one run), all replayed from `state` in one ensemble: the runs
     train stacked, each carries its own tangent; each g is the one its spec's replay alone gives (tested)."""
-    return [g[ALL] for g in layer_sensitivities(specs, state, jac_batch, None, device)]
+    return [next(iter(g.values())) for g in split_sensitivities(specs, state, jac_batch, device=device)]
 
 
-def layer_sensitivities(specs: list[RunSpec], state: dict, jac_batch: int, layers: list[str] | None,
-                        device: str = "cpu") -> list[dict[str, dict[str, float]]]:
-    """Per spec, {group: {metric: g}}: `sensitivities` per layer group (`layer_groups`; None: ALL alone), every
-    group a tangent path of the same replay."""
+def split_sensitivities(specs: list[RunSpec], state: dict, jac_batch: int, layers: list[str] | None = None,
+                        windows: int = 1, device: str = "cpu") -> list[dict[tuple[str, int, int], dict[str, float]]]:
+    """Per spec, {(layers, start, stop): {metric: g}}: `sensitivities` per layer group (`layer_groups`; None: ALL)
+    and per window of [t0, T) (`windows_of`), every (group, window) a tangent path of the same replay."""
     for s in specs:
         if not s.injects:
             raise ValueError(f"run {s.keys.run_id} injects no noise: there is no level to differentiate")
+    spans = windows_of(state["step"], specs[0].train.steps, windows)
     with tempfile.TemporaryDirectory(prefix="pathwise-") as tmp:
         members, reps, start = [], [], None
         for j, s in enumerate(specs):   # a run id of its own each: an ensemble lists each run once
@@ -201,7 +213,9 @@ def layer_sensitivities(specs: list[RunSpec], state: dict, jac_batch: int, layer
             start = m.resume_from(copy.deepcopy(state))
             injector = next(h for h in m.hooks if isinstance(h, NoiseInjector))
             groups = {ALL: None} if layers is None else layer_groups(m.model, layers)
-            reps.append(Pathwise(s, m.model, injector, jac_batch, list(groups.values())))
+            keys = [(g, *w) for g in groups for w in spans]
+            reps.append(Pathwise(s, m.model, injector, jac_batch,
+                                 [(groups[g], None if windows == 1 else (a, b)) for g, a, b in keys]))
             m.hooks.append(reps[-1])
             members.append(m)
         Ensemble(members, start, "pathwise").run(False)
@@ -209,7 +223,7 @@ def layer_sensitivities(specs: list[RunSpec], state: dict, jac_batch: int, layer
         for m, rep in zip(members, reps):
             m.model.eval()
             first = rep.finish(metric_fn(m.model, m.evaluator), flat_params(m.model)[1].clone())
-            out.append({grp: {k: float(v) for k, v in zip(METRICS, first[j])} for j, grp in enumerate(groups)})
+            out.append({key: {k: float(v) for k, v in zip(METRICS, first[j])} for j, key in enumerate(keys)})
     return out
 
 
@@ -234,12 +248,14 @@ def fork_state(raw: dict, t0: int, device: str = "cpu") -> dict:
 
 
 def pathwise(raw: dict, ks: list[float], realisations: int, t0: int | None = None, fork: str | Path | None = None,
-             jac_batch: int = 64, device: str = "cpu", layers: list[str] | None = None) -> pd.DataFrame:
+             jac_batch: int = 64, device: str = "cpu", layers: list[str] | None = None,
+             windows: int = 1) -> pd.DataFrame:
     """PATHWISE_SCHEMA rows: the prediction ΔE f ≈ ḡ ln k for the run's own noise level × k, k in `ks`, from
     `realisations` replays (noise_seed 0..N−1, the realisations CRN pairs: iclnoise.run.crn) of [t0, T) from the
     run's state at t0 (default: the start of its injection window): `fork` (a state at t0, as `crn(..., fork=...)`
     keeps it) or trained here. `layers`: per layer group (`layer_groups`), the level of the noise on those
-    parameters alone × k; None: the whole noise's (layers ALL)."""
+    parameters alone × k; None: the whole noise's (layers ALL). `windows`: per window of [t0, T) (`windows_of`), the
+    level over those steps alone."""
     raw = {k: v for k, v in raw.items() if k != "spec_hash"}
     spec = RunSpec.of(raw)
     if not spec.injects:
@@ -255,17 +271,18 @@ def pathwise(raw: dict, ks: list[float], realisations: int, t0: int | None = Non
         raise ValueError(f"{fork}: a state at step {state['step']}, not t0 = {t0}")
     own = counterfactual("self", {}, spec)
     t = time.time()
-    by = layer_sensitivities([RunSpec.of(member_spec(raw, own, i)) for i in range(realisations)], state, jac_batch,
-                             layers, device)
+    by = split_sensitivities([RunSpec.of(member_spec(raw, own, i)) for i in range(realisations)], state, jac_batch,
+                             layers, windows, device)
     seconds = time.time() - t
     rows = []
-    for grp in by[0]:
-        g = [b[grp] for b in by]
+    for key in by[0]:
+        g = [b[key] for b in by]
         for k in ks:
             for metric, (pred, se) in predict(g, k).items():
                 v = torch.tensor([gi[metric] for gi in g], dtype=torch.float64)
-                rows.append({"run_id": spec.keys.run_id, "seed": spec.keys.seed, "t0": t0, "layers": grp,
-                             "metric": metric, "k": k, "n_realisations": realisations, "g": float(v.mean()),
+                rows.append({"run_id": spec.keys.run_id, "seed": spec.keys.seed, "t0": t0, "layers": key[0],
+                             "window_start": key[1], "window_stop": key[2], "metric": metric, "k": k,
+                             "n_realisations": realisations, "g": float(v.mean()),
                              "g_se": float(v.std()) / math.sqrt(len(v)) if len(v) > 1 else math.nan,
                              "predicted": pred, "predicted_se": se, "seconds": seconds})
     return pd.DataFrame(rows, columns=PATHWISE_SCHEMA.names)
