@@ -40,7 +40,6 @@ from ..core.model import mse_loss
 from ..core.runspec import RunSpec
 from ..noise.cnr import change, propagate
 from ..noise.covariance import parameter_mask
-from ..noise.exposure import preconditioner
 from ..noise.hooks import Unrecorded
 from ..noise.injection import NoiseInjector
 from .crn import counterfactual, labelled, member_spec, states_at
@@ -51,7 +50,7 @@ from .runs import CKPT_DIR, load_torch
 
 ALL = "all"   # the group of every parameter: the level of the whole noise
 
-PATHWISE_SCHEMA = pa.schema([   # <run>/cnr_pathwise.parquet: one row per (layers, metric, k)
+PATHWISE_SCHEMA = pa.schema([   # <run>/cnr_pathwise.parquet: one row per (layers, window, metric, k)
     pa.field("run_id", pa.string()), pa.field("seed", pa.int64()), pa.field("t0", pa.int64()),
     pa.field("layers", pa.string()),   # the parameters whose noise level moves: ALL, a group of --layers, or rest
     pa.field("window_start", pa.int64()), pa.field("window_stop", pa.int64()),   # the steps [start, stop) it moves on
@@ -66,11 +65,10 @@ PATHWISE_SCHEMA = pa.schema([   # <run>/cnr_pathwise.parquet: one row per (layer
 class Pathwise(Unrecorded):
     """A step hook (iclnoise.noise.hooks protocol) that carries one tangent path per (mask, window) (None: every
     parameter, every step) beside the replayed run, driven by the run's own injected draws halved and masked, on
-    the path's window's steps (module docstring). Each
-    step's record (state, gradient, clip factor) is kept at `on_update`; at the next step's `on_grads` (or `finish`),
-    once the injector has drawn that step's noise, every path goes through the step's linearised update, a
-    gradient-source draw entering it as an input, a parameter-source draw added after it. Put after the injector;
-    it writes nothing into the run."""
+    the path's window's steps (module docstring). Each step's record (state, gradient, clip factor) is kept at
+    `on_update`; at the next step's `on_grads` (or `finish`), once the injector has drawn that step's noise, every
+    path goes through the step's linearised update, a gradient-source draw entering it as an input, a
+    parameter-source draw added after it. Put after the injector; it writes nothing into the run."""
 
     name, schema = "pathwise", pa.schema([pa.field("step", pa.int64())])
 
@@ -86,7 +84,6 @@ class Pathwise(Unrecorded):
         self.delta: torch.Tensor | None = None   # (paths, 3P): the tangents of the state (θ, m, v)
         self.now: dict | None = None
         self.pending: dict | None = None
-        self.norms: list[tuple[int, float]] = []   # (step, RMS ‖δθ‖ over the paths)
 
     def on_grads(self, ctx) -> None:
         self._advance()
@@ -99,7 +96,7 @@ class Pathwise(Unrecorded):
                     "m": zero if adam.exp_avg is None else flat(adam.exp_avg),
                     "v": zero if adam.exp_avg_sq is None else flat(adam.exp_avg_sq),
                     "n": adam.step or 0, "g": flat(p.grad for p in ctx.model.parameters()),  # the injected noise in
-                    "a": preconditioner(adam).detach().clone(), "lr": ctx.lr,
+                    "lr": ctx.lr,
                     "xs": b.xs[:self.jac_batch], "ys": b.ys[:self.jac_batch],
                     "drawn": None if eps is None else eps.detach().clone()}
 
@@ -137,8 +134,6 @@ class Pathwise(Unrecorded):
             add = torch.cat([torch.stack(draws), torch.zeros(len(draws), 2 * P, dtype=draws[0].dtype,
                                                              device=draws[0].device)], 1)
             self.delta = add if self.delta is None else self.delta + add
-        if self.delta is not None:   # one realisation's displacement, linearised: the expansion's size
-            self.norms.append((now["step"], float(self.delta[:, :P].norm(dim=1).square().mean().sqrt())))
 
     def _phi(self, now: dict):
         """AdamW's step on the state (θ, m, v) (`adamw_map`), its gradient at θ the recorded one plus the change
