@@ -14,12 +14,17 @@ each realisation i < `--realisations` of the run's own noise carrying the tangen
 `--out`/pathwise_s<seed>.parquet as it finishes, so a killed stage resumes at the next group. The two stages may
 run at once, in two processes.
 
+Stage `split`: per seed, the same replays with the tangent split by layer (each block, and the rest) and by third
+of the window (iclnoise.run.pathwise.split_sensitivities: 12 tangents per replay; their g add up to the whole), so
+which layers' noise, and when, moves the metrics; `--out`/split_s<seed>.parquet, per group of realisations, and a
+summary printed (ḡ ± SE per group for r). Not needed for the table.
+
 After either stage, when every seed has both: `--out`/effects.csv (ΔE f ± SE per counterfactual, seed and metric,
 paired by realisation: iclnoise.analysis.stats.paired_effects) and `--table` (the same with the pathwise prediction
 ΔE f ≈ ḡ ln k for the level counterfactuals self*k, its SE, and the interval prediction ± 1.96 √(se² + crn_se²);
 Spearman ρ and coverage printed, for r and the OOD loss, over every k and inside |Δ log scale| ≤ 0.5).
 
-Usage: OMP_NUM_THREADS=1 python experiments/reproductions/crn_check.py [--stage crn|pathwise] [--seeds 0 1 2]
+Usage: OMP_NUM_THREADS=1 python experiments/reproductions/crn_check.py [--stage crn|pathwise|split] [--seeds 0 1 2]
        [--realisations 8] [--out DIR] [--table DIR/crn.csv]
 Then: iclnoise paper reference/science --attach-crn DIR/crn.csv --note "..." (the set's figure 13 and report).
 """
@@ -44,7 +49,7 @@ from iclnoise.config.grid import run_spec
 from iclnoise.core.io import read_parquet, write_parquet
 from iclnoise.core.runspec import RunSpec
 from iclnoise.run.crn import REALISATIONS_SCHEMA, REFERENCE, counterfactual, crn, member_spec
-from iclnoise.run.pathwise import fork_state, predict, sensitivities
+from iclnoise.run.pathwise import fork_state, predict, sensitivities, split_sensitivities
 from iclnoise.run.runs import load_torch, save_torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -62,6 +67,10 @@ JAC_BATCH = 64   # sequences of each step's batch in the replay's Jacobian (crn_
 GROUP = 4   # realisations replayed together (1.30x four alone, the same g: bench/bench_pathwise.py), written per group
 PATHWISE_SCHEMA = pa.schema([("seed", pa.int64()), ("realisation", pa.int64()), ("metric", pa.string()),
                              ("g", pa.float64()), ("seconds", pa.float64())])
+SPLIT_LAYERS, SPLIT_WINDOWS = ["blocks.0", "blocks.1", "blocks.2"], 3   # the science model's three blocks, thirds
+SPLIT_SCHEMA = pa.schema([("seed", pa.int64()), ("realisation", pa.int64()), ("layers", pa.string()),
+                          ("window_start", pa.int64()), ("window_stop", pa.int64()), ("metric", pa.string()),
+                          ("g", pa.float64()), ("seconds", pa.float64())])
 
 
 def level(text: str) -> float | None:
@@ -94,9 +103,10 @@ def realisations(out: Path, seed: int) -> pd.DataFrame:
     return pd.concat([main, more[more.counterfactual != REFERENCE]], ignore_index=True)
 
 
-def pathwise_stage(p: dict, seed: int, out: Path, n: int, commit: str) -> None:
-    path, fork = out / f"pathwise_s{seed}.parquet", out / f"fork_s{seed}.pt"
-    done = read_parquet(path) if path.exists() else pd.DataFrame(columns=PATHWISE_SCHEMA.names)
+def pathwise_stage(p: dict, seed: int, out: Path, n: int, commit: str, split: bool = False) -> None:
+    path, fork = out / f"{'split' if split else 'pathwise'}_s{seed}.parquet", out / f"fork_s{seed}.pt"
+    schema = SPLIT_SCHEMA if split else PATHWISE_SCHEMA
+    done = read_parquet(path) if path.exists() else pd.DataFrame(columns=schema.names)
     todo = [i for i in range(n) if i not in set(done.realisation)]
     if not todo:
         return
@@ -110,14 +120,27 @@ def pathwise_stage(p: dict, seed: int, out: Path, n: int, commit: str) -> None:
     own = counterfactual("self", p["noise"]["conditions"], RunSpec.of(spec))
     for group in (todo[j:j + GROUP] for j in range(0, len(todo), GROUP)):
         t = time.time()
-        gs = sensitivities([RunSpec.of(member_spec(spec, own, i)) for i in group], state, JAC_BATCH)
-        seconds = (time.time() - t) / len(group)   # per replay
-        rows = pd.DataFrame([{"seed": seed, "realisation": i, "metric": k, "g": v, "seconds": seconds}
-                             for i, g in zip(group, gs) for k, v in g.items()])
+        specs = [RunSpec.of(member_spec(spec, own, i)) for i in group]
+        if split:
+            by = split_sensitivities(specs, state, JAC_BATCH, SPLIT_LAYERS, SPLIT_WINDOWS)
+            seconds = (time.time() - t) / len(group)   # per replay
+            rows = pd.DataFrame([{"seed": seed, "realisation": i, "layers": grp, "window_start": a,
+                                  "window_stop": b, "metric": k, "g": v, "seconds": seconds}
+                                 for i, b_ in zip(group, by) for (grp, a, b), g in b_.items() for k, v in g.items()])
+        else:
+            gs = sensitivities(specs, state, JAC_BATCH)
+            seconds = (time.time() - t) / len(group)   # per replay
+            rows = pd.DataFrame([{"seed": seed, "realisation": i, "metric": k, "g": v, "seconds": seconds}
+                                 for i, g in zip(group, gs) for k, v in g.items()])
         done = pd.concat([done, rows], ignore_index=True) if len(done) else rows
-        write_parquet(done, path, PATHWISE_SCHEMA, spec_hash=f"commit {commit}")
-        print(f"seed {seed}, realisations {group}: pathwise r {[round(g['r'], 5) for g in gs]}, "
-              f"{time.time() - t:.0f} s", flush=True)
+        write_parquet(done, path, schema, spec_hash=f"commit {commit}")
+        print(f"seed {seed}, realisations {group}: {'split' if split else 'pathwise'} {time.time() - t:.0f} s",
+              flush=True)
+    if split:
+        r = done[done.metric == "r"].groupby(["layers", "window_start", "realisation"]).g.sum()
+        summary = r.groupby(["layers", "window_start"]).agg(["mean", "sem"])
+        print(f"seed {seed}: dr/d ln k per layer group and window (mean ± SE over realisations)\n{summary}",
+              flush=True)
 
 
 def table(out: Path, seeds: list[int], n: int, dest: Path) -> None:
@@ -150,7 +173,7 @@ def table(out: Path, seeds: list[int], n: int, dest: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stage", choices=("crn", "pathwise"), default="crn")
+    ap.add_argument("--stage", choices=("crn", "pathwise", "split"), default="crn")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--realisations", type=int, default=8)
     ap.add_argument("--out", default="results/crn_check", help="the realisations, fork states and work directories")
@@ -163,7 +186,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     for seed in a.seeds:
-        (crn_stage if a.stage == "crn" else pathwise_stage)(p, seed, out, a.realisations, commit)
+        if a.stage == "crn":
+            crn_stage(p, seed, out, a.realisations, commit)
+        else:
+            pathwise_stage(p, seed, out, a.realisations, commit, split=a.stage == "split")
     table(out, a.seeds, a.realisations, Path(a.table) if a.table else out / "crn.csv")
 
 
