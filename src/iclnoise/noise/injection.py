@@ -118,18 +118,15 @@ class NoiseInjector:
         self.alignment = math.nan
         self.layers = n.layers
         self.mask: torch.Tensor | None = None   # noise.layers' 0/1 mask over the flat parameters (`restrict`)
+        self.support: int | None = None         # the number of coordinates it is on (None: all)
 
     def restrict(self, model: torch.nn.Module) -> None:
         """Build noise.layers' mask from the run's model (before training: a layer that names no parameter is an error
         then, not at step 0 of an ensemble); nothing without noise.layers."""
         if self.layers:
             names = [(n, p.numel()) for n, p in model.named_parameters()]
-            self.mask = parameter_mask(names, self.layers).to(self.device)
-
-    @property
-    def support(self) -> int | None:
-        """The number of coordinates the noise is on (noise.layers' mask), None for all."""
-        return None if self.mask is None else int(self.mask.sum())
+            mask = parameter_mask(names, self.layers)
+            self.mask, self.support = mask.to(self.device), int(mask.sum())
 
     @property
     def _diag(self) -> torch.Tensor:
