@@ -4,9 +4,10 @@ of 20 000 steps).
 
 Stage `crn`: per seed, the run forked at the window's start into its own noise and COUNTERFACTUALS ×
 `--realisations` noise streams (iclnoise.run.crn), one ensemble and one file (`--out`/realisations_s<seed>.parquet,
-written when the seed is done); the reference's state at the fork is kept (`--out`/fork_s<seed>.pt), and a second
+written when the seed is done); the reference's state at the fork is kept (`--work`/fork_s<seed>.pt), and a second
 call forks from it into MORE_LEVELS (realisations_s<seed>_levels.parquet). Killed, it resumes: a finished call from
-its file, the running one from its members' last commit (`--out`/work_s<seed>[_levels]).
+its file, the running one from its members' last commit (`--work`/work_s<seed>[_levels]). The per-seed tables are
+small and committed (reference/measurements/crn); fork states and work directories are not.
 
 Stage `pathwise`: per seed, from the fork state (trained to t0 here if the crn stage has not kept it), one replay of
 each realisation i < `--realisations` of the run's own noise carrying the tangent of its log-level
@@ -25,7 +26,7 @@ paired by realisation: iclnoise.analysis.stats.paired_effects) and `--table` (th
 Spearman ρ and coverage printed, for r and the OOD loss, over every k and inside |Δ log scale| ≤ 0.5).
 
 Usage: OMP_NUM_THREADS=1 python experiments/reproductions/crn_check.py [--stage crn|pathwise|split] [--seeds 0 1 2]
-       [--realisations 8] [--out DIR] [--table DIR/crn.csv]
+       [--realisations 8] [--out DIR] [--work DIR] [--table DIR/crn.csv]
 Then: iclnoise paper reference/science --attach-crn DIR/crn.csv --note "..." (the set's figure 13 and report).
 """
 from __future__ import annotations
@@ -81,15 +82,15 @@ def level(text: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def crn_stage(p: dict, seed: int, out: Path, n: int, commit: str) -> None:
+def crn_stage(p: dict, seed: int, out: Path, work_dir: Path, n: int, commit: str) -> None:
     for part, names in PARTS:
         path = out / f"realisations_s{seed}{part}.parquet"
         if path.exists():
             continue
         t = time.time()
-        work = out / f"work_s{seed}{part}"   # the members' run directories: a killed call resumes from the last commit
+        work = work_dir / f"work_s{seed}{part}"   # the members' run directories: a killed call resumes from there
         values = crn(run_spec(p, f"M16-B64-late-s{seed}"), names, p["noise"]["conditions"], n, work=work,
-                     fork=out / f"fork_s{seed}.pt")
+                     fork=work_dir / f"fork_s{seed}.pt")
         write_parquet(values, path, REALISATIONS_SCHEMA, spec_hash=f"commit {commit}, {time.time() - t:.0f} s")
         shutil.rmtree(work)
         print(f"seed {seed}{part}: CRN {time.time() - t:.0f} s", flush=True)
@@ -103,8 +104,8 @@ def realisations(out: Path, seed: int) -> pd.DataFrame:
     return pd.concat([main, more[more.counterfactual != REFERENCE]], ignore_index=True)
 
 
-def pathwise_stage(p: dict, seed: int, out: Path, n: int, commit: str, split: bool = False) -> None:
-    path, fork = out / f"{'split' if split else 'pathwise'}_s{seed}.parquet", out / f"fork_s{seed}.pt"
+def pathwise_stage(p: dict, seed: int, out: Path, work_dir: Path, n: int, commit: str, split: bool = False) -> None:
+    path, fork = out / f"{'split' if split else 'pathwise'}_s{seed}.parquet", work_dir / f"fork_s{seed}.pt"
     schema = SPLIT_SCHEMA if split else PATHWISE_SCHEMA
     done = read_parquet(path) if path.exists() else pd.DataFrame(columns=schema.names)
     todo = [i for i in range(n) if i not in set(done.realisation)]
@@ -176,20 +177,23 @@ def main() -> None:
     ap.add_argument("--stage", choices=("crn", "pathwise", "split"), default="crn")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--realisations", type=int, default=8)
-    ap.add_argument("--out", default="results/crn_check", help="the realisations, fork states and work directories")
+    ap.add_argument("--out", default="reference/measurements/crn",
+                    help="the finished per-seed tables (small, committed: a new machine starts from them)")
+    ap.add_argument("--work", default="results/crn_check", help="the fork states and the members' run directories")
     ap.add_argument("--table", default=None, help="default --out/crn.csv")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     torch.set_num_threads(1)
     p = load_params("params.yaml", ["configs/science.yaml"])
-    out = Path(a.out)
+    out, work = Path(a.out), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     for seed in a.seeds:
         if a.stage == "crn":
-            crn_stage(p, seed, out, a.realisations, commit)
+            crn_stage(p, seed, out, work, a.realisations, commit)
         else:
-            pathwise_stage(p, seed, out, a.realisations, commit, split=a.stage == "split")
+            pathwise_stage(p, seed, out, work, a.realisations, commit, split=a.stage == "split")
     table(out, a.seeds, a.realisations, Path(a.table) if a.table else out / "crn.csv")
 
 
