@@ -92,10 +92,11 @@ def alone(spec: dict, tmp) -> tuple[dict, list, list, dict]:
             metrics)
 
 
-# NE and Curv at step 0 have A = 1/(|g| + ε) (v̂_1 = g²): b_K's round-off gradient (test_train) enters them as 1/ε
-# (measured, run 0: Curv 1.2e-3 and NE 1.5e-3 apart at step 0, ≤ 4e-6 at its later rows; P-NE*, their ratio, 1.1e-3
-# apart at step 0 for Minf-B16-early-s2 on the counter stream's draws)
-STEP0_A = ("ne_postclip", "curv", "ne_injected", "pne")
+# NE and Curv at steps 0 and 1 have A ≈ 1/(|g| + ε): v̂ holds one or two of b_K's round-off gradients (test_train),
+# which enter them as 1/ε (measured, run 0: Curv 1.2e-3 and NE 1.5e-3 apart at step 0; on an AMD EPYC, M1-B16-early-s1's
+# Curv and injected NE 2.1e-3 apart at step 1, and so its exposure row at step 9, whose interval means hold step 1;
+# every run within 3.3e-5 from step 2): those columns are compared from the third row of each table
+A_ROUNDOFF = ("ne_postclip", "curv", "ne_injected", "pne")
 
 
 @pytest.mark.parametrize("curvature", ["ggn", "ggn_exact"])
@@ -137,11 +138,11 @@ def test_the_stacked_ensemble_equals_each_run_trained_alone_through_its_hooks(in
         assert inj.active.sum() >= 20 and (inj.scale > 0).sum() >= 20 and (inj.clip_coef < 1).mean() > 0.5
         for col in ("pne", "ne_postclip", "pne_injected_postclip", "trace_c", "curv", "clip_coef", "clip_frac",
                     "grad_norm"):
-            first = 1 if col in STEP0_A else 0
+            first = 2 if col in A_ROUNDOFF else 0
             np.testing.assert_allclose(exp[col][first:], [x[col] for x in exp_rows][first:], rtol=1e-3, atol=1e-9,
                                        err_msg=f"{r} exposure {col}")
         for col in ("scale", "ne_injected", "pne_injected", "curv", "clip_coef"):
-            first = 1 if col in STEP0_A else 0
+            first = 2 if col in A_ROUNDOFF else 0
             np.testing.assert_allclose(inj[col][first:], [x[col] for x in inj_rows][first:], rtol=1e-3, atol=1e-9,
                                        err_msg=f"{r} injection {col}")
         last = metrics.iloc[-1]
