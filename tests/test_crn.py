@@ -142,6 +142,34 @@ def test_paired_effects_known_answer_and_coverage():
 
 
 @pytest.mark.unit
+def test_the_two_first_order_forms_known_answer():
+    """`predict`'s two forms from the same sensitivities (method §13): ḡ ln k and ḡ (k − 1), each with SE
+    |x| sd(g)/√N, by hand; the log form has no prediction at k = 0, the linear one does; their gap is second order,
+    (k − 1) − ln k → (ln k)²/2 as k → 1, and ≥ 0 everywhere; an unknown form is refused."""
+    from iclnoise.run.pathwise import METRICS as PM
+    from iclnoise.run.pathwise import predict
+
+    gs = [{m: v * (j + 1) for j, m in enumerate(PM)} for v in (0.1, 0.3, 0.2, 0.6)]
+    for j, m in enumerate(PM):
+        v = np.array([gi[m] for gi in gs])
+        sd = v.std(ddof=1) / 2
+        for k in (0.25, 0.5, 1.5, 4.0):
+            for form, x in (("log", math.log(k)), ("linear", k - 1)):
+                pred, se = predict(gs, k, form)[m]
+                assert pred == pytest.approx(v.mean() * x, rel=1e-12) and se == pytest.approx(abs(x) * sd, rel=1e-9)
+        assert math.isnan(predict(gs, 0.0)[m][0])
+        assert predict(gs, 0.0, "linear")[m][0] == pytest.approx(-v.mean(), rel=1e-12)
+        assert predict(gs, 1.0, "linear")[m] == predict(gs, 1.0)[m] == (0.0, 0.0)
+    m = PM[0]   # ḡ = 0.3
+    for k in (0.9, 0.99, 1.01, 1.1):
+        gap = predict(gs, k, "linear")[m][0] - predict(gs, k)[m][0]
+        lk = math.log(k)
+        assert gap >= 0 and gap == pytest.approx(0.3 * lk * lk / 2, rel=abs(lk))
+    with pytest.raises(ValueError, match="form must be"):
+        predict(gs, 2.0, "quadratic")
+
+
+@pytest.mark.unit
 def test_the_crn_table_is_drawn(forked, tmp_path):
     """`iclnoise cnr-figure` draws a CRN effects table (crn.parquet's columns as CSV) and names what a table lacks;
     `iclnoise cnr` refuses a work directory it would remove with something else in it."""
@@ -161,6 +189,32 @@ def test_the_crn_table_is_drawn(forked, tmp_path):
     eff[["metric", "seed"]].to_csv(tmp_path / "bad.csv", index=False)
     with pytest.raises(SystemExit, match="not a CRN table .*counterfactual, crn_mean, crn_se, n_realisations"):
         main(["cnr-figure", str(tmp_path / "bad.csv")])
+
+
+@pytest.mark.unit
+def test_the_reported_check_judges_each_first_order_form(tmp_path):
+    """The report's CNR section (report.crn_section) gives Spearman ρ and interval coverage per form where the
+    table has both (predicted: ḡ ln k; predicted_linear: ḡ (k − 1)), over the pairs each form predicts and inside
+    the local range; by hand on a planted table whose truth is linear in k: the linear form covers every row, the
+    log form misses k = 4 and has no row at k = 0. Figure 13 draws both forms."""
+    from iclnoise.output.figures.cnr import fig_crn
+    from iclnoise.output.report import crn_section
+
+    g, ks = 0.01, [0.0, 0.5, 0.75, 1.5, 2.0, 4.0]
+    rows = []
+    for k in ks:
+        row = {"counterfactual": f"self*{k}" if k else "none", "seed": 0, "metric": "r", "n_realisations": 8,
+               "crn_mean": g * (k - 1), "crn_se": 0.001, "k": k, "local": k > 0 and abs(math.log(k)) / 2 <= 0.5}
+        for col, x in (("predicted", math.log(k) if k else math.nan), ("predicted_linear", k - 1)):
+            row |= {col: g * x, f"{col}_lo": g * x - 0.002, f"{col}_hi": g * x + 0.002}
+        rows.append(row)
+    text = "\n".join(crn_section(pd.DataFrame(rows)))
+    assert "every counterfactual with a prediction, ḡ ln k: Spearman ρ 1.00 over 5 (counterfactual, seed) pairs; " \
+           "interval coverage 0.60" in text   # misses k = 2 (0.0031 off) and 4 (0.016 off)
+    assert "inside the estimator's local range, ḡ ln k: Spearman ρ 1.00 over 4" in text
+    assert "every counterfactual with a prediction, ḡ (k − 1): Spearman ρ 1.00 over 6 (counterfactual, seed) " \
+           "pairs; interval coverage 1.00" in text
+    assert {p.suffix for p in fig_crn(pd.DataFrame(rows), tmp_path / "fig")} == {".png", ".pdf", ".parquet"}
 
 
 @pytest.mark.integration

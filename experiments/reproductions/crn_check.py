@@ -22,8 +22,10 @@ summary printed (ḡ ± SE per group for r). Not needed for the table.
 
 After either stage, when every seed has both: `--out`/effects.csv (ΔE f ± SE per counterfactual, seed and metric,
 paired by realisation: iclnoise.analysis.stats.paired_effects) and `--table` (the same with the pathwise prediction
-ΔE f ≈ ḡ ln k for the level counterfactuals self*k, its SE, and the interval prediction ± 1.96 √(se² + crn_se²);
-Spearman ρ and coverage printed, for r and the OOD loss, over every k and inside |Δ log scale| ≤ 0.5).
+for the level counterfactuals self*k in both first-order forms, ΔE f ≈ ḡ ln k (predicted) and ≈ ḡ (k − 1)
+(predicted_linear: stated before seeds 1-2's CRN means existed to fit better, docs/reproductions.md), each with its
+SE and the interval prediction ± 1.96 √(se² + crn_se²); Spearman ρ, coverage and mean z² printed per form, for r and
+the OOD loss, over every k and inside |Δ log scale| ≤ 0.5).
 
 Usage: OMP_NUM_THREADS=1 python experiments/reproductions/crn_check.py [--stage crn|pathwise|split] [--seeds 0 1 2]
        [--realisations 8] [--out DIR] [--work DIR] [--table DIR/crn.csv]
@@ -161,13 +163,15 @@ def table(out: Path, seeds: list[int], n: int, dest: Path) -> None:
     for r in eff.itertuples():
         k = level(r.counterfactual)
         gs = [dict(zip(d.metric, d.g)) for _, d in g[g.seed == r.seed].groupby("realisation")]
-        nan = (float("nan"), float("nan"))   # no prediction: not a level, or a metric the replay does not read
-        pred, se = predict(gs, k).get(r.metric, nan) if k is not None else nan
-        half = 1.96 * (se ** 2 + r.crn_se ** 2) ** 0.5
-        rows.append({"counterfactual": r.counterfactual, "seed": r.seed, "metric": r.metric,
-                     "n_realisations": r.n_realisations, "crn_mean": r.crn_mean, "crn_se": r.crn_se,
-                     "predicted": pred, "predicted_se": se, "predicted_lo": pred - half, "predicted_hi": pred + half,
-                     "k": float("nan") if k is None else k})
+        row = {"counterfactual": r.counterfactual, "seed": r.seed, "metric": r.metric,
+               "n_realisations": r.n_realisations, "crn_mean": r.crn_mean, "crn_se": r.crn_se,
+               "k": float("nan") if k is None else k}
+        for form, col in (("log", "predicted"), ("linear", "predicted_linear")):
+            nan = (float("nan"), float("nan"))   # no prediction: not a level, or a metric the replay does not read
+            pred, se = predict(gs, k, form).get(r.metric, nan) if k is not None else nan
+            half = 1.96 * (se ** 2 + r.crn_se ** 2) ** 0.5
+            row |= {col: pred, f"{col}_se": se, f"{col}_lo": pred - half, f"{col}_hi": pred + half}
+        rows.append(row)
     dest.parent.mkdir(parents=True, exist_ok=True)
     judge(pd.DataFrame(rows), str(dest))
 

@@ -78,19 +78,29 @@ def main() -> None:
     judge(pd.DataFrame(rows), a.out)
 
 
+FORMS = {"predicted": "ḡ ln k", "predicted_linear": "ḡ (k − 1)"}   # the prediction columns judged, where present
+
+
 def judge(df: pd.DataFrame, out: str) -> pd.DataFrame:
-    """An estimator's predictions against the CRN means (columns k, metric, crn_mean, predicted, predicted_lo,
-    predicted_hi): whether each interval covers, whether k is inside |Δ log scale| = |ln k| / 2 ≤ 0.5; written to
-    `out`; Spearman ρ and coverage printed for r and the OOD loss over the pairs with a prediction, and inside."""
-    df = df.assign(covered=(df.predicted_lo <= df.crn_mean) & (df.crn_mean <= df.predicted_hi),
-                   local=df.k.map(lambda k: k > 0 and abs(math.log(k)) / 2 <= 0.5))
+    """An estimator's predictions against the CRN means (columns k, metric, crn_mean, crn_se, predicted,
+    predicted_se, predicted_lo, predicted_hi; the same for predicted_linear where present: FORMS): whether each
+    interval covers (covered, covered_linear), whether k is inside |Δ log scale| = |ln k| / 2 ≤ 0.5; written to
+    `out`. Printed per form, for r and the OOD loss, over the pairs with k > 0 and inside: Spearman ρ,
+    coverage, and the mean squared standardised error z² = (crn_mean − predicted)² / (predicted_se² + crn_se²)
+    (1 where the prediction is right and its SE honest; how well a form fits, beside whether it ranks)."""
+    df = df.assign(local=df.k.map(lambda k: k > 0 and abs(math.log(k)) / 2 <= 0.5))
+    forms = [c for c in FORMS if c in df]
+    for col in forms:
+        df[col.replace("predicted", "covered")] = (df[f"{col}_lo"] <= df.crn_mean) & (df.crn_mean <= df[f"{col}_hi"])
     df.to_csv(out, index=False, float_format="%.6g")
-    for metric in METRICS:
-        have = df[(df.metric == metric) & df.predicted.notna()]
-        for where, d in (("every k with a prediction", have), ("|Δ log scale| ≤ 0.5", have[have.local])):
-            rho = spearmanr(d.predicted, d.crn_mean).statistic
-            print(f"{metric}, {where}: Spearman ρ {rho:.2f} over {len(d)}; coverage {d.covered.mean():.2f}; "
-                  f"{resolution(d)}")
+    for col in forms:
+        for metric in METRICS:
+            have = df[(df.metric == metric) & df[col].notna() & (df.k > 0)]   # the same rows for every form
+            for where, d in (("every k > 0", have), ("|Δ log scale| ≤ 0.5", have[have.local])):
+                rho = spearmanr(d[col], d.crn_mean).statistic
+                z2 = ((d.crn_mean - d[col]) ** 2 / (d[f"{col}_se"] ** 2 + d.crn_se ** 2)).mean()
+                print(f"{FORMS[col]}: {metric}, {where}: Spearman ρ {rho:.2f} over {len(d)}; coverage "
+                      f"{d[col.replace('predicted', 'covered')].mean():.2f}; mean z² {z2:.2f}; {resolution(d)}")
     return df
 
 
@@ -101,6 +111,9 @@ def resolution(d: pd.DataFrame, sims: int = 2000) -> str:
     m, se = d.crn_mean.to_numpy(), d.crn_se.to_numpy()
     draw = float((se * d.n_realisations.to_numpy() ** 0.5).mean())
     true_sd = math.sqrt(max(0.0, m.var() - (se ** 2).mean()))
+    if true_sd == 0:   # the means spread no wider than their SEs: no estimator can rank them
+        return (f"the means spread sd {m.std():.2g} against one draw's {draw:.2g} and their SE {se.mean():.2g}: "
+                f"not resolved (ρ_max 0)")
     g = torch.Generator().manual_seed(0)
     z = lambda: torch.randn(sims, len(m), generator=g, dtype=torch.float64).numpy()  # noqa: E731
     truth = m.mean() + true_sd * z()

@@ -305,7 +305,8 @@ def verdict_section(tests) -> list[str]:
 def crn_section(table: pd.DataFrame) -> list[str]:
     """A CNR check attached to the set (crn/crn.csv; method §13): what it is, the estimator's Spearman ρ and
     interval coverage against the CRN means for r (every counterfactual with a prediction, and inside its local
-    range where the table marks one, column `local`), and r's rows."""
+    range where the table marks one, column `local`), per first-order form where the table has both (predicted:
+    ḡ ln k; predicted_linear: ḡ (k − 1), crn_check.py), and r's rows."""
     from scipy.stats import spearmanr
 
     r = table[table.metric == "r"]
@@ -314,17 +315,20 @@ def crn_section(table: pd.DataFrame) -> list[str]:
              "minus the run's own retraining on the same data and noise stream (crn_mean ± crn_se); an estimator "
              "that retrains nothing predicts it (predicted, interval predicted_lo..predicted_hi). Figure 13 draws "
              "every metric.", ""]
-    have = r[r.predicted.notna()]
-    scopes = [("every counterfactual with a prediction", have)]
-    if "local" in have:
-        scopes.append(("inside the estimator's local range", have[have.local.astype(bool)]))
-    for where, d in scopes:
-        if len(d) >= 3:
-            cover = ((d.predicted_lo <= d.crn_mean) & (d.crn_mean <= d.predicted_hi)).mean()
-            lines.append(f"- {where}: Spearman ρ {spearmanr(d.predicted, d.crn_mean).statistic:.2f} over "
-                         f"{len(d)} (counterfactual, seed) pairs; interval coverage {cover:.2f}")
+    forms = [(c, f) for c, f in (("predicted", "ḡ ln k"), ("predicted_linear", "ḡ (k − 1)")) if c in r]
+    for col, form in forms:
+        have = r[r[col].notna()]
+        scopes = [("every counterfactual with a prediction", have)]
+        if "local" in have:
+            scopes.append(("inside the estimator's local range", have[have.local.astype(bool)]))
+        for where, d in scopes:
+            if len(d) >= 3:
+                cover = ((d[f"{col}_lo"] <= d.crn_mean) & (d.crn_mean <= d[f"{col}_hi"])).mean()
+                lines.append(f"- {where}" + (f", {form}" if len(forms) > 1 else "") + ": Spearman ρ "
+                             f"{spearmanr(d[col], d.crn_mean).statistic:.2f} over {len(d)} (counterfactual, seed) "
+                             f"pairs; interval coverage {cover:.2f}")
     cols = [c for c in ("counterfactual", "seed", "n_realisations", "crn_mean", "crn_se", "predicted",
-                        "predicted_lo", "predicted_hi") if c in r]
+                        "predicted_lo", "predicted_hi", "predicted_linear") if c in r]
     return lines + ["", r[cols].to_markdown(index=False, floatfmt=".4g"), ""]
 
 

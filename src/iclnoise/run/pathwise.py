@@ -222,15 +222,20 @@ def split_sensitivities(specs: list[RunSpec], state: dict, jac_batch: int, layer
     return out
 
 
-def predict(g: list[dict[str, float]], k: float) -> dict[str, tuple[float, float]]:
-    """ΔE f ≈ ḡ ln k with its SE |ln k| sd(g)/√N, per metric, from the per-realisation sensitivities `g`; NaN at
-    k = 0 (ln k = −∞: outside any first-order range)."""
+def predict(g: list[dict[str, float]], k: float, form: str = "log") -> dict[str, tuple[float, float]]:
+    """The first-order prediction of ΔE f at the level × k, with its SE, per metric, from the per-realisation
+    sensitivities `g` = dE f/d ln k at k = 1 (method §13, "A first-order pathwise estimator"). `form` "log": first
+    order in ln k, ḡ ln k ± |ln k| sd(g)/√N, NaN at k = 0 (ln k = −∞). "linear": first order in the variance
+    itself (dE f/dk = dE f/d ln k at k = 1), ḡ (k − 1) ± |k − 1| sd(g)/√N, defined at k = 0 too. The two agree to
+    first order in ln k and differ at the second: (k − 1) − ln k = (ln k)²/2 + O((ln k)³)."""
+    if form not in ("log", "linear"):
+        raise ValueError(f"form must be 'log' or 'linear', got {form!r}")
+    x = (math.log(k) if k > 0 else math.nan) if form == "log" else k - 1.0
     out = {}
     for metric in METRICS:
         v = torch.tensor([gi[metric] for gi in g], dtype=torch.float64)
-        n, lk = len(v), math.log(k) if k > 0 else math.nan
-        se = float(v.std()) / math.sqrt(n) if n > 1 else math.nan
-        out[metric] = (float(v.mean()) * lk, abs(lk) * se)
+        se = float(v.std()) / math.sqrt(len(v)) if len(v) > 1 else math.nan
+        out[metric] = (float(v.mean()) * x, abs(x) * se)
     return out
 
 
