@@ -5,11 +5,12 @@
   python experiments/dose_device.py pack RESULTS OUT.tar  the finished runs' files, checkpoints reduced to the first and
   last
 
-`plan` reads params.yaml with the CONFIG files on top (as `snakemake --configfile` does) and orders the jobs as the
+`plan` reads ./params.yaml with the CONFIG files on top (as `snakemake --configfile` does) and orders the jobs as the
 dose-response needs them (ORDER): the threshold ladder (M 8-32) of dose 0 and of every dose inside the regime, the
-widest span first, H2, then the rest of the full M grids, and last the doses beyond the regime. Each job is what the
-workflow's train rule runs (`iclnoise train --spec --runs`), so its runs are the workflow's runs for the same configs
-(with configs/dose_gpu.yaml: CUDA runs, a set of their own).
+widest span first, H2, then the rest of the full M grids, and last the doses beyond the regime. Another design's
+jobs (labels not in ORDER) come after, by group name (experiments/ladder.sh trains any design in this order). Each
+job is what the workflow's train rule runs (`iclnoise train --spec --runs`), so its runs are the workflow's runs for
+the same configs (with configs/dose_gpu.yaml: CUDA runs, a set of their own).
 `pack` takes a run whose training outputs are all there (a killed job's runs are not) and leaves out the resume
 state and the intermediate checkpoints (the probes of configs/dose.yaml read the first and last only).
 """
@@ -45,7 +46,7 @@ def rank(group: str, runs: list[str]) -> tuple:
 
 
 def plan(configs: list[str]) -> None:
-    params = load_params(ROOT / "params.yaml", configs)
+    params = load_params("params.yaml", configs)   # the working directory's, as snakemake reads it
     groups = ensemble_groups(params)
     for group in sorted(groups, key=lambda g: rank(g, groups[g])):
         runs = groups[group]

@@ -164,26 +164,32 @@ def check_run(run: Path, params: dict) -> None:
                              f"probes (snakemake) under these")
 
 
+def set_tables(params: dict, run_id: str) -> tuple[list[str], list[str]]:
+    """The tables a set takes from the run `run_id` of `params`' grid: its training tables (metrics.parquet first)
+    and the probe tables its probe sections make (iclnoise.config.grid.probe_sections, PROBE_TABLES; not
+    llc_traces). KeyError or ValueError for a run not of the grid."""
+    from ..config.grid import PROBE_TABLES, parse_run_id, probe_sections, typed_spec
+
+    spec = typed_spec(params, run_id)
+    trained = list(dict.fromkeys(["metrics.parquet", *(f for f in spec.outputs if f in RUN_TABLES)]))
+    probes = [f for s in probe_sections(params, parse_run_id(run_id)) for f in PROBE_TABLES[s] if f in RUN_TABLES]
+    return trained, probes
+
+
 def finished_runs(results: Path, params: dict) -> list[Path]:
     """The runs of `results` that a set can take before the whole grid has run: in the grid of `params`, their
     training tables written and, after them, every probe table a set keeps that their probe sections make
-    (iclnoise.config.grid.probe_sections, PROBE_TABLES). A run whose job is still training, or whose training was rerun
-    after its probes, is left out."""
-    from ..config.grid import PROBE_TABLES, parse_run_id, probe_sections, typed_spec
-
+    (set_tables). A run whose job is still training, or whose training was rerun after its probes, is left out."""
     done = []
     for run in sorted(p for p in (results / "runs").iterdir() if (p / "run.json").exists()):
         try:
-            spec = typed_spec(params, run.name)
+            trained, probes = set_tables(params, run.name)
         except (KeyError, ValueError):
             log.warning("%s: left out, not a run of these parameters' grid", run)
             continue
-        trained = [run / f for f in spec.outputs if f in RUN_TABLES]
-        probes = [run / f for s in probe_sections(params, parse_run_id(run.name)) for f in PROBE_TABLES[s]
-                  if f in RUN_TABLES]   # the tables a set keeps (not llc_traces)
-        missing = [f.name for f in dict.fromkeys([run / "metrics.parquet", *trained, *probes]) if not f.exists()]
+        missing = [f for f in dict.fromkeys([*trained, *probes]) if not (run / f).exists()]
         trained_at = (run / "metrics.parquet").stat().st_mtime if not missing else None
-        older = [f.name for f in probes if trained_at is not None and f.stat().st_mtime < trained_at]
+        older = [f for f in probes if trained_at is not None and (run / f).stat().st_mtime < trained_at]
         if missing:
             log.warning("%s: left out, not finished (no %s yet)", run, ", ".join(missing))
         elif older:
