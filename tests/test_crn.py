@@ -195,8 +195,8 @@ def test_the_crn_table_is_drawn(forked, tmp_path):
 def test_the_reported_check_judges_each_first_order_form(tmp_path):
     """The report's CNR section (report.crn_section) gives Spearman ρ and interval coverage per form where the
     table has both (predicted: ḡ ln k; predicted_linear: ḡ (k − 1)), over the pairs each form predicts and inside
-    the local range; by hand on a planted table whose truth is linear in k: the linear form covers every row, the
-    log form misses k = 4 and has no row at k = 0. Figure 13 draws both forms."""
+    the local range, over the pairs both predict; by hand on a planted table whose truth is linear in k: the linear
+    form covers every row, the log form misses k = 2 and 4 and has no prediction at k = 0. Figure 13 draws both."""
     from iclnoise.output.figures.cnr import fig_crn
     from iclnoise.output.report import crn_section
 
@@ -212,8 +212,8 @@ def test_the_reported_check_judges_each_first_order_form(tmp_path):
     assert "every counterfactual with a prediction, ḡ ln k: Spearman ρ 1.00 over 5 (counterfactual, seed) pairs; " \
            "interval coverage 0.60" in text   # misses k = 2 (0.0031 off) and 4 (0.016 off)
     assert "inside the estimator's local range, ḡ ln k: Spearman ρ 1.00 over 4" in text
-    assert "every counterfactual with a prediction, ḡ (k − 1): Spearman ρ 1.00 over 6 (counterfactual, seed) " \
-           "pairs; interval coverage 1.00" in text
+    assert "every counterfactual with a prediction, ḡ (k − 1): Spearman ρ 1.00 over 5 (counterfactual, seed) " \
+           "pairs; interval coverage 1.00" in text   # the pairs both forms predict (k = 0 only in the table)
     assert {p.suffix for p in fig_crn(pd.DataFrame(rows), tmp_path / "fig")} == {".png", ".pdf", ".parquet"}
 
 

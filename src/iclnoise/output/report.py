@@ -306,7 +306,7 @@ def crn_section(table: pd.DataFrame) -> list[str]:
     """A CNR check attached to the set (crn/crn.csv; method §13): what it is, the estimator's Spearman ρ and
     interval coverage against the CRN means for r (every counterfactual with a prediction, and inside its local
     range where the table marks one, column `local`), per first-order form where the table has both (predicted:
-    ḡ ln k; predicted_linear: ḡ (k − 1), crn_check.py), and r's rows."""
+    ḡ ln k; predicted_linear: ḡ (k − 1), crn_check.py; over the pairs both predict), and r's rows."""
     from scipy.stats import spearmanr
 
     r = table[table.metric == "r"]
@@ -316,8 +316,9 @@ def crn_section(table: pd.DataFrame) -> list[str]:
              "that retrains nothing predicts it (predicted, interval predicted_lo..predicted_hi). Figure 13 draws "
              "every metric.", ""]
     forms = [(c, f) for c, f in (("predicted", "ḡ ln k"), ("predicted_linear", "ḡ (k − 1)")) if c in r]
+    both = r[r[[c for c, _ in forms]].notna().all(axis=1)]   # the pairs every form predicts: one set of rows
     for col, form in forms:
-        have = r[r[col].notna()]
+        have = both
         scopes = [("every counterfactual with a prediction", have)]
         if "local" in have:
             scopes.append(("inside the estimator's local range", have[have.local.astype(bool)]))
