@@ -75,7 +75,6 @@ def runs(tmp_path):
     return tmp_path, dirs
 
 
-@pytest.mark.numerics
 def test_aggregate_outcomes_thresholds_tests_and_report(runs):
     """An unconverged grid (M = ∞ OOD loss 2× ridge's) whose batch sizes saw different data: thresholds are still
     fitted, but every threshold and every verdict that ran is gated and reads 'inconclusive'."""
@@ -135,7 +134,6 @@ def two_optimizers(root, optimizers=("adamw", "sgd_momentum")):
             for seed in range(3) for M in (1, 4, 8, 16, 32, 64, 256, 1024, -1)]
 
 
-@pytest.mark.numerics
 def test_two_optimizers_of_one_condition_are_kept_apart(tmp_path):
     """Issue 45: runs of one noise condition under AdamW and SGD with momentum are two arms. Each gets its own
     thresholds (M* 16 and 64, not one pooled M* near 32), convergence row, metrics.json entry and tests."""
@@ -166,7 +164,6 @@ def test_two_optimizers_of_one_condition_are_kept_apart(tmp_path):
     assert "r50, noise none, batch 16 (sgd_momentum): M* = " in text and "r50, noise none, batch 16: M* = " in text
 
 
-@pytest.mark.numerics
 def test_an_optimizers_tables_are_those_of_its_runs_alone(tmp_path):
     """A one-optimizer grid's tables are the per-condition tables of before plus the `optimizer` column, and adding
     another optimizer's runs of the same condition changes none of its rows (outcomes, thresholds, tests; the tests
@@ -184,7 +181,6 @@ def test_an_optimizers_tables_are_those_of_its_runs_alone(tmp_path):
     assert set(m["thresholds"]) == {"none/B16"} and not any(k.endswith(")") for k in m["tests"])
 
 
-@pytest.mark.numerics
 def test_planted_clean_transition_passes_every_gate_and_recovers_m_star(tmp_path):
     """Converged (M = ∞ OOD loss 5 % above ridge), equal data, 3 seeds, r from 0.02 to 0.98 around a planted
     M* = 2^5 = 32 with seed-to-seed sd 0.3 octave: every gate passes and the interval covers 32."""
@@ -246,7 +242,6 @@ def _rows_for(schema, keys, n):
                           for f in schema} for i in range(n)])
 
 
-@pytest.mark.numerics
 def test_exposure_and_geometry_tables_reach_the_outcomes(tmp_path):
     """The outcome columns come from the probes' own tables and summaries (plumbing, not the formulas)."""
     from iclnoise.noise.exposure import EXPOSURE_SCHEMA, summarize
@@ -305,7 +300,6 @@ def opening(tmp_path, dirs) -> str:
     return text[start:text.index("\n## ", start)]
 
 
-@pytest.mark.numerics
 def test_the_opening_says_m_inf_runs_diverged_not_that_every_condition_converged(tmp_path):
     """Issue 48, case 5 (lr 50): every run diverged, M = ∞ included. The opening said "no M = ∞ run ... every
     condition converged"; it says the M = ∞ runs diverged, not every condition converged, and names it below."""
@@ -318,7 +312,6 @@ def test_the_opening_says_m_inf_runs_diverged_not_that_every_condition_converged
 
 
 
-@pytest.mark.numerics
 def test_a_nan_ridge_loss_fails_the_convergence_gate_by_name(tmp_path):
     """Issue 68 (7): a NaN ood_loss_ridge in an M = ∞ run's last row dropped that run from the convergence gate (a
     NaN-skipping max) and the report said every condition converged. Now the condition is not converged, and the
@@ -336,7 +329,6 @@ def test_a_nan_ridge_loss_fails_the_convergence_gate_by_name(tmp_path):
     (code, detail), = gate_convergence(out, conv)
     assert code == "unconverged" and "not finite (a NaN ood_loss_ridge" in detail
 
-@pytest.mark.numerics
 def test_the_opening_claims_no_passed_gate_where_no_threshold_or_test_ran(tmp_path):
     """Issue 48, case 6: a grid of M = ∞ only (2 seeds, 2× ridge's loss) has no threshold and runs no test. The
     opening ended "Every threshold and verdict above passed its validity gates"; it says that no threshold was

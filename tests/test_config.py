@@ -681,7 +681,6 @@ def test_snakemake_config_values_arrive_as_numbers(tmp_path):
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_ensemble_runs_auto_on_the_cpu_is_the_default_grouping(monkeypatch):
     """`train.ensemble_runs: auto` on the CPU (train.device cpu, or auto with no CUDA device visible) gives the
     default's groups (18 runs per ensemble: CPU_ENSEMBLE_RUNS), and no run's spec hash moves with the key."""
@@ -705,7 +704,6 @@ def test_ensemble_runs_auto_on_the_cpu_is_the_default_grouping(monkeypatch):
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_ensemble_runs_auto_fills_a_planted_gpu_memory():
     """On a GPU of planted memory G, `auto` packs runs (grid order) while the ensemble's job_memory stays within
     0.8 G: at one M job_memory = c + R·u, so a GPU of (c + 5u + u/2)/0.8 bytes takes ensembles of 5 runs across
@@ -748,7 +746,6 @@ def test_ensemble_runs_auto_fills_a_planted_gpu_memory():
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_ensemble_runs_auto_on_cuda_without_a_gpu_names_the_key(monkeypatch):
     """Planning `auto` for cuda where no CUDA device is visible and gpu_memory_gib is unset: a ParamsError that
     names train.gpu_memory_gib; a run too large for the GPU alone is named."""

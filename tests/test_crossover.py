@@ -58,7 +58,6 @@ def rates(n, rng, x_star, Ms, **kw):
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_pull_reads_the_direction_and_ignores_a_common_shrink():
     """d = ln Δ(f, ridge) − ln Δ(f, dMMSE_M) with slope +0.4 per e-fold of data while both distances halve every
     e-fold: pull +0.4 from the late half only (the early half, planted with the opposite slope, is left out)."""

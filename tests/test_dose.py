@@ -61,7 +61,6 @@ def h1(out):
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_the_dose_table_has_a_row_per_run_of_the_series_and_dose_zero():
     out = planted(np.random.default_rng(0), booked={0.01: 1.02})
     runs = dose.dose_runs(out, GATES["convergence_tol"])
@@ -73,7 +72,6 @@ def test_the_dose_table_has_a_row_per_run_of_the_series_and_dose_zero():
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_no_dose_series_changes_nothing():
     """One positive dose is no series: no dose runs, no dose rows, the other tests as before."""
     out = planted(np.random.default_rng(0), doses=(0.1,))
@@ -82,7 +80,6 @@ def test_no_dose_series_changes_nothing():
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_the_regime_leaves_out_unconverged_saturated_and_unchecked_doses():
     """M = ∞ 1.2× ridge's and still falling (0.15 × ridge's over the last third) at dose 1 leaves out 1; the dose 0.3
     (no M = ∞ run) lies above the highest converged dose checked (0.1), so it is out too; 0.03 books 0.5× its
@@ -103,7 +100,6 @@ def test_the_regime_leaves_out_unconverged_saturated_and_unchecked_doses():
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_a_planted_slope_of_r_is_recovered_and_a_null_is_a_null():
     rng = np.random.default_rng(1)
     t = h1(planted(rng, slope=0.05)).set_index("outcome")
@@ -118,7 +114,6 @@ def test_a_planted_slope_of_r_is_recovered_and_a_null_is_a_null():
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_a_dose_with_m_inf_runs_only_vouches_for_the_regime_and_the_slope_reads_the_rest():
     """The CPU plan's order: the ladder at 0.01 and 0.1, and at 0.3 M = ∞ alone (trained early to show the regime
     reaches that far). 0.3 stays inside the regime; the r slope is fitted over 0.01 and 0.1 at the ladder (before,
@@ -135,7 +130,6 @@ def test_a_dose_with_m_inf_runs_only_vouches_for_the_regime_and_the_slope_reads_
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_the_ladder_reads_a_planted_shift_of_m_star():
     """M* moves by −0.25 octave per decade (r's curve translates): the ladder's converted slope covers it, M* by r50
     is not fitted (3 M at the positive doses), and the shift per dose follows −0.25·log10(d/0.01). (The conversion
@@ -154,7 +148,6 @@ def test_the_ladder_reads_a_planted_shift_of_m_star():
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_the_cpu_plan_checks_the_ladder_against_m_star_at_its_full_grid_dose():
     """The CPU plan: the full M grid at dose 0 and at the highest dose (1, 2 decades above the lowest), the ladder
     elsewhere. M* moves −0.25 octave per decade: log2 M* at dose 1 − dose 0 ≈ −0.5 (paired by seed), and the
@@ -183,7 +176,6 @@ def test_m_star_slope_takes_seeds_as_the_unit():
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_full_grids_at_two_positive_doses_give_m_star_a_slope():
     """configs/dose.yaml's full M grids at 0.03x and 0.3x: here at 0.1 and 1 (a decade apart) and dose 0. M* moves
     −0.25 octave per decade: the r50 slope runs over those 2 doses and its interval covers −0.25."""
@@ -193,7 +185,6 @@ def test_full_grids_at_two_positive_doses_give_m_star_a_slope():
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_m_star_has_a_slope_on_total_exposure_with_dose_zero_in_it():
     """H1's own axis (method §11): the slope of log2 M* per decade of total exposure (batch + injected), dose 0
     included. Planted: total exposure 10^ld where M* moves −0.25 octave per ld (ld = log10(d/d₁); dose 0 at d₁'s
@@ -210,7 +201,6 @@ def test_m_star_has_a_slope_on_total_exposure_with_dose_zero_in_it():
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_with_a_full_grid_at_every_dose_m_star_slope_is_fitted_by_both_definitions():
     out = planted(np.random.default_rng(3), shift=-0.5, noise=0.01, full_at=(0.0, *DOSES))
     t = h1(out)
@@ -222,7 +212,6 @@ def test_with_a_full_grid_at_every_dose_m_star_slope_is_fitted_by_both_definitio
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_the_dose_zero_contrast_and_an_unconverged_dose_zero():
     out = planted(np.random.default_rng(4), slope=0.05)
     z = h1(out).set_index("term").loc["dose 1 − dose 0"]
@@ -247,7 +236,6 @@ def test_monotonicity_holds_its_size_on_a_line_and_finds_a_step():
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_an_m_inf_only_scan_reports_its_regime_and_runs_no_slope():
     """configs/dose_scan.yaml's shape: M = ∞ only at every dose: the regime is read, every slope says why not."""
     out = planted(np.random.default_rng(6), inf_at=DOSES, ratio={1.0: 1.2}, fall={1.0: 0.15})
@@ -292,7 +280,6 @@ def test_has_dose_series_reads_the_grid_as_dose_runs_reads_the_outcomes():
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_aggregate_writes_the_dose_tables_only_for_a_dose_series(tmp_path, monkeypatch):
     from test_gates import planted as no_dose
 
@@ -317,7 +304,6 @@ def test_aggregate_writes_the_dose_tables_only_for_a_dose_series(tmp_path, monke
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_figure_6_against_dose_and_the_report_opening_with_the_answer(tmp_path):
     from iclnoise.analysis.verdicts import TESTS_SCHEMA
     from iclnoise.core.io import write_parquet
@@ -341,7 +327,6 @@ def test_figure_6_against_dose_and_the_report_opening_with_the_answer(tmp_path):
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_a_series_under_two_optimizers_is_two_series_each_with_its_own_dose_zero():
     """grid.optimizer (issue 45): a dose series trained under AdamW and SGD with momentum is two series; each takes
     dose 0 from its own optimizer's batch-noise runs, and AdamW's levels are those of its runs alone (SGD's planted

@@ -127,7 +127,6 @@ def test_event_free_curve_is_event_free():
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_same_continuous_curve_same_forms_at_every_density():
     for name, (fn, truth) in CASES.items():
         found = []
@@ -142,7 +141,6 @@ def test_same_continuous_curve_same_forms_at_every_density():
 
 
 @pytest.mark.validation
-@pytest.mark.numerics
 @pytest.mark.parametrize("n_points", [20, 50, 200])
 def test_detection_rates_on_noisy_planted_curves(n_points):
     """Planted forms found (exactly, each within ± tolerance) in ≥ 90 % of noisy replicates; the
@@ -153,7 +151,6 @@ def test_detection_rates_on_noisy_planted_curves(n_points):
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_event_free_curve_at_the_pipeline_schedule_with_near_duplicate_steps():
     """The old default schedule (…, 296, 312, 603, 625, 1228, 1250, …) made vertices; the smoother
     does not care about uneven spacing. The new schedule has no near-duplicates."""
@@ -165,7 +162,6 @@ def test_event_free_curve_at_the_pipeline_schedule_with_near_duplicate_steps():
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_end_effects_give_no_vertex():
     """Arcs whose |κ| grows toward an end (parabola, cubic, clothoid) have no interior vertex."""
     tau = log_time(log_spaced(50))
@@ -184,7 +180,6 @@ def test_end_effects_give_no_vertex():
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_curvature_of_a_circle_and_ellipse_vertices_exactly():
     th = np.linspace(0, 2 * np.pi, 400)
     h = th[1] - th[0]
@@ -199,7 +194,6 @@ def test_curvature_of_a_circle_and_ellipse_vertices_exactly():
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_semicubical_parabola_cusp():
     t = np.linspace(-1, 1, 101)
     inner = np.ones(101, bool)
@@ -210,7 +204,6 @@ def test_semicubical_parabola_cusp():
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_local_quadratic_smoother_reproduces_quadratics_on_uneven_grids():
     tau = log_time(np.array([0, 1, 2, 4, 9, 17, 35, 72, 146, 296, 312, 603, 625, 2500.]))
     grid, sm = smooth_curve(tau, np.stack([2 * tau + 1, -tau ** 2], -1), 0.7)
@@ -220,7 +213,6 @@ def test_local_quadratic_smoother_reproduces_quadratics_on_uneven_grids():
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_forms_clustering_keeps_distinct_forms_and_places_them_at_events():
     def ev(pair, t):
         return {"pc_i": pair[0], "pc_j": pair[1], "log_step": t, "kept": True}
@@ -235,7 +227,6 @@ def test_forms_clustering_keeps_distinct_forms_and_places_them_at_events():
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_bootstrap_replicate_zero_is_the_projection_and_resamples_by_sequence():
     rng = np.random.default_rng(0)
     X = rng.standard_normal((6, 5 * 4))
@@ -250,7 +241,6 @@ def test_bootstrap_replicate_zero_is_the_projection_and_resamples_by_sequence():
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_joint_pca_is_exact_on_a_flat_spectrum():
     """120 × 4096 with a flat spectrum (the shape where svd_lowrank was 63° off): same subspace as
     numpy's dense SVD (principal angles ~0). Time measured: 0.09 s on one core (not asserted: shared CPUs)."""
@@ -315,7 +305,6 @@ def test_cli_end_to_end_and_predictor_projection(tmp_path):
 
 
 @pytest.mark.unit
-@pytest.mark.numerics
 def test_ed_does_not_import_figures():
     import ast
     import inspect

@@ -128,7 +128,6 @@ def test_planted_polygon_has_its_vertices_exactly_at_the_kinks():
 
 
 @pytest.mark.validation
-@pytest.mark.numerics
 @pytest.mark.parametrize("noise", [0.0, NOISE])
 @pytest.mark.parametrize("n_points", [20, 50, 200])
 def test_two_forms_a_window_apart_stay_two(n_points, noise):
@@ -139,7 +138,6 @@ def test_two_forms_a_window_apart_stay_two(n_points, noise):
 
 
 @pytest.mark.validation
-@pytest.mark.numerics
 @pytest.mark.parametrize("name", ["lobe", "start", "end"])
 @pytest.mark.parametrize("noise", [0.0, NOISE])
 @pytest.mark.parametrize("n_points", [20, 50, 200])

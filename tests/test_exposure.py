@@ -30,8 +30,6 @@ from iclnoise.noise.exposure import (
     summarize,
 )
 
-pytestmark = pytest.mark.numerics
-
 
 class Linear(nn.Module):
     """f(x) = wᵀx; per-example loss ½(wᵀx − y)², per-example gradient (wᵀx − y) x."""
@@ -157,6 +155,7 @@ def three_runs(tiny):
     return models, {n: torch.stack([dict(mod.named_parameters())[n].detach() for mod in models]) for n in names}, xs, ys
 
 
+@pytest.mark.numerics
 @pytest.mark.unit
 def test_stacked_group_gradients_equal_each_runs_own(three_runs):
     """Each run's group gradients of one stacked pass equal its own group_grads to float32 round-off (measured:
@@ -173,6 +172,7 @@ def test_stacked_group_gradients_equal_each_runs_own(three_runs):
         stacked_group_grads(models[0], mse_loss, params, xs, ys, 5)
 
 
+@pytest.mark.numerics
 @pytest.mark.unit
 def test_stacked_gauss_newton_probes_equal_each_runs_own(tiny, three_runs):
     """Three runs with their own weights, held-out batches and probe streams, measured in one stacked call: each
@@ -194,6 +194,7 @@ def test_stacked_gauss_newton_probes_equal_each_runs_own(tiny, three_runs):
     assert not torch.allclose(stacked[1].left, other.left, rtol=1e-2, atol=1e-2 * scale)
 
 
+@pytest.mark.numerics
 @pytest.mark.unit
 def test_stacked_exact_gauss_newton_equals_each_runs_own(three_runs):
     """The exact Gauss–Newton samples of three runs with their own weights and held-out batches, in one stacked call:
@@ -288,6 +289,7 @@ def test_kappa_is_the_optimizers_long_run_diffusion_factor():
     assert kappa(None, 0.99) == 1.0 and kappa("calibrated", 0.9) == 1.0 and kappa(2.5, 0.9) == 2.5
 
 
+@pytest.mark.numerics
 @pytest.mark.unit
 def test_preconditioner_uses_each_param_groups_own_eps_and_zeroes_dead_coordinates():
     a_, b_ = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
@@ -300,6 +302,7 @@ def test_preconditioner_uses_each_param_groups_own_eps_and_zeroes_dead_coordinat
     torch.testing.assert_close(preconditioner(AdamState.of_torch(opt)), want)
 
 
+@pytest.mark.numerics
 @pytest.mark.unit
 def test_dead_coordinates_are_the_zero_or_round_off_second_moments_whatever_eps():
     """a = 0 exactly where v̂ = 0 or sqrt(v̂) is below float32 resolution of the largest (ε32 · max, the b_K of the
@@ -353,6 +356,7 @@ def test_update_variance_matches_real_adamw_steps_and_calibrates_kappa_to_one(be
     assert calibrated_kappa(obs, pred, beta1) == pytest.approx(1.0, rel=0.05)
 
 
+@pytest.mark.numerics
 @pytest.mark.unit
 def test_pne_columns_by_hand():
     """One exposure row's arithmetic (method §6) against numbers worked by hand: a = (1, 2), diag C = (3, 4),

@@ -75,6 +75,9 @@ def test_the_decomposition_recovers_planted_slopes_and_reads_misfit_not_ridge_li
     assert dec.loc["id_loss"].ci_lo <= 0.02 <= dec.loc["id_loss"].ci_hi and dec.loc["id_loss"].ci_lo > 0
     assert dec.loc["ood_delta_ridge"].ci_lo <= 0 <= dec.loc["ood_delta_ridge"].ci_hi
     assert dec.loc["r"].ci_lo > 0
+    (_, g), = dose.series(dose.dose_runs(out, GATES["convergence_tol"]))   # the rows the validation test below fits
+    pd.testing.assert_frame_equal(dose.total_fit(g, GATES["dose_tol"]),
+                                  dose.analyse(g, CFG.alpha, GATES["dose_tol"], GATES["min_seeds"])["total_fit"])
     reading = ridge_reading(t, "param (diagonal), batch 64")
     assert len(reading) == 1 and "not more ridge-like" in reading[0] and "misfit" in reading[0]
     ridge = with_outcomes(planted(rng, slope=0.05, full_at=(0.0, *DOSES)), rng, id_slope=0.0, ridge_slope=-0.02)
@@ -97,8 +100,8 @@ def test_the_decomposition_slopes_interval_covers_a_planted_slope_and_holds_its_
         rng = np.random.default_rng(s)
         out = with_outcomes(planted(rng, slope=0.05), rng, id_slope=0.02, ridge_slope=0.0)
         (_, g), = dose.series(dose.dose_runs(out, GATES["convergence_tol"]))
-        res = dose.analyse(g, CFG.alpha, GATES["dose_tol"], GATES["min_seeds"])
-        e, f = res["decomposition"]["id_loss"], res["decomposition"]["ood_delta_ridge"]
+        fit = dose.total_fit(g, GATES["dose_tol"])   # analyse's rows for its decomposition, without the rest
+        e, f = (dose.total_slope(fit, y, CFG.alpha) for y in ("id_loss", "ood_delta_ridge"))
         hits += e.ci_lo <= 0.02 <= e.ci_hi
         false += not f.ci_lo <= 0 <= f.ci_hi
     band = 2 * math.sqrt(0.95 * 0.05 / 100)
@@ -169,7 +172,7 @@ def test_the_batch_axis_slope_holds_its_size_and_finds_the_planted_mde():
     def p_of(slope, s):
         out = batch_axis(np.random.default_rng(s), slope=slope, steps_arm=False)
         every = out[out.M != -1].assign(log2M=lambda d: np.log2(d.M))
-        rows = h1_batch_axis(every, 0.05, lambda runs: [])
+        rows = h1_batch_axis(every, 0.05, lambda runs: [], decompose=False)
         return next(r["p"] for r in rows if "(r50)" in r["test"])
 
     size = np.mean([p_of(0.0, s) < 0.05 for s in range(100)])

@@ -10,8 +10,6 @@ from iclnoise.analysis.verdicts import h5_alignment, hypothesis_tests
 from iclnoise.core.probe_sections import Stats
 from iclnoise.core.tasks import M_INF
 
-pytestmark = pytest.mark.numerics
-
 CFG = Stats(alpha=0.05, equivalence_fraction=0.5, equivalence_margin=None, transient_tol=0.05)
 ARMS = ("none", "nap", "nap_misaligned", "nap_isotropic", "nap_within_task")
 BY_SEED, BY_PAIR, SHIFT, MSTAR = ("paired t by seed", "sensitivity: paired t by (M, seed)", "M* shift read from r",

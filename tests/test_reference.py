@@ -27,9 +27,15 @@ RTOL, ATOL = 1e-4, 1e-6
 SETS = sorted(p for p in (ROOT / "reference").iterdir() if (p / "provenance.json").exists())
 
 
+# What a clone carries. 45.4 MiB before issue 70's sets (dose alone 27 MiB, 234 runs); a run of them exports two
+# Parquet tables of 45-50 KB, mostly per-file schema and statistics (zstd or no dictionary saves under 7 %), so the
+# exposure design (280 runs) adds about 13 MiB and the batch axis's own 240 runs about 14 MiB: 80 MiB holds both.
+BUDGET_MIB = 80
+
+
 def test_the_reference_sets_fit_the_budget():
     assert {p.name for p in SETS} >= {"science", "noise", "align"}
-    assert sum(p.stat().st_size for s in SETS for p in s.rglob("*") if p.is_file()) < 50 * 2**20
+    assert sum(p.stat().st_size for s in SETS for p in s.rglob("*") if p.is_file()) < BUDGET_MIB * 2**20
 
 
 @pytest.mark.parametrize("ref", SETS, ids=lambda p: p.name)

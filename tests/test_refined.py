@@ -314,7 +314,6 @@ def test_susceptibility_matches_the_gaussian_closed_form():
     assert abs(-cfg.n * np.cov(lq, lq2 - lq)[0, 1] - want) < 3 * se
 
 
-@pytest.mark.numerics
 def test_susceptibility_estimator():
     """Per-chain covariances: χ of draws with a planted covariance; Δ independent of φ gives χ ≈ 0."""
     rng = np.random.default_rng(0)
@@ -397,7 +396,6 @@ def test_refined_checkpoints_are_early_middle_and_last_of_the_llcs():
     assert refined_steps(llc, 20) == llc[1:] and refined_steps([0], 3) == [0]
 
 
-@pytest.mark.numerics
 def test_refined_section_overrides_only_the_sampler_keys_it_sets():
     from iclnoise.core.probe_sections import Refined
 

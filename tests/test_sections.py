@@ -49,7 +49,6 @@ def _required(cls) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if meta(f)["required"]]
 
 
-@pytest.mark.numerics
 def test_llcconfig_is_the_typed_section_importable_from_llc():
     assert LLCConfigFromLLC is LLCConfig
 
@@ -235,7 +234,6 @@ def test_no_module_reads_a_params_key_with_an_inline_default():
     assert [f for f in found if (f[0], f[2]) not in KNOWN] == []
 
 
-@pytest.mark.numerics
 def test_build_hooks_reads_the_typed_sections_and_names_a_missing_key():
     import torch
 

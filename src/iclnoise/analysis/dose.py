@@ -228,19 +228,8 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
     mono    stats.monotonicity of the seed means of r over the ladder against log10 dose;
     failed  {fit: error name} of the mixed models that failed."""
     level = 1 - alpha
-    lv = regime(g, dose_tol)
-    ok = g[~g.diverged.astype(bool)].assign(log10_dose=lambda d: np.log10(
-        d.target_dose.map(lv.set_index("target_dose").realised_dose).where(d.target_dose > 0)))
-    finite = ok[(ok.M != M_INF) & ok.r.notna()]
-    # the positive in-regime doses with finite-M runs (a dose with M = ∞ runs only vouches for the regime below it)
-    inside = [d for d in lv[lv.in_regime & (lv.target_dose > 0)].target_dose if (finite.target_dose == d).any()]
-    per_dose = [set(finite[finite.target_dose == d].M) for d in [0.0, *inside]]
-    ladder = sorted(set.intersection(*per_dose)) if per_dose else []
+    lv, finite, inside, ladder, total = _frame(g, dose_tol)
     fit = finite[finite.target_dose.isin(inside) & finite.M.isin(ladder)]
-    # per dose: the mean over its runs at the ladder's M, which every inside dose has (exposure moves with M: a
-    # mean over a dose's own M set would compare a full grid's, M = 1 included, with a ladder's)
-    on = finite[finite.M.isin(ladder)] if ladder else finite
-    total = on.groupby("target_dose").total_exposure.mean()
     res = {"ladder": ladder, "fit": fit, "doses": sorted(inside), "total": total, "mstar_total": {},
            "left_out": lv[~lv.in_regime & (lv.target_dose > 0)], "r": None, "r_seed": None, "mstar": {},
            "mstar_zero": {},
@@ -262,11 +251,39 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
         res["mono"] = stats.monotonicity(cells)
     for point in ("r50", "midpoint"):
         _mstar_tests(ex, lv, point, alpha, res)
-    res["total_fit"] = finite[finite.target_dose.isin([0.0, *inside]) & finite.M.isin(ladder)].assign(
-        log10_total=lambda d: np.log10(d.target_dose.map(total)))
+    res["total_fit"] = _total_fit(finite, inside, ladder, total)
     res["decomposition"] = decomposition(res["total_fit"], alpha, res) if len(inside) else {}
     res["zero"] = _zero_contrast(finite, inside, ladder, alpha)
     return res
+
+
+def _frame(g: pd.DataFrame, dose_tol: float) -> tuple:
+    """analyse's reading of a series: `regime`'s levels; the converged finite-M runs with an r (log10_dose their
+    dose's realised dose); the positive in-regime doses with finite-M runs (a dose with M = ∞ runs only vouches for
+    the regime below it); the ladder (the M run at dose 0 and every one of them); each dose's mean total exposure
+    over its runs at the ladder's M, which every inside dose has (exposure moves with M: a mean over a dose's own M
+    set would compare a full grid's, M = 1 included, with a ladder's)."""
+    lv = regime(g, dose_tol)
+    ok = g[~g.diverged.astype(bool)].assign(log10_dose=lambda d: np.log10(
+        d.target_dose.map(lv.set_index("target_dose").realised_dose).where(d.target_dose > 0)))
+    finite = ok[(ok.M != M_INF) & ok.r.notna()]
+    inside = [d for d in lv[lv.in_regime & (lv.target_dose > 0)].target_dose if (finite.target_dose == d).any()]
+    per_dose = [set(finite[finite.target_dose == d].M) for d in [0.0, *inside]]
+    ladder = sorted(set.intersection(*per_dose)) if per_dose else []
+    on = finite[finite.M.isin(ladder)] if ladder else finite
+    return lv, finite, inside, ladder, on.groupby("target_dose").total_exposure.mean()
+
+
+def _total_fit(finite: pd.DataFrame, inside: list, ladder: list[int], total: pd.Series) -> pd.DataFrame:
+    return finite[finite.target_dose.isin([0.0, *inside]) & finite.M.isin(ladder)].assign(
+        log10_total=lambda d: np.log10(d.target_dose.map(total)))
+
+
+def total_fit(g: pd.DataFrame, dose_tol: float) -> pd.DataFrame:
+    """analyse's total_fit alone: dose 0's and the in-regime doses' runs at the ladder with log10_total, the rows
+    total_slope and decomposition read (what a coverage simulation of them needs without the rest of analyse)."""
+    _, finite, inside, ladder, total = _frame(g, dose_tol)
+    return _total_fit(finite, inside, ladder, total)
 
 
 def _zero_contrast(finite: pd.DataFrame, inside: list, ladder: list[int], alpha: float) -> dict | None:

@@ -34,12 +34,13 @@ def batch_arms(every: pd.DataFrame) -> dict[str, pd.DataFrame]:
     return {k: a for k, a in arms.items() if a.batch.nunique() >= 3}
 
 
-def h1_batch_axis(every: pd.DataFrame, alpha: float, common) -> list[dict]:
+def h1_batch_axis(every: pd.DataFrame, alpha: float, common, decompose: bool = True) -> list[dict]:
     """Per arm (batch_arms): the slope of log2 M* per decade of total exposure across batch sizes (each batch size's
     per-seed M* from its full M grid, threshold_with_ci; x its mean total integrated P-NE* over its runs; each
     seed's slope, t over seeds: dose.mstar_slope) — r50 in the Holm family, midpoint a sensitivity row; and r's
     decomposition per decade of total exposure (dose.total_slope, (M, seed) cells the random intercept), outside
-    the family. No rows without an arm of ≥ 3 batch sizes; rows 'not run' without an exposure record."""
+    the family (left out with decompose=False: the M* rows alone, as a power simulation reads them). No rows
+    without an arm of ≥ 3 batch sizes; rows 'not run' without an exposure record."""
     rows = []
     for arm, runs in batch_arms(every).items():
         name = f"batch axis at {arm}, batch {', '.join(map(str, sorted(runs.batch.unique())))}"
@@ -58,8 +59,8 @@ def h1_batch_axis(every: pd.DataFrame, alpha: float, common) -> list[dict]:
         for point in ("r50", "midpoint"):
             rows.append(_mstar_row(d, name, point, span, alpha, gates))
         res = {"failed": {}}
-        dec = dose.decomposition(d, alpha, res)
-        for y in ("r", *dose.OUTCOMES):
+        dec = dose.decomposition(d, alpha, res) if decompose else {}
+        for y in ("r", *dose.OUTCOMES) if decompose else ():
             test = f"{name}: decomposition, MixedLM {y} ~ log10(total exposure) + C(M) + (1 | M:seed)"
             if y not in dec:
                 why = res["failed"].get(f"{y} total", "the outcome not recorded on every run, or < 2 seeds")
