@@ -7,8 +7,9 @@
 
 `plan` reads ./params.yaml with the CONFIG files on top (as `snakemake --configfile` does) and orders the jobs as the
 dose-response needs them (ORDER): the threshold ladder (M 8-32) of dose 0 and of every dose inside the regime, the
-widest span first, H2, then the rest of the full M grids, and last the doses beyond the regime. Another design's
-jobs (labels not in ORDER) come after, by group name (experiments/ladder.sh trains any design in this order). Each
+widest span first, H2, then the rest of the full M grids, and last the doses beyond the regime; issue 70's
+exposure design after dose 0, a whole dose at a time, its span's ends first (EXPOSURE). Another design's jobs
+(labels in none of these) come after, by group name (experiments/ladder.sh trains any design in this order). Each
 job is what the workflow's train rule runs (`iclnoise train --spec --runs`), so its runs are the workflow's runs for
 the same configs (with configs/dose_gpu.yaml: CUDA runs, a set of their own).
 `pack` takes a run whose training outputs are all there (a killed job's runs are not) and leaves out the resume
@@ -34,14 +35,23 @@ from iclnoise.run.runs import read_spec  # noqa: E402
 ORDER = ["none", "param_x1", "grad_x1", "param_x0p01", "grad_x0p01", "param_x0p1", "grad_x0p1", "h2_early", "h2_late",
          "param_x0p3", "grad_x0p3", "param_x0p03", "grad_x0p03", "param_x0p003", "grad_x0p003"]
 LAST = ["param_x3", "grad_x2"]
+# Issue 70's design (configs/exposure.yaml), whole doses at a time after dose 0 (M* needs each dose's full M grid):
+# the noise-off arm's top dose first, so dose 0 and 10x, the span's two ends, give H1's slope as soon as they are
+# trained: alone, 5 seeds, experiments/exposure_power.py's design_mde gives 0.050 octave per decade at its σ_w (0.095
+# at σ_w's upper 95 % bound) against the full design's 0.044 (0.084). Then the doses between, then the persistent
+# arm (the noise floor) in the same order.
+EXPOSURE = ["off_x10", "off_x1", "off_x3", "off_x0p3", "on_x10", "on_x1", "on_x3", "on_x0p3"]
 
 
 def rank(group: str, runs: list[str]) -> tuple:
     """Ladder jobs (holding M 8-32; H2's M 16-32) of ORDER's doses, by ORDER; then the rest of ORDER's doses' jobs,
-    by ORDER; then the other doses' (LAST's in its order); within one place, by chunk."""
+    by ORDER; then the other doses' (LAST's, then EXPOSURE's, each in its order; any other label last); within one
+    place, by chunk."""
     noise = runs[0].split("-")[2]
     first = noise in ORDER and any(r.startswith(("M8-", "M16-", "M32-")) for r in runs)
-    place = ORDER.index(noise) if noise in ORDER else len(ORDER) + (LAST.index(noise) if noise in LAST else len(LAST))
+    later = LAST + EXPOSURE
+    place = ORDER.index(noise) if noise in ORDER else len(ORDER) + (later.index(noise) if noise in later else
+                                                                   len(later))
     return (not first, place, group)
 
 
