@@ -217,6 +217,43 @@ def test_the_reported_check_judges_each_first_order_form(tmp_path):
     assert {p.suffix for p in fig_crn(pd.DataFrame(rows), tmp_path / "fig")} == {".png", ".pdf", ".parquet"}
 
 
+@pytest.mark.unit
+def test_the_band_between_the_forms_known_answer(tmp_path, capsys):
+    """crn_pathwise.judge adds the band between the two forms: its point the midpoint ḡ (ln k + k − 1) / 2, its
+    interval from the lower of their lower ends to the higher of their upper ends. By hand on a planted truth
+    ḡ (√k − 1) / ½ (curvature in ln k half of ḡ), intervals ± 0.0005 with ḡ = 0.01: at k = 0.25, 0.5, 2 and 4 the
+    truth misses both forms' intervals (0.25: −0.01 against −0.0139 and −0.0075) yet lies between them; the band
+    covers every k > 0, the log form only k = 0.75 and 1.5. The report gives the band's ρ and coverage."""
+    import sys
+    from pathlib import Path
+
+    from iclnoise.output.report import crn_section
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "experiments" / "reproductions"))
+    from crn_pathwise import judge
+
+    g, ks = 0.01, [0.25, 0.5, 0.75, 1.5, 2.0, 4.0]
+    rows = []
+    for k in ks:
+        row = {"counterfactual": f"self*{k}", "seed": 0, "metric": "r", "n_realisations": 8, "k": k,
+               "crn_mean": g * (math.sqrt(k) - 1) / 0.5, "crn_se": 1e-4}
+        for col, x in (("predicted", math.log(k)), ("predicted_linear", k - 1)):
+            row |= {col: g * x, f"{col}_se": 2e-4, f"{col}_lo": g * x - 5e-4, f"{col}_hi": g * x + 5e-4}
+        rows.append(row)
+    df = judge(pd.DataFrame(rows), str(tmp_path / "t.csv"))
+    assert df.covered_band.all() and df.covered.tolist() == [False, False, True, True, False, False]
+    k = df.k.to_numpy()
+    assert np.allclose(df.predicted_band, g * (np.log(k) + k - 1) / 2)
+    assert np.allclose(df.predicted_band_lo, g * np.minimum(np.log(k), k - 1) - 5e-4)
+    assert np.allclose(df.predicted_band_hi, g * np.maximum(np.log(k), k - 1) + 5e-4)
+    assert "the band between them: r, every k > 0: Spearman ρ 1.00 over 6; coverage 1.00;" in capsys.readouterr().out
+    text = "\n".join(crn_section(pd.read_csv(tmp_path / "t.csv")))
+    assert "every counterfactual with a prediction, the band between the two forms: Spearman ρ 1.00 over 6 " \
+           "(counterfactual, seed) pairs; interval coverage 1.00" in text
+    assert "every counterfactual with a prediction, ḡ ln k: Spearman ρ 1.00 over 6 (counterfactual, seed) pairs; " \
+           "interval coverage 0.33" in text
+
+
 @pytest.mark.integration
 def test_snakemake_crn_plans_one_job_per_injecting_run_of_the_seeds(tmp_path):
     """`snakemake crn` (cnr.enabled): one crn_run job per run of cnr.seeds that injects noise (Snakemake's dry run),

@@ -78,7 +78,8 @@ def main() -> None:
     judge(pd.DataFrame(rows), a.out)
 
 
-FORMS = {"predicted": "ḡ ln k", "predicted_linear": "ḡ (k − 1)"}   # the prediction columns judged, where present
+# the prediction columns judged, where present; the band is made from the two forms (judge)
+FORMS = {"predicted": "ḡ ln k", "predicted_linear": "ḡ (k − 1)", "predicted_band": "the band between them"}
 
 
 def judge(df: pd.DataFrame, out: str) -> pd.DataFrame:
@@ -88,28 +89,27 @@ def judge(df: pd.DataFrame, out: str) -> pd.DataFrame:
     `out`. Printed per form, for r and the OOD loss, over the pairs with k > 0 and inside: Spearman ρ,
     coverage, and the mean squared standardised error z² = (crn_mean − predicted)² / (predicted_se² + crn_se²)
     (1 where the prediction is right and its SE honest; how well a form fits, beside whether it ranks). With both
-    forms, also whether the CRN mean lies in the band between them, each ± its interval (covered_band): a response
-    whose curvature in ln k lies between 0 (ḡ ln k) and ḡ (ḡ (k − 1)), e.g. ḡ (k^p − 1)/p with 0 ≤ p ≤ 1."""
+    forms, also the band between them, each ± its interval (predicted_band_lo..hi, the point predicted_band its
+    midpoint ḡ (ln k + k − 1) / 2; covered_band): a response whose curvature in ln k lies between 0 (ḡ ln k) and ḡ
+    (ḡ (k − 1)), e.g. ḡ (k^p − 1)/p with 0 ≤ p ≤ 1. Its interval is not a confidence interval: no z² for it."""
     df = df.assign(local=df.k.map(lambda k: k > 0 and abs(math.log(k)) / 2 <= 0.5))
+    if "predicted" in df and "predicted_linear" in df:
+        df["predicted_band"] = (df.predicted + df.predicted_linear) / 2
+        df["predicted_band_lo"] = df[["predicted_lo", "predicted_linear_lo"]].min(axis=1)
+        df["predicted_band_hi"] = df[["predicted_hi", "predicted_linear_hi"]].max(axis=1)
     forms = [c for c in FORMS if c in df]
     for col in forms:
         df[col.replace("predicted", "covered")] = (df[f"{col}_lo"] <= df.crn_mean) & (df.crn_mean <= df[f"{col}_hi"])
-    if len(forms) == 2:   # the band between the forms (curvature in ln k between 0 and ḡ), each ± its interval
-        df["covered_band"] = ((df[["predicted_lo", "predicted_linear_lo"]].min(axis=1) <= df.crn_mean)
-                              & (df.crn_mean <= df[["predicted_hi", "predicted_linear_hi"]].max(axis=1)))
     df.to_csv(out, index=False, float_format="%.6g")
-    for metric in METRICS if len(forms) == 2 else ():
-        have = df[(df.metric == metric) & df.predicted.notna() & (df.k > 0)]
-        print(f"band between ḡ ln k and ḡ (k − 1): {metric}: coverage {have.covered_band.mean():.2f} over every k > 0 "
-              f"({len(have)}), {have[have.local].covered_band.mean():.2f} inside |Δ log scale| ≤ 0.5")
     for col in forms:
         for metric in METRICS:
             have = df[(df.metric == metric) & df[col].notna() & (df.k > 0)]   # the same rows for every form
             for where, d in (("every k > 0", have), ("|Δ log scale| ≤ 0.5", have[have.local])):
                 rho = spearmanr(d[col], d.crn_mean).statistic
-                z2 = ((d.crn_mean - d[col]) ** 2 / (d[f"{col}_se"] ** 2 + d.crn_se ** 2)).mean()
+                z2 = (f"; mean z² {((d.crn_mean - d[col]) ** 2 / (d[f'{col}_se'] ** 2 + d.crn_se ** 2)).mean():.2f}"
+                      if f"{col}_se" in d else "")
                 print(f"{FORMS[col]}: {metric}, {where}: Spearman ρ {rho:.2f} over {len(d)}; coverage "
-                      f"{d[col.replace('predicted', 'covered')].mean():.2f}; mean z² {z2:.2f}; {resolution(d)}")
+                      f"{d[col.replace('predicted', 'covered')].mean():.2f}{z2}; {resolution(d)}")
     return df
 
 

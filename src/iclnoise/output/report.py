@@ -306,7 +306,8 @@ def crn_section(table: pd.DataFrame) -> list[str]:
     """A CNR check attached to the set (crn/crn.csv; method §13): what it is, the estimator's Spearman ρ and
     interval coverage against the CRN means for r (every counterfactual with a prediction, and inside its local
     range where the table marks one, column `local`), per first-order form where the table has both (predicted:
-    ḡ ln k; predicted_linear: ḡ (k − 1), crn_check.py; over the pairs both predict), and r's rows."""
+    ḡ ln k; predicted_linear: ḡ (k − 1); predicted_band: their midpoint, its interval from the lower of their lower
+    ends to the higher of their upper ends; crn_check.py; over the pairs every form predicts), and r's rows."""
     from scipy.stats import spearmanr
 
     r = table[table.metric == "r"]
@@ -315,7 +316,8 @@ def crn_section(table: pd.DataFrame) -> list[str]:
              "minus the run's own retraining on the same data and noise stream (crn_mean ± crn_se); an estimator "
              "that retrains nothing predicts it (predicted, interval predicted_lo..predicted_hi). Figure 13 draws "
              "every metric.", ""]
-    forms = [(c, f) for c, f in (("predicted", "ḡ ln k"), ("predicted_linear", "ḡ (k − 1)")) if c in r]
+    forms = [(c, f) for c, f in (("predicted", "ḡ ln k"), ("predicted_linear", "ḡ (k − 1)"),
+                                 ("predicted_band", "the band between the two forms")) if c in r]
     both = r[r[[c for c, _ in forms]].notna().all(axis=1)]   # the pairs every form predicts: one set of rows
     for col, form in forms:
         have = both
