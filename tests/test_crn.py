@@ -254,6 +254,29 @@ def test_the_band_between_the_forms_known_answer(tmp_path, capsys):
            "interval coverage 0.33" in text
 
 
+@pytest.mark.unit
+def test_the_attached_science_check_is_its_committed_tables_judged(tmp_path):
+    """reference/science/crn/crn.csv (issue 67's check, attached with `iclnoise paper --attach-crn`) is what
+    crn_check.table makes of the committed per-seed tables in reference/measurements/crn/ (the CRN members' metrics
+    and the pathwise g of seeds 0-2), and so are their effects.csv: float64 arithmetic on stored numbers, so equal to
+    the CSVs' 6 significant digits."""
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    sys.path.insert(0, str(root / "experiments" / "reproductions"))
+    from crn_check import table
+
+    table(root / "reference/measurements/crn", [0, 1, 2], 8, tmp_path / "crn.csv")
+    for got, want in ((tmp_path / "crn.csv", root / "reference/science/crn/crn.csv"),
+                      (tmp_path / "effects.csv", root / "reference/measurements/crn/effects.csv")):
+        got, want = pd.read_csv(got), pd.read_csv(want)
+        assert list(got.columns) == list(want.columns) and len(got) == len(want) > 0
+        num = got.select_dtypes("number").columns
+        assert got.drop(columns=num).equals(want.drop(columns=num))
+        assert np.allclose(got[num].astype(float), want[num].astype(float), rtol=1e-5, atol=0, equal_nan=True)
+
+
 @pytest.mark.integration
 def test_snakemake_crn_plans_one_job_per_injecting_run_of_the_seeds(tmp_path):
     """`snakemake crn` (cnr.enabled): one crn_run job per run of cnr.seeds that injects noise (Snakemake's dry run),

@@ -20,12 +20,12 @@ of the window (iclnoise.run.pathwise.split_sensitivities: 12 tangents per replay
 which layers' noise, and when, moves the metrics; `--out`/split_s<seed>.parquet, per group of realisations, and a
 summary printed (ḡ ± SE per group for r). Not needed for the table.
 
-After either stage, when every seed has both: `--out`/effects.csv (ΔE f ± SE per counterfactual, seed and metric,
-paired by realisation: iclnoise.analysis.stats.paired_effects) and `--table` (the same with the pathwise prediction
-for the level counterfactuals self*k in both first-order forms, ΔE f ≈ ḡ ln k (predicted) and ≈ ḡ (k − 1)
+After either stage, when every seed has both: effects.csv beside the table (ΔE f ± SE per counterfactual, seed and
+metric, paired by realisation: iclnoise.analysis.stats.paired_effects) and `--table` (the same with the pathwise
+prediction for the level counterfactuals self*k in both first-order forms, ΔE f ≈ ḡ ln k (predicted) and ≈ ḡ (k − 1)
 (predicted_linear: stated before seeds 1-2's CRN means existed to fit better, docs/reproductions.md), each with its
-SE and the interval prediction ± 1.96 √(se² + crn_se²); Spearman ρ, coverage and mean z² printed per form, for r and
-the OOD loss, over every k and inside |Δ log scale| ≤ 0.5).
+SE and the interval prediction ± 1.96 √(se² + crn_se²), and the band between them (crn_pathwise.judge); Spearman ρ,
+coverage and mean z² printed per form, for r and the OOD loss, over every k and inside |Δ log scale| ≤ 0.5).
 
 Usage: OMP_NUM_THREADS=1 python experiments/reproductions/crn_check.py [--stage crn|pathwise|split] [--seeds 0 1 2]
        [--realisations 8] [--out DIR] [--work DIR] [--table DIR/crn.csv]
@@ -152,7 +152,8 @@ def table(out: Path, seeds: list[int], n: int, dest: Path) -> None:
     values = pd.concat([realisations(out, s) for s in seeds])
     eff = paired_effects(values, REFERENCE, by=("counterfactual", "seed", "metric"))
     eff = eff[eff.counterfactual != REFERENCE]
-    eff.to_csv(out / "effects.csv", index=False, float_format="%.6g")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    eff.to_csv(dest.parent / "effects.csv", index=False, float_format="%.6g")
     paths = [out / f"pathwise_s{s}.parquet" for s in seeds]
     if not all(q.exists() for q in paths):
         return
@@ -172,7 +173,6 @@ def table(out: Path, seeds: list[int], n: int, dest: Path) -> None:
             half = 1.96 * (se ** 2 + r.crn_se ** 2) ** 0.5
             row |= {col: pred, f"{col}_se": se, f"{col}_lo": pred - half, f"{col}_hi": pred + half}
         rows.append(row)
-    dest.parent.mkdir(parents=True, exist_ok=True)
     judge(pd.DataFrame(rows), str(dest))
 
 
