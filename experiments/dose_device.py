@@ -36,10 +36,11 @@ ORDER = ["none", "param_x1", "grad_x1", "param_x0p01", "grad_x0p01", "param_x0p1
          "param_x0p3", "grad_x0p3", "param_x0p03", "grad_x0p03", "param_x0p003", "grad_x0p003"]
 LAST = ["param_x3", "grad_x2"]
 # Issue 70's design (configs/exposure.yaml), whole doses at a time after dose 0 (M* needs each dose's full M grid):
-# the noise-off arm's top dose first, so dose 0 and 10x, the span's two ends, give H1's slope as soon as they are
-# trained: alone, 5 seeds, experiments/exposure_power.py's design_mde gives 0.050 octave per decade at its σ_w (0.095
-# at σ_w's upper 95 % bound) against the full design's 0.044 (0.084). Then the doses between, then the persistent
-# arm (the noise floor) in the same order.
+# the noise-off arm's 10x, then 1x, so H1's row on total exposure runs as soon as dose 0, 10x and 1x are trained (a
+# dose series takes ≥ 2 positive doses): those three alone, 5 seeds, give an mde of 0.048 octave per decade at
+# experiments/exposure_power.py's σ_w (0.093 at its upper 95 % bound; design_mde) against the full design's 0.044
+# (0.084), after 15 of the 37 jobs rather than the 20 that 0.3x, 1x and 10x by name took. Then 3x and 0.3x, then
+# the persistent arm (the noise floor) in the same order.
 EXPOSURE = ["off_x10", "off_x1", "off_x3", "off_x0p3", "on_x10", "on_x1", "on_x3", "on_x0p3"]
 
 

@@ -6,7 +6,7 @@
 # and before the session stops, the finished runs added to the set (its aggregate, summary and report computed again):
 #   iclnoise export --add --results results --configfile CONFIG... --out reference/SET
 # Each job is one ensemble of the workflow (experiments/dose_device.py's plan and order: dose's threshold ladders
-# first, then the rest; the exposure design's doses whole, the span's ends first; other labels by group name), run by
+# first, then the rest; the exposure design's doses whole, 10x and 1x first; other labels by group name), run by
 # snakemake to the tables the set
 # takes from its runs (iclnoise.output.export.set_tables: training, and the probes their sections enable), so a
 # killed job resumes from its runs' resume states. A job whose runs reference/SET holds (a session before this one
