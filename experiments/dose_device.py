@@ -39,8 +39,9 @@ LAST = ["param_x3", "grad_x2"]
 # the noise-off arm's 10x, then 1x, so H1's row on total exposure runs as soon as dose 0, 10x and 1x are trained (a
 # dose series takes ≥ 2 positive doses): those three alone, 5 seeds, give an mde of 0.048 octave per decade at
 # experiments/exposure_power.py's σ_w (0.093 at its upper 95 % bound; design_mde) against the full design's 0.044
-# (0.084), after 15 of the 37 jobs rather than the 20 that 0.3x, 1x and 10x by name took. Then 3x and 0.3x, then
-# the persistent arm (the noise floor) in the same order.
+# (0.084), after 15 of the 37 jobs. The order by name (0.3x, 1x, 10x, 3x) reached a row after 15 jobs too, but over
+# 0.3 decade (0, 0.3x, 1x: mde 0.171, above the 0.1 the issue asks for) and the decade only after 20. Then 3x and
+# 0.3x, then the persistent arm (the noise floor) in the same order.
 EXPOSURE = ["off_x10", "off_x1", "off_x3", "off_x0p3", "on_x10", "on_x1", "on_x3", "on_x0p3"]
 
 
