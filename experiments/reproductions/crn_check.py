@@ -147,19 +147,24 @@ def pathwise_stage(p: dict, seed: int, out: Path, work_dir: Path, n: int, commit
 
 
 def table(out: Path, seeds: list[int], n: int, dest: Path) -> None:
-    if not all((out / f"realisations_s{s}{part}.parquet").exists() for s in seeds for part, _ in PARTS):
-        return
+    """effects.csv beside `dest` once every seed's CRN members are in `out`, and `dest` (judged) once every seed has
+    n pathwise realisations too; what is missing is said, not skipped silently."""
+    missing = [f"realisations_s{s}{part}.parquet" for s in seeds for part, _ in PARTS
+               if not (out / f"realisations_s{s}{part}.parquet").exists()]
+    if missing:
+        return print(f"no table yet: {out} lacks {', '.join(missing)} (--stage crn --seeds …)", flush=True)
     values = pd.concat([realisations(out, s) for s in seeds])
     eff = paired_effects(values, REFERENCE, by=("counterfactual", "seed", "metric"))
     eff = eff[eff.counterfactual != REFERENCE]
     dest.parent.mkdir(parents=True, exist_ok=True)
     eff.to_csv(dest.parent / "effects.csv", index=False, float_format="%.6g")
+    print(f"{dest.parent / 'effects.csv'}: the CRN effects of seeds {seeds}", flush=True)
     paths = [out / f"pathwise_s{s}.parquet" for s in seeds]
-    if not all(q.exists() for q in paths):
-        return
+    have = {s: read_parquet(q).realisation.nunique() if q.exists() else 0 for s, q in zip(seeds, paths)}
+    if min(have.values()) < n:
+        short = ", ".join(f"seed {s} {k} of {n}" for s, k in have.items() if k < n)
+        return print(f"no {dest} yet: pathwise realisations {short} (--stage pathwise --seeds …)", flush=True)
     g = pd.concat([read_parquet(q) for q in paths])
-    if g.groupby("seed").realisation.nunique().min() < n:
-        return
     rows = []
     for r in eff.itertuples():
         k = level(r.counterfactual)
