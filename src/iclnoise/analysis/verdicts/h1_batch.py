@@ -58,9 +58,11 @@ def h1_batch_axis(every: pd.DataFrame, alpha: float, common, decompose: bool = T
         span = float(np.log10(total.max() / total.min()))
         for point in ("r50", "midpoint"):
             rows.append(_mstar_row(d, name, point, span, alpha, gates))
+        if not decompose:
+            continue
         res = {"failed": {}}
-        dec = dose.decomposition(d, alpha, res) if decompose else {}
-        for y in ("r", *dose.OUTCOMES) if decompose else ():
+        dec = dose.decomposition(d, alpha, res)
+        for y in ("r", *dose.OUTCOMES):
             test = f"{name}: decomposition, MixedLM {y} ~ log10(total exposure) + C(M) + (1 | M:seed)"
             if y not in dec:
                 why = res["failed"].get(f"{y} total", "the outcome not recorded on every run, or < 2 seeds")
