@@ -10,7 +10,7 @@ import pytest
 from test_dose import CFG, DOSES, FULL, h1, planted
 
 from iclnoise.analysis import dose
-from iclnoise.analysis.verdicts import GATES
+from iclnoise.analysis.verdicts import GATES, hypothesis_tests
 from iclnoise.output.figures.stats import fig_dose
 from iclnoise.output.report import dose_answer, ridge_reading
 
@@ -88,6 +88,32 @@ def test_the_decomposition_recovers_planted_slopes_and_reads_misfit_not_ridge_li
     fig_dose(lv, tmp_path / "fig6")
     drawn = pd.read_parquet(tmp_path / "fig6.parquet")
     assert np.allclose(np.sort(drawn.total_exposure), np.sort(0.05 + lv.target_dose))
+
+
+@pytest.mark.unit
+def test_a_dose_the_convergence_gate_alone_keeps_out_gets_sensitivity_rows_with_the_planted_slope():
+    """M* planted to move 0.5 octave per decade of dose at doses 0.01-1 (dose 0 at 0.01's), M = ∞ at dose 1 ending
+    1.2× ridge and still falling: the gated rows leave dose 1 out; the sensitivity rows (outside the family) admit it,
+    say why it was out, and their M* slope on total exposure (0.05 + dose) covers the least-squares slope of the
+    planted log2 M* on it, worked here from the formula. Without a gated dose there are no such rows."""
+    rng = np.random.default_rng(5)
+    out = planted(rng, shift=0.5, full_at=(0.0, *DOSES), ratio={1.0: 1.2}, fall={1.0: 0.1}, seeds=5, noise=0.01)
+    t = hypothesis_tests(out, CFG)
+    t = t[t.test.str.contains("dose-response")]
+    sens = t[t.test.str.startswith("sensitivity, the convergence gate not applied (admits dose 1: M = ∞ fails")]
+    assert len(sens) == 2 + 1 + len(dose.OUTCOMES) and not sens.in_family.any()
+    gated = t[t.test.str.contains(r"^dose-response .*\(r50\) per decade of total exposure", regex=True)]
+    assert len(gated) == 1 and gated.in_family.all() and "left out: 1: M = ∞ fails" in gated.test.iloc[0]
+
+    def planted_slope(doses):   # least squares of the noise-free log2 M* shift on log10 total exposure
+        x = np.log10([0.05 + d for d in doses])
+        y = [0.5 * math.log10(max(d, DOSES[0]) / DOSES[0]) for d in doses]
+        return np.polyfit(x, y, 1)[0]
+    free = sens[sens.test.str.contains(r"\(r50\) per decade of total exposure", regex=True)].iloc[0]
+    assert free.status == "run" and free.ci_lo <= planted_slope((0.0, *DOSES)) <= free.ci_hi
+    assert gated.ci_lo.iloc[0] <= planted_slope((0.0, *DOSES[:-1])) <= gated.ci_hi.iloc[0]
+    plain = hypothesis_tests(planted(rng, shift=0.5, full_at=(0.0, *DOSES)), CFG)
+    assert not plain.test.str.startswith("sensitivity, the convergence gate").any()
 
 
 @pytest.mark.validation

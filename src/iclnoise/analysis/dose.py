@@ -105,11 +105,13 @@ def series_name(key: tuple) -> str:
     return f"{src} ({shape}{'' if schedule == 'constant' else f', {schedule}'}), batch {batch}"
 
 
-def regime(g: pd.DataFrame, dose_tol: float) -> pd.DataFrame:
+def regime(g: pd.DataFrame, dose_tol: float, gate: bool = True) -> pd.DataFrame:
     """The operating regime of one series (`g`: its runs and dose 0's), one row per target dose: a dose is inside
     when its realised dose is within `dose_tol` of the target (not saturated), none of its runs diverged, and M = ∞
     converges there (the `converged` column) or, without M = ∞ runs of its own, at a dose at or above it, below
-    every dose where it does not. Columns: target_dose, noise, realised_dose (condition mean), n_runs, n_seeds,
+    every dose where it does not; `gate` False drops that last condition (the sensitivity analysis of the one
+    convergence gate: what the verdict would be if the gate admitted every dose on target).
+    Columns: target_dose, noise, realised_dose (condition mean), n_runs, n_seeds,
     ood_loss_over_ridge, in_regime, regime (why a dose is outside)."""
     rows = []
     for d, lv in g.groupby("target_dose"):
@@ -122,7 +124,7 @@ def regime(g: pd.DataFrame, dose_tol: float) -> pd.DataFrame:
             why.append(f"{'saturated' if real < d else 'over target'}: realised {real:.3g} = {real / d:.2f}× target")
         if lv.diverged.any():
             why.append(f"{int(lv.diverged.sum())} of {len(lv)} runs diverged")
-        if len(inf) and not inf.converged.astype(bool).all():
+        if gate and len(inf) and not inf.converged.astype(bool).all():
             why.append(f"M = ∞ fails the convergence gate ({ratio.max():.3f}× ridge's OOD loss)")
         rows.append({"target_dose": d, "noise": lv.noise.iloc[0], "realised_dose": real, "n_runs": len(lv),
                      "n_seeds": lv.seed.nunique(), "ood_loss_over_ridge": float(ratio.max()) if len(inf) else math.nan,
@@ -206,7 +208,7 @@ def _fitted(fn, d: pd.DataFrame, alpha: float, res: dict, what: str):
         return None
 
 
-def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> dict:
+def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int, gate: bool = True) -> dict:
     """Everything the dose–response of one series says (`g`: its runs and dose 0's, DOSE_SCHEMA rows):
     levels  one row per target dose: `regime`'s columns, r at M = 16 (t-interval over seeds), M* by r50 and by
             midpoint (thresholds.threshold_with_ci; NaN with fewer than 5 finite M) and the ladder's shift;
@@ -226,9 +228,10 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
             slope;
     zero    paired t (stats.paired_test) of r at the highest in-regime dose − dose 0 by (M, seed) at the ladder;
     mono    stats.monotonicity of the seed means of r over the ladder against log10 dose;
-    failed  {fit: error name} of the mixed models that failed."""
+    failed  {fit: error name} of the mixed models that failed.
+    `gate`: regime's (False: the convergence gate at M = ∞ not applied)."""
     level = 1 - alpha
-    lv, finite, inside, ladder, total = _frame(g, dose_tol)
+    lv, finite, inside, ladder, total = _frame(g, dose_tol, gate)
     fit = finite[finite.target_dose.isin(inside) & finite.M.isin(ladder)]
     res = {"ladder": ladder, "fit": fit, "doses": sorted(inside), "total": total, "mstar_total": {},
            "left_out": lv[~lv.in_regime & (lv.target_dose > 0)], "r": None, "r_seed": None, "mstar": {},
@@ -257,13 +260,13 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> d
     return res
 
 
-def _frame(g: pd.DataFrame, dose_tol: float) -> tuple:
+def _frame(g: pd.DataFrame, dose_tol: float, gate: bool = True) -> tuple:
     """analyse's reading of a series: `regime`'s levels; the converged finite-M runs with an r (log10_dose their
     dose's realised dose); the positive in-regime doses with finite-M runs (a dose with M = ∞ runs only vouches for
     the regime below it); the ladder (the M run at dose 0 and every one of them); each dose's mean total exposure
     over its runs at the ladder's M, which every inside dose has (exposure moves with M: a mean over a dose's own M
     set would compare a full grid's, M = 1 included, with a ladder's)."""
-    lv = regime(g, dose_tol)
+    lv = regime(g, dose_tol, gate)
     ok = g[~g.diverged.astype(bool)].assign(log10_dose=lambda d: np.log10(
         d.target_dose.map(lv.set_index("target_dose").realised_dose).where(d.target_dose > 0)))
     finite = ok[(ok.M != M_INF) & ok.r.notna()]

@@ -33,7 +33,10 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
       phase; the dose is the manipulation);
     - what r is made of (method §11, "Outcomes that tell in-context learning from misfit"): r, Δ(f, ridge) and
       Δ(f, dMMSE_M) on the q_M set and on new tasks, and the in-distribution loss, each per decade of total
-      exposure at the ladder (dose.total_slope) — outside the family: they read the r rows, they do not add tests.
+      exposure at the ladder (dose.total_slope) — outside the family: they read the r rows, they do not add tests;
+    - the convergence gate's sensitivity rows: where M = ∞ failing the gate is all that keeps a dose out of the
+      regime, the total-exposure rows again with the gate not applied (dose.analyse's gate False) — outside the
+      family, named for the doses they admit, so a reader sees what the gate decided.
     Gates: seeds, equal data, dose 0 inside the regime. No rows at all when the grid has no dose series."""
     rows = []
     for key, g in dose.series(dose.dose_runs(out, GATES["convergence_tol"])):
@@ -53,8 +56,22 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
                  _dose_ladder_row(res, at), _dose_zero_row(res, at),
                  _dose_exposure_row(out[out.run_id.isin(res["fit"].run_id) | out.run_id.isin(
                      g.run_id[(g.target_dose == 0) & g.M.isin(res["ladder"])])], name, cfg.alpha, fails),
-                 _dose_shape_row(res, at), *_dose_outcome_rows(res, at)]
+                 _dose_shape_row(res, at), *_dose_outcome_rows(res, at), *_ungated_rows(g, res, at, cfg.alpha)]
     return rows
+
+
+def _ungated_rows(g: pd.DataFrame, res: dict, at: dict, alpha: float) -> list[dict]:
+    """The total-exposure rows (M* slope, decomposition) with the convergence gate at M = ∞ not applied, when that
+    admits a dose the gated analysis left out; none otherwise."""
+    free = dose.analyse(g, alpha, GATES["dose_tol"], GATES["min_seeds"], gate=False)
+    admitted = sorted(set(free["doses"]) - set(res["doses"]))
+    if not admitted:
+        return []
+    why = "; ".join(res["left_out"].set_index("target_dose").regime.loc[admitted])
+    sens = (f"sensitivity, the convergence gate not applied (admits dose {', '.join(f'{d:.3g}' for d in admitted)}: "
+            f"{why}): ")
+    at = {**at, "sens": sens, "where": f"doses {', '.join(f'{d:.3g}' for d in free['doses'])}"}
+    return [*_dose_total_rows(free, at), *_dose_outcome_rows(free, at)]
 
 
 DECADE = "per decade of dose"
@@ -120,11 +137,11 @@ def _dose_total_rows(res: dict, at: dict) -> list[dict]:
     its runs at the ladder's M; dose 0 included), per seed then t over seeds (dose.mstar_slope): H1's own axis
     (method §11, "The hypothesis's own axis"); r50 in the family, midpoint a sensitivity row. Its mde says what the
     design could have detected on that axis."""
-    rows = []
+    rows, pre = [], at.get("sens", "")
     for point in ("r50", "midpoint"):
-        fam = point == "r50"
-        test = (f"{'' if fam else 'sensitivity: '}dose-response {at['name']}: slope of log2 M* ({point}) per decade of "
-                f"total exposure (batch + injected), per seed, t over seeds, dose 0 and {at['where']}")
+        fam = point == "r50" and not pre
+        test = (f"{pre or ('' if fam else 'sensitivity: ')}dose-response {at['name']}: slope of log2 M* ({point}) "
+                f"per decade of total exposure (batch + injected), per seed, t over seeds, dose 0 and {at['where']}")
         if point not in res["mstar_total"]:
             why = (f"fit failed ({res['failed'][f'M* total ({point})']})" if f"M* total ({point})" in res["failed"]
                    else "fewer than 2 doses with a per-seed M* (a full M grid) and a recorded total exposure")
@@ -226,8 +243,8 @@ def _dose_outcome_rows(res: dict, at: dict) -> list[dict]:
     rows = []
     for y in ("r", *OUTCOMES):
         what, up, down = READ[y]
-        test = (f"dose-response {at['name']}: decomposition, MixedLM {y} ~ log10(total exposure) + C(M) + "
-                f"(1 | M:seed), M ∈ {{{at['m_at']}}}, dose 0 and {at['where']}")
+        test = (f"{at.get('sens', '')}dose-response {at['name']}: decomposition, MixedLM {y} ~ log10(total "
+                f"exposure) + C(M) + (1 | M:seed), M ∈ {{{at['m_at']}}}, dose 0 and {at['where']}")
         e = res["decomposition"].get(y)
         if e is None:
             why = (f"fit failed ({res['failed'][f'{y} total']})" if f"{y} total" in res["failed"] else
