@@ -112,6 +112,9 @@ def test_a_dose_the_convergence_gate_alone_keeps_out_gets_sensitivity_rows_with_
     free = sens[sens.test.str.contains(r"\(r50\) per decade of total exposure", regex=True)].iloc[0]
     assert free.status == "run" and free.ci_lo <= planted_slope((0.0, *DOSES)) <= free.ci_hi
     assert gated.ci_lo.iloc[0] <= planted_slope((0.0, *DOSES[:-1])) <= gated.ci_hi.iloc[0]
+    lv = dose.levels_table(dose.dose_runs(out, GATES["convergence_tol"]), 0.05, GATES["dose_tol"], 3)
+    assert sum(line.startswith("- sensitivity, the convergence gate not applied (admits dose 1") and "M* rises" in line
+               for line in dose_answer(t, lv)) == 2   # the report's answer shows them (r50 and midpoint)
     plain = hypothesis_tests(planted(rng, shift=0.5, full_at=(0.0, *DOSES)), CFG)
     assert not plain.test.str.startswith("sensitivity, the convergence gate").any()
 

@@ -177,7 +177,8 @@ def what_this_run_shows(th, tests, conv=None) -> list[str]:
 def dose_answer(tests, levels) -> list[str]:
     """The report's opening where the grid has a dose series (issue 43): per series, the operating regime read
     from the data (dose_levels.parquet) and every dose-response row of the tests (slope per decade of dose with
-    its CI and mde, the dose-0 contrast, the shape check) in words."""
+    its CI and mde, the dose-0 contrast, the shape check; the sensitivity rows prefixed by what they change) in
+    words."""
     lines = ["## The answer: ICL against the injected noise dose", "",
              "Dose = realised integrated injected P-NE* (after clipping), per condition; slopes per decade of dose "
              "over the positive doses inside the operating regime (M = ∞ within "
@@ -195,8 +196,9 @@ def dose_answer(tests, levels) -> list[str]:
                             for d in out.itertuples())
         lines += [f"**{name}{optimizer_note(opt)}** — operating regime: {span}"
                   + (f"; outside: {outside}" if outside else "") + ".", ""]
-        for t in tests[tests.test.str.startswith(f"dose-response {name}:") & (tests.optimizer == opt)].itertuples():
-            what = t.test.split(": ", 1)[1]
+        mine = tests.test.str.contains(f"dose-response {name}: ", regex=False) & (tests.optimizer == opt)
+        for t in tests[mine].itertuples():   # its sensitivity rows too, named by what they change
+            what = "".join(t.test.split(f"dose-response {name}: ", 1))
             if t.status != "run":
                 lines.append(f"- {what} [{t.outcome}]: {t.status}.")
                 continue
