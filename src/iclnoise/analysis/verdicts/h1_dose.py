@@ -62,7 +62,10 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
 
 def _ungated_rows(g: pd.DataFrame, res: dict, at: dict, alpha: float) -> list[dict]:
     """The total-exposure rows (M* slope, decomposition) with the convergence gate at M = ∞ not applied, when that
-    admits a dose the gated analysis left out; none otherwise."""
+    admits a dose the gated analysis left out; none otherwise (then without refitting anything)."""
+    lv = dose.regime(g, GATES["dose_tol"], gate=False)
+    if not set(lv.target_dose[lv.in_regime]) & set(res["left_out"].target_dose):
+        return []
     free = dose.analyse(g, alpha, GATES["dose_tol"], GATES["min_seeds"], gate=False)
     admitted = sorted(set(free["doses"]) - set(res["doses"]))
     if not admitted:
