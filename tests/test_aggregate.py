@@ -364,15 +364,21 @@ def test_an_arm_run_at_one_m_is_judged_converged_by_the_batch_noise_runs_at_its_
 
 
 def test_the_opening_states_the_convergence_gate_it_applied():
-    """'every condition converged' names its gate (1 + GATES['convergence_tol']), the one gate the verdicts and a
-    dose set's operating regime read (method §11)."""
+    """'every condition converged' names its gate (1 + GATES['convergence_tol'], or a levelled excess the injected
+    noise explains), the one gate the verdicts and a dose set's operating regime read (method §11), and says how it
+    read each excess: a noise floor with the noise on, what the noise left after it was switched off."""
     from iclnoise.analysis.verdicts import GATES, convergence
     from iclnoise.output.report import what_this_run_shows
 
     ratio = 1 + GATES["convergence_tol"] - 0.01
-    out = pd.DataFrame([{"batch": 64, "noise": "none", "M": M, "ood_loss": ratio * 0.4 if M == -1 else 0.6,
-                         "ood_loss_ridge": 0.4, "diverged": False, "optimizer": "adamw", "noise_source": "batch",
-                         "noise_schedule": "none"} for M in (1, 16, -1)])
+    run = lambda noise, src, sched, r: [{   # noqa: E731
+        "batch": 64, "noise": noise, "M": M, "ood_loss": r * 0.4 if M == -1 else 0.6, "ood_loss_ridge": 0.4,
+        "diverged": False, "optimizer": "adamw", "noise_source": src, "noise_schedule": sched,
+        "ood_loss_fall": 0.0, "ood_loss_fall_se": 0.01, "ood_loss_fall_n": 10} for M in (1, 16, -1)]
+    out = pd.DataFrame(run("none", "batch", "none", ratio) + run("floor", "param", "constant", 1.3)
+                       + run("off", "param", "early", 1.25))
     text = "\n".join(what_this_run_shows(None, None, convergence(out)))
-    assert f"none/B64 {ratio:.2f}×; every condition converged (worst seed ≤ " \
-           f"{1 + GATES['convergence_tol']:.2f}× ridge's, the verdicts' gate)." in text, text
+    assert ("floor/B64 1.30× (a levelled noise floor, the noise still on), none/B64 "
+            f"{ratio:.2f}×, off/B64 1.25× (levelled: what the noise left after it was switched off); every condition "
+            f"converged (worst seed ≤ {1 + GATES['convergence_tol']:.2f}× ridge's, or a levelled excess the injected "
+            "noise explains: the verdicts' gate).") in text, text

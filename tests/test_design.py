@@ -7,6 +7,7 @@ import pytest
 from scipy.stats import linregress
 
 from iclnoise.analysis import dose, stats
+from iclnoise.analysis.convergence import passes_as_noise_left
 from iclnoise.analysis.verdicts import GATES, converged_runs, convergence, gate_convergence, ood_loss_fall
 from iclnoise.analysis.verdicts.h1 import h1_exposure
 
@@ -170,20 +171,28 @@ def inf_runs(ratio, fall, source="param", schedule="constant", diverged=False, s
 @pytest.mark.unit
 def test_one_gate_passes_a_levelled_noise_floor_and_fails_failed_training():
     """Method §11, One convergence gate: within tolerance passes; a levelled excess with the noise still on is a
-    noise floor (passes, flagged); still falling, levelled without noise on at the end, or diverged fails."""
+    noise floor, and after the noise was switched off it is what the noise left (both pass, flagged); still falling,
+    levelled without injected noise, or diverged fails."""
     tol = GATES["convergence_tol"]
-    cases = {   # (ratio, fall, source, schedule, diverged) → converged, noise_floor
-        "within": ((1 + tol - 0.01, 0.05, "none", "constant", False), True, False),
-        "floor": ((1.4, 0.02, "param", "constant", False), True, True),
-        "falling": ((1.4, 0.3, "param", "constant", False), False, False),
-        "plateau": ((1.4, 0.02, "none", "constant", False), False, False),
-        "noise off at the end": ((1.4, 0.02, "grad", "early", False), False, False),
-        "diverged": ((1.05, 0.0, "param", "constant", True), False, False),
-        "no fall recorded": ((1.4, np.nan, "param", "constant", False), False, False),
+    cases = {   # (ratio, fall, source, schedule, diverged) → converged, noise_floor, noise_left
+        "within": ((1 + tol - 0.01, 0.05, "none", "constant", False), True, False, False),
+        "floor": ((1.4, 0.02, "param", "constant", False), True, True, False),
+        "falling": ((1.4, 0.3, "param", "constant", False), False, False, False),
+        "plateau": ((1.4, 0.02, "none", "constant", False), False, False, False),
+        "plateau, batch noise": ((1.4, 0.02, "batch", "none", False), False, False, False),
+        "noise off at the end": ((1.4, 0.02, "grad", "early", False), True, False, True),
+        "off, still falling": ((1.4, 0.3, "param", "early", False), False, False, False),
+        "off, within": ((1 + tol - 0.01, 0.02, "param", "early", False), True, False, False),
+        "diverged": ((1.05, 0.0, "param", "constant", True), False, False, False),
+        "no fall recorded": ((1.4, np.nan, "param", "constant", False), False, False, False),
+        "off, no fall recorded": ((1.4, np.nan, "param", "early", False), False, False, False),
     }
-    for name, ((ratio, fall, src, sched, div), conv, floor) in cases.items():
-        c = converged_runs(inf_runs(ratio, fall, src, sched, div), tol)
-        assert c.converged.all() == conv and c.noise_floor.all() == floor, name
+    for name, ((ratio, fall, src, sched, div), conv, floor, left) in cases.items():
+        runs = inf_runs(ratio, fall, src, sched, div)
+        c = converged_runs(runs, tol)
+        assert c.converged.all() == conv and c.noise_floor.all() == floor and c.noise_left.all() == left, name
+        assert (passes_as_noise_left(c.ratio, runs.noise_source, runs.noise_schedule, c.converged, tol)
+                == c.noise_left.to_numpy()).all(), name
     t = convergence(inf_runs(1.4, 0.3))
     (code, detail), = gate_convergence(inf_runs(1.4, 0.3), t)
     assert not t.converged.iloc[0] and code == "unconverged" and "still falling at the end (the worst run fell 0.300" \

@@ -90,6 +90,14 @@ def test_the_decomposition_recovers_planted_slopes_and_reads_misfit_not_ridge_li
     assert np.allclose(np.sort(drawn.total_exposure), np.sort(0.05 + lv.target_dose))
 
 
+def planted_slope(doses, shift=0.5):
+    """The least-squares slope of planted()'s noise-free log2 M* shift (`shift` octaves per decade of dose above the
+    lowest positive dose; dose 0 at its M*) on log10 total exposure (0.05 + dose), worked from the formula."""
+    x = np.log10([0.05 + d for d in doses])
+    y = [shift * math.log10(max(d, DOSES[0]) / DOSES[0]) for d in doses]
+    return np.polyfit(x, y, 1)[0]
+
+
 @pytest.mark.unit
 def test_a_dose_the_convergence_gate_alone_keeps_out_gets_sensitivity_rows_with_the_planted_slope():
     """M* planted to move 0.5 octave per decade of dose at doses 0.01-1 (dose 0 at 0.01's), M = ∞ at dose 1 ending
@@ -105,10 +113,6 @@ def test_a_dose_the_convergence_gate_alone_keeps_out_gets_sensitivity_rows_with_
     gated = t[t.test.str.contains(r"^dose-response .*\(r50\) per decade of total exposure", regex=True)]
     assert len(gated) == 1 and gated.in_family.all() and "left out: 1: M = ∞ fails" in gated.test.iloc[0]
 
-    def planted_slope(doses):   # least squares of the noise-free log2 M* shift on log10 total exposure
-        x = np.log10([0.05 + d for d in doses])
-        y = [0.5 * math.log10(max(d, DOSES[0]) / DOSES[0]) for d in doses]
-        return np.polyfit(x, y, 1)[0]
     free = sens[sens.test.str.contains(r"\(r50\) per decade of total exposure", regex=True)].iloc[0]
     assert free.status == "run" and free.ci_lo <= planted_slope((0.0, *DOSES)) <= free.ci_hi
     assert gated.ci_lo.iloc[0] <= planted_slope((0.0, *DOSES[:-1])) <= gated.ci_hi.iloc[0]
@@ -117,6 +121,43 @@ def test_a_dose_the_convergence_gate_alone_keeps_out_gets_sensitivity_rows_with_
                for line in dose_answer(t, lv)) == 2   # the report's answer shows them (r50 and midpoint)
     plain = hypothesis_tests(planted(rng, shift=0.5, full_at=(0.0, *DOSES)), CFG)
     assert not plain.test.str.startswith("sensitivity, the convergence gate").any()
+
+
+@pytest.mark.unit
+def test_what_the_noise_left_after_it_was_off_is_an_outcome_and_the_stricter_reading_a_sensitivity_row():
+    """Method §11, One convergence gate: M = ∞ at dose 1 levelled at 1.2× ridge after the noise was switched off
+    (schedule early) passes as what the noise left, so the gated M* slope on total exposure spans every dose and
+    covers the planted slope; the stricter reading (that excess as failed training) is a sensitivity row outside the
+    family that leaves dose 1 out and covers the planted slope without it. The same excess with the noise still
+    falling fails the gate; with the noise on to the end (a noise floor) it gets no stricter rows."""
+    rng = np.random.default_rng(7)
+    out = planted(rng, shift=0.5, full_at=(0.0, *DOSES), ratio={1.0: 1.2}, fall={1.0: 0.0}, seeds=5, noise=0.01)
+    off = out.assign(noise_schedule=out.noise_schedule.where(out.noise_schedule == "none", "early"))
+    t = hypothesis_tests(off, CFG)
+    t = t[t.test.str.contains("dose-response")]
+    gated = t[t.test.str.contains(r"^dose-response .*\(r50\) per decade of total exposure", regex=True)]
+    assert len(gated) == 1 and gated.in_family.all() and "left out" not in gated.test.iloc[0]
+    assert gated.ci_lo.iloc[0] <= planted_slope((0.0, *DOSES)) <= gated.ci_hi.iloc[0]
+    strict = t[t.test.str.startswith("sensitivity, a levelled excess after the noise was switched off read as "
+                                     "failed training (leaves out dose 1): ")]
+    assert len(strict) == 2 + 1 + len(dose.OUTCOMES) and not strict.in_family.any()
+    row = strict[strict.test.str.contains(r"\(r50\) per decade of total exposure", regex=True)].iloc[0]
+    assert row.status == "run" and row.ci_lo <= planted_slope((0.0, *DOSES[:-1])) <= row.ci_hi
+    assert not t.test.str.startswith("sensitivity, the convergence gate not applied").any()
+    lv = dose.levels_table(dose.dose_runs(off, GATES["convergence_tol"]), 0.05, GATES["dose_tol"], 3)
+    answer = dose_answer(t, lv)
+    assert any("M = ∞ inside with its excess read as the noise's outcome (levelled after the noise was switched "
+               "off): dose 1 at 1.200×" in line for line in answer), answer
+    shown = [line for line in answer if line.startswith("- sensitivity, a levelled excess after the noise was")]
+    assert len(shown) == 2 + 1 + len(dose.OUTCOMES)
+    falling = off.assign(ood_loss_fall=np.where(off.noise == "param_1", 0.15, off.ood_loss_fall))
+    ft = hypothesis_tests(falling, CFG)
+    assert ft.test.str.contains(r"^dose-response .*\(r50\) per decade of total exposure.*left out: 1: M = ∞ fails",
+                                regex=True).sum() == 1
+    floor = hypothesis_tests(out, CFG)   # constant: the same excess is a noise floor
+    assert not floor.test.str.startswith("sensitivity, a levelled excess").any()
+    assert floor[floor.test.str.contains(r"^dose-response .*\(r50\) per decade of total exposure", regex=True)
+                 ].test.str.contains("left out").sum() == 0
 
 
 @pytest.mark.validation

@@ -1,6 +1,7 @@
-"""The one convergence gate (method §11, One convergence gate): an M = ∞ run reached ridge, or sits at a levelled
-noise floor with injected noise still on; diverged, still falling or levelled short of ridge otherwise. Read by
-every verdict (iclnoise.analysis.verdicts.gates) and by the dose regime (iclnoise.analysis.dose)."""
+"""The one convergence gate (method §11, One convergence gate): an M = ∞ run reached ridge, or its levelled excess
+is what injected noise did (a noise floor with the noise still on, or what the noise left after it was switched
+off); diverged, still falling or levelled short of ridge without injected noise otherwise. Read by every verdict
+(iclnoise.analysis.verdicts.gates) and by the dose regime (iclnoise.analysis.dose)."""
 from __future__ import annotations
 
 import math
@@ -11,7 +12,8 @@ from scipy import stats
 
 CONVERGENCE_TOL = 0.15   # an M = ∞ run ends with OOD loss ≤ (1 + tol) × ridge's ...
 FALL_SHARE = 0.5         # ... or is levelled: its OOD loss fell by less than this share of its excess over ridge's
-                         # across the last third of training (or not significantly), with injected noise on at the end
+                         # across the last third of training (or not significantly), after injected noise
+INJECTED = ("grad", "param")   # noise sources injected on top of the batch noise
 ON_AT_END = ("constant", "late", "controlled")   # injection schedules whose noise is still on at the last step
 
 
@@ -42,17 +44,29 @@ def _still_falling(fall, se, n, excess) -> np.ndarray:
 
 def converged_runs(runs: pd.DataFrame, tol: float = CONVERGENCE_TOL) -> pd.DataFrame:
     """The one convergence gate, per run (method §11): columns ratio (final OOD loss over ridge's; ∞ when diverged),
-    fall, converged and noise_floor. A run converged when ratio ≤ 1 + tol, or when its excess is a noise floor: not
-    diverged, not still falling (_still_falling, from ood_loss_fall's columns) with injected noise still on at the
-    end (ON_AT_END). Training failed otherwise: diverged, still falling, or levelled short of ridge with no injected
-    noise to explain it (a plateau). A NaN ratio or fall (a missing ridge loss, tables from before the fall was
-    recorded) does not pass."""
+    fall, falling, converged, noise_floor and noise_left. A run converged when ratio ≤ 1 + tol, or when its excess
+    is what injected noise did: not diverged, not still falling (_still_falling, from ood_loss_fall's columns), with
+    injected noise still on at the end (ON_AT_END: a noise floor) or switched off before it (noise_left: what the
+    noise changed in what was learned). Both are outcomes to report, not failed training. Training failed
+    otherwise: diverged, still falling, or levelled short of ridge with no injected noise to explain it (a plateau).
+    A NaN ratio or fall (a missing ridge loss, tables from before the fall was recorded) does not pass."""
     ratio = (runs.ood_loss / runs.ood_loss_ridge).astype(float).to_numpy(copy=True)
     ratio[runs.diverged.to_numpy(bool)] = np.inf
     col = lambda c: runs[c].astype(float).to_numpy() if c in runs else np.full(len(runs), np.nan)   # noqa: E731
     fall, se, n = col("ood_loss_fall"), col("ood_loss_fall_se"), col("ood_loss_fall_n")
-    on = (runs.noise_source.isin(["grad", "param"]) & runs.noise_schedule.isin(ON_AT_END)).to_numpy(bool)
+    injected = runs.noise_source.isin(INJECTED).to_numpy(bool)
+    on = runs.noise_schedule.isin(ON_AT_END).to_numpy(bool)
     levelled = np.isfinite(fall) & ~_still_falling(fall, se, n, ratio - 1)
-    floor = on & np.isfinite(ratio) & (ratio > 1 + tol) & levelled
+    excess = injected & np.isfinite(ratio) & (ratio > 1 + tol) & levelled
     return pd.DataFrame({"ratio": ratio, "fall": fall, "falling": np.isfinite(fall) & ~levelled & (ratio > 1 + tol),
-                         "converged": (ratio <= 1 + tol) | floor, "noise_floor": floor}, index=runs.index)
+                         "converged": (ratio <= 1 + tol) | excess, "noise_floor": excess & on,
+                         "noise_left": excess & ~on}, index=runs.index)
+
+
+def passes_as_noise_left(ratio, source, schedule, converged, tol: float = CONVERGENCE_TOL) -> np.ndarray:
+    """Which runs pass the gate only as what injected noise left after it was switched off (converged_runs'
+    noise_left), from a table that kept the verdict but not the fall (aggregate/dose.parquet): converged, over
+    1 + tol, injected, its schedule off at the end. The stricter reading counts them as failed (method §11)."""
+    ratio = np.asarray(ratio, float)
+    return (np.asarray(converged, bool) & np.isfinite(ratio) & (ratio > 1 + tol)
+            & pd.Series(source).isin(INJECTED).to_numpy(bool) & ~pd.Series(schedule).isin(ON_AT_END).to_numpy(bool))

@@ -12,6 +12,7 @@ import pandas as pd
 import yaml
 
 from .. import __version__
+from ..analysis.convergence import ON_AT_END
 from ..analysis.dose import SERIES, series_name, with_schedule
 from ..analysis.verdicts import (
     CONDITION,
@@ -105,7 +106,8 @@ def _convergence(conv) -> tuple[list[str], list[str]]:
         ref = (r.batch, "none", r.optimizer)
         if r.n_inf_runs:
             parts.append(f"{name} M = ∞ runs diverged" if r.ood_loss_over_ridge == math.inf
-                         else f"{name} {r.ood_loss_over_ridge:.2f}×" if not math.isnan(r.ood_loss_over_ridge)
+                         else f"{name} {r.ood_loss_over_ridge:.2f}×{_excess_read(r)}"
+                         if not math.isnan(r.ood_loss_over_ridge)
                          else f"{name} M = ∞ OOD loss {over_ridge(r.ood_loss_over_ridge)}")
             if not r.converged:
                 bad.append(f"{name}: M = ∞ runs diverged" if r.ood_loss_over_ridge == math.inf
@@ -116,6 +118,15 @@ def _convergence(conv) -> tuple[list[str], list[str]]:
             parts.append(f"{name} no M = ∞ run, nor batch noise's at its batch size")
             bad.append(f"{name}: no M = ∞ run, nor batch-noise M = ∞ runs at batch {int(r.batch)}")
     return parts, bad
+
+
+def _excess_read(r) -> str:
+    """What the gate read a converged condition's excess over its tolerance as (method §11, One convergence gate):
+    a noise floor, or what the noise left after it was switched off; '' otherwise."""
+    if not r.converged:
+        return ""
+    return (" (a levelled noise floor, the noise still on)" if getattr(r, "noise_floor", False) else
+            " (levelled: what the noise left after it was switched off)" if getattr(r, "noise_left", False) else "")
 
 
 def what_this_run_shows(th, tests, conv=None) -> list[str]:
@@ -129,8 +140,8 @@ def what_this_run_shows(th, tests, conv=None) -> list[str]:
         parts, bad = _convergence(conv)
         lines += [f"Convergence (final OOD loss of the M = ∞ runs over ridge's, worst seed): {', '.join(parts)}; "
                   + ("not every condition converged (see below)." if bad else
-                     f"every condition converged (worst seed ≤ {1 + GATES['convergence_tol']:.2f}× ridge's, the "
-                     "verdicts' gate)."), ""]
+                     f"every condition converged (worst seed ≤ {1 + GATES['convergence_tol']:.2f}× ridge's, or a "
+                     "levelled excess the injected noise explains: the verdicts' gate)."), ""]
         failures += [f"unconverged ({', '.join(bad)})"] if bad else []
     if th is not None and len(th):
         lines += ["Task-diversity threshold M* by three methods (95 % t-intervals over seeds): r50, where "
@@ -182,8 +193,9 @@ def dose_answer(tests, levels) -> list[str]:
     lines = ["## The answer: ICL against the injected noise dose", "",
              "Dose = realised integrated injected P-NE* (after clipping), per condition; slopes per decade of dose "
              "over the positive doses inside the operating regime (M = ∞ within "
-             f"{1 + GATES['convergence_tol']:.2f}× ridge's OOD loss, or levelled at a noise floor with the noise still "
-             f"on; realised dose within {GATES['dose_tol']:.0%} of its target, no run diverged); dose 0 (no "
+             f"{1 + GATES['convergence_tol']:.2f}× ridge's OOD loss, or levelled at an excess the injected noise "
+             "explains: a noise floor with the noise still on, what the noise left after it was switched off; "
+             f"realised dose within {GATES['dose_tol']:.0%} of its target, no run diverged); dose 0 (no "
              "injection) is the reference arm.", ""]
     for key, g in with_schedule(levels).groupby(SERIES):
         name, opt = series_name(key), key[-1]
@@ -194,8 +206,13 @@ def dose_answer(tests, levels) -> list[str]:
                 f"{len(inside)} positive dose(s) inside")
         outside = "; ".join(f"{'dose 0' if d.target_dose == 0 else f'dose {d.target_dose:.3g}'} ({d.regime})"
                             for d in out.itertuples())
+        over = g[g.in_regime.astype(bool) & (g.ood_loss_over_ridge > 1 + GATES["convergence_tol"])]
+        read = "a levelled noise floor" if key[2] in ON_AT_END else "levelled after the noise was switched off"
+        excess = "; ".join(f"dose {d.target_dose:.3g} at {d.ood_loss_over_ridge:.3f}×" for d in over.itertuples())
         lines += [f"**{name}{optimizer_note(opt)}** — operating regime: {span}"
-                  + (f"; outside: {outside}" if outside else "") + ".", ""]
+                  + (f"; outside: {outside}" if outside else "")
+                  + (f"; M = ∞ inside with its excess read as the noise's outcome ({read}): {excess}" if excess
+                     else "") + ".", ""]
         mine = tests.test.str.contains(f"dose-response {name}: ", regex=False) & (tests.optimizer == opt)
         for t in tests[mine].itertuples():   # its sensitivity rows too, named by what they change
             what = "".join(t.test.split(f"dose-response {name}: ", 1))

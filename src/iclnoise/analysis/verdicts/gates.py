@@ -24,6 +24,7 @@ CONVERGENCE_SCHEMA = pa.schema([
     pa.field("still_falling", pa.bool_()),     # some M = ∞ run still falling at the end (converged_runs)
     pa.field("converged", pa.bool_()),         # passes the one convergence gate (`converged_runs`)
     pa.field("noise_floor", pa.bool_()),       # passes as a levelled excess under injected noise still on at the end
+    pa.field("noise_left", pa.bool_()),        # ... or as what injected noise left after it was switched off
 ])
 # Validity gates (issue 13): thresholds every verdict must pass before it may read as a finding.
 GATES = {
@@ -74,8 +75,9 @@ def optimizer_note(optimizer) -> str:
 def convergence(out: pd.DataFrame, tol: float = GATES["convergence_tol"]) -> pd.DataFrame:
     """Per (batch, noise, optimizer) condition: its worst M = ∞ run (the highest OOD loss over ridge's; diverged
     runs count as ∞) and whether every M = ∞ run passes the one convergence gate (converged_runs; issue 13: the
-    transformer must reach the Bayes predictor for q∞, or sit at a levelled noise floor). A ratio that cannot be
-    formed (a NaN ood_loss_ridge) makes the worst NaN, and NaN is not converged: no run leaves the gate unread."""
+    transformer must reach the Bayes predictor for q∞, or level off at an excess injected noise explains). A ratio
+    that cannot be formed (a NaN ood_loss_ridge) makes the worst NaN, and NaN is not converged: no run leaves the
+    gate unread."""
     rows = []
     for (B, noise, opt), g in out.groupby(CONDITION):
         c = converged_runs(g[g.M == M_INF], tol)
@@ -85,7 +87,7 @@ def convergence(out: pd.DataFrame, tol: float = GATES["convergence_tol"]) -> pd.
                      "ood_loss_fall": float(c.fall[at]) if at is not None else math.nan,
                      "still_falling": bool(c.falling.any()),
                      "converged": bool(len(c) and c.converged.all() and np.isfinite(worst)),
-                     "noise_floor": bool(c.noise_floor.any())})
+                     "noise_floor": bool(c.noise_floor.any()), "noise_left": bool(c.noise_left.any())})
     return pd.DataFrame(rows, columns=CONVERGENCE_SCHEMA.names)
 
 
@@ -122,7 +124,7 @@ def _failed_how(row) -> str:
     if row.get("still_falling", False):
         return f", still falling at the end (the worst run fell {row.ood_loss_fall:.3f} × ridge's over the last third)"
     if np.isfinite(row.get("ood_loss_fall", math.nan)):
-        return ", levelled short of ridge with no injected noise on at the end"
+        return ", levelled short of ridge with no injected noise to explain it"
     return ""
 
 

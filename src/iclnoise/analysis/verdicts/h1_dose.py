@@ -7,6 +7,7 @@ import pandas as pd
 from ...core.probe_sections import Stats
 from ...core.tasks import M_INF
 from .. import dose, stats
+from ..convergence import passes_as_noise_left
 from ..dose import OUTCOMES
 from .gates import GATES, gate_books, gate_equal_data, gate_seeds
 from .rows import _direction, _row
@@ -34,9 +35,11 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
     - what r is made of (method §11, "Outcomes that tell in-context learning from misfit"): r, Δ(f, ridge) and
       Δ(f, dMMSE_M) on the q_M set and on new tasks, and the in-distribution loss, each per decade of total
       exposure at the ladder (dose.total_slope) — outside the family: they read the r rows, they do not add tests;
-    - the convergence gate's sensitivity rows: where M = ∞ failing the gate is all that keeps a dose out of the
-      regime, the total-exposure rows again with the gate not applied (dose.analyse's gate False) — outside the
-      family, named for the doses they admit, so a reader sees what the gate decided.
+    - the convergence gate's sensitivity rows, so a reader sees what the gate decided: where M = ∞ failing the gate
+      is all that keeps a dose out of the regime, the total-exposure rows again with the gate not applied
+      (dose.analyse's gate False); where a dose is inside only because M = ∞'s levelled excess after the noise was
+      switched off is read as what the noise left, the rows again with that excess read as failed training — both
+      outside the family, named for the doses they admit or leave out.
     Gates: seeds, equal data, dose 0 inside the regime. No rows at all when the grid has no dose series."""
     rows = []
     for key, g in dose.series(dose.dose_runs(out, GATES["convergence_tol"])):
@@ -56,7 +59,8 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
                  _dose_ladder_row(res, at), _dose_zero_row(res, at),
                  _dose_exposure_row(out[out.run_id.isin(res["fit"].run_id) | out.run_id.isin(
                      g.run_id[(g.target_dose == 0) & g.M.isin(res["ladder"])])], name, cfg.alpha, fails),
-                 _dose_shape_row(res, at), *_dose_outcome_rows(res, at), *_ungated_rows(g, res, at, cfg.alpha)]
+                 _dose_shape_row(res, at), *_dose_outcome_rows(res, at), *_ungated_rows(g, res, at, cfg.alpha),
+                 *_strict_rows(g, res, at, cfg.alpha)]
     return rows
 
 
@@ -75,6 +79,25 @@ def _ungated_rows(g: pd.DataFrame, res: dict, at: dict, alpha: float) -> list[di
             f"{why}): ")
     at = {**at, "sens": sens, "where": f"doses {', '.join(f'{d:.3g}' for d in free['doses'])}"}
     return [*_dose_total_rows(free, at), *_dose_outcome_rows(free, at)]
+
+
+def _strict_rows(g: pd.DataFrame, res: dict, at: dict, alpha: float) -> list[dict]:
+    """The total-exposure rows (M* slope, decomposition) with the stricter reading of the convergence gate, where
+    M = ∞ runs that pass only as what the noise left after it was switched off (convergence.passes_as_noise_left)
+    count as failed training, when that leaves a dose out; none otherwise (then without refitting anything)."""
+    conv = g.converged.fillna(False).astype(bool)
+    left = (g.M == M_INF).to_numpy() & passes_as_noise_left(
+        (g.ood_loss / g.ood_loss_ridge).astype(float), g.source, g.schedule, conv, GATES["convergence_tol"])
+    if not left.any():
+        return []
+    strict = dose.analyse(g.assign(converged=conv & ~left), alpha, GATES["dose_tol"], GATES["min_seeds"])
+    dropped = sorted(set(res["doses"]) - set(strict["doses"]))
+    if not dropped:
+        return []
+    sens = (f"sensitivity, a levelled excess after the noise was switched off read as failed training (leaves out "
+            f"dose {', '.join(f'{d:.3g}' for d in dropped)}): ")
+    at = {**at, "sens": sens, "where": f"doses {', '.join(f'{d:.3g}' for d in strict['doses'])}"}
+    return [*_dose_total_rows(strict, at), *_dose_outcome_rows(strict, at)]
 
 
 DECADE = "per decade of dose"
