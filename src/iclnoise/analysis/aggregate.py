@@ -26,7 +26,7 @@ from ..probes.geometry import GEOMETRY_COLUMNS
 from ..probes.mech import CIRCUIT_COLUMNS
 from ..run.runs import checked_spec
 from . import thresholds
-from .dose import DOSE_SCHEMA, LEVELS_SCHEMA, dose_runs, levels_table
+from .dose import BY_M_SCHEMA, DOSE_SCHEMA, LEVELS_SCHEMA, by_m_table, dose_runs, levels_table
 from .verdicts import (
     CONDITION,
     GATE_FIELDS,
@@ -302,9 +302,10 @@ def markdown(df: pd.DataFrame) -> str:
 
 def aggregate(run_dirs: list[Path], out_dir: Path, cfg: Stats) -> pd.DataFrame:
     """Outcomes, thresholds and tests of `run_dirs` into `out_dir` (.parquet and .md) with metrics.json, and where
-    the grid has a dose series (iclnoise.analysis.dose) dose.parquet (one row per run) and dose_levels.parquet, and
-    where an arm has ≥ 3 batch sizes batch_levels.parquet (verdicts.h1_batch); returns
-    the tests. Figures 6-10 are drawn from these tables (iclnoise.output.figures.aggregate)."""
+    the grid has a dose series (iclnoise.analysis.dose) dose.parquet (one row per run), dose_levels.parquet and
+    dose_decomposition.parquet (r's decomposition per M), and where an arm has ≥ 3 batch sizes
+    batch_levels.parquet (verdicts.h1_batch); returns the tests. Figures 6-10 are drawn from these tables
+    (iclnoise.output.figures.aggregate)."""
     out, schema = outcomes(run_dirs, cfg.transient_tol)
     write_parquet(out, out_dir / "outcomes.parquet", schema)
     conv = convergence(out, GATES["convergence_tol"])
@@ -317,9 +318,11 @@ def aggregate(run_dirs: list[Path], out_dir: Path, cfg: Stats) -> pd.DataFrame:
     runs = dose_runs(out, GATES["convergence_tol"])
     if len(runs):   # a dose series in the grid (issue 43): its per-run table and its levels
         levels = levels_table(runs, cfg.alpha, GATES["dose_tol"], GATES["min_seeds"])
+        per_m = by_m_table(runs, cfg.alpha, GATES["dose_tol"])
         write_parquet(runs, out_dir / "dose.parquet", DOSE_SCHEMA)
         write_parquet(levels, out_dir / "dose_levels.parquet", LEVELS_SCHEMA)
-        tables += [("dose", runs), ("dose_levels", levels)]
+        write_parquet(per_m, out_dir / "dose_decomposition.parquet", BY_M_SCHEMA)
+        tables += [("dose", runs), ("dose_levels", levels), ("dose_decomposition", per_m)]
     batch = batch_levels(out, cfg.alpha, GATES["min_seeds"])
     if len(batch):   # an arm of ≥ 3 batch sizes (issue 70): figure 6 on the batch axis
         write_parquet(batch, out_dir / "batch_levels.parquet", BATCH_LEVELS_SCHEMA)

@@ -54,6 +54,15 @@ LEVELS_SCHEMA = pa.schema([   # aggregate/dose_levels.parquet: one row per (seri
     pa.field("ladder_shift_lo", pa.float64()), pa.field("ladder_shift_hi", pa.float64()),
 ])
 
+BY_M_SCHEMA = pa.schema([   # aggregate/dose_decomposition.parquet: one row per (series, finite M, outcome)
+    *[pa.field(c, t) for c, t in (("source", pa.string()), ("shape", pa.string()), ("schedule", pa.string()),
+                                  ("batch", pa.int64()), ("optimizer", pa.string()))],
+    pa.field("M", pa.int64()), pa.field("outcome", pa.string()),   # r or one of OUTCOMES
+    pa.field("n_runs", pa.int64()), pa.field("n_doses", pa.int64()),   # dose 0 and the in-regime doses run at M
+    *[pa.field(c, pa.float64()) for c in ("estimate", "ci_lo", "ci_hi", "p", "mde")],   # per decade of total exposure
+    pa.field("status", pa.string()),   # 'run', or why not
+])
+
 
 def dose_runs(out: pd.DataFrame, tol: float) -> pd.DataFrame:
     """The per-run dose table (DOSE_SCHEMA) of the outcomes `out`: the runs of every dose series (≥ 2 positive target
@@ -171,22 +180,29 @@ def total_slope(d: pd.DataFrame, outcome: str, alpha: float) -> pd.Series:
     return stats.mixed_model(d, formula, group="cell", alpha=alpha).set_index("term").loc["log10_total"]
 
 
-def mstar_slope(per_seed: pd.DataFrame, alpha: float) -> pd.Series:
-    """The slope of log2 M* against log10 dose, seeds the unit: b_s = each seed's least-squares slope of its
-    per-seed threshold estimates (thresholds.threshold_with_ci's log2_per_seed) on log10 dose (seeds with ≥ 2
-    doses); estimate, t-interval on n − 1 df, p and mde = stats.paired_test of the b_s against 0; std_effect =
-    b·sd(log10 dose)/sd(log2 M*) over all rows, as stats.mixed_model's. A MixedLM with a random intercept per seed
-    gives the same b on a balanced design, but its Wald interval assumes many seeds: at the CPU plan's design (2
-    doses a decade apart, 3 seeds; seed sd and estimate sd 0.03 octaves) it covered a planted slope in 0.797 of 2 000
-    replications (size 0.20), this interval in 0.945 (size 0.056); at 5 doses over 2 decades 0.920 against 0.943
-    (experiments/dose_coverage.py)."""
-    per = np.array([np.polyfit(h.log10_dose.astype(float), h.log2_M_star.astype(float), 1)[0]
-                    for _, h in per_seed.groupby("seed") if h.log10_dose.nunique() >= 2])
+def seed_slope(d: pd.DataFrame, x: str, y: str, alpha: float) -> pd.Series:
+    """The slope of `y` on `x`, seeds the unit: b_s = each seed's least-squares slope (seeds with ≥ 2 distinct x);
+    estimate, t-interval on n − 1 df, p and mde = stats.paired_test of the b_s against 0; std_effect =
+    b·sd(x)/sd(y) over all rows, as stats.mixed_model's. Within a seed the doses share its initialisation, data and
+    task pool, so its level cancels from b_s; at 5 seeds the t-interval holds its level where a Wald interval on a
+    MixedLM does not (by_m; docs/validation.md)."""
+    per = np.array([np.polyfit(h[x].astype(float), h[y].astype(float), 1)[0]
+                    for _, h in d.groupby("seed") if h[x].nunique() >= 2])
     if len(per) < 2:
         raise ValueError(f"a slope needs ≥ 2 seeds with ≥ 2 doses each, not {len(per)}")
     t = stats.paired_test(per, np.zeros(len(per)), alpha)
     return pd.Series({k: t[k] for k in ("estimate", "ci_lo", "ci_hi", "p", "mde")}
-                     | {"std_effect": t["estimate"] * per_seed.log10_dose.std() / per_seed.log2_M_star.std()})
+                     | {"std_effect": t["estimate"] * d[x].std() / d[y].std()})
+
+
+def mstar_slope(per_seed: pd.DataFrame, alpha: float) -> pd.Series:
+    """The slope of log2 M* against log10 dose, seeds the unit (seed_slope of each seed's per-seed threshold
+    estimates, thresholds.threshold_with_ci's log2_per_seed, on log10 dose). A MixedLM with a random intercept per
+    seed gives the same b on a balanced design, but its Wald interval assumes many seeds: at the CPU plan's design (2
+    doses a decade apart, 3 seeds; seed sd and estimate sd 0.03 octaves) it covered a planted slope in 0.797 of 2 000
+    replications (size 0.20), this interval in 0.945 (size 0.056); at 5 doses over 2 decades 0.920 against 0.943
+    (experiments/dose_coverage.py)."""
+    return seed_slope(per_seed, "log10_dose", "log2_M_star", alpha)
 
 
 def _t_interval(v: pd.Series, level: float) -> tuple[float, float, float]:
@@ -287,6 +303,38 @@ def total_fit(g: pd.DataFrame, dose_tol: float) -> pd.DataFrame:
     total_slope and decomposition read (what a coverage simulation of them needs without the rest of analyse)."""
     _, finite, inside, ladder, total = _frame(g, dose_tol)
     return _total_fit(finite, inside, ladder, total)
+
+
+def by_m(g: pd.DataFrame, alpha: float, dose_tol: float) -> pd.DataFrame:
+    """r's decomposition per M (method §11, "Outcomes that tell in-context learning from misfit"): for every finite M
+    of the series and each of r and OUTCOMES, its slope per decade of total exposure at that M alone (seed_slope:
+    per seed, t over seeds) over dose 0 and the in-regime doses run at that M, log10_total each dose's mean total
+    exposure at the ladder (analyse's `total`). The pooled rows in the tests average these over the ladder; these
+    show where an effect of the pooled row lives. BY_M_SCHEMA's columns less the series'."""
+    _, finite, inside, _, total = _frame(g, dose_tol)
+    rows = []
+    for M, h in finite[finite.target_dose.isin([0.0, *inside])].groupby("M"):
+        h = h.assign(log10_total=np.log10(h.target_dose.map(total)))
+        for y in ("r", *OUTCOMES):
+            row = {"M": int(M), "outcome": y, "n_runs": len(h), "n_doses": h.target_dose.nunique(),
+                   "status": "run"}
+            if h.log10_total.nunique() < 2 or h.seed.nunique() < 2 or y not in h or h[y].isna().any():
+                row["status"] = "not run: needs dose 0 and ≥ 1 in-regime dose at this M, ≥ 2 seeds, the outcome"
+            else:
+                try:
+                    e = seed_slope(h, "log10_total", y, alpha)
+                    row.update({k: float(e[k]) for k in ("estimate", "ci_lo", "ci_hi", "p", "mde")})
+                except Exception as err:  # noqa: BLE001 -- a fit that cannot be made is a result to report
+                    row["status"] = f"not run: fit failed ({type(err).__name__})"
+            rows.append(row)
+    return pd.DataFrame(rows).reindex(columns=[c for c in BY_M_SCHEMA.names if c not in SERIES])
+
+
+def by_m_table(runs: pd.DataFrame, alpha: float, dose_tol: float) -> pd.DataFrame:
+    """aggregate/dose_decomposition.parquet: `by_m` of every series (BY_M_SCHEMA)."""
+    frames = [by_m(g, alpha, dose_tol).assign(**dict(zip(SERIES, k))) for k, g in series(runs)]
+    return pd.concat(frames, ignore_index=True).reindex(columns=BY_M_SCHEMA.names) if frames else \
+        pd.DataFrame(columns=BY_M_SCHEMA.names)
 
 
 def _zero_contrast(finite: pd.DataFrame, inside: list, ladder: list[int], alpha: float) -> dict | None:

@@ -185,11 +185,11 @@ def what_this_run_shows(th, tests, conv=None) -> list[str]:
     return lines
 
 
-def dose_answer(tests, levels) -> list[str]:
+def dose_answer(tests, levels, per_m=None) -> list[str]:
     """The report's opening where the grid has a dose series (issue 43): per series, the operating regime read
     from the data (dose_levels.parquet) and every dose-response row of the tests (slope per decade of dose with
     its CI and mde, the dose-0 contrast, the shape check; the sensitivity rows prefixed by what they change) in
-    words."""
+    words, then r's decomposition per M (`per_m`, dose_decomposition.parquet; None: a set aggregated before it)."""
     lines = ["## The answer: ICL against the injected noise dose", "",
              "Dose = realised integrated injected P-NE* (after clipping), per condition; slopes per decade of dose "
              "over the positive doses inside the operating regime (M = ∞ within "
@@ -223,7 +223,29 @@ def dose_answer(tests, levels) -> list[str]:
             mde = f", mde {t.mde:.2g}" if t.mde == t.mde else ""
             lines.append(f"- {what} [{t.outcome}, {t.term}]: {t.estimate:+.3g}{ci}{mde}. {t.verdict}.")
         lines += [*ridge_reading(tests[tests.optimizer == opt], name), ""]
+        if per_m is not None:
+            lines += by_m_lines(per_m[(per_m[SERIES].astype(str) == [str(k) for k in key]).all(axis=1)])
     return lines
+
+
+BY_M_COLUMNS = {"r": "r", "id_loss": "in-distribution loss", "ood_delta_ridge": "Δ(f, ridge), new tasks",
+                "delta_dmmse": "Δ(f, dMMSE_M)"}   # the decomposition method §11 asks for per M
+
+
+def by_m_lines(rows: pd.DataFrame) -> list[str]:
+    """One series' decomposition per M as a table: each outcome's slope per decade of total exposure at that M
+    alone [95 % CI] (dose.by_m); a dash where it was not run. [] without rows."""
+    if not len(rows):
+        return []
+    cell = {(r.M, r.outcome): (f"{r.estimate:+.3f} [{r.ci_lo:+.3f}, {r.ci_hi:+.3f}]" if r.status == "run" else "–")
+            for r in rows.itertuples()}
+    lines = ["Per M (each M alone: slope per decade of total exposure [95 % CI], MixedLM with a seed intercept over "
+             "dose 0 and the in-regime doses run at that M):", "",
+             "| M | doses | " + " | ".join(BY_M_COLUMNS.values()) + " |", "|---" * (len(BY_M_COLUMNS) + 2) + "|"]
+    for M, g in rows.groupby("M"):
+        lines.append(f"| {M} | {int(g.n_doses.iloc[0])} | " + " | ".join(cell.get((M, y), "–") for y in BY_M_COLUMNS)
+                     + " |")
+    return [*lines, ""]
 
 
 def ridge_reading(tests, name: str) -> list[str]:
@@ -234,9 +256,11 @@ def ridge_reading(tests, name: str) -> list[str]:
     r, ridge, fit = rows.get("r"), rows.get("ood_delta_ridge"), rows.get("id_loss")
     if r is None or ridge is None or not r.ci_lo > 0:
         return []
-    if ridge.ci_hi < 0:
-        return ["Reading: r rises with total exposure and Δ(f, ridge) on new tasks falls: more ridge-like."]
     misfit = fit is not None and fit.ci_lo > 0
+    if ridge.ci_hi < 0:
+        return ["Reading: r rises with total exposure and Δ(f, ridge) on new tasks falls: more ridge-like"
+                + ("; the in-distribution loss rises with it, so part of r's rise is misfit (per M below)."
+                   if misfit else ".")]
     return [f"Reading: r rises with total exposure but Δ(f, ridge) on new tasks does not fall (CI "
             f"[{ridge.ci_lo:+.3g}, {ridge.ci_hi:+.3g}]): not more ridge-like"
             + ("; the in-distribution loss rises with it (misfit pulls r toward ½)." if misfit else ".")]
@@ -366,7 +390,9 @@ def build(results: Path, params: dict, root: Path, origin: str | None = None) ->
     tests = read_parquet(agg / "tests.parquet") if (agg / "tests.parquet").exists() else None
     conv = convergence(read_parquet(agg / "outcomes.parquet")) if (agg / "outcomes.parquet").exists() else None
     if (agg / "dose_levels.parquet").exists() and tests is not None:   # a dose series: the answer first
-        lines += dose_answer(tests, read_parquet(agg / "dose_levels.parquet"))
+        per_m = agg / "dose_decomposition.parquet"
+        lines += dose_answer(tests, read_parquet(agg / "dose_levels.parquet"),
+                             read_parquet(per_m) if per_m.exists() else None)
     if tests is not None:   # an aligned condition: H5's answer first
         lines += h5_answer(tests)
     if th is not None or tests is not None:
