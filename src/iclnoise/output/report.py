@@ -239,8 +239,8 @@ def by_m_lines(rows: pd.DataFrame) -> list[str]:
         return []
     cell = {(r.M, r.outcome): (f"{r.estimate:+.3f} [{r.ci_lo:+.3f}, {r.ci_hi:+.3f}]" if r.status == "run" else "–")
             for r in rows.itertuples()}
-    lines = ["Per M (each M alone: slope per decade of total exposure [95 % CI], MixedLM with a seed intercept over "
-             "dose 0 and the in-regime doses run at that M):", "",
+    lines = ["Per M (each M alone: slope per decade of total exposure [95 % CI], each seed's least-squares slope over "
+             "dose 0 and the in-regime doses run at that M, t over seeds):", "",
              "| M | doses | " + " | ".join(BY_M_COLUMNS.values()) + " |", "|---" * (len(BY_M_COLUMNS) + 2) + "|"]
     for M, g in rows.groupby("M"):
         lines.append(f"| {M} | {int(g.n_doses.iloc[0])} | " + " | ".join(cell.get((M, y), "–") for y in BY_M_COLUMNS)
