@@ -12,7 +12,7 @@ from scipy import stats
 
 CONVERGENCE_TOL = 0.15   # an M = ∞ run ends with OOD loss ≤ (1 + tol) × ridge's ...
 FALL_SHARE = 0.5         # ... or is levelled: its OOD loss fell by less than this share of its excess over ridge's
-                         # across the last third of training (or not significantly), after injected noise
+                         # across the last third of training (or not significantly), and injected noise explains it
 INJECTED = ("grad", "param")   # noise sources injected on top of the batch noise
 ON_AT_END = ("constant", "late", "controlled")   # injection schedules whose noise is still on at the last step
 
