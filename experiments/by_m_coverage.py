@@ -36,7 +36,7 @@ def replicate(rng) -> dict:
                      ood_delta_ridge=0.2 + level + rng.normal(0, 0.003, len(out)),
                      delta_ridge=0.1 + level, delta_dmmse=0.05 + level, ood_delta_dmmse=0.4 + level)
     (_, g), = dose.series(dose.dose_runs(out, GATES["convergence_tol"]))
-    b = dose.by_m(g[g.M.isin([4, 16, -1])], 0.05, GATES["dose_tol"]).set_index(["M", "outcome"])
+    b = dose.by_m(g[g.M.isin([4, 16, -1])], 0.05, GATES["dose_tol"], GATES["min_seeds"]).set_index(["M", "outcome"])
     return {M: (b.loc[(M, "id_loss")].ci_lo <= 0.02 <= b.loc[(M, "id_loss")].ci_hi,
                 not b.loc[(M, "ood_delta_ridge")].ci_lo <= 0 <= b.loc[(M, "ood_delta_ridge")].ci_hi)
             for M in (4, 16)}

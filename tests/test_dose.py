@@ -87,16 +87,69 @@ def test_the_regime_leaves_out_unconverged_saturated_and_unchecked_doses():
     out = planted(np.random.default_rng(0), inf_at=(0.1, 1.0), ratio={1.0: 1.2}, fall={1.0: 0.15},
                   booked={0.03: 0.5})
     (_, g), = dose.series(dose.dose_runs(out, GATES["convergence_tol"]))
-    lv = dose.regime(g, GATES["dose_tol"]).set_index("target_dose")
+    lv = dose.regime(g, GATES["dose_tol"], GATES["min_seeds"]).set_index("target_dose")
     assert list(lv.index[lv.in_regime]) == [0.0, 0.01, 0.1]
     assert "fails the convergence gate (1.200× ridge's" in lv.regime[1.0] and "saturated" in lv.regime[0.03]
     assert "no M = ∞ run at or above" in lv.regime[0.3]
     out = planted(np.random.default_rng(0), inf_at=(0.1, 1.0), ratio={1.0: 1.2}, fall={1.0: 0.02},
                   booked={0.03: 0.5})
     (_, g), = dose.series(dose.dose_runs(out, GATES["convergence_tol"]))
-    lv = dose.regime(g, GATES["dose_tol"]).set_index("target_dose")
+    lv = dose.regime(g, GATES["dose_tol"], GATES["min_seeds"]).set_index("target_dose")
     assert list(lv.index[lv.in_regime]) == [0.0, 0.01, 0.1, 0.3, 1.0]
     assert lv.ood_loss_over_ridge[1.0] == pytest.approx(1.2)   # the noise floor, reported per dose
+
+
+@pytest.mark.unit
+def test_only_m_inf_s_gate_vouches_for_a_dose_without_m_inf_runs():
+    """A dose without M = ∞ runs (0.3) is vouched for by M = ∞ passing the gate at a dose above it (1), not by that
+    dose's other faults: 1 saturated (booked 0.5×) is out itself, and 0.3 stays in; a diverged finite-M run at dose 0
+    leaves dose 0 out, not the doses above it. With the gate not applied nothing vouches: 0.3 is in even when M = ∞
+    fails at 1."""
+    out = planted(np.random.default_rng(0), inf_at=(0.1, 1.0), booked={1.0: 0.5})
+    out.loc[(out.noise_level == 1 / 64) & (out.M == 256) & (out.seed == 0), "diverged"] = True
+    (_, g), = dose.series(dose.dose_runs(out, GATES["convergence_tol"]))
+    lv = dose.regime(g, GATES["dose_tol"], GATES["min_seeds"]).set_index("target_dose")
+    assert list(lv.index[~lv.in_regime]) == [0.0, 1.0]
+    assert "diverged" in lv.regime[0.0] and "saturated" in lv.regime[1.0]
+    out = planted(np.random.default_rng(0), inf_at=(0.1, 1.0), ratio={1.0: 1.3}, fall={1.0: 0.2})
+    (_, g), = dose.series(dose.dose_runs(out, GATES["convergence_tol"]))
+    gated = dose.regime(g, GATES["dose_tol"], GATES["min_seeds"]).set_index("target_dose")
+    free = dose.regime(g, GATES["dose_tol"], GATES["min_seeds"], gate=False).set_index("target_dose")
+    assert list(gated.index[~gated.in_regime]) == [0.3, 1.0] and "no M = ∞ run at or above" in gated.regime[0.3]
+    assert free.in_regime.all()
+
+
+@pytest.mark.unit
+def test_a_dose_still_training_with_too_few_seeds_is_left_out_and_does_not_shorten_the_ladder():
+    """1 trained at M = ∞ by every seed but at finite M only at M = 8 by 2 seeds (jobs half done): it leaves the
+    regime ('2 seeds at finite M (fewer than 3)') while its M = ∞ still vouches for 0.3 below it, the ladder stays
+    {8, 16, 32} over the other doses, and the r row is in the family over them."""
+    out = planted(np.random.default_rng(3), slope=0.05, inf_at=(1.0,))
+    thin = (out.noise_level == 1.0) & (out.M != M_INF) & ~((out.M == 8) & (out.seed < 2))
+    out = out[~thin].reset_index(drop=True)
+    (_, g), = dose.series(dose.dose_runs(out, GATES["convergence_tol"]))
+    res = dose.analyse(g, 0.05, GATES["dose_tol"], GATES["min_seeds"])
+    assert res["ladder"] == [8, 16, 32] and res["doses"] == [0.01, 0.03, 0.1, 0.3]
+    assert res["left_out"].set_index("target_dose").regime[1.0] == "2 seeds at finite M (fewer than 3)"
+    row = h1(out).set_index("test").filter(like="MixedLM r ~ log10(dose) + C(M) + (1|M:seed)", axis=0).iloc[0]
+    assert row.in_family and row.n == 36 and "1: 2 seeds at finite M (fewer than 3)" in row.name
+
+
+@pytest.mark.unit
+def test_doses_sharing_no_finite_m_with_dose_0_say_so_and_compare_no_exposures():
+    """Two in-regime doses run at different M (0.1 at M = 8, 1 at M = 16): no ladder, so no r slope (the row says
+    why), no total exposure, and the per-M table runs nothing on exposures taken over different M."""
+    out = planted(np.random.default_rng(4), doses=(0.1, 1.0), inf_at=(1.0,))
+    keep = (out.noise_level == 1 / 64) | (out.M == M_INF) | ((out.noise_level == 0.1) & (out.M == 8)) \
+        | ((out.noise_level == 1.0) & (out.M == 16))
+    out = out[keep].reset_index(drop=True)
+    (_, g), = dose.series(dose.dose_runs(out, GATES["convergence_tol"]))
+    res = dose.analyse(g, 0.05, GATES["dose_tol"], GATES["min_seeds"])
+    assert res["ladder"] == [] and res["doses"] == [0.1, 1.0] and res["levels"].total_exposure.isna().all()
+    per_m = dose.by_m(g, 0.05, GATES["dose_tol"], GATES["min_seeds"])
+    assert len(per_m) and per_m.status.str.startswith("not run: no finite M run at dose 0 and every").all()
+    row = h1(out).set_index("test").filter(like="MixedLM r ~ log10(dose) + C(M) + (1|M:seed)", axis=0).iloc[0]
+    assert row.status == "not run: no finite M run at dose 0 and every in-regime dose (no ladder)"
 
 
 @pytest.mark.unit
@@ -121,7 +174,7 @@ def test_a_dose_with_m_inf_runs_only_vouches_for_the_regime_and_the_slope_reads_
     out = planted(np.random.default_rng(5), slope=0.05, doses=(0.01, 0.1, 0.3), inf_at=(0.3,))
     out = out[~((out.noise_level == 0.3) & (out.M != M_INF))].reset_index(drop=True)
     (_, g), = dose.series(dose.dose_runs(out, GATES["convergence_tol"]))
-    assert dose.regime(g, GATES["dose_tol"]).set_index("target_dose").in_regime.all()
+    assert dose.regime(g, GATES["dose_tol"], GATES["min_seeds"]).set_index("target_dose").in_regime.all()
     t = h1(out)
     row = t[t.test.str.contains("MixedLM r ~")].iloc[0]
     assert row.status == "run" and row.n == 18 and "M ∈ {8, 16, 32}" in row.test and "doses 0.01, 0.1" in row.test

@@ -80,7 +80,7 @@ def test_the_decomposition_recovers_planted_slopes_and_reads_misfit_not_ridge_li
     assert dec.loc["ood_delta_ridge"].ci_lo <= 0 <= dec.loc["ood_delta_ridge"].ci_hi
     assert dec.loc["r"].ci_lo > 0
     (_, g), = dose.series(dose.dose_runs(out, GATES["convergence_tol"]))   # the rows the validation test below fits
-    pd.testing.assert_frame_equal(dose.total_fit(g, GATES["dose_tol"]),
+    pd.testing.assert_frame_equal(dose.total_fit(g, GATES["dose_tol"], GATES["min_seeds"]),
                                   dose.analyse(g, CFG.alpha, GATES["dose_tol"], GATES["min_seeds"])["total_fit"])
     reading = ridge_reading(t, "param (diagonal), batch 64")
     assert len(reading) == 1 and "not more ridge-like" in reading[0] and "misfit" in reading[0]
@@ -182,7 +182,7 @@ def test_the_decomposition_per_m_recovers_slopes_of_opposite_sign_and_the_report
                      ood_delta_ridge=0.2 + ridge * x + level + rng.normal(0, 0.003, len(out)),
                      delta_ridge=0.1 + level, delta_dmmse=0.05 + level, ood_delta_dmmse=0.4 + level)
     runs = dose.dose_runs(out, GATES["convergence_tol"])
-    per_m = dose.by_m_table(runs, 0.002, GATES["dose_tol"])
+    per_m = dose.by_m_table(runs, 0.002, GATES["dose_tol"], GATES["min_seeds"])
     assert set(per_m.M) == set(FULL) and (per_m.status == "run").all()
     got = per_m.set_index(["M", "outcome"])
     for M in FULL:
@@ -218,7 +218,7 @@ def test_the_decomposition_slopes_interval_covers_a_planted_slope_and_holds_its_
         rng = np.random.default_rng(s)
         out = with_outcomes(planted(rng, slope=0.05), rng, id_slope=0.02, ridge_slope=0.0)
         (_, g), = dose.series(dose.dose_runs(out, GATES["convergence_tol"]))
-        fit = dose.total_fit(g, GATES["dose_tol"])   # analyse's rows for its decomposition, without the rest
+        fit = dose.total_fit(g, GATES["dose_tol"], GATES["min_seeds"])   # analyse's decomposition rows alone
         e, f = (dose.total_slope(fit, y, CFG.alpha) for y in ("id_loss", "ood_delta_ridge"))
         hits += e.ci_lo <= 0.02 <= e.ci_hi
         false += not f.ci_lo <= 0 <= f.ci_hi
@@ -295,6 +295,28 @@ def test_the_batch_axis_reads_m_star_per_decade_of_total_exposure_in_each_arm():
     assert ax.index.str.contains("equal steps \\(batch 64's\\), batch 16, 32, 64, 128").any()
     two = out[out.batch.isin([16, 64]) & (out.noise == "none")]
     assert not hypothesis_tests(two, CFG).test.str.startswith("batch axis").any()
+
+
+@pytest.mark.unit
+def test_a_batch_axis_still_training_compares_exposures_at_the_m_every_batch_size_has():
+    """Exposure that grows with M (×(1 + log2 M / 8)) and batch 16 trained at M ≤ 32 only: each batch size's total
+    exposure is its mean at M 1-32, the M all four share (a hand mean), in the levels and in the slope's span; an
+    arm whose batch sizes share no M runs no slope and says why."""
+    from iclnoise.analysis.verdicts.h1_batch import batch_levels, h1_batch_axis
+
+    out = batch_axis(np.random.default_rng(7), slope=0.0, steps_arm=False)
+    out = out.assign(integrated_pne=out.integrated_pne * np.where(out.M > 0, 1 + np.log2(out.M.clip(1)) / 8, 1))
+    out = out[~((out.batch == 16) & (out.M > 32))].reset_index(drop=True)
+    lv = batch_levels(out, 0.05, 3).set_index("batch")
+    fin = out[(out.M > 0) & (out.M <= 32)]
+    for b in BATCHES:
+        assert lv.total_exposure[b] == pytest.approx(fin[fin.batch == b].integrated_pne.mean(), rel=1e-12)
+    rows = h1_batch_axis(out[out.M != -1], 0.05, lambda runs: [], decompose=False)
+    span = np.log10(lv.total_exposure.max() / lv.total_exposure.min())
+    assert f"({span:.2f} decades)" in rows[0]["test"]
+    apart = out[(out.M != -1) & ((out.batch == 16) == (out.M <= 8))]
+    rows = h1_batch_axis(apart, 0.05, lambda runs: [], decompose=False)
+    assert rows[0]["status"] == "not run: no M run at every batch size, so no total exposure they share"
 
 
 @pytest.mark.validation

@@ -318,7 +318,7 @@ def aggregate(run_dirs: list[Path], out_dir: Path, cfg: Stats) -> pd.DataFrame:
     runs = dose_runs(out, GATES["convergence_tol"])
     if len(runs):   # a dose series in the grid (issue 43): its per-run table and its levels
         levels = levels_table(runs, cfg.alpha, GATES["dose_tol"], GATES["min_seeds"])
-        per_m = by_m_table(runs, cfg.alpha, GATES["dose_tol"])
+        per_m = by_m_table(runs, cfg.alpha, GATES["dose_tol"], GATES["min_seeds"])
         write_parquet(runs, out_dir / "dose.parquet", DOSE_SCHEMA)
         write_parquet(levels, out_dir / "dose_levels.parquet", LEVELS_SCHEMA)
         write_parquet(per_m, out_dir / "dose_decomposition.parquet", BY_M_SCHEMA)

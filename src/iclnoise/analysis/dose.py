@@ -114,43 +114,49 @@ def series_name(key: tuple) -> str:
     return f"{src} ({shape}{'' if schedule == 'constant' else f', {schedule}'}), batch {batch}"
 
 
-def regime(g: pd.DataFrame, dose_tol: float, gate: bool = True) -> pd.DataFrame:
+def regime(g: pd.DataFrame, dose_tol: float, min_seeds: int, gate: bool = True) -> pd.DataFrame:
     """The operating regime of one series (`g`: its runs and dose 0's), one row per target dose: a dose is inside
-    when its realised dose is within `dose_tol` of the target (not saturated), none of its runs diverged, and M = ∞
+    when its realised dose is within `dose_tol` of the target (not saturated), none of its runs diverged, a positive
+    dose run at finite M has ≥ `min_seeds` seeds there (a dose still training neither enters the fits nor
+    shortens the ladder), and M = ∞
     converges there (the `converged` column) or, without M = ∞ runs of its own, at a dose at or above it, below
-    every dose where it does not; `gate` False drops that last condition (the sensitivity analysis of the one
-    convergence gate: what the verdict would be if the gate admitted every dose on target).
+    every dose where it does not (M = ∞'s gate alone vouches: a dose's other faults are its own); `gate` False
+    drops that last condition (the sensitivity analysis of the one convergence gate: what the verdict would be if
+    the gate admitted every dose on target).
     Columns: target_dose, noise, realised_dose (condition mean), n_runs, n_seeds,
     ood_loss_over_ridge, in_regime, regime (why a dose is outside)."""
     rows = []
     for d, lv in g.groupby("target_dose"):
         inf = lv[lv.M == M_INF]
         ratio = (inf.ood_loss / inf.ood_loss_ridge).where(~inf.diverged.astype(bool), np.inf).astype(float)
-        why, real = [], float(lv.realised_dose.mean())
+        why, real, seeds = [], float(lv.realised_dose.mean()), lv[lv.M != M_INF].seed.nunique()
         if d > 0 and not np.isfinite(real):
             why.append("realised dose not recorded (no exposure.parquet)")
         elif d > 0 and not abs(real / d - 1) <= dose_tol:
             why.append(f"{'saturated' if real < d else 'over target'}: realised {real:.3g} = {real / d:.2f}× target")
+        if d > 0 and 0 < seeds < min_seeds:   # at finite M, where the fits read it (M = ∞ alone vouches)
+            why.append(f"{seeds} seed{'s' * (seeds != 1)} at finite M (fewer than {min_seeds})")
         if lv.diverged.any():
             why.append(f"{int(lv.diverged.sum())} of {len(lv)} runs diverged")
-        if gate and len(inf) and not inf.converged.astype(bool).all():
+        passes = bool(len(inf)) and bool(inf.converged.astype(bool).all())
+        if gate and len(inf) and not passes:
             why.append(f"M = ∞ fails the convergence gate ({ratio.max():.3f}× ridge's OOD loss)")
         rows.append({"target_dose": d, "noise": lv.noise.iloc[0], "realised_dose": real, "n_runs": len(lv),
                      "n_seeds": lv.seed.nunique(), "ood_loss_over_ridge": float(ratio.max()) if len(inf) else math.nan,
-                     "has_inf": len(inf) > 0, "why": why})
+                     "has_inf": len(inf) > 0, "passes": passes, "why": why})
     lv = pd.DataFrame(rows)
     checked = lv[lv.has_inf]
-    ok_hi = checked.target_dose[checked.why.str.len() == 0].max()
-    bad_lo = checked.target_dose[checked.why.str.len() > 0].min()
+    ok_hi = checked.target_dose[checked.passes].max()
+    bad_lo = checked.target_dose[~checked.passes].min()
     for i, r in lv.iterrows():
-        if not r.has_inf and not r.why:
+        if gate and not r.has_inf and not r.why:
             if not r.target_dose <= ok_hi:
                 r.why.append("no M = ∞ run at or above this dose that converged")
             elif r.target_dose >= bad_lo:
                 r.why.append(f"above dose {bad_lo:.3g}, where M = ∞ does not converge")
     lv["in_regime"] = lv.why.str.len() == 0
     lv["regime"] = lv.why.str.join("; ")
-    return lv.drop(columns=["has_inf", "why"])
+    return lv.drop(columns=["has_inf", "passes", "why"])
 
 
 def log_dose(g: pd.DataFrame, lv: pd.DataFrame) -> pd.Series:
@@ -247,7 +253,7 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int, gate
     failed  {fit: error name} of the mixed models that failed.
     `gate`: regime's (False: the convergence gate at M = ∞ not applied)."""
     level = 1 - alpha
-    lv, finite, inside, ladder, total = _frame(g, dose_tol, gate)
+    lv, finite, inside, ladder, total = _frame(g, dose_tol, min_seeds, gate)
     fit = finite[finite.target_dose.isin(inside) & finite.M.isin(ladder)]
     res = {"ladder": ladder, "fit": fit, "doses": sorted(inside), "total": total, "mstar_total": {},
            "left_out": lv[~lv.in_regime & (lv.target_dose > 0)], "r": None, "r_seed": None, "mstar": {},
@@ -276,21 +282,21 @@ def analyse(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int, gate
     return res
 
 
-def _frame(g: pd.DataFrame, dose_tol: float, gate: bool = True) -> tuple:
+def _frame(g: pd.DataFrame, dose_tol: float, min_seeds: int, gate: bool = True) -> tuple:
     """analyse's reading of a series: `regime`'s levels; the converged finite-M runs with an r (log10_dose their
     dose's realised dose); the positive in-regime doses with finite-M runs (a dose with M = ∞ runs only vouches for
     the regime below it); the ladder (the M run at dose 0 and every one of them); each dose's mean total exposure
     over its runs at the ladder's M, which every inside dose has (exposure moves with M: a mean over a dose's own M
-    set would compare a full grid's, M = 1 included, with a ladder's)."""
-    lv = regime(g, dose_tol, gate)
+    set would compare a full grid's, M = 1 included, with a ladder's); NaN without a ladder, and at a dose with no
+    runs at the ladder's M."""
+    lv = regime(g, dose_tol, min_seeds, gate)
     ok = g[~g.diverged.astype(bool)].assign(log10_dose=lambda d: np.log10(
         d.target_dose.map(lv.set_index("target_dose").realised_dose).where(d.target_dose > 0)))
     finite = ok[(ok.M != M_INF) & ok.r.notna()]
     inside = [d for d in lv[lv.in_regime & (lv.target_dose > 0)].target_dose if (finite.target_dose == d).any()]
     per_dose = [set(finite[finite.target_dose == d].M) for d in [0.0, *inside]]
     ladder = sorted(set.intersection(*per_dose)) if per_dose else []
-    on = finite[finite.M.isin(ladder)] if ladder else finite
-    return lv, finite, inside, ladder, on.groupby("target_dose").total_exposure.mean()
+    return lv, finite, inside, ladder, finite[finite.M.isin(ladder)].groupby("target_dose").total_exposure.mean()
 
 
 def _total_fit(finite: pd.DataFrame, inside: list, ladder: list[int], total: pd.Series) -> pd.DataFrame:
@@ -298,28 +304,33 @@ def _total_fit(finite: pd.DataFrame, inside: list, ladder: list[int], total: pd.
         log10_total=lambda d: np.log10(d.target_dose.map(total)))
 
 
-def total_fit(g: pd.DataFrame, dose_tol: float) -> pd.DataFrame:
+def total_fit(g: pd.DataFrame, dose_tol: float, min_seeds: int) -> pd.DataFrame:
     """analyse's total_fit alone: dose 0's and the in-regime doses' runs at the ladder with log10_total, the rows
     total_slope and decomposition read (what a coverage simulation of them needs without the rest of analyse)."""
-    _, finite, inside, ladder, total = _frame(g, dose_tol)
+    _, finite, inside, ladder, total = _frame(g, dose_tol, min_seeds)
     return _total_fit(finite, inside, ladder, total)
 
 
-def by_m(g: pd.DataFrame, alpha: float, dose_tol: float) -> pd.DataFrame:
+def by_m(g: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> pd.DataFrame:
     """r's decomposition per M (method §11, "Outcomes that tell in-context learning from misfit"): for every finite M
     of the series and each of r and OUTCOMES, its slope per decade of total exposure at that M alone (seed_slope:
     per seed, t over seeds) over dose 0 and the in-regime doses run at that M, log10_total each dose's mean total
     exposure at the ladder (analyse's `total`). The pooled rows in the tests average these over the ladder; these
     show where an effect of the pooled row lives. BY_M_SCHEMA's columns less the series'."""
-    _, finite, inside, _, total = _frame(g, dose_tol)
+    _, finite, inside, ladder, total = _frame(g, dose_tol, min_seeds)
     rows = []
     for M, h in finite[finite.target_dose.isin([0.0, *inside])].groupby("M"):
         h = h.assign(log10_total=np.log10(h.target_dose.map(total)))
         for y in ("r", *OUTCOMES):
             row = {"M": int(M), "outcome": y, "n_runs": len(h), "n_doses": h.target_dose.nunique(),
                    "status": "run"}
-            if h.log10_total.nunique() < 2 or h.seed.nunique() < 2 or y not in h or h[y].isna().any():
-                row["status"] = "not run: needs dose 0 and ≥ 1 in-regime dose at this M, ≥ 2 seeds, the outcome"
+            if not ladder:
+                row["status"] = ("not run: no finite M run at dose 0 and every in-regime dose, so no total exposure "
+                                 "the doses share")
+            elif (h.log10_total.nunique() < 2 or h.log10_total.isna().any() or h.seed.nunique() < 2 or y not in h
+                  or h[y].isna().any()):
+                row["status"] = ("not run: needs dose 0 and ≥ 1 in-regime dose at this M with a total exposure, "
+                                 "≥ 2 seeds, the outcome")
             else:
                 try:
                     e = seed_slope(h, "log10_total", y, alpha)
@@ -330,9 +341,9 @@ def by_m(g: pd.DataFrame, alpha: float, dose_tol: float) -> pd.DataFrame:
     return pd.DataFrame(rows).reindex(columns=[c for c in BY_M_SCHEMA.names if c not in SERIES])
 
 
-def by_m_table(runs: pd.DataFrame, alpha: float, dose_tol: float) -> pd.DataFrame:
+def by_m_table(runs: pd.DataFrame, alpha: float, dose_tol: float, min_seeds: int) -> pd.DataFrame:
     """aggregate/dose_decomposition.parquet: `by_m` of every series (BY_M_SCHEMA)."""
-    frames = [by_m(g, alpha, dose_tol).assign(**dict(zip(SERIES, k))) for k, g in series(runs)]
+    frames = [by_m(g, alpha, dose_tol, min_seeds).assign(**dict(zip(SERIES, k))) for k, g in series(runs)]
     return pd.concat(frames, ignore_index=True).reindex(columns=BY_M_SCHEMA.names) if frames else \
         pd.DataFrame(columns=BY_M_SCHEMA.names)
 

@@ -34,9 +34,17 @@ def batch_arms(every: pd.DataFrame) -> dict[str, pd.DataFrame]:
     return {k: a for k, a in arms.items() if a.batch.nunique() >= 3}
 
 
+def arm_exposure(runs: pd.DataFrame) -> pd.Series:
+    """Each batch size's mean total integrated P-NE* over an arm's runs at the M every batch size of it has
+    (exposure moves with M, so a grid still training compares like with like); empty when they share none."""
+    shared = set.intersection(*(set(h.M) for _, h in runs.groupby("batch")))
+    return runs[runs.M.isin(shared)].groupby("batch").integrated_pne.mean().astype(float)
+
+
 def h1_batch_axis(every: pd.DataFrame, alpha: float, common, decompose: bool = True) -> list[dict]:
     """Per arm (batch_arms): the slope of log2 M* per decade of total exposure across batch sizes (each batch size's
-    per-seed M* from its full M grid, threshold_with_ci; x its mean total integrated P-NE* over its runs; each
+    per-seed M* from its full M grid, threshold_with_ci; x its mean total integrated P-NE* at the M every batch
+    size has, arm_exposure; each
     seed's slope, t over seeds: dose.mstar_slope) — r50 in the Holm family, midpoint a sensitivity row; and r's
     decomposition per decade of total exposure (dose.total_slope, (M, seed) cells the random intercept), outside
     the family (left out with decompose=False: the M* rows alone, as a power simulation reads them). No rows
@@ -53,7 +61,11 @@ def h1_batch_axis(every: pd.DataFrame, alpha: float, common, decompose: bool = T
             rows.append(_row("H1", f"{name}: slope of log2 M* per decade of total exposure", "log2 M*",
                              status="not run: total exposure not recorded (exposure logging off)"))
             continue
-        total = runs.groupby("batch").integrated_pne.mean().astype(float)
+        total = arm_exposure(runs)
+        if not len(total):
+            rows.append(_row("H1", f"{name}: slope of log2 M* per decade of total exposure", "log2 M*",
+                             status="not run: no M run at every batch size, so no total exposure they share"))
+            continue
         d = runs.assign(log10_total=np.log10(runs.batch.map(total)))
         span = float(np.log10(total.max() / total.min()))
         for point in ("r50", "midpoint"):
@@ -99,15 +111,16 @@ def _mstar_row(d: pd.DataFrame, name: str, point: str, span: float, alpha: float
 
 def batch_levels(out: pd.DataFrame, alpha: float, min_seeds: int) -> pd.DataFrame:
     """aggregate/batch_levels.parquet (BATCH_LEVELS_SCHEMA; figure 6 on the batch axis): per optimizer, arm
-    (batch_arms) and batch size, its mean total exposure, r at M = 16 with its t-interval over seeds, and M* by r50
-    and by midpoint from its full M grid with their intervals (threshold_with_ci). Empty without an arm of ≥ 3
-    batch sizes."""
+    (batch_arms) and batch size, its mean total exposure (arm_exposure), r at M = 16 with its t-interval over seeds,
+    and M* by r50 and by midpoint from its full M grid with their intervals (threshold_with_ci). Empty without an
+    arm of ≥ 3 batch sizes."""
     rows = []
     for opt, o in out.groupby("optimizer"):
         for arm, runs in batch_arms(o[(o.M != M_INF) & ~o.diverged]).items():
+            total = arm_exposure(runs)
             for b, h in runs.groupby("batch"):
                 row = {"optimizer": opt, "arm": arm, "batch": int(b), "n_runs": len(h), "n_seeds": h.seed.nunique(),
-                       "total_exposure": float(h.integrated_pne.astype(float).mean())}
+                       "total_exposure": float(total.get(b, np.nan))}
                 r16 = h[h.M == 16].groupby("seed").r.mean().dropna()
                 m, se, t = t_interval(r16, 1 - alpha) if len(r16) >= 2 else (r16.mean(), np.nan, np.nan)
                 row.update(r16=m, r16_lo=m - t * se, r16_hi=m + t * se)

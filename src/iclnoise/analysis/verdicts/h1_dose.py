@@ -17,7 +17,8 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
     """H1 as a dose–response (method §11; issue 43), per dose series (iclnoise.analysis.dose: one injected source at ≥ 2
     positive doses, dose 0 = batch noise alone at its batch), over the positive doses inside the operating regime
     (dose.regime: M = ∞ passes the one convergence gate, gates.converged_runs, realised dose within
-    GATES['dose_tol'] of target, no run diverged; the doses left out are named in the test):
+    GATES['dose_tol'] of target, no run diverged, ≥ GATES['min_seeds'] seeds; the doses left out are named in the
+    test):
     - the slope of r per decade of dose at fixed M (dose.r_slope; M the ladder's, run at every dose), a random
       intercept per (M, seed) cell — Holm family; with a seed intercept — a sensitivity row;
     - the slope of log2 M* (r50; midpoint as a sensitivity row) per decade (dose.mstar_slope) at the doses with a
@@ -40,7 +41,8 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
       (dose.analyse's gate False); where a dose is inside only because M = ∞'s levelled excess after the noise was
       switched off is read as what the noise left, the rows again with that excess read as failed training — both
       outside the family, named for the doses they admit or leave out.
-    Gates: seeds, equal data, dose 0 inside the regime. No rows at all when the grid has no dose series."""
+    Gates: dose 0's seeds (a positive dose with fewer than min_seeds is out of the regime), equal data, dose 0
+    inside the regime. No rows at all when the grid has no dose series."""
     rows = []
     for key, g in dose.series(dose.dose_runs(out, GATES["convergence_tol"])):
         res = dose.analyse(g, cfg.alpha, GATES["dose_tol"], GATES["min_seeds"])
@@ -49,8 +51,9 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
         where = f"doses {', '.join(f'{d:.3g}' for d in res['doses'])}" + (f" (left out: {left})" if left else "")
         used = out[out.run_id.isin(g.run_id[g.target_dose.isin([0.0, *res["doses"]]) & (g.M != M_INF)])]
         zero = res["levels"][res["levels"].target_dose == 0]
-        fails = (gate_seeds(used, GATES["min_seeds"]) + gate_equal_data(used, GATES["data_tol"])
-                 + gate_books(used))
+        fails = (gate_seeds(out[out.run_id.isin(g.run_id[(g.target_dose == 0) & (g.M != M_INF)])],
+                            GATES["min_seeds"])   # dose 0's: a positive dose with fewer is out of the regime
+                 + gate_equal_data(used, GATES["data_tol"]) + gate_books(used))
         if not len(zero) or not zero.in_regime.iloc[0]:
             fails.append(("unconverged", f"{name} dose 0: " + (zero.regime.iloc[0] if len(zero) else "no runs")))
         at = {"name": name, "src": src, "where": where, "m_at": ", ".join(map(str, res["ladder"])) or "none",
@@ -67,7 +70,7 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
 def _ungated_rows(g: pd.DataFrame, res: dict, at: dict, alpha: float) -> list[dict]:
     """The total-exposure rows (M* slope, decomposition) with the convergence gate at M = ∞ not applied, when that
     admits a dose the gated analysis left out; none otherwise (then without refitting anything)."""
-    lv = dose.regime(g, GATES["dose_tol"], gate=False)
+    lv = dose.regime(g, GATES["dose_tol"], GATES["min_seeds"], gate=False)
     if not set(lv.target_dose[lv.in_regime]) & set(res["left_out"].target_dose):
         return []
     free = dose.analyse(g, alpha, GATES["dose_tol"], GATES["min_seeds"], gate=False)
@@ -114,6 +117,8 @@ def _dose_r_rows(res: dict, at: dict) -> list[dict]:
         if e is None:
             miss = "r" if fam else "r (1|seed)"
             why = (f"fit failed ({res['failed'][miss]})" if miss in res["failed"] else
+                   "no finite M run at dose 0 and every in-regime dose (no ladder)" if len(res["doses"]) >= 2
+                   and not res["ladder"] else
                    f"needs ≥ 2 positive doses inside the operating regime and ≥ 2 seeds ({at['where']})")
             rows.append(_row("H1", test, "r", family=fam, status=f"not run: {why}"))
             continue
