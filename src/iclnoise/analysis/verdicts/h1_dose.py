@@ -7,7 +7,7 @@ import pandas as pd
 from ...core.probe_sections import Stats
 from ...core.tasks import M_INF
 from .. import dose, stats
-from ..convergence import passes_as_noise_left
+from ..convergence import ON_AT_END, passes_as_noise_left
 from ..dose import OUTCOMES
 from .gates import GATES, gate_books, gate_equal_data, gate_seeds
 from .rows import _direction, _row
@@ -43,9 +43,9 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
       outside the family, named for the doses they admit or leave out.
     Gates: dose 0's seeds (a positive dose with fewer than min_seeds is out of the regime), equal data, dose 0
     inside the regime. No rows at all when the grid has no dose series."""
-    rows = []
+    rows, done = [], {}
     for key, g in dose.series(dose.dose_runs(out, GATES["convergence_tol"])):
-        res = dose.analyse(g, cfg.alpha, GATES["dose_tol"], GATES["min_seeds"])
+        res = done[key] = dose.analyse(g, cfg.alpha, GATES["dose_tol"], GATES["min_seeds"])
         src, name = key[0], dose.series_name(key)
         left = "; ".join(f"{d:.3g}: {w}" for d, w in zip(res["left_out"].target_dose, res["left_out"].regime))
         where = f"doses {', '.join(f'{d:.3g}' for d in res['doses'])}" + (f" (left out: {left})" if left else "")
@@ -64,6 +64,50 @@ def h1_dose(out: pd.DataFrame, cfg: Stats) -> list[dict]:
                      g.run_id[(g.target_dose == 0) & g.M.isin(res["ladder"])])], name, cfg.alpha, fails),
                  _dose_shape_row(res, at), *_dose_outcome_rows(res, at), *_ungated_rows(g, res, at, cfg.alpha),
                  *_strict_rows(g, res, at, cfg.alpha)]
+    return rows + _arms_rows(done, cfg.alpha)
+
+
+ARMS = ("r", "id_loss", "ood_delta_ridge")   # what the arms contrast reads: r, misfit, toward ridge on new tasks
+
+
+def _arms_rows(done: dict, alpha: float) -> list[dict]:
+    """The persistent arm against the arm with the noise switched off before the end (method §11, "What was
+    learned, not the noise floor"): for two series that differ only in schedule, one of them on at the end
+    (convergence.ON_AT_END), at each positive dose inside both regimes, r, the in-distribution loss and Δ(f, ridge) on
+    new tasks (on − off): each seed's mean over the finite M both ran of its (M, seed) differences, a paired t over
+    seeds (seeds the unit: an arm effect that differs between seeds would make a t over cells anticonservative).
+    Outside the family: a description of what the last part of training without noise changed."""
+    rows = []
+    for on_key, on in done.items():
+        for off_key, off in done.items():
+            if on_key[2] not in ON_AT_END or off_key[2] in ON_AT_END or \
+                    (*on_key[:2], *on_key[3:]) != (*off_key[:2], *off_key[3:]):
+                continue
+            a, b = on["fit"], off["fit"]
+            for d in sorted(set(on["doses"]) & set(off["doses"])):
+                pa_, pb = a[a.target_dose == d], b[b.target_dose == d]
+                ms = sorted(set(pa_.M) & set(pb.M))
+                for y in ARMS:
+                    what = READ[y][0]
+                    test = (f"dose-response {dose.series_name(on_key)}: against {dose.series_name(off_key)} at dose "
+                            f"{d:.3g}, {y} ({on_key[2]} − {off_key[2]}), each seed's mean over M ∈ "
+                            f"{{{', '.join(map(str, ms))}}} of the (M, seed) differences, paired t over seeds")
+                    cells = pa_.merge(pb, on=["M", "seed"], suffixes=("_on", "_off"))
+                    if y not in a or y not in b or cells[[f"{y}_on", f"{y}_off"]].isna().any().any():
+                        rows.append(_row("H1", test, y, family=False, status=f"not run: {y} not recorded on every "
+                                         "run"))
+                        continue
+                    per = (cells[f"{y}_on"] - cells[f"{y}_off"]).groupby(cells.seed).mean().dropna()
+                    if len(per) < GATES["min_seeds"]:
+                        rows.append(_row("H1", test, y, family=False, status=f"not run: {len(per)} seeds with both "
+                                         f"arms at a common M (fewer than {GATES['min_seeds']})"))
+                        continue
+                    z = stats.paired_test(per.to_numpy(float), np.zeros(len(per)), alpha)
+                    rows.append(_row("H1", test, y, f"{on_key[2]} − {off_key[2]}", **z, family=False,
+                                     power="could detect a difference of ≥ {mde:.2g}",
+                                     words=(f"{what} {_direction(z['estimate'], 'higher', 'lower')} with the noise "
+                                            "on to the end than switched off",
+                                            f"no evidence that switching the noise off changes {what}")))
     return rows
 
 
