@@ -29,11 +29,13 @@ claims=${LADDER_CLAIMS:-}
 own=${claims:+no}
 [ -n "$claims" ] && mkdir -p "$claims" || claims=$(mktemp -d)
 plan=$(mktemp)
-if [ -z "${LADDER_SKIP:-}" ] && [ -f "$set_dir/provenance.json" ]; then
-  LADDER_SKIP=$(mktemp)
+skip=$(mktemp)   # the runs the set holds, and LADDER_SKIP's
+[ -n "${LADDER_SKIP:-}" ] && cat "$LADDER_SKIP" > "$skip"
+if [ -f "$set_dir/provenance.json" ]; then
   python -c 'import json, sys; print("\n".join(json.load(open(sys.argv[1]))["spec_hash"]))' \
-    "$set_dir/provenance.json" > "$LADDER_SKIP"
+    "$set_dir/provenance.json" >> "$skip"
 fi
+LADDER_SKIP=$skip
 # one line per job: group, its runs, the files snakemake is asked for (each run's tables the set takes)
 python "$root/experiments/dose_device.py" plan "${configs[@]}" | cut -f1,2 | python -c '
 import sys
@@ -45,7 +47,7 @@ for line in sys.stdin:
     files = [f"results/runs/{r}/{f}" for r in runs.split(",") for f in sum(set_tables(params, r), [])]
     print(group, runs, " ".join(files), sep="\t")
 ' "${configs[@]}" > "$plan" || exit 1
-echo "== $(wc -l < "$plan") jobs, $lanes lane(s), $(wc -l < "${LADDER_SKIP:-/dev/null}") runs held by $set_dir $(date -u +%FT%TZ)"
+echo "== $(wc -l < "$plan") jobs, $lanes lane(s), $(sort -u "$LADDER_SKIP" | grep -c .) runs held by $set_dir or named by LADDER_SKIP $(date -u +%FT%TZ)"
 run() {  # one ensemble job and its runs' probes
   local lane=$1 group=$2 files=$3
   echo "== lane $lane: $group $(date -u +%FT%TZ)"

@@ -1,7 +1,7 @@
 """experiments/ladder.sh: a design trained job by job over sessions and grown into its committed set (issues 43, 70).
 A real run of the script on a tiny design (two ensemble jobs, one probe section): each job's runs end with the
 tables the set takes; `iclnoise export --add` makes the set; a second invocation, as on a new machine, trains
-nothing the set holds, and a run the set does not hold is trained again."""
+nothing the set holds nor LADDER_SKIP names, and a run the set does not hold is trained again."""
 import json
 import os
 import shutil
@@ -43,7 +43,8 @@ def test_a_design_is_trained_job_by_job_and_a_new_machine_trains_only_what_its_s
     none, inj = ["M1-B8-none-s0", "Minf-B8-none-s0"], ["M1-B8-inj-s0", "Minf-B8-inj-s0"]
     (tmp_path / "skip").write_text("\n".join(none) + "\n")   # LADDER_SKIP: as if a set held B8-none's runs
     out = ladder(tmp_path, f"LADDER_SKIP={tmp_path / 'skip'}")
-    assert "== 2 jobs, 1 lane(s), 2 runs held by reference/tiny" in out and "failed" not in out, out
+    assert "== 2 jobs, 1 lane(s), 2 runs held by reference/tiny or named by LADDER_SKIP" in out, out
+    assert "failed" not in out, out
     assert "== lane 1: B8-inj" in out and "B8-none" not in out, out
     assert sorted(p.name for p in (tmp_path / "results" / "runs").iterdir()) == sorted(inj)
     for r in inj:   # training's tables and the mech probe's: what the set takes
@@ -55,6 +56,8 @@ def test_a_design_is_trained_job_by_job_and_a_new_machine_trains_only_what_its_s
     held = json.loads((tmp_path / "reference" / "tiny" / "provenance.json").read_text())["spec_hash"]
     assert sorted(held) == sorted(inj)
     shutil.rmtree(tmp_path / "results")   # a new machine: only the committed set is left
+    out = ladder(tmp_path, f"LADDER_SKIP={tmp_path / 'skip'}")   # the set's runs and LADDER_SKIP's: nothing to do
+    assert "4 runs held by reference/tiny or named by LADDER_SKIP" in out and "== lane" not in out, out
     out = ladder(tmp_path)
     assert "2 runs held by reference/tiny" in out and "== lane 1: B8-none" in out and "B8-inj" not in out, out
     assert sorted(p.name for p in (tmp_path / "results" / "runs").iterdir()) == sorted(none)
