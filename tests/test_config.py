@@ -107,6 +107,26 @@ def test_condition_restricted_to_some_m(params):
 
 
 @pytest.mark.unit
+def test_a_dose_series_switches_the_noise_at_one_fraction():
+    """configs/exposure.yaml's noise-off arm (fraction 0.8 at 0.3-10×) and the pilot's windows (0.7, 0.5 at 10×) in
+    one grid would be read as one series, 10×'s three windows as one level: refused, naming them. Each config alone
+    passes (the pilot's windows share one dose: no series), and so does a window at another batch size."""
+    base = load_params("params.yaml", ["configs/science.yaml", "configs/exposure.yaml"])
+    pilot = load_params("params.yaml", ["configs/science.yaml", "configs/exposure_pilot.yaml"])
+    both = copy.deepcopy(base)
+    both["noise"]["conditions"].update(pilot["noise"]["conditions"])
+    both["grid"]["noise"] += ["param_x10_on70", "param_x10_on50"]
+    with pytest.raises(ParamsError, match=r"form one dose series \(param, diagonal, early, batch 64\) but switch "
+                       r"the noise at fractions 0.5, 0.7, 0.8"):
+        validate_params(both)
+    both["grid"]["batch_sizes"] = [64, 128]
+    for n in ("param_x10_on70", "param_x10_on50"):
+        both["noise"]["conditions"][n]["batch_sizes"] = [128]
+    both["noise"]["batch_exposure"]["128"] = 0.014
+    validate_params(both)
+
+
+@pytest.mark.unit
 def test_steps_as_batch_trains_another_batch_s_steps(params):
     """configs/noise.yaml's grad_b16_steps: at batch 64 it trains the steps batch 16 takes on the sequence budget
     (4× the sequences), and the cost estimate counts them; with a budget in steps the key is refused."""

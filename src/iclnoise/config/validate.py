@@ -325,6 +325,25 @@ def _noise_checks(p: dict) -> None:
         if "emulate_batch" in c and name in used and runs_at and c["emulate_batch"] >= min(runs_at):
             warnings.warn(f"{key}.emulate_batch = {c['emulate_batch']} is not below every batch size; the "
                           f"negative residual is clipped to zero and logged (injection.parquet clipped_trace)")
+    _one_window_per_series(used, p["grid"]["batch_sizes"])
+
+
+def _one_window_per_series(used: dict, batch_sizes: list[int]) -> None:
+    """A dose series is one source, shape and schedule (iclnoise.analysis.dose.SERIES; method §11, Dose–response):
+    its windowed conditions at ≥ 2 doses must switch the noise at one fraction, or arms with different windows
+    would be read as one series (and two at the same dose as one level)."""
+    series: dict[tuple, list[str]] = {}
+    for name, c in used.items():
+        if c.get("schedule") in ("early", "late") and c.get("source") not in (None, "none"):
+            for B in (B for B in batch_sizes if B in c.get("batch_sizes", [B])):
+                series.setdefault((c["source"], c.get("shape"), c["schedule"], B), []).append(name)
+    for (src, shape, schedule, B), names in series.items():
+        doses = {(k, used[n][k]) for n in names for k in ("budget", "relative_dose") if k in used[n]}
+        windows = sorted({used[n]["fraction"] for n in names})
+        if len(doses) >= 2 and len(windows) >= 2:
+            raise ParamsError(f"noise.conditions {', '.join(names)} form one dose series ({src}, {shape}, {schedule}, "
+                              f"batch {B}) but switch the noise at fractions {', '.join(map(str, windows))}; a "
+                              f"series has one window: give them one fraction, or run the arms in separate grids")
 
 
 _NAP_KEYS = ("rank", "nap_tasks", "nap_per_task", "nap_memory")
