@@ -188,7 +188,7 @@ def total_slope(d: pd.DataFrame, outcome: str, alpha: float) -> pd.Series:
 
 def seed_slope(d: pd.DataFrame, x: str, y: str, alpha: float) -> pd.Series:
     """The slope of `y` on `x`, seeds the unit: b_s = each seed's least-squares slope (seeds with ≥ 2 distinct x);
-    estimate, t-interval on n − 1 df, p and mde = stats.paired_test of the b_s against 0; std_effect =
+    estimate, t-interval on n − 1 df, p and mde = stats.paired_test of the b_s against 0; n the seeds; std_effect =
     b·sd(x)/sd(y) over all rows, as stats.mixed_model's. Within a seed the doses share its initialisation, data and
     task pool, so its level cancels from b_s; at 5 seeds the t-interval holds its level where a Wald interval on a
     MixedLM does not (by_m; docs/validation.md)."""
@@ -198,7 +198,7 @@ def seed_slope(d: pd.DataFrame, x: str, y: str, alpha: float) -> pd.Series:
         raise ValueError(f"a slope needs ≥ 2 seeds with ≥ 2 doses each, not {len(per)}")
     t = stats.paired_test(per, np.zeros(len(per)), alpha)
     return pd.Series({k: t[k] for k in ("estimate", "ci_lo", "ci_hi", "p", "mde")}
-                     | {"std_effect": t["estimate"] * d[x].std() / d[y].std()})
+                     | {"std_effect": t["estimate"] * d[x].std() / d[y].std(), "n": len(per)})
 
 
 def mstar_slope(per_seed: pd.DataFrame, alpha: float) -> pd.Series:

@@ -102,7 +102,7 @@ def _mstar_row(d: pd.DataFrame, name: str, point: str, span: float, alpha: float
         return _row("H1", test, "log2 M*", family=fam, status="not run: fewer than 2 seeds with a threshold at ≥ 2 "
                     "batch sizes (a full M grid at each)")
     e = dose.mstar_slope(per, alpha)
-    return _row("H1", test, "log2 M*", "log10 total exposure", n=int(d.batch.nunique()), estimate=e.estimate,
+    return _row("H1", test, "log2 M*", "log10 total exposure", n=int(e.n), estimate=e.estimate,
                 ci_lo=e.ci_lo, ci_hi=e.ci_hi, p=e.p, effect_size=e.std_effect, mde=e.mde, fails=common(d),
                 family=fam, power="could detect ≥ {mde:.2g} octaves of M* per decade of total exposure",
                 words=(f"M* {_direction(e.estimate, 'rises', 'falls')} with the batch noise's total exposure",

@@ -183,8 +183,8 @@ def _dose_mstar_rows(res: dict, at: dict) -> list[dict]:
         test = (f"dose-response {at['name']}: slope of log2 M* ({point}) on log10(dose), per seed, t over seeds, "
                 f"{at['where']}")
         if point in res["mstar"]:
-            e, k = res["mstar"][point]
-            rows.append(_row("H1", test, "log2 M*", "log10 dose", n=k, estimate=e.estimate, ci_lo=e.ci_lo,
+            e, _ = res["mstar"][point]
+            rows.append(_row("H1", test, "log2 M*", "log10 dose", n=int(e.n), estimate=e.estimate, ci_lo=e.ci_lo,
                              ci_hi=e.ci_hi, p=e.p, effect_size=e.std_effect, mde=e.mde, fails=at["fails"], family=fam,
                              power="could detect ≥ {mde:.2g} octaves of M* " + DECADE,
                              words=(f"M* {_direction(e.estimate, 'rises', 'falls')} with the {src} dose",
@@ -222,8 +222,8 @@ def _dose_total_rows(res: dict, at: dict) -> list[dict]:
                    else "fewer than 2 doses with a per-seed M* (a full M grid) and a recorded total exposure")
             rows.append(_row("H1", test, "log2 M*", family=fam, status=f"not run: {why}"))
             continue
-        e, span, k = res["mstar_total"][point]
-        rows.append(_row("H1", f"{test} ({span:.2f} decades)", "log2 M*", "log10 total exposure", n=k,
+        e, span, _ = res["mstar_total"][point]
+        rows.append(_row("H1", f"{test} ({span:.2f} decades)", "log2 M*", "log10 total exposure", n=int(e.n),
                          estimate=e.estimate, ci_lo=e.ci_lo, ci_hi=e.ci_hi, p=e.p,
                          effect_size=e.std_effect, mde=e.mde, fails=at["fails"], family=fam,
                          power="could detect ≥ {mde:.2g} octaves of M* per decade of total exposure",
