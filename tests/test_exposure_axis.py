@@ -14,7 +14,7 @@ from test_dose import CFG, DOSES, FULL, h1, planted
 from iclnoise.analysis import dose
 from iclnoise.analysis.verdicts import GATES, hypothesis_tests
 from iclnoise.output.figures.stats import fig_dose
-from iclnoise.output.report import dose_answer, ridge_reading
+from iclnoise.output.report import by_m_lines, dose_answer, ridge_reading
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -206,6 +206,23 @@ def test_the_decomposition_per_m_recovers_slopes_of_opposite_sign_and_the_report
     row8 = got.loc[(8, "ood_delta_ridge")]
     assert f"{row8.estimate:+.3f} [{row8.ci_lo:+.3f}, {row8.ci_hi:+.3f}]" in table[2]
     assert dose_answer(t, lv) == answer[:head - 2] + answer[head + 3 + len(FULL):]   # a set from before the table
+
+
+@pytest.mark.unit
+def test_the_per_m_table_names_the_m_run_at_dose_0_alone_instead_of_tabling_dashes():
+    """The persistent arm runs its positive doses on the ladder (M 8-32) alone, so M 1, 4, 64, 256 have dose 0 and
+    nothing to slope: the report's table has the ladder's three rows, each with numbers, and names the others under
+    it."""
+    rng = np.random.default_rng(3)
+    out = with_outcomes(planted(rng, full_at=(0.0,), seeds=5), rng, id_slope=0.01, ridge_slope=0.0)
+    per_m = dose.by_m_table(dose.dose_runs(out, GATES["convergence_tol"]), 0.05, GATES["dose_tol"], GATES["min_seeds"])
+    assert set(per_m[per_m.status == "run"].M) == {8, 16, 32} and set(per_m.M) == set(FULL)
+    lines = by_m_lines(per_m)
+    head = lines.index("| M | doses | r | in-distribution loss | Δ(f, ridge), new tasks | Δ(f, dMMSE_M) |")
+    table = lines[head + 2:lines.index("", head)]
+    assert [int(line.split("|")[1]) for line in table] == [8, 16, 32] and not any("–" in line for line in table)
+    assert "Not tabled: M 1, 4, 64, 256, with no in-regime positive dose and dose 0 both run there." in lines
+    assert by_m_lines(per_m[per_m.M.isin([1, 4])]) == []
 
 
 @pytest.mark.validation

@@ -234,7 +234,11 @@ BY_M_COLUMNS = {"r": "r", "id_loss": "in-distribution loss", "ood_delta_ridge": 
 
 def by_m_lines(rows: pd.DataFrame) -> list[str]:
     """One series' decomposition per M as a table: each outcome's slope per decade of total exposure at that M
-    alone [95 % CI] (dose.by_m); a dash where it was not run. [] without rows."""
+    alone [95 % CI] (dose.by_m); a dash where it was not run. An M where no outcome ran (run at dose 0 alone, as
+    the persistent arm's M outside its ladder) is named under the table, not tabled. [] without rows."""
+    ran = rows.groupby("M").status.transform(lambda s: (s == "run").any())
+    idle = sorted(rows[~ran].M.unique())
+    rows = rows[ran]
     if not len(rows):
         return []
     cell = {(r.M, r.outcome): (f"{r.estimate:+.3f} [{r.ci_lo:+.3f}, {r.ci_hi:+.3f}]" if r.status == "run" else "–")
@@ -245,6 +249,9 @@ def by_m_lines(rows: pd.DataFrame) -> list[str]:
     for M, g in rows.groupby("M"):
         lines.append(f"| {M} | {int(g.n_doses.iloc[0])} | " + " | ".join(cell.get((M, y), "–") for y in BY_M_COLUMNS)
                      + " |")
+    if idle:
+        lines += ["", f"Not tabled: M {', '.join(map(str, idle))}, with no in-regime positive dose and dose 0 both run "
+                  "there."]
     return [*lines, ""]
 
 
