@@ -3,6 +3,8 @@ series of its own beside the persistent arm, each read against total exposure, a
 loss, Δ(f, ridge) and Δ(f, dMMSE_M) on the q_M set and on new tasks) has its rows, with "more ridge-like" said only
 where Δ(f, ridge) on new tasks falls."""
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -330,10 +332,82 @@ def test_a_batch_axis_still_training_compares_exposures_at_the_m_every_batch_siz
         assert lv.total_exposure[b] == pytest.approx(fin[fin.batch == b].integrated_pne.mean(), rel=1e-12)
     rows = h1_batch_axis(out[out.M != -1], 0.05, lambda runs: [], decompose=False)
     span = np.log10(lv.total_exposure.max() / lv.total_exposure.min())
-    assert f"({span:.2f} decades)" in rows[0]["test"]
+    assert f"({span:.2f} decades, M 1, 4, 8, 16, 32)" in rows[0]["test"] and rows[0]["status"] == "run"
     apart = out[(out.M != -1) & ((out.batch == 16) == (out.M <= 8))]
     rows = h1_batch_axis(apart, 0.05, lambda runs: [], decompose=False)
     assert rows[0]["status"] == "not run: no M run at every batch size, so no total exposure they share"
+
+
+@pytest.mark.unit
+def test_a_batch_size_without_a_per_seed_m_star_is_left_out_of_the_slope_and_named():
+    """Batch 128 trained on 2 seeds (no interval, so no per-seed M*): the slope rests on batch 16, 32 and 64, names
+    them, spans their 1.18 decades (planted 1.96·log10 4) and names batch 128 with why; with batch 32 also short, two
+    batch sizes remain and the row does not run (a slope over two batch sizes is not in the family's business). The
+    levels still table batch 128's pooled M* without an interval, on the M every batch size has."""
+    from iclnoise.analysis.verdicts.h1_batch import batch_levels, h1_batch_axis
+
+    out = batch_axis(np.random.default_rng(9), slope=0.15, steps_arm=False)
+    fin = out[out.M != -1]
+    short = fin[(fin.batch != 128) | (fin.seed < 2)]
+    rows = h1_batch_axis(short, 0.05, lambda runs: [], decompose=False)
+    r50 = next(r for r in rows if "(r50)" in r["test"])
+    assert r50["status"] == "run" and r50["n"] == 5 and r50["ci_lo"] <= 0.15 <= r50["ci_hi"]
+    assert r50["test"].startswith("batch axis at equal data, batch 16, 32, 64: slope of log2 M* (r50)")
+    span = np.log10(short[short.batch == 16].integrated_pne.mean() / short[short.batch == 64].integrated_pne.mean())
+    assert f"({span:.2f} decades, M 1, 4, 8, 16, 32, 64, 256; left out: batch 128: no interval: insufficient seeds " \
+        "(2 < 3))" in r50["test"] and abs(span - 1.96 * math.log10(4)) < 0.02
+    lv = batch_levels(short, 0.05, 3).set_index("batch")
+    assert np.isnan(lv.M_star_r50_lo[128]) and np.isfinite(lv.M_star_r50[128]) and np.isfinite(lv.M_star_r50_lo[32])
+    shorter = short[(short.batch != 32) | (short.seed < 2)]
+    two = next(r for r in h1_batch_axis(shorter, 0.05, lambda runs: [], decompose=False) if "(r50)" in r["test"])
+    assert two["status"] == "not run: a per-seed M* at 2 batch size(s) on 5 common seed(s) (needs ≥ 3 batch sizes, " \
+        "≥ 2 seeds)" and "left out: batch 32: no interval" in two["test"]
+
+
+@pytest.mark.unit
+def test_the_batch_axis_fits_every_batch_size_on_the_m_they_all_have():
+    """M* depends on the grid it is fitted on. Batch 16 and 128 still without M 64 and 256: every batch size's M*,
+    batch 64's too, is fitted on M 1-32 (its per-seed values equal threshold_with_ci on those runs alone) and the
+    decomposition rests on those runs; with batch 16 and 128 on the ladder alone (M 8-32, too few M for a fit) there
+    is no M* and the row says so rather than slope the two full grids."""
+    from iclnoise.analysis.thresholds import threshold_with_ci
+    from iclnoise.analysis.verdicts.h1_batch import batch_levels, h1_batch_axis
+
+    rng = np.random.default_rng(4)
+    out = batch_axis(rng, slope=0.0, steps_arm=False)
+    fin = with_outcomes(out[out.M != -1], rng, id_slope=0.01, ridge_slope=0.0)
+    part = fin[~(fin.batch.isin([16, 128]) & fin.M.isin([64, 256]))]
+    lv = batch_levels(part, 0.05, 3).set_index("batch")
+    own = threshold_with_ci(part[(part.batch == 64) & (part.M <= 32)], alpha=0.05)
+    assert lv.M_star_r50[64] == pytest.approx(own["M_star"], rel=1e-12)
+    assert lv.n_runs[64] == 5 * 5
+    rows = h1_batch_axis(part, 0.05, lambda runs: [])
+    dec = next(r for r in rows if "decomposition, MixedLM r " in r["test"])
+    assert dec["n"] == 4 * 5 * 5
+    ladder = fin[~(fin.batch.isin([16, 128]) & ~fin.M.isin([8, 16, 32]))]
+    r50 = next(r for r in h1_batch_axis(ladder, 0.05, lambda runs: [], decompose=False) if "(r50)" in r["test"])
+    assert r50["status"].startswith("not run: a per-seed M* at 0 batch size(s)") and "M 8, 16, 32;" in r50["test"]
+
+
+@pytest.mark.unit
+def test_the_equal_steps_arm_needs_m_inf_runs_of_its_own_and_says_when_it_is_short():
+    """An equal-steps condition saw other data than batch noise at its batch size, so batch noise's M = ∞ runs do not
+    vouch for it: without its own, its row is gated ('no M = ∞ run of its own') and out of the family, while the
+    equal-data row is not. With the equal-steps arm at batch 16 and 64 only, it has a row saying it is short."""
+    from iclnoise.analysis.verdicts import hypothesis_tests
+    from iclnoise.core.tasks import M_INF
+
+    out = batch_axis(np.random.default_rng(3), slope=0.15)
+    gone = out[~((out.noise == "steps64") & (out.M == M_INF))]
+    t = hypothesis_tests(gone, CFG)
+    ax = t[t.test.str.startswith("batch axis") & t.test.str.contains(r"log2 M\* \(r50\)")].set_index("test")
+    steps = ax[ax.index.str.contains("equal steps")].iloc[0]
+    assert "no M = ∞ run of its own" in steps.gate_failures and not steps.in_family
+    assert ax[ax.index.str.contains("equal data")].in_family.all()
+    two = out[(out.noise == "none") | (out.batch == 16)]
+    t = hypothesis_tests(two, CFG)
+    row = t[t.test.str.startswith("batch axis at equal steps (batch 64's), batch 16, 64")]
+    assert len(row) == 1 and row.status.iloc[0] == "not run: 2 batch size(s) trained at equal steps (needs ≥ 3)"
 
 
 @pytest.mark.validation
@@ -388,3 +462,21 @@ def test_the_batch_axis_levels_hold_the_planted_thresholds_and_are_drawn(tmp_pat
     science = load_params("params.yaml", ["configs/science.yaml"])
     both = load_params("params.yaml", ["configs/science.yaml", "configs/exposure.yaml", "configs/exposure_batch.yaml"])
     assert not has_batch_axis(science) and has_batch_axis(both)
+
+
+@pytest.mark.unit
+def test_the_batch_axis_trains_whole_batch_sizes_the_span_ends_first():
+    """The batch axis's M* is fitted on the M every batch size has, so its plan takes a whole batch size at a time:
+    after batch 64 (the exposure design's dose 0) come batch 16's five jobs and batch 128's, so the equal-data slope
+    can run after 10 of the 30 new jobs; the equal-steps arm after every equal-data job. The dose and exposure
+    designs keep their order (ladders first; whole doses)."""
+    r = subprocess.run([sys.executable, str(ROOT / "experiments" / "dose_device.py"), "plan", "configs/science.yaml",
+                        "configs/exposure.yaml", "configs/exposure_batch.yaml"], cwd=ROOT, capture_output=True,
+                       text=True, check=True)
+    jobs = [line.split("\t") for line in r.stdout.splitlines()]
+    new = [(g, runs.split(",")) for g, runs, _ in jobs if g.startswith(("B16-", "B32-", "B128-"))]
+    assert len(new) == 30 and all(len(runs) == 8 for _, runs in new)
+    first = {run for _, runs in new[:10] for run in runs}
+    assert {f"M{m}-B{b}-none-s{s}" for m in (1, 4, 8, 16, 32, 64, 256, "inf") for b in (16, 128) for s in range(5)} \
+        == first
+    assert [g.split("-")[1] for g, _ in new[15:]] == ["steps64"] * 15

@@ -94,12 +94,18 @@ def convergence(out: pd.DataFrame, tol: float = GATES["convergence_tol"]) -> pd.
 def gate_convergence(runs: pd.DataFrame, conv: pd.DataFrame) -> list[Fail]:
     """A condition converged when its M = ∞ runs did. A condition run at some M only (noise.conditions.<c>.M,
     e.g. an early/late pair at one M) has no M = ∞ run of its own: the batch-noise runs at its batch size, the
-    same model, data, budget and optimizer without injection, stand for it."""
+    same model, data, budget and optimizer without injection, stand for it. Not for a condition trained another
+    batch size's steps (steps_as_batch): it saw other data than they did, so it needs M = ∞ runs of its own."""
     c = conv.set_index(CONDITION)
+    steps = runs.steps_as_batch.fillna(0) if "steps_as_batch" in runs else pd.Series(0, index=runs.index)
+    other = {(int(b), n, o) for b, n, o, k in zip(runs.batch, runs.noise, runs.optimizer, steps) if k}
     bad = []
     for key in sorted({(int(b), n, o) for b, n, o in zip(runs.batch, runs.noise, runs.optimizer)}):
         row = c.loc[key] if key in c.index else None
-        if row is None or not row.n_inf_runs:
+        if (row is None or not row.n_inf_runs) and key in other:
+            bad.append(f"{condition_name(*key)}: no M = ∞ run of its own (it trained another batch size's steps, "
+                       "so batch noise's M = ∞ runs saw other data)")
+        elif row is None or not row.n_inf_runs:
             ref = (key[0], "none", key[2])
             row = c.loc[ref] if ref in c.index and c.loc[ref].n_inf_runs else None
             if row is None:

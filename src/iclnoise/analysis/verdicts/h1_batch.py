@@ -21,55 +21,64 @@ BATCH_LEVELS_SCHEMA = pa.schema([   # aggregate/batch_levels.parquet: one row pe
 ])
 
 
-def batch_arms(every: pd.DataFrame) -> dict[str, pd.DataFrame]:
-    """The plain runs (no injection, finite M, not diverged) of each arm with ≥ 3 batch sizes (at two, the paired
-    batch rows of h1_batch_pairs say it already): 'equal data', every
-    batch size at the sequence budget; 'equal steps B_t', the runs trained batch B_t's steps (a source-none
-    condition with steps_as_batch: B_t) with batch B_t's own runs. Empty arms are left out."""
+def batch_arms(every: pd.DataFrame, least: int = 3) -> dict[str, pd.DataFrame]:
+    """The plain runs (no injection, finite M, not diverged) of each arm with ≥ `least` batch sizes (at two, the
+    paired batch rows of h1_batch_pairs say it already): 'equal data', every batch size at the sequence budget;
+    'equal steps B_t', the runs trained batch B_t's steps (a source-none condition with steps_as_batch: B_t) with
+    batch B_t's own runs. Empty arms are left out."""
     plain = every[every.noise_source == "batch"]
     steps = plain.steps_as_batch.fillna(0).astype(int)
     arms = {"equal data": plain[steps == 0]}
     for bt in sorted(set(steps) - {0}):
         arms[f"equal steps (batch {bt}'s)"] = plain[(steps == bt) | ((steps == 0) & (plain.batch == bt))]
-    return {k: a for k, a in arms.items() if a.batch.nunique() >= 3}
+    return {k: a for k, a in arms.items() if len(a) and a.batch.nunique() >= least}
+
+
+def shared_m(runs: pd.DataFrame) -> set:
+    """The M every batch size of an arm has run: where its batch sizes are compared (exposure moves with M, and M*
+    depends on the grid it is fitted on, so a grid still training compares like with like)."""
+    return set.intersection(*(set(h.M) for _, h in runs.groupby("batch")))
 
 
 def arm_exposure(runs: pd.DataFrame) -> pd.Series:
-    """Each batch size's mean total integrated P-NE* over an arm's runs at the M every batch size of it has
-    (exposure moves with M, so a grid still training compares like with like); empty when they share none."""
-    shared = set.intersection(*(set(h.M) for _, h in runs.groupby("batch")))
-    return runs[runs.M.isin(shared)].groupby("batch").integrated_pne.mean().astype(float)
+    """Each batch size's mean total integrated P-NE* over an arm's runs at the M every batch size has (shared_m);
+    empty when they share none."""
+    return runs[runs.M.isin(shared_m(runs))].groupby("batch").integrated_pne.mean().astype(float)
 
 
 def h1_batch_axis(every: pd.DataFrame, alpha: float, common, decompose: bool = True) -> list[dict]:
-    """Per arm (batch_arms): the slope of log2 M* per decade of total exposure across batch sizes (each batch size's
-    per-seed M* from its full M grid, threshold_with_ci; x its mean total integrated P-NE* at the M every batch
-    size has, arm_exposure; each
-    seed's slope, t over seeds: dose.mstar_slope) — r50 in the Holm family, midpoint a sensitivity row; and r's
-    decomposition per decade of total exposure (dose.total_slope, (M, seed) cells the random intercept), outside
+    """Per arm (batch_arms): the slope of log2 M* per decade of total exposure across batch sizes (_mstar_row) —
+    r50 in the Holm family, midpoint a sensitivity row; and r's decomposition per decade of total exposure
+    (dose.total_slope, (M, seed) cells the random intercept) over the M every batch size has (shared_m), outside
     the family (left out with decompose=False: the M* rows alone, as a power simulation reads them). No rows
-    without an arm of ≥ 3 batch sizes; rows 'not run' without an exposure record."""
+    without an arm of ≥ 3 batch sizes, but an equal-steps arm still short of three says so; rows 'not run'
+    without an exposure record."""
     rows = []
-    for arm, runs in batch_arms(every).items():
+    for arm, runs in batch_arms(every, least=1).items():
         name = f"batch axis at {arm}, batch {', '.join(map(str, sorted(runs.batch.unique())))}"
+        test = f"{name}: slope of log2 M* per decade of total exposure"
         at_steps = arm != "equal data"
+        if runs.batch.nunique() < 3:
+            if at_steps:   # at equal data the paired batch rows read two batch sizes
+                rows.append(_row("H1", test, "log2 M*", status=f"not run: {runs.batch.nunique()} batch size(s) "
+                                 "trained at equal steps (needs ≥ 3)"))
+            continue
 
         def gates(used, at_steps=at_steps):   # an equal-steps arm is gated on its steps, not on equal data
             fails = common(used)
             return [f for f in fails if f[0] != "unequal data"] + _gate_equal_steps(used) if at_steps else fails
         if not runs.integrated_pne.notna().all():
-            rows.append(_row("H1", f"{name}: slope of log2 M* per decade of total exposure", "log2 M*",
+            rows.append(_row("H1", test, "log2 M*",
                              status="not run: total exposure not recorded (exposure logging off)"))
             continue
         total = arm_exposure(runs)
         if not len(total):
-            rows.append(_row("H1", f"{name}: slope of log2 M* per decade of total exposure", "log2 M*",
+            rows.append(_row("H1", test, "log2 M*",
                              status="not run: no M run at every batch size, so no total exposure they share"))
             continue
-        d = runs.assign(log10_total=np.log10(runs.batch.map(total)))
-        span = float(np.log10(total.max() / total.min()))
+        d = runs[runs.M.isin(shared_m(runs))].assign(log10_total=lambda x: np.log10(x.batch.map(total)))
         for point in ("r50", "midpoint"):
-            rows.append(_mstar_row(d, name, point, span, alpha, gates))
+            rows.append(_mstar_row(d, arm, point, alpha, gates))
         if not decompose:
             continue
         res = {"failed": {}}
@@ -82,29 +91,46 @@ def h1_batch_axis(every: pd.DataFrame, alpha: float, common, decompose: bool = T
                 continue
             e = dec[y]
             rows.append(_row("H1", test, y, "log10 total exposure", n=len(d), estimate=e.estimate, ci_lo=e.ci_lo,
-                             ci_hi=e.ci_hi, p=e.p, effect_size=e.std_effect, mde=e.mde, fails=gates(runs),
+                             ci_hi=e.ci_hi, p=e.p, effect_size=e.std_effect, mde=e.mde, fails=gates(d),
                              family=False, power="could detect a slope of ≥ {mde:.2g} per decade of total exposure",
                              words=(f"{y} {_direction(e.estimate, 'rises', 'falls')} with total exposure across "
                                     "batch sizes", f"no evidence that {y} moves with total exposure")))
     return rows
 
 
-def _mstar_row(d: pd.DataFrame, name: str, point: str, span: float, alpha: float, common) -> dict:
+def _mstar_row(d: pd.DataFrame, arm: str, point: str, alpha: float, common) -> dict:
+    """The slope of log2 M* per decade of total exposure over an arm's batch sizes (`d`: its runs at the M they all
+    have, log10_total each batch size's x): each batch size's per-seed M* (threshold_with_ci); a batch size without
+    one (no threshold, a seed's fit without one, < 3 seeds) is left out and named with why; each seed present at
+    every batch size left in gets its least-squares slope, t over seeds (dose.mstar_slope). Run on ≥ 3 batch sizes
+    and ≥ 2 such seeds; the row names the batch sizes it rests on and their span in decades."""
     fam = point == "r50"
-    test = (f"{'' if fam else 'sensitivity: '}{name}: slope of log2 M* ({point}) per decade of total exposure, per "
-            f"seed, t over seeds ({span:.2f} decades)")
-    per = []
+    per, out = [], {}
     for b, g in d.groupby("batch"):
-        seeds = threshold_with_ci(g, level=1 - alpha, alpha=alpha, point=point).get("log2_per_seed") or {}
-        per += [{"log10_dose": float(g.log10_total.iloc[0]), "seed": s, "log2_M_star": v} for s, v in seeds.items()]
-    per = pd.DataFrame(per)
-    if not len(per) or per.groupby("seed").log10_dose.nunique().ge(2).sum() < 2:
-        return _row("H1", test, "log2 M*", family=fam, status="not run: fewer than 2 seeds with a threshold at ≥ 2 "
-                    "batch sizes (a full M grid at each)")
+        est = threshold_with_ci(g, level=1 - alpha, alpha=alpha, point=point)
+        seeds = est.get("log2_per_seed")
+        if seeds:
+            per += [{"batch": b, "log10_dose": float(g.log10_total.iloc[0]), "seed": s, "log2_M_star": v}
+                    for s, v in seeds.items()]
+        else:
+            out[b] = est["reason"] or "no per-seed M*"
+    per = pd.DataFrame(per, columns=["batch", "log10_dose", "seed", "log2_M_star"])
+    used = sorted(per.batch.unique())
+    per = per[per.seed.isin(per.groupby("seed").batch.nunique().loc[lambda k: k == len(used)].index)]
+    x = per.groupby("batch").log10_dose.first()
+    span = float(x.max() - x.min()) if len(x) else 0.0
+    left = "; ".join(f"{b}: {why}" for b, why in out.items())
+    test = (f"{'' if fam else 'sensitivity: '}batch axis at {arm}, batch {', '.join(map(str, used or sorted(out)))}: "
+            f"slope of log2 M* ({point}) per decade of total exposure, per seed, t over seeds ({span:.2f} decades, "
+            f"M {', '.join(f'{m:g}' for m in sorted(d.M.unique()))}{'; left out: batch ' + left if left else ''})")
+    if len(used) < 3 or per.seed.nunique() < 2:
+        return _row("H1", test, "log2 M*", family=fam, status=f"not run: a per-seed M* at {len(used)} batch size(s) "
+                    f"on {per.seed.nunique()} common seed(s) (needs ≥ 3 batch sizes, ≥ 2 seeds)")
     e = dose.mstar_slope(per, alpha)
     return _row("H1", test, "log2 M*", "log10 total exposure", n=int(e.n), estimate=e.estimate,
-                ci_lo=e.ci_lo, ci_hi=e.ci_hi, p=e.p, effect_size=e.std_effect, mde=e.mde, fails=common(d),
-                family=fam, power="could detect ≥ {mde:.2g} octaves of M* per decade of total exposure",
+                ci_lo=e.ci_lo, ci_hi=e.ci_hi, p=e.p, effect_size=e.std_effect, mde=e.mde,
+                fails=common(d[d.batch.isin(used)]), family=fam,
+                power="could detect ≥ {mde:.2g} octaves of M* per decade of total exposure",
                 words=(f"M* {_direction(e.estimate, 'rises', 'falls')} with the batch noise's total exposure",
                        "no evidence that M* moves with the batch noise's total exposure"))
 
@@ -113,12 +139,13 @@ def batch_levels(out: pd.DataFrame, alpha: float, min_seeds: int) -> pd.DataFram
     """aggregate/batch_levels.parquet (BATCH_LEVELS_SCHEMA; figure 6 on the batch axis): per optimizer, arm
     (batch_arms) and batch size, its mean total exposure (arm_exposure), r at M = 16 with its t-interval over seeds,
     and M* by r50 and by midpoint from its full M grid with their intervals (threshold_with_ci). Empty without an
-    arm of ≥ 3 batch sizes."""
+    arm of ≥ 3 batch sizes. M* is fitted on the M every batch size of the arm has (shared_m), as the slope's; without
+    an interval (no per-seed M*) it is the pooled fit, which the slope leaves out."""
     rows = []
     for opt, o in out.groupby("optimizer"):
         for arm, runs in batch_arms(o[(o.M != M_INF) & ~o.diverged]).items():
             total = arm_exposure(runs)
-            for b, h in runs.groupby("batch"):
+            for b, h in runs[runs.M.isin(shared_m(runs))].groupby("batch"):
                 row = {"optimizer": opt, "arm": arm, "batch": int(b), "n_runs": len(h), "n_seeds": h.seed.nunique(),
                        "total_exposure": float(total.get(b, np.nan))}
                 r16 = h[h.M == 16].groupby("seed").r.mean().dropna()

@@ -154,8 +154,8 @@ def fig_dose(levels: pd.DataFrame, path: str | Path) -> None:
 def fig_batch_axis(levels: pd.DataFrame, path: str | Path) -> None:
     """Figure 6 on the batch axis (aggregate/batch_levels.parquet; issue 70 item 5): per arm (columns: equal data,
     equal steps), M* against the batch noise's own total exposure (integrated P-NE*, log axis) with 95 % t-intervals
-    over seeds, r50 (circles, solid) and midpoint (triangles, dotted); below, r at M = 16; each tick names its
-    batch size."""
+    over seeds, r50 (circles, solid) and midpoint (triangles, dotted), hollow where a batch size has no interval
+    (the pooled fit, which the slope leaves out); below, r at M = 16; each tick names its batch size."""
     style.setup()
     lv = levels.astype({c: float for c in levels.columns if c.startswith(("M_star", "r16", "total"))})
     keys = sorted(lv.groupby(["optimizer", "arm"]).groups)
@@ -165,8 +165,12 @@ def fig_batch_axis(levels: pd.DataFrame, path: str | Path) -> None:
         top, bottom, x = axes[0, j], axes[1, j], g.total_exposure.to_numpy()
         for k, (point, mk, ls) in enumerate((("r50", "o", "-"), ("midpoint", "^", ":"))):
             m, lo, hi = (g[f"M_star_{point}{s}"].to_numpy() for s in ("", "_lo", "_hi"))
-            top.errorbar(x * (0.96 if point == "midpoint" else 1.0), m, marker=mk, ls=ls, color=f"C{k}", capsize=3,
-                         yerr=np.nan_to_num(np.vstack([m - lo, hi - m]).clip(min=0)), label=f"M* ({point})")
+            at, ci = x * (0.96 if point == "midpoint" else 1.0), np.isfinite(lo)
+            top.plot(at, m, ls=ls, color=f"C{k}")
+            top.errorbar(at[ci], m[ci], yerr=np.vstack([m - lo, hi - m])[:, ci].clip(min=0), marker=mk, ls="none",
+                         color=f"C{k}", capsize=3, label=f"M* ({point})")
+            top.plot(at[~ci], m[~ci], marker=mk, ls="none", color=f"C{k}", mfc="none",
+                     label=f"M* ({point}), no interval" if (~ci & np.isfinite(m)).any() else None)
         r, rlo, rhi = (g[f"r16{s}"].to_numpy() for s in ("", "_lo", "_hi"))
         bottom.errorbar(x, r, yerr=np.nan_to_num(np.vstack([r - rlo, rhi - r]).clip(min=0)), marker="o",
                         color="C2", capsize=3)
