@@ -44,10 +44,11 @@ LAST = ["param_x3", "grad_x2"]
 # 0.3x, then the persistent arm (the noise floor) in the same order.
 EXPOSURE = ["off_x10", "off_x1", "off_x3", "off_x0p3", "on_x10", "on_x1", "on_x3", "on_x0p3"]
 # Issue 70's batch axis (configs/exposure_batch.yaml), after those, a whole batch size at a time (its M* is fitted on
-# the M every batch size has, so a ladder alone gives none): the equal-data arm's span ends first (batch 16, then
-# 128), so with batch 64's runs (the exposure design's dose 0) its slope runs over 1.77 decades after 10 of the 30
-# jobs, where the threshold ladders first gave no slope before 15; then the equal-steps arm in the same order.
-BATCH = [("none", "B16"), ("none", "B128"), ("none", "B32"), ("steps64", "B16"), ("steps64", "B128"),
+# the M every batch size has, so a ladder alone gives none): the equal-data arm's span ends first (batch 128, whose
+# 10 000 updates make its jobs the shortest, then 16), so with batch 64's runs (the exposure design's dose 0) its
+# slope runs over 1.77 decades after 10 of the 30 jobs, where the threshold ladders first gave no slope before 15;
+# then the equal-steps arm in the same order.
+BATCH = [("none", "B128"), ("none", "B16"), ("none", "B32"), ("steps64", "B128"), ("steps64", "B16"),
          ("steps64", "B32")]
 
 

@@ -467,7 +467,7 @@ def test_the_batch_axis_levels_hold_the_planted_thresholds_and_are_drawn(tmp_pat
 @pytest.mark.unit
 def test_the_batch_axis_trains_whole_batch_sizes_the_span_ends_first():
     """The batch axis's M* is fitted on the M every batch size has, so its plan takes a whole batch size at a time:
-    after batch 64 (the exposure design's dose 0) come batch 16's five jobs and batch 128's, so the equal-data slope
+    after batch 64 (the exposure design's dose 0) come batch 128's five jobs and batch 16's, so the equal-data slope
     can run after 10 of the 30 new jobs; the equal-steps arm after every equal-data job. The dose and exposure
     designs keep their order (ladders first; whole doses)."""
     r = subprocess.run([sys.executable, str(ROOT / "experiments" / "dose_device.py"), "plan", "configs/science.yaml",
