@@ -119,6 +119,30 @@ def test_runs_left_out_are_named_and_a_corrupt_table_by_its_own_path(tmp_path, p
     assert str(e.value).startswith(str(bad)) and ".tmp" not in str(e.value)
 
 
+def test_a_results_directory_shared_with_another_design_adds_only_this_grids_runs(tmp_path, params, caplog):
+    """The batch axis (configs/exposure_batch.yaml) trains in the results directory of the exposure design, whose
+    conditions its parameters still define: `export --add` stopped at the first such run ("not a run of these
+    parameters' grid; export the set afresh") although finished_runs had taken it, and would have counted the
+    other design's jobs in its wall time. Here a grid of batch 64 alone beside batch 16's runs and job: they are left
+    out, each named, and the set takes the grid's runs and its job's time."""
+    import copy
+
+    mine = copy.deepcopy(params)
+    mine["grid"]["batch_sizes"] = [64]
+    other = [f"M{m}-B16-none-s0" for m in (1, 16)]
+    results = session(tmp_path / "s1", FIRST + other)
+    with caplog.at_level("WARNING", logger="iclnoise.output.export"):
+        assert [r.name for r in finished_runs(results, mine)] == sorted(FIRST)
+    assert f"{results / 'runs' / other[0]}: left out, not a run of these parameters' grid" in caplog.text
+    bench = tmp_path / "benchmarks" / "train"
+    bench.mkdir(parents=True)
+    (bench / "B64-none.tsv").write_text("s\th:m:s\n100.0\t0:01:40\n")
+    (bench / "B16-none.tsv").write_text("s\th:m:s\n70.0\t0:01:10\n")
+    prov = export(results, tmp_path / "set", mine, tmp_path, add=True)
+    assert sorted(p.name for p in (tmp_path / "set" / "runs").iterdir()) == sorted(FIRST)
+    assert prov["wall_time"] == {"jobs": {"train/B64-none": 100.0}, "total_s": 100.0}
+
+
 def test_two_exports_into_one_set_at_once_both_add_their_runs(tmp_path, params, monkeypatch):
     """Issue 68 (2): two `export --add` at once into one set, from two results directories, both exited 0 and said
     what they added, and the set kept one side's runs. Now exports into a set take turns (a lock on its directory): the

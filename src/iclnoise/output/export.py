@@ -179,10 +179,16 @@ def set_tables(params: dict, run_id: str) -> tuple[list[str], list[str]]:
 def finished_runs(results: Path, params: dict) -> list[Path]:
     """The runs of `results` that a set can take before the whole grid has run: in the grid of `params`, their
     training tables written and, after them, every probe table a set keeps that their probe sections make
-    (set_tables). A run whose job is still training, or whose training was rerun after its probes, is left out."""
+    (set_tables). A run whose job is still training, or whose training was rerun after its probes, is left out;
+    so is a run of another design that shares the results directory (its condition may be defined here too)."""
+    from ..config.grid import expand_grid
+
+    planned = {k.run_id for k in expand_grid(params)}
     done = []
     for run in sorted(p for p in (results / "runs").iterdir() if (p / "run.json").exists()):
         try:
+            if run.name not in planned:
+                raise KeyError(run.name)
             trained, probes = set_tables(params, run.name)
         except (KeyError, ValueError):
             log.warning("%s: left out, not a run of these parameters' grid", run)
@@ -271,12 +277,14 @@ def _growth(results: Path, out: Path, params: dict) -> tuple[list[str], list[Pat
 def _grown_provenance(tmp: Path, runs: list[Path], old: dict, params: dict, planned: list[str], added: int,
                       replaced: int, workdir: Path) -> dict:
     """The grown set's provenance (before sealing): the earlier exports and this one, the jobs' wall time of
-    every export, the planned grid."""
-    from ..config.grid import spec_hash
+    every export (a job of this grid's ensembles or runs: a workdir shared with another design holds its jobs
+    too), the planned grid."""
+    from ..config.grid import ensemble_groups, spec_hash
 
     trained = [read_metadata(r / "metrics.parquet") for r in runs]
     commits = pd.Series([m.get("iclnoise.commit") for m in trained]).value_counts()
-    jobs = _job_seconds(workdir / "benchmarks")["jobs"]
+    mine = set(ensemble_groups(params)) | {r.name for r in runs}
+    jobs = {k: s for k, s in _job_seconds(workdir / "benchmarks")["jobs"].items() if Path(k).name in mine}
     for job, s in old.get("wall_time", {}).get("jobs", {}).items():
         # the same measurement again (an earlier export of this workdir) counts once; a job of that name in
         # another session (resumed there, or another grouping) adds its time
