@@ -190,7 +190,8 @@ def fig_batch_axis(levels: pd.DataFrame, path: str | Path) -> None:
         bottom.set_xlabel("total exposure: the batch noise's integrated P-NE* (log)")
         bottom.set_xticks(x, [f"{v:.2g}\nB{b}" for v, b in zip(x, g.batch)])
         bottom.xaxis.set_minor_formatter(NullFormatter())
-    fig.suptitle("ICL against the batch noise's own exposure: batch sizes at equal data and at equal steps", y=1.0)
+    arms = " and at ".join(dict.fromkeys(arm for _, arm in keys))   # the arms drawn, not the design's
+    fig.suptitle(f"ICL against the batch noise's own exposure: batch sizes at {arms}", y=1.0)
     fig.tight_layout()
     style.save_figure(fig, path, lv)
 
