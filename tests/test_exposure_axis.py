@@ -318,14 +318,15 @@ def test_the_batch_axis_reads_m_star_per_decade_of_total_exposure_in_each_arm():
 
 @pytest.mark.unit
 def test_a_batch_axis_still_training_compares_exposures_at_the_m_every_batch_size_has():
-    """Exposure that grows with M (×(1 + log2 M / 8)) and batch 16 trained at M ≤ 32 only: each batch size's total
-    exposure is its mean at M 1-32, the M all four share (a hand mean), in the levels and in the slope's span; an
-    arm whose batch sizes share no M runs no slope and says why."""
+    """Exposure that grows with M (×(1 + log2 M / 8)) and batch 16 and 128 trained at M ≤ 32 only (two of four
+    batch sizes short, so no three hold the whole grid): each batch size's total exposure is its mean at M 1-32, the
+    M all four share (a hand mean), in the levels and in the slope's span; an arm whose batch sizes share no M runs
+    no slope and says why."""
     from iclnoise.analysis.verdicts.h1_batch import batch_levels, h1_batch_axis
 
     out = batch_axis(np.random.default_rng(7), slope=0.0, steps_arm=False)
     out = out.assign(integrated_pne=out.integrated_pne * np.where(out.M > 0, 1 + np.log2(out.M.clip(1)) / 8, 1))
-    out = out[~((out.batch == 16) & (out.M > 32))].reset_index(drop=True)
+    out = out[~(out.batch.isin([16, 128]) & (out.M > 32))].reset_index(drop=True)
     lv = batch_levels(out, 0.05, 3).set_index("batch")
     fin = out[(out.M > 0) & (out.M <= 32)]
     for b in BATCHES:
@@ -339,11 +340,43 @@ def test_a_batch_axis_still_training_compares_exposures_at_the_m_every_batch_siz
 
 
 @pytest.mark.unit
+def test_a_batch_size_still_training_beside_three_whole_ones_is_left_out_and_named():
+    """Batch 32 with 16 of its 35 finite-M runs (a partial export: some M with every seed, one with one, three
+    with none) beside three whole batch sizes: it is left out of the slope, the levels and the decomposition, and
+    named with its count, so the slope, its span and the decomposition equal those of batch 16, 64 and 128 alone;
+    the three keep their full M grid (the M they share with batch 32 would be too few for a fit)."""
+    from iclnoise.analysis.verdicts.h1_batch import batch_levels, h1_batch_axis
+
+    rng = np.random.default_rng(11)
+    out = batch_axis(rng, slope=0.15, steps_arm=False)
+    fin = with_outcomes(out[out.M != -1], rng, id_slope=0.01, ridge_slope=0.0)
+    partial = (fin.batch == 32) & ~(fin.M.isin([8, 16, 32]) | ((fin.M == 1) & (fin.seed == 0)))
+    part, three = fin[~partial], fin[fin.batch != 32]
+    assert (part.batch == 32).sum() == 16
+    got, want = h1_batch_axis(part, 0.05, lambda runs: []), h1_batch_axis(three, 0.05, lambda runs: [])
+    assert len(got) == len(want) and all(g["status"] == "run" for g in got)
+    why = " (left out: batch 32, 16 of the 35 (M, seed) runs the others have)"
+    for g, w in zip(got, want):
+        assert g["estimate"] == w["estimate"] and g["ci_lo"] == w["ci_lo"] and g["n"] == w["n"]
+        if "M* (" in g["test"]:
+            assert g["test"] == w["test"][:-1] + "; left out: batch 32: 16 of the 35 (M, seed) runs the others have)"
+        else:
+            assert g["test"] == w["test"].replace("batch 16, 64, 128:", f"batch 16, 64, 128{why}:")
+    r50 = next(g for g in got if "(r50)" in g["test"])
+    assert "M 1, 4, 8, 16, 32, 64, 256;" in r50["test"] and r50["ci_lo"] <= 0.15 <= r50["ci_hi"]
+    lv = batch_levels(part, 0.05, 3)
+    assert sorted(lv.batch) == [16, 64, 128]
+    pd.testing.assert_frame_equal(lv, batch_levels(three, 0.05, 3))
+
+
+@pytest.mark.unit
 def test_a_batch_size_without_a_per_seed_m_star_is_left_out_of_the_slope_and_named():
-    """Batch 128 trained on 2 seeds (no interval, so no per-seed M*): the slope rests on batch 16, 32 and 64, names
-    them, spans their 1.18 decades (planted 1.96·log10 4) and names batch 128 with why; with batch 32 also short, two
-    batch sizes remain and the row does not run (a slope over two batch sizes is not in the family's business). The
-    levels still table batch 128's pooled M* without an interval, on the M every batch size has."""
+    """Batch 128 trained on 2 seeds: short of the grid the three others hold, so the slope rests on batch 16, 32 and
+    64, names them, spans their 1.18 decades (planted 1.96·log10 4) and names batch 128 with why. With batch 32 also
+    on 2 seeds no three batch sizes hold the whole grid, so all four are fitted and the two without a per-seed M*
+    (no interval: < 3 seeds) are left out of the slope with why; two batch sizes remain and the row does not run (a
+    slope over two batch sizes is not in the family's business). The levels table batch 128's pooled M* then, without
+    an interval."""
     from iclnoise.analysis.verdicts.h1_batch import batch_levels, h1_batch_axis
 
     out = batch_axis(np.random.default_rng(9), slope=0.15, steps_arm=False)
@@ -354,14 +387,15 @@ def test_a_batch_size_without_a_per_seed_m_star_is_left_out_of_the_slope_and_nam
     assert r50["status"] == "run" and r50["n"] == 5 and r50["ci_lo"] <= 0.15 <= r50["ci_hi"]
     assert r50["test"].startswith("batch axis at equal data, batch 16, 32, 64: slope of log2 M* (r50)")
     span = np.log10(short[short.batch == 16].integrated_pne.mean() / short[short.batch == 64].integrated_pne.mean())
-    assert f"({span:.2f} decades, M 1, 4, 8, 16, 32, 64, 256; left out: batch 128: no interval: insufficient seeds " \
-        "(2 < 3))" in r50["test"] and abs(span - 1.96 * math.log10(4)) < 0.02
-    lv = batch_levels(short, 0.05, 3).set_index("batch")
-    assert np.isnan(lv.M_star_r50_lo[128]) and np.isfinite(lv.M_star_r50[128]) and np.isfinite(lv.M_star_r50_lo[32])
+    assert f"({span:.2f} decades, M 1, 4, 8, 16, 32, 64, 256; left out: batch 128: 14 of the 35 (M, seed) runs " \
+        "the others have)" in r50["test"] and abs(span - 1.96 * math.log10(4)) < 0.02
+    assert sorted(batch_levels(short, 0.05, 3).batch) == [16, 32, 64]
     shorter = short[(short.batch != 32) | (short.seed < 2)]
     two = next(r for r in h1_batch_axis(shorter, 0.05, lambda runs: [], decompose=False) if "(r50)" in r["test"])
     assert two["status"] == "not run: a per-seed M* at 2 batch size(s) on 5 common seed(s) (needs ≥ 3 batch sizes, " \
-        "≥ 2 seeds)" and "left out: batch 32: no interval" in two["test"]
+        "≥ 2 seeds)" and "left out: batch 32: no interval: insufficient seeds (2 < 3)" in two["test"]
+    lv = batch_levels(shorter, 0.05, 3).set_index("batch")
+    assert np.isnan(lv.M_star_r50_lo[128]) and np.isfinite(lv.M_star_r50[128]) and np.isfinite(lv.M_star_r50_lo[64])
 
 
 @pytest.mark.unit

@@ -34,22 +34,32 @@ def batch_arms(every: pd.DataFrame, least: int = 3) -> dict[str, pd.DataFrame]:
     return {k: a for k, a in arms.items() if len(a) and a.batch.nunique() >= least}
 
 
-def shared_m(runs: pd.DataFrame) -> set:
-    """The M every batch size of an arm has run: where its batch sizes are compared (exposure moves with M, and M*
-    depends on the grid it is fitted on, so a grid still training compares like with like)."""
-    return set.intersection(*(set(h.M) for _, h in runs.groupby("batch")))
+def compared(runs: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
+    """An arm's runs where its batch sizes are compared, and the batch sizes left out with why. M* depends on the
+    grid it is fitted on and exposure moves with M, so batch sizes are compared on one grid. A batch size short of
+    the arm's (M, seed) grid (the union over its batch sizes: one still training, or a run that diverged) is left
+    out while ≥ 3 batch sizes hold the whole grid; otherwise every batch size is kept on the M they all have."""
+    cells = {b: set(zip(h.M, h.seed)) for b, h in runs.groupby("batch")}
+    grid = set().union(*cells.values())
+    whole = [b for b, c in cells.items() if c == grid]
+    if 3 <= len(whole) < len(cells):
+        short = {b: f"{len(c)} of the {len(grid)} (M, seed) runs the others have" for b, c in cells.items()
+                 if c != grid}
+        return runs[runs.batch.isin(whole)], short
+    shared = set.intersection(*(set(h.M) for _, h in runs.groupby("batch")))
+    return runs[runs.M.isin(shared)], {}
 
 
 def arm_exposure(runs: pd.DataFrame) -> pd.Series:
-    """Each batch size's mean total integrated P-NE* over an arm's runs at the M every batch size has (shared_m);
-    empty when they share none."""
-    return runs[runs.M.isin(shared_m(runs))].groupby("batch").integrated_pne.mean().astype(float)
+    """Each batch size's mean total integrated P-NE* over an arm's compared runs (compared); empty when its batch
+    sizes share no M."""
+    return compared(runs)[0].groupby("batch").integrated_pne.mean().astype(float)
 
 
 def h1_batch_axis(every: pd.DataFrame, alpha: float, common, decompose: bool = True) -> list[dict]:
     """Per arm (batch_arms): the slope of log2 M* per decade of total exposure across batch sizes (_mstar_row) —
     r50 in the Holm family, midpoint a sensitivity row; and r's decomposition per decade of total exposure
-    (dose.total_slope, (M, seed) cells the random intercept) over the M every batch size has (shared_m), outside
+    (dose.total_slope, (M, seed) cells the random intercept) over the runs where they are compared (compared), outside
     the family (left out with decompose=False: the M* rows alone, as a power simulation reads them). No rows
     without an arm of ≥ 3 batch sizes, but an equal-steps arm still short of three says so; rows 'not run'
     without an exposure record."""
@@ -71,14 +81,17 @@ def h1_batch_axis(every: pd.DataFrame, alpha: float, common, decompose: bool = T
             rows.append(_row("H1", test, "log2 M*",
                              status="not run: total exposure not recorded (exposure logging off)"))
             continue
-        total = arm_exposure(runs)
+        d, short = compared(runs)
+        total = d.groupby("batch").integrated_pne.mean().astype(float)
         if not len(total):
             rows.append(_row("H1", test, "log2 M*",
                              status="not run: no M run at every batch size, so no total exposure they share"))
             continue
-        d = runs[runs.M.isin(shared_m(runs))].assign(log10_total=lambda x: np.log10(x.batch.map(total)))
+        d = d.assign(log10_total=lambda x: np.log10(x.batch.map(total)))
         for point in ("r50", "midpoint"):
-            rows.append(_mstar_row(d, arm, point, alpha, gates))
+            rows.append(_mstar_row(d, arm, point, alpha, gates, short))
+        name = f"batch axis at {arm}, batch {', '.join(map(str, sorted(d.batch.unique())))}" + "".join(
+            f" (left out: batch {b}, {why})" for b, why in short.items())
         if not decompose:
             continue
         res = {"failed": {}}
@@ -98,14 +111,15 @@ def h1_batch_axis(every: pd.DataFrame, alpha: float, common, decompose: bool = T
     return rows
 
 
-def _mstar_row(d: pd.DataFrame, arm: str, point: str, alpha: float, common) -> dict:
-    """The slope of log2 M* per decade of total exposure over an arm's batch sizes (`d`: its runs at the M they all
-    have, log10_total each batch size's x): each batch size's per-seed M* (threshold_with_ci); a batch size without
-    one (no threshold, a seed's fit without one, < 3 seeds) is left out and named with why; each seed present at
+def _mstar_row(d: pd.DataFrame, arm: str, point: str, alpha: float, common, short: dict | None = None) -> dict:
+    """The slope of log2 M* per decade of total exposure over an arm's batch sizes (`d`: its compared runs,
+    log10_total each batch size's x; `short`: batch sizes compared left out, with why): each batch size's per-seed M*
+    (threshold_with_ci); a batch size without one (no threshold, a seed's fit without one, < 3 seeds) is left out
+    and named with why, as are those in `short`; each seed present at
     every batch size left in gets its least-squares slope, t over seeds (dose.mstar_slope). Run on ≥ 3 batch sizes
     and ≥ 2 such seeds; the row names the batch sizes it rests on and their span in decades."""
     fam = point == "r50"
-    per, out = [], {}
+    per, out = [], dict(short or {})
     for b, g in d.groupby("batch"):
         est = threshold_with_ci(g, level=1 - alpha, alpha=alpha, point=point)
         seeds = est.get("log2_per_seed")
@@ -139,13 +153,13 @@ def batch_levels(out: pd.DataFrame, alpha: float, min_seeds: int) -> pd.DataFram
     """aggregate/batch_levels.parquet (BATCH_LEVELS_SCHEMA; figure 6 on the batch axis): per optimizer, arm
     (batch_arms) and batch size, its mean total exposure (arm_exposure), r at M = 16 with its t-interval over seeds,
     and M* by r50 and by midpoint from its full M grid with their intervals (threshold_with_ci). Empty without an
-    arm of ≥ 3 batch sizes. M* is fitted on the M every batch size of the arm has (shared_m), as the slope's; without
-    an interval (no per-seed M*) it is the pooled fit, which the slope leaves out."""
+    arm of ≥ 3 batch sizes. M* is fitted on the arm's compared runs (compared), as the slope's, so a batch size
+    still training has no row; without an interval (no per-seed M*) it is the pooled fit, which the slope leaves out."""
     rows = []
     for opt, o in out.groupby("optimizer"):
         for arm, runs in batch_arms(o[(o.M != M_INF) & ~o.diverged]).items():
             total = arm_exposure(runs)
-            for b, h in runs[runs.M.isin(shared_m(runs))].groupby("batch"):
+            for b, h in compared(runs)[0].groupby("batch"):
                 row = {"optimizer": opt, "arm": arm, "batch": int(b), "n_runs": len(h), "n_seeds": h.seed.nunique(),
                        "total_exposure": float(total.get(b, np.nan))}
                 r16 = h[h.M == 16].groupby("seed").r.mean().dropna()
