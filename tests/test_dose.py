@@ -215,6 +215,24 @@ def test_a_dose_with_m_inf_runs_only_vouches_for_the_regime_and_the_slope_reads_
 
 
 @pytest.mark.unit
+def test_the_reports_regime_span_counts_the_doses_a_fit_reads_and_names_m_inf_alone_apart():
+    """The same shape (0.3 with M = ∞ alone): given dose.parquet, the report's operating regime spans 0.01-0.1,
+    the doses the slopes read, and names 0.3 apart as inside with M = ∞ alone; without it (a set aggregated before
+    the report read it) the span is the in-regime doses, as before."""
+    from iclnoise.output.report import dose_answer
+
+    out = planted(np.random.default_rng(5), slope=0.05, doses=(0.01, 0.1, 0.3), inf_at=(0.3,))
+    out = out[~((out.noise_level == 0.3) & (out.M != M_INF))].reset_index(drop=True)
+    runs = dose.dose_runs(out, GATES["convergence_tol"])
+    lv, t = dose.levels_table(runs, 0.05, GATES["dose_tol"], 3), h1(out)
+    line = next(x for x in dose_answer(t, lv, None, runs) if "operating regime:" in x)
+    assert line.endswith("operating regime: doses 0.01–0.1 (2 doses, 1.00 decades); inside with M = ∞ runs alone "
+                         "(no fit reads them yet): dose 0.3."), line
+    old = next(x for x in dose_answer(t, lv) if "operating regime:" in x)
+    assert "(3 doses, 1.48 decades)" in old and "M = ∞ runs alone" not in old
+
+
+@pytest.mark.unit
 def test_the_ladder_reads_a_planted_shift_of_m_star():
     """M* moves by −0.25 octave per decade (r's curve translates): the ladder's converted slope covers it, M* by r50
     is not fitted (3 M at the positive doses), and the shift per dose follows −0.25·log10(d/0.01). (The conversion

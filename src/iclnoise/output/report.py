@@ -24,6 +24,7 @@ from ..analysis.verdicts import (
     over_ridge,
 )
 from ..core.io import read_parquet
+from ..core.tasks import M_INF
 
 FIGURES = [
     ("fig01_ood_loss", "1. OOD loss over training per M (t_crit circles; dotted: dMMSE_M, dashed: ridge)"),
@@ -185,11 +186,13 @@ def what_this_run_shows(th, tests, conv=None) -> list[str]:
     return lines
 
 
-def dose_answer(tests, levels, per_m=None) -> list[str]:
+def dose_answer(tests, levels, per_m=None, runs=None) -> list[str]:
     """The report's opening where the grid has a dose series (issue 43): per series, the operating regime read
     from the data (dose_levels.parquet) and every dose-response row of the tests (slope per decade of dose with
     its CI and mde, the dose-0 contrast, the shape check; the sensitivity rows prefixed by what they change) in
-    words, then r's decomposition per M (`per_m`, dose_decomposition.parquet; None: a set aggregated before it)."""
+    words, then r's decomposition per M (`per_m`, dose_decomposition.parquet; None: a set aggregated before it).
+    With `runs` (dose.parquet), a dose inside the regime with M = ∞ runs alone (it vouches for the regime, but no
+    fit reads it) is named apart rather than counted in the span the slopes cover."""
     lines = ["## The answer: ICL against the injected noise dose", "",
              "Dose = realised integrated injected P-NE* (after clipping), per condition; slopes per decade of dose "
              "over the positive doses inside the operating regime (M = ∞ within "
@@ -199,7 +202,13 @@ def dose_answer(tests, levels, per_m=None) -> list[str]:
              "injection) is the reference arm.", ""]
     for key, g in with_schedule(levels).groupby(SERIES):
         name, opt = series_name(key), key[-1]
-        inside = g[g.in_regime.astype(bool) & (g.target_dose > 0)].realised_dose
+        inside = g[g.in_regime.astype(bool) & (g.target_dose > 0)].set_index("target_dose").realised_dose
+        alone = []
+        if runs is not None:
+            mine = with_schedule(runs)
+            mine = mine[(mine[SERIES].astype(str) == [str(k) for k in key]).all(axis=1)]
+            alone = [d for d in inside.index if not (mine[mine.target_dose == d].M != M_INF).any()]
+            inside = inside.drop(alone)
         out = g[~g.in_regime.astype(bool)]
         span = (f"doses {inside.min():.3g}–{inside.max():.3g} ({len(inside)} doses, "
                 f"{np.log10(inside.max() / inside.min()):.2f} decades)" if len(inside) >= 2 else
@@ -210,6 +219,8 @@ def dose_answer(tests, levels, per_m=None) -> list[str]:
         read = "a levelled noise floor" if key[2] in ON_AT_END else "levelled after the noise was switched off"
         excess = "; ".join(f"dose {d.target_dose:.3g} at {d.ood_loss_over_ridge:.3f}×" for d in over.itertuples())
         lines += [f"**{name}{optimizer_note(opt)}** — operating regime: {span}"
+                  + (f"; inside with M = ∞ runs alone (no fit reads them yet): dose "
+                     f"{', '.join(f'{d:.3g}' for d in alone)}" if alone else "")
                   + (f"; outside: {outside}" if outside else "")
                   + (f"; M = ∞ inside with its excess read as the noise's outcome ({read}): {excess}" if excess
                      else "") + ".", ""]
@@ -398,8 +409,10 @@ def build(results: Path, params: dict, root: Path, origin: str | None = None) ->
     conv = convergence(read_parquet(agg / "outcomes.parquet")) if (agg / "outcomes.parquet").exists() else None
     if (agg / "dose_levels.parquet").exists() and tests is not None:   # a dose series: the answer first
         per_m = agg / "dose_decomposition.parquet"
+        runs = agg / "dose.parquet"
         lines += dose_answer(tests, read_parquet(agg / "dose_levels.parquet"),
-                             read_parquet(per_m) if per_m.exists() else None)
+                             read_parquet(per_m) if per_m.exists() else None,
+                             read_parquet(runs) if runs.exists() else None)
     if tests is not None:   # an aligned condition: H5's answer first
         lines += h5_answer(tests)
     if th is not None or tests is not None:
