@@ -472,7 +472,7 @@ def test_layer_groups_and_windows_split_the_pathwise_sensitivity(tiny, one_threa
         split_sensitivities([one], state, 16, windows=31)
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_cnr_pathwise_predicts_the_same_from_the_kept_fork_and_from_its_own(tiny, one_thread, tmp_path):
     """`iclnoise cnr-pathwise` replays from the state `iclnoise cnr --fork` keeps or from one it trains itself, to the
     same numbers; its ḡ is the mean of the realisations' sensitivities (noise_seed 0, 1: the realisations CRN pairs)

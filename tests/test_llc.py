@@ -25,7 +25,7 @@ from iclnoise.core.tasks import BatchSampler, task_pool
 from iclnoise.probes.llc import LLCConfig, estimate_llc, estimate_llcs
 from iclnoise.probes.sgld import mala_log_ratio, sgld_chains
 
-pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.usefixtures("one_thread")]
 
 
 def mse(model, x, y):
@@ -90,6 +90,7 @@ BIAS_EPS = {"sgld": 3e-4, "rmsprop_sgld": 1e-4}
 BATCHES = {"full": 1000, "mini": 100}
 
 
+@pytest.mark.validation
 @pytest.mark.numerics
 @pytest.mark.parametrize("method", ["sgld", "rmsprop_sgld"])
 def test_known_learning_coefficients(method):
@@ -104,6 +105,7 @@ def test_known_learning_coefficients(method):
             assert 0.5 < r.mala_accept <= 1.0, (name, bname, r.mala_accept)
 
 
+@pytest.mark.unit
 @pytest.mark.numerics
 def test_regular_model_matches_the_discrete_time_closed_form():
     """Full-batch SGLD on a quadratic loss is a linear Gaussian recursion whose stationary law is exact:
@@ -121,6 +123,7 @@ def test_regular_model_matches_the_discrete_time_closed_form():
     assert abs(target - float((nb * a / p).sum())) > 0.1 and target < 1.5
 
 
+@pytest.mark.unit
 @pytest.mark.numerics
 def test_mala_acceptance_matches_an_independent_numpy_chain():
     """Standard Gaussian target U = ‖w‖²/2 in d = 10 (loss ½‖w‖², nβ = 1, γ = 0, full batch): the
@@ -160,6 +163,7 @@ def test_mala_acceptance_matches_an_independent_numpy_chain():
                                                           draws=100, batch=4, n=4, seed=0)).mala_accept > 0.97
 
 
+@pytest.mark.unit
 @pytest.mark.numerics
 def test_mala_log_ratio_is_zero_for_a_flat_potential_and_an_exact_reverse():
     """U constant and ∇U = 0: the proposal is symmetric, so log α = 0 whatever the step."""
@@ -172,6 +176,7 @@ def test_mala_log_ratio_is_zero_for_a_flat_potential_and_an_exact_reverse():
     np.testing.assert_allclose(la.numpy(), 0.0, atol=1e-12)
 
 
+@pytest.mark.unit
 @pytest.mark.numerics
 def test_rmsprop_with_large_delta_is_sgld_with_a_smaller_step():
     """G = 1/(√V + δ) ≈ 1/δ when δ ≫ √V: RMSProp-SGLD at ε·δ follows plain SGLD at ε."""
@@ -208,6 +213,7 @@ def tiny_checkpoint64(tiny_checkpoint):
     return copy.deepcopy(m).double(), xs.double(), ys.double(), K, D
 
 
+@pytest.mark.validation
 @pytest.mark.numerics
 @pytest.mark.parametrize("method", ["sgld", "rmsprop_sgld"])
 def test_agrees_with_devinterp(tiny_checkpoint, method):
@@ -251,6 +257,7 @@ def test_agrees_with_devinterp(tiny_checkpoint, method):
     assert ours.llc_mean > 0
 
 
+@pytest.mark.unit
 @pytest.mark.numerics
 @pytest.mark.parametrize("method", ["sgld", "rmsprop_sgld"])
 def test_invariances(tiny_checkpoint64, method):
@@ -279,6 +286,7 @@ def test_invariances(tiny_checkpoint64, method):
     assert not np.allclose(sgld_chains(m, mse_loss, xs, ys, LLCConfig(**{**cfg.__dict__, "seed": 1})).loss, base)
 
 
+@pytest.mark.unit
 @pytest.mark.numerics
 @pytest.mark.parametrize("method", ["sgld", "rmsprop_sgld"])
 def test_many_checkpoints_in_one_pass_equal_one_at_a_time(tiny_checkpoint64, method):
@@ -303,6 +311,7 @@ def test_many_checkpoints_in_one_pass_equal_one_at_a_time(tiny_checkpoint64, met
     assert len({round(r.llc_mean, 3) for r in together}) == 3  # the centers are really different
 
 
+@pytest.mark.unit
 @pytest.mark.numerics
 def test_flags_divergence_and_checkpoint_selection(tiny_checkpoint):
     m, xs, ys, *_ = tiny_checkpoint
@@ -313,6 +322,7 @@ def test_flags_divergence_and_checkpoint_selection(tiny_checkpoint):
     assert select_steps([0, 1, 2, 5], 3) == [0, 5]
 
 
+@pytest.mark.unit
 def test_steps_at_snaps_a_published_schedule_to_our_checkpoints():
     from iclnoise.core.schedules import checkpoint_steps, steps_at
 
@@ -324,6 +334,7 @@ def test_steps_at_snaps_a_published_schedule_to_our_checkpoints():
     assert got[0] == 0 and got[-1] == 500_000
 
 
+@pytest.mark.unit
 @pytest.mark.numerics
 def test_full_batch_uses_the_whole_set_and_matches_the_loop():
     """batch ≥ n: every chain sees the whole set each step (shared, not copied); the loss trace at step 0
@@ -337,6 +348,7 @@ def test_full_batch_uses_the_whole_set_and_matches_the_loop():
     np.testing.assert_allclose(sgld_chains(m, mse, X, Y, cfg, vectorize=False).loss, ch.loss, rtol=1e-11)
 
 
+@pytest.mark.unit
 @pytest.mark.numerics
 def test_llc_for_run_is_byte_identical_on_rerun(tiny, tmp_path):
     """The per-run step reads checkpoints through iclnoise.run.runs, writes no wall-clock column, and a rerun
@@ -356,6 +368,7 @@ def test_llc_for_run_is_byte_identical_on_rerun(tiny, tmp_path):
 
 
 
+@pytest.mark.unit
 @pytest.mark.numerics
 def test_a_checkpoint_with_nan_weights_is_named_not_a_linalg_error(tiny, tmp_path):
     """Issue 68 (12): a checkpoint holding NaN weights (its manifest rewritten to match) stopped the LLC probe with a
@@ -388,6 +401,7 @@ def test_a_checkpoint_with_nan_weights_is_named_not_a_linalg_error(tiny, tmp_pat
     assert f"{path} holds non-finite weights ({name})" in str(e.value) and f"run directory {run}" in str(e.value)
     assert not (run / "llc.parquet").exists()
 
+@pytest.mark.unit
 @pytest.mark.numerics
 def test_stacked_chains_equal_the_loop_with_full_batch(tiny_checkpoint64):
     """The hooked model runs all chains as stacked parameters (no vmap); with batch ≥ n every chain sees the
@@ -402,6 +416,7 @@ def test_stacked_chains_equal_the_loop_with_full_batch(tiny_checkpoint64):
     np.testing.assert_allclose(loop.accept, ch.accept, rtol=0, atol=1e-11)
 
 
+@pytest.mark.unit
 @pytest.mark.numerics
 def test_a_killed_llc_job_resumes_from_its_finished_passes(tiny, tmp_path, monkeypatch):
     """A job killed after its first batched pass leaves that pass in llc.partial.parquet; the rerun estimates
@@ -464,6 +479,7 @@ def planted_quadratic(a=(2.0, 1.0, 0.5, 0.25), n=256, seed=0):
     return m, X, Y, 2 * max(a)
 
 
+@pytest.mark.unit
 @pytest.mark.numerics
 def test_unstable_turns_on_at_the_predicted_step_size():
     """Planted λ_max = 4: Lanczos finds it, and the stability ratio ε (nβ λ_max + γ)/4 crosses 1 at
@@ -491,6 +507,7 @@ def test_unstable_turns_on_at_the_predicted_step_size():
     assert top_eigenvalue(m, mse, X, Y, w, {"w": torch.tensor([0, 1, 0, 0])}) == pytest.approx(2.0, rel=1e-2)
 
 
+@pytest.mark.unit
 @pytest.mark.numerics
 def test_a_chain_worse_than_the_trivial_predictor_is_flagged_escaped():
     """Linear d = 4 at its least-squares w*: the trivial predictor (0) scores E y² = ‖w_true‖² + 0.25 (0.38 here), w*
@@ -510,6 +527,7 @@ def test_a_chain_worse_than_the_trivial_predictor_is_flagged_escaped():
     assert not estimate_llc(q, mse, Xq, Yq, LLCConfig(**{**base, "gamma": 1.0})).flags["escaped"]
 
 
+@pytest.mark.unit
 @pytest.mark.numerics
 def test_shared_level_flags_a_level_that_does_not_follow_the_checkpoint():
     """Planted levels over 5 checkpoints whose L(w*) falls 1.0 → 0.2: chains that track w* (E = L* + λ/nβ, λ/nβ
@@ -529,6 +547,7 @@ def test_shared_level_flags_a_level_that_does_not_follow_the_checkpoint():
     assert not shared_level(E, se, L).any()
 
 
+@pytest.mark.validation
 @pytest.mark.numerics
 def test_calibration_keeps_the_known_learning_coefficient():
     """`llc-calibrate`'s choice (the largest unflagged ε whose estimate agrees with the next smaller ε's within
@@ -561,6 +580,7 @@ def test_calibration_keeps_the_known_learning_coefficient():
             assert worse and all(abs(q["llc_mean"] - lam) > 3 * q["llc_se"] for q in worse)
 
 
+@pytest.mark.unit
 @pytest.mark.numerics
 def test_calibration_leaves_out_a_checkpoint_where_every_stable_estimate_is_negative():
     """A checkpoint at initialisation (E[L] < L(w*) at every stable setting: not near a minimum, the LLC undefined)
@@ -587,6 +607,7 @@ def test_calibration_leaves_out_a_checkpoint_where_every_stable_estimate_is_nega
     assert choose_setting([r for r in rows if r["center"] == 5]) is None   # nothing left: no choice
 
 
+@pytest.mark.unit
 @pytest.mark.numerics
 def test_llc_tables_record_the_stability_ratio_and_flag_a_checkpoint_past_the_limit(tiny, tmp_path):
     """llc.parquet (and the calibration sweep) carry λ_max, the ratio ε (nβ λ_max + γ)/4 and the flags. With ε set
@@ -618,6 +639,7 @@ def test_llc_tables_record_the_stability_ratio_and_flag_a_checkpoint_past_the_li
     assert read_parquet(run / "llc_calibration.parquet").chosen.sum() == 2 * (choice is not None)   # a row per step
 
 
+@pytest.mark.unit
 def test_figure_4_marks_estimates_that_measure_the_sampler(tmp_path, monkeypatch):
     """Figure 4: an unstable or escaped estimate is never joined to the trusted line; it is a cross with its own
     legend entry, apart from the hollow markers of diverged / negative / not levelled estimates."""

@@ -23,7 +23,7 @@ from iclnoise.noise.hooks import ExposureState, NoiseMeter, StepContext
 from iclnoise.noise.injection import MAX_LOG_SCALE, SATURATION, NoiseInjector, closed_loop_scale
 from iclnoise.run.train import train_ensemble, train_run
 
-pytestmark = [pytest.mark.unit, pytest.mark.numerics]
+pytestmark = [pytest.mark.numerics]
 
 
 def random_noise(K=6, P=10, seed=0):
@@ -32,6 +32,7 @@ def random_noise(K=6, P=10, seed=0):
     return grad_noise(G, m=4)
 
 
+@pytest.mark.unit
 def test_draws_have_the_requested_low_rank_plus_diagonal_covariance():
     g = torch.Generator().manual_seed(0)
     U = torch.linalg.qr(torch.randn(6, 2, generator=g, dtype=torch.float64))[0]
@@ -43,6 +44,7 @@ def test_draws_have_the_requested_low_rank_plus_diagonal_covariance():
     assert not torch.allclose(emp, torch.diag(target.diag()), atol=0.06)  # the off-diagonal part is really there
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("shape", ["isotropic", "diagonal", "lowrank"])
 def test_shapes_keep_the_trace_and_lowrank_at_full_rank_is_exact(shape):
     n = random_noise()
@@ -56,6 +58,7 @@ def test_shapes_keep_the_trace_and_lowrank_at_full_rank_is_exact(shape):
         torch.testing.assert_close(cov.dense(), torch.diag(0.5 * C.diag()))
 
 
+@pytest.mark.unit
 def test_truncated_lowrank_keeps_the_top_directions_and_the_diagonal():
     n = random_noise()
     cov, clipped = shaped_covariance(n, 1.0, "lowrank", rank=2)
@@ -68,6 +71,7 @@ def test_truncated_lowrank_keeps_the_top_directions_and_the_diagonal():
     assert clipped == pytest.approx(-d_raw[d_raw < 0].sum())
 
 
+@pytest.mark.unit
 def test_psd_clip_removes_exactly_the_negative_directions():
     g = torch.Generator().manual_seed(3)
     U = torch.linalg.qr(torch.randn(8, 4, generator=g, dtype=torch.float64))[0]
@@ -86,6 +90,7 @@ def test_psd_clip_removes_exactly_the_negative_directions():
     assert float(cov.diag().abs().max()) == 0 and clipped == pytest.approx(n.trace / 64)
 
 
+@pytest.mark.unit
 def test_psd_clip_projects_the_whole_matrix_not_its_parts():
     """R = −uuᵀ + 2I is PSD (eigenvalues 1 and 2): nothing is removed, although its low-rank part is negative
     (clipping the parts separately removed 1.0); and a truly indefinite R loses exactly its negative part."""
@@ -121,6 +126,7 @@ def _injector(spec):
     return NoiseInjector(RunSpec.of(spec), _meter(spec), ExposureState(), torch.device("cpu"))
 
 
+@pytest.mark.unit
 def test_gradient_injection_emulating_a_smaller_batch_matches_its_update_noise():
     """One AdamW update from a shared state: batch 8 versus batch 32 + injection emulating 8. The update
     noise Σ_i Var(Δw_i) / a_i² (preconditioned space) agrees within 10 %, and differs from plain batch 32."""
@@ -169,6 +175,7 @@ def test_gradient_injection_emulating_a_smaller_batch_matches_its_update_noise()
     assert big < 0.5 * small  # the comparison can tell batch 8 from batch 32
 
 
+@pytest.mark.validation
 def test_parameter_injection_has_covariance_eta2_A_R_A():
     n = random_noise(K=8, P=5)
     spec = _injection_spec("param", 4, 16)
@@ -193,6 +200,7 @@ def test_parameter_injection_has_covariance_eta2_A_R_A():
     assert torch.allclose(Z.T @ Z / len(Z), target, rtol=0.08, atol=0.03 * float(target.diag().max()))
 
 
+@pytest.mark.validation
 def test_isotropic_parameter_noise_is_isotropic_in_parameter_space():
     """source param, shape isotropic: Cov ζ = τ² I with τ² P = η² Tr(A R' A) (method §5), not ∝ A²."""
     n = random_noise(K=8, P=5)
@@ -240,6 +248,7 @@ def _early_late(tiny, tmp_path, clip, share=0.2):
     return out
 
 
+@pytest.mark.unit
 def test_early_and_late_reach_equal_realised_exposure_after_clipping(tiny, tmp_path):
     """Budget E of injected P-NE* after clipping (a twentieth of the batch noise's over the window), 32-step windows,
     clipping at 0.3 (active on most steps, and differently early and late): both schedules realise E within
@@ -261,6 +270,7 @@ def test_early_and_late_reach_equal_realised_exposure_after_clipping(tiny, tmp_p
         assert s["integrated_ne_injected"] == pytest.approx(inj.ne_injected.sum(), rel=1e-9)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("probes, every, tol", [(32, 2, None), (8, 25, 0.05)], ids=["dense", "adaptive"])
 def test_early_and_late_realise_their_budget_by_specs_definition_where_A_moves_fast(tiny, tmp_path, monkeypatch,
                                                                                     probes, every, tol):
@@ -299,14 +309,23 @@ def test_early_and_late_realise_their_budget_by_specs_definition_where_A_moves_f
         assert np.mean(ref.c2) >= 1 / (1 + SATURATION), (name, np.round(ref.c2, 3).tolist())
 
 
-@pytest.mark.parametrize("trajectory", [False, True])
-def test_controller_tracks_a_target(tiny, tmp_path, trajectory):
+@pytest.fixture(scope="module")
+def tracking(tiny, tmp_path_factory) -> tuple[dict, float]:
+    """300 steps at a constant lr without clipping (under clipping the post-clip P-NE saturates: a high target is
+    unreachable), and the median batch-noise P-NE* of its noise-free run."""
     p = copy.deepcopy(tiny)
     p["train"]["budget"] = {"mode": "steps", "steps": 300}
     p["train"]["lr_schedule"] = {"kind": "constant"}
-    p["train"]["grad_clip"] = None  # under clipping the post-clip P-NE saturates: a high target is unreachable
-    train_run(run_spec(p, "M4-B16-none-s0"), tmp_path / "none", progress=False)
-    base = float(read_parquet(tmp_path / "none/exposure.parquet").pne_postclip.median())
+    p["train"]["grad_clip"] = None
+    root = tmp_path_factory.mktemp("tracking")
+    train_run(run_spec(p, "M4-B16-none-s0"), root / "none", progress=False)
+    return p, float(read_parquet(root / "none/exposure.parquet").pne_postclip.median())
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("trajectory", [False, True])
+def test_controller_tracks_a_target(tracking, tmp_path, trajectory):
+    p, base = copy.deepcopy(tracking[0]), tracking[1]
     # a constant 10× the batch-noise P-NE*, or a step from 5× to 20× half-way through training
     target = [[0.0, 5 * base], [0.5, 5 * base], [0.5001, 20 * base], [1.0, 20 * base]] if trajectory else 10 * base
     p["noise"]["conditions"]["pid"]["target"] = target
@@ -324,6 +343,7 @@ def test_controller_tracks_a_target(tiny, tmp_path, trajectory):
         assert abs(np.median(late)) < 0.25 and np.abs(late).max() < math.log(4), (lo, late.tolist())
 
 
+@pytest.mark.unit
 def test_resume_with_injection_and_calibrated_exposure_gives_identical_numbers(tiny, tmp_path):
     p = copy.deepcopy(tiny)
     p["exposure"]["kappa"] = "calibrated"
@@ -343,6 +363,7 @@ def test_resume_with_injection_and_calibrated_exposure_gives_identical_numbers(t
     assert k.iloc[-3:].between(0.7, 1.3).all() and (k < 2.5).all(), k.tolist()
 
 
+@pytest.mark.unit
 def test_controller_starts_from_the_open_loop_estimate(tiny, tmp_path):
     """A target 30× the batch noise's P-NE*: the open-loop start (the scale that reaches the target through the
     measured curvature) is on target at its own measurement (step 0) and every measurement from the third on
@@ -360,6 +381,7 @@ def test_controller_starts_from_the_open_loop_estimate(tiny, tmp_path):
     assert np.abs(err[2:]).max() < math.log(3), err
 
 
+@pytest.mark.unit
 def test_param_noise_reaches_a_dose_the_clipping_bound_would_cap(tiny, tmp_path):
     """The param source's noise enters the weights after the update and never passes through gradient clipping, so
     its closed loop solves for s without the clipping factor and without the grad source's saturation bound
@@ -384,6 +406,7 @@ def test_param_noise_reaches_a_dose_the_clipping_bound_would_cap(tiny, tmp_path)
     assert booked["grad"] < 0.9, booked
 
 
+@pytest.mark.unit
 def test_the_closed_loop_scale_of_R_runs_is_each_runs_own_and_the_known_answers():
     """closed_loop_scale over (R,) tensors equals it run by run on floats, bit for bit, in each branch, and each
     branch gives its closed form (unit = curv = Tr R' = 1, 10 steps left, G = 1): unclipped s = target · curv / unit;
@@ -402,6 +425,7 @@ def test_the_closed_loop_scale_of_R_runs_is_each_runs_own_and_the_known_answers(
     np.testing.assert_allclose(each, want, rtol=1e-15)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("rng", ["generator", "counter"])
 def test_a_noise_seed_draws_other_noise_on_the_same_data_and_initialisation(tiny, rng, tmp_path):
     """Three runs of one seed in one ensemble (their noise sections differ in noise_seed only), param-source diagonal
@@ -429,6 +453,7 @@ def test_a_noise_seed_draws_other_noise_on_the_same_data_and_initialisation(tiny
 
 
 # ---------------------------------------------------------------- noise on some layers (noise.layers, method §5)
+@pytest.mark.unit
 def test_a_restricted_covariance_is_M_R_M_and_its_draw_the_whole_draw_masked():
     """parameter_mask marks exactly the named parameters' coordinates (blocks.1 is not blocks.10's prefix); the
     restricted R' is M R' M as a dense matrix, and its draw from one generator state is the unrestricted draw from
@@ -453,6 +478,7 @@ def test_a_restricted_covariance_is_M_R_M_and_its_draw_the_whole_draw_masked():
     assert torch.equal(b, a * m)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("source", ["param", "grad"])
 def test_noise_on_some_layers_is_on_those_parameters_alone_at_the_same_exposure(tiny, tmp_path, monkeypatch, source):
     """noise.layers = [blocks.1, unembed], diagonal noise over the whole run at a budget, no clipping, per-run path
@@ -490,6 +516,7 @@ def test_noise_on_some_layers_is_on_those_parameters_alone_at_the_same_exposure(
     assert booked["some"] == pytest.approx(0.002, rel=0.02) and booked["whole"] == pytest.approx(0.002, rel=0.02)
 
 
+@pytest.mark.unit
 def test_a_layer_the_model_does_not_have_is_refused_before_training(tiny, tmp_path):
     p = copy.deepcopy(tiny)
     p["noise"]["conditions"]["some"] = {"source": "param", "shape": "diagonal", "schedule": "constant",

@@ -24,7 +24,7 @@ from iclnoise.probes.refined import (
 )
 from iclnoise.probes.sgld import sgld_chains
 
-pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.usefixtures("one_thread")]
 
 
 def mse(model, x, y):
@@ -75,6 +75,7 @@ def tiny_transformer(dead_head: int | None = None, steps: int = 300):
 # ---------------------------------------------------------------- the restricted sampler
 
 
+@pytest.mark.unit
 @pytest.mark.numerics
 def test_without_masks_the_chains_are_those_of_before():
     """masks=None draws the same random numbers as the sampler before weight restriction (values recorded from
@@ -106,6 +107,7 @@ def test_without_masks_the_chains_are_those_of_before():
         sgld_chains(tm, mse_loss, xs, ys, cfg, masks=[{"nope": None}])
 
 
+@pytest.mark.unit
 @pytest.mark.numerics
 @pytest.mark.parametrize("method", ["sgld", "rmsprop_sgld"])
 def test_held_coordinates_never_move(method):
@@ -142,6 +144,7 @@ def test_held_coordinates_never_move(method):
     np.testing.assert_allclose(alone.accept, ch.accept[2:4], rtol=0, atol=1e-11)
 
 
+@pytest.mark.unit
 @pytest.mark.numerics
 def test_mala_acceptance_of_a_restricted_chain_is_that_of_the_free_subchain():
     """U = ‖w‖²/2 in d = 10 (nβ = 1, γ = 0) from w* = 1, restricted to 5 coordinates: the held ones sit where
@@ -170,6 +173,7 @@ def test_mala_acceptance_of_a_restricted_chain_is_that_of_the_free_subchain():
     assert abs(restricted - free) < 0.02, (restricted, free)
 
 
+@pytest.mark.unit
 @pytest.mark.numerics
 def test_components_match_devinterp_head_restriction():
     """Our head masks are devinterp 2.0.1's `create_param_masks(model, "l{i}h{h}")` (our attention is stored as
@@ -190,6 +194,7 @@ def test_components_match_devinterp_head_restriction():
     assert [layer_head(c) for c in ("l1h0", "l0mlp", "embed", "all")] == [(1, 0), (0, -1), (-1, -1), (-1, -1)]
 
 
+@pytest.mark.unit
 @pytest.mark.numerics
 def test_position_loss_over_all_positions_is_the_training_loss():
     m, xs, ys = tiny_transformer(steps=0)
@@ -237,6 +242,7 @@ def regular_plus_quartic(seed, d1=4, d2=2, n=1000):
 KNOWN_CFG = dict(epsilon=1e-4, gamma=1.0, chains=32, burn_in=600, draws=1200, batch=1000, n=1000)
 
 
+@pytest.mark.validation
 @pytest.mark.numerics
 def test_known_restricted_learning_coefficients():
     """Restricted to the regular part λ̂ ≈ d1/2 = 2, to the quartic part ≈ d2/4 = 0.5, whole ≈ 2.5, all three
@@ -293,6 +299,7 @@ def gaussian_case(seed, restrict=(0, 1, 2), n=1000, nbeta=50.0, gamma=100.0, eps
     return Linear(w_star), q, q2, comps, cfg, float(-n * cov)
 
 
+@pytest.mark.validation
 @pytest.mark.numerics
 def test_susceptibility_matches_the_gaussian_closed_form():
     """χ = −n Cov(φ, ℓ_q' − ℓ_q) from the restricted chains against the closed form (gaussian_case), within 3 s.e.;
@@ -314,6 +321,7 @@ def test_susceptibility_matches_the_gaussian_closed_form():
     assert abs(-cfg.n * np.cov(lq, lq2 - lq)[0, 1] - want) < 3 * se
 
 
+@pytest.mark.unit
 def test_susceptibility_estimator():
     """Per-chain covariances: χ of draws with a planted covariance; Δ independent of φ gives χ ≈ 0."""
     rng = np.random.default_rng(0)
@@ -327,6 +335,7 @@ def test_susceptibility_estimator():
 # ---------------------------------------------------------------- the transformer
 
 
+@pytest.mark.validation
 @pytest.mark.numerics
 def test_a_dead_head_has_a_small_refined_llc():
     """Planted: head 1's value and output weights are zero through training, so it reaches the loss only through
@@ -347,6 +356,7 @@ def test_a_dead_head_has_a_small_refined_llc():
     assert table.column("layer").to_pylist() == [0, 0] and table.column("head").to_pylist() == [0, 1]
 
 
+@pytest.mark.unit
 @pytest.mark.numerics
 def test_refined_for_run_writes_one_row_per_component(tiny, tmp_path):
     """The run-level driver: rllc.parquet and susceptibility.parquet with their schemas, one row per component
@@ -387,6 +397,7 @@ def test_refined_for_run_writes_one_row_per_component(tiny, tmp_path):
     assert all(x.flags["unstable"] == (x.stability_ratio > 1) for x in r.llc.values())
 
 
+@pytest.mark.unit
 def test_refined_checkpoints_are_early_middle_and_last_of_the_llcs():
     from iclnoise.core.schedules import refined_steps
 
@@ -396,6 +407,7 @@ def test_refined_checkpoints_are_early_middle_and_last_of_the_llcs():
     assert refined_steps(llc, 20) == llc[1:] and refined_steps([0], 3) == [0]
 
 
+@pytest.mark.unit
 def test_refined_section_overrides_only_the_sampler_keys_it_sets():
     from iclnoise.core.probe_sections import Refined
 
