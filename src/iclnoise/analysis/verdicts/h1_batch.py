@@ -50,10 +50,10 @@ def compared(runs: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
     return runs[runs.M.isin(shared)], {}
 
 
-def arm_exposure(runs: pd.DataFrame) -> pd.Series:
-    """Each batch size's mean total integrated P-NE* over an arm's compared runs (compared); empty when its batch
-    sizes share no M."""
-    return compared(runs)[0].groupby("batch").integrated_pne.mean().astype(float)
+def arm_exposure(d: pd.DataFrame) -> pd.Series:
+    """Each batch size's mean total integrated P-NE* over an arm's compared runs `d` (compared); empty when its
+    batch sizes share no M."""
+    return d.groupby("batch").integrated_pne.mean().astype(float)
 
 
 def h1_batch_axis(every: pd.DataFrame, alpha: float, common, decompose: bool = True) -> list[dict]:
@@ -82,7 +82,7 @@ def h1_batch_axis(every: pd.DataFrame, alpha: float, common, decompose: bool = T
                              status="not run: total exposure not recorded (exposure logging off)"))
             continue
         d, short = compared(runs)
-        total = d.groupby("batch").integrated_pne.mean().astype(float)
+        total = arm_exposure(d)
         if not len(total):
             rows.append(_row("H1", test, "log2 M*",
                              status="not run: no M run at every batch size, so no total exposure they share"))
@@ -158,8 +158,9 @@ def batch_levels(out: pd.DataFrame, alpha: float, min_seeds: int) -> pd.DataFram
     rows = []
     for opt, o in out.groupby("optimizer"):
         for arm, runs in batch_arms(o[(o.M != M_INF) & ~o.diverged]).items():
-            total = arm_exposure(runs)
-            for b, h in compared(runs)[0].groupby("batch"):
+            d = compared(runs)[0]
+            total = arm_exposure(d)
+            for b, h in d.groupby("batch"):
                 row = {"optimizer": opt, "arm": arm, "batch": int(b), "n_runs": len(h), "n_seeds": h.seed.nunique(),
                        "total_exposure": float(total.get(b, np.nan))}
                 r16 = h[h.M == 16].groupby("seed").r.mean().dropna()
