@@ -59,7 +59,7 @@ test-integration: setup
 test-validation: setup
 	$(PYTEST) -m validation -n $(CORES)
 
-# The numerics tests under other float32 reduction orders (portable kernels; AVX2), on every core: half the test
+# The unit tier's numerics tests under other float32 reduction orders (portable kernels; AVX2), on every core: half the test
 # files under each, the halves swapped with the commit's parity (FLOAT_ALL=1: every test under both).
 test-float: setup
 	scripts/test-float.sh
