@@ -467,13 +467,15 @@ def test_the_batch_axis_levels_hold_the_planted_thresholds_and_are_drawn(tmp_pat
     """batch_levels on a planted batch axis (slope 0.3 octave per decade): one row per arm and batch size, each at
     its planted mean total exposure, M* by midpoint and by r50 (the planted logistic's crossing of ½) within their
     intervals of the planted values (± the seeds' shift, sd 0.04 octave), batch 64 shared by both arms; figure 6 on
-    the batch axis draws them; `has_batch_axis` finds the arm in configs/exposure_batch.yaml's grid and none in
-    configs/science.yaml's (two batch sizes)."""
+    the batch axis draws them, both arms on one scale; `has_batch_axis` finds the arm in
+    configs/exposure_batch.yaml's grid and none in configs/science.yaml's (two batch sizes)."""
+    import matplotlib.pyplot as plt
+
     from iclnoise.analysis.thresholds import crossing
     from iclnoise.analysis.verdicts.h1_batch import batch_levels
     from iclnoise.config import load_params
     from iclnoise.config.grid import has_batch_axis
-    from iclnoise.output.figures.stats import fig_batch_axis
+    from iclnoise.output.figures.stats import batch_axis_figure, fig_batch_axis
 
     out = batch_axis(np.random.default_rng(5), slope=0.3)
     lv = batch_levels(out, 0.05, 3)
@@ -493,6 +495,14 @@ def test_the_batch_axis_levels_hold_the_planted_thresholds_and_are_drawn(tmp_pat
     assert b64.M_star_r50.nunique() == 1   # one set of runs, read in both arms
     fig_batch_axis(lv, tmp_path / "fig")
     assert (tmp_path / "fig.png").exists()
+    fig = batch_axis_figure(lv)   # the arms on one scale: each row's limits and the exposure axis shared
+    axes = np.array(fig.axes).reshape(2, 2)
+    assert len({a.get_xlim() for a in axes.flat}) == 1 and all(len({a.get_ylim() for a in row}) == 1 for row in axes)
+    (x0, x1), (m0, m1), (r0, r1) = axes[0, 0].get_xlim(), axes[0, 0].get_ylim(), axes[1, 0].get_ylim()
+    assert x0 < lv.total_exposure.min() and lv.total_exposure.max() < x1
+    assert m0 <= lv.M_star_midpoint_lo.min() and lv.M_star_r50_hi.max() <= m1
+    assert r0 <= lv.r16_lo.min() and lv.r16_hi.max() <= r1
+    plt.close(fig)
     science = load_params("params.yaml", ["configs/science.yaml"])
     both = load_params("params.yaml", ["configs/science.yaml", "configs/exposure.yaml", "configs/exposure_batch.yaml"])
     assert not has_batch_axis(science) and has_batch_axis(both)

@@ -152,12 +152,19 @@ def fig_dose(levels: pd.DataFrame, path: str | Path) -> None:
 
 
 def fig_batch_axis(levels: pd.DataFrame, path: str | Path) -> None:
-    """Figure 6 on the batch axis (aggregate/batch_levels.parquet; issue 70 item 5): per arm (columns: equal data,
-    equal steps), M* against the batch noise's own total exposure (integrated P-NE*, log axis) with 95 % t-intervals
-    over seeds, r50 (circles, solid) and midpoint (triangles, dotted), hollow where a batch size has no interval
-    (the pooled fit, which the slope leaves out); below, r at M = 16; each tick names its batch size."""
-    style.setup()
+    """Figure 6 on the batch axis (aggregate/batch_levels.parquet; issue 70 item 5), drawn by batch_axis_figure."""
     lv = levels.astype({c: float for c in levels.columns if c.startswith(("M_star", "r16", "total"))})
+    style.save_figure(batch_axis_figure(lv), path, lv)
+
+
+def batch_axis_figure(lv: pd.DataFrame) -> plt.Figure:
+    """Per arm (columns: equal data, equal steps), M* against the batch noise's own total exposure (integrated
+    P-NE*, log axis) with 95 % t-intervals over seeds, r50 (circles, solid) and midpoint (triangles, dotted), hollow
+    where a batch size has no interval (the pooled fit, which the slope leaves out); below, r at M = 16; each tick
+    names its batch size. The columns share their exposure and each row's limits, so a batch size's point in one
+    arm reads against the other's: if M* follows the noise's exposure whatever the number of updates, the arms'
+    points lie on one curve."""
+    style.setup()
     keys = sorted(lv.groupby(["optimizer", "arm"]).groups)
     fig, axes = plt.subplots(2, len(keys), figsize=(5 * len(keys), 7), squeeze=False, sharex="col")
     for j, (opt, arm) in enumerate(keys):
@@ -190,10 +197,18 @@ def fig_batch_axis(levels: pd.DataFrame, path: str | Path) -> None:
         bottom.set_xlabel("total exposure: the batch noise's integrated P-NE* (log)")
         bottom.set_xticks(x, [f"{v:.2g}\nB{b}" for v, b in zip(x, g.batch)])
         bottom.xaxis.set_minor_formatter(NullFormatter())
+    xlim = min(a.get_xlim()[0] for a in axes.flat), max(a.get_xlim()[1] for a in axes.flat)
+    for k, row in enumerate(axes):   # one scale across the arms (each column keeps its own batch-size ticks)
+        same = [a for a in row if k == 1 or a.get_yscale() == "log"]   # not a column without an M*
+        for ax in row:
+            ax.set_xlim(*xlim)
+        ylim = min((a.get_ylim()[0] for a in same), default=None), max((a.get_ylim()[1] for a in same), default=None)
+        for ax in same:
+            ax.set_ylim(*ylim)
     arms = " and at ".join(dict.fromkeys(arm for _, arm in keys))   # the arms drawn, not the design's
     fig.suptitle(f"ICL against the batch noise's own exposure: batch sizes at {arms}", y=1.0)
     fig.tight_layout()
-    style.save_figure(fig, path, lv)
+    return fig
 
 
 def _dose_column(top: plt.Axes, bottom: plt.Axes, g: pd.DataFrame, key: tuple) -> list[str]:
