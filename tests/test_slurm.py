@@ -40,11 +40,14 @@ def slurm_snakemake_cmd(workdir: Path, *targets: str) -> list[str]:
 TRAIN_JOB = r"rule_train(_ensemble)?(_|$)"
 
 
-def slurm_jobs() -> pd.DataFrame:
-    """Every job slurmctld still knows (finished ones for MinJobAge = 3600 s): id, partition, comment, state."""
-    out = run(["squeue", "--states=all", "--noheader", "--format=%i|%P|%k|%T"], cwd=ROOT).stdout
+def slurm_jobs(workdir: Path) -> pd.DataFrame:
+    """The jobs slurmctld still knows (finished ones for MinJobAge = 3600 s) that a Snakemake run in `workdir`
+    submitted (the executor's `sbatch -D`), so tests running beside each other see only their own: id, partition,
+    comment, state."""
+    out = run(["squeue", "--states=all", "--noheader", "--format=%i|%P|%k|%T|%Z"], cwd=ROOT).stdout
     rows = [line.split("|") for line in out.splitlines() if line.strip()]
-    return pd.DataFrame(rows, columns=["id", "partition", "comment", "state"]).astype({"id": int})
+    jobs = pd.DataFrame(rows, columns=["id", "partition", "comment", "state", "workdir"]).astype({"id": int})
+    return jobs[jobs.workdir == str(workdir.resolve())].drop(columns="workdir")
 
 
 def write_params(workdir: Path, p: dict) -> None:
@@ -88,7 +91,6 @@ def test_profile_asks_for_one_training_jobs_resources(tmp_path, profile, device,
 @pytest.mark.timeout(1500)
 def test_tiny_dag_runs_end_to_end_through_the_cpu_profile(tmp_path):
     write_params(tmp_path, small_grid())
-    before = slurm_jobs().id.max() if len(slurm_jobs()) else 0
     t0 = time.time()
     run(slurm_snakemake_cmd(tmp_path), cwd=tmp_path)
     print(f"tiny DAG through SLURM: {time.time() - t0:.0f} s")
@@ -97,8 +99,7 @@ def test_tiny_dag_runs_end_to_end_through_the_cpu_profile(tmp_path):
     m = read_parquet(tmp_path / "results/runs/M4-B16-none-s0/metrics.parquet")
     assert m.step.iloc[-1] == 30
     # every job ran as a SLURM job, training in partition gpu, everything else in cpu
-    jobs = slurm_jobs()
-    jobs = jobs[jobs.id > before]
+    jobs = slurm_jobs(tmp_path)
     assert (jobs.state == "COMPLETED").all(), jobs
     train = jobs.comment.str.match(TRAIN_JOB)
     # two runs: two `train` jobs, or one or two `train_ensemble` jobs
@@ -135,14 +136,13 @@ def test_cancelled_training_job_resumes_from_its_checkpoint_to_the_same_numbers(
     write_params(work, p)
     snakemake(ref, target)  # uninterrupted, locally
 
-    before = slurm_jobs().id.max() if len(slurm_jobs()) else 0
     proc = subprocess.Popen(slurm_snakemake_cmd(work, target), cwd=work, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     run_dir, cancelled, kept = work / "results/runs" / run_id, None, {}
     deadline = time.time() + 600
     while cancelled is None and proc.poll() is None and time.time() < deadline:
-        jobs = slurm_jobs()
-        running = jobs[(jobs.id > before) & jobs.comment.str.match(TRAIN_JOB) & (jobs.state == "RUNNING")]
+        jobs = slurm_jobs(work)
+        running = jobs[jobs.comment.str.match(TRAIN_JOB) & (jobs.state == "RUNNING")]
         kept = checkpoints(run_dir)
         if len(running) and len(kept) >= 2 and not (run_dir / "metrics.parquet").exists():
             cancelled = int(running.id.iloc[0])
@@ -154,8 +154,8 @@ def test_cancelled_training_job_resumes_from_its_checkpoint_to_the_same_numbers(
         proc.kill()
     assert cancelled is not None, f"the training job was never caught running with checkpoints:\n{out[-3000:]}"
     assert proc.returncode == 0, out[-4000:]
-    jobs = slurm_jobs()
-    train = jobs[(jobs.id > before) & jobs.comment.str.match(TRAIN_JOB)]
+    jobs = slurm_jobs(work)
+    train = jobs[jobs.comment.str.match(TRAIN_JOB)]
     assert train.set_index("id").state.to_dict() == {cancelled: "CANCELLED", train.id.max(): "COMPLETED"}, train
     # resumed, not restarted: the oldest checkpoint from before the cancel (step 0) is the same file, untouched
     after = checkpoints(run_dir)
