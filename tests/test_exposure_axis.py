@@ -444,6 +444,35 @@ def test_the_equal_steps_arm_needs_m_inf_runs_of_its_own_and_says_when_it_is_sho
     assert len(row) == 1 and row.status.iloc[0] == "not run: 2 batch size(s) trained at equal steps (needs ≥ 3)"
 
 
+@pytest.mark.unit
+def test_an_unconverged_batch_size_is_left_out_while_three_converged_remain():
+    """Batch 16 at equal steps levels off at 1.3× ridge's OOD loss (M = ∞; the gate is 1.15×): the equal-steps rows
+    rest on batch 32, 64, 128, name batch 16 as left out, unconverged, hold the planted slope and are in the family;
+    the rows over all four follow as sensitivity rows with the convergence gate not applied, outside the family. With
+    batch 128 gone, two converged batch sizes remain: the rows over 16, 32, 64 stand, gated inconclusive."""
+    from iclnoise.analysis.verdicts import hypothesis_tests
+    from iclnoise.core.tasks import M_INF
+
+    out = batch_axis(np.random.default_rng(3), slope=0.15)
+    bad = (out.noise == "steps64") & (out.batch == 16) & (out.M == M_INF)
+    out.loc[bad, "ood_loss"] = 1.3 * out.loc[bad, "ood_loss_ridge"]
+    t = hypothesis_tests(out, CFG).set_index("test")
+    steps = t[t.index.str.contains(r"equal steps \(batch 64's\)") & t.index.str.contains(r"log2 M\* \(r50\)")]
+    main = steps[steps.index.str.startswith("batch axis at equal steps (batch 64's), batch 32, 64, 128")].iloc[0]
+    assert "left out: batch 16: unconverged (steps64/B16: M = ∞ OOD loss 1.30× ridge's" in main.name
+    assert main.status == "run" and main.gates_passed and main.in_family
+    assert main.ci_lo <= 0.15 <= main.ci_hi
+    sens = steps[steps.index.str.startswith("sensitivity, the convergence gate not applied (admits batch 16: ")]
+    assert len(sens) == 1 and "batch 16, 32, 64, 128" in sens.index[0]
+    assert sens.gates_passed.all() and not sens.in_family.any() and (sens.status == "run").all()
+    dec = t[t.index.str.startswith("sensitivity, the convergence gate not applied") & t.index.str.contains("MixedLM")]
+    assert len(dec) == 6 and not dec.in_family.any()
+    t = hypothesis_tests(out[out.batch != 128], CFG)
+    rows = t[t.test.str.contains("batch axis at equal steps (batch 64's), batch 16, 32, 64: slope", regex=False)]
+    assert len(rows) == 2 and rows.verdict.str.startswith("inconclusive: unconverged (steps64/B16").all()
+    assert not t.test.str.contains("convergence gate not applied").any()
+
+
 @pytest.mark.validation
 def test_the_batch_axis_slope_holds_its_size_and_finds_the_planted_mde():
     """Planted batch axes at 5 seeds (equal data only): at slope 0 the r50 row rejects at its size and at 0.1 octave

@@ -60,9 +60,11 @@ def h1_batch_axis(every: pd.DataFrame, alpha: float, common, decompose: bool = T
     """Per arm (batch_arms): the slope of log2 M* per decade of total exposure across batch sizes (_mstar_row) —
     r50 in the Holm family, midpoint a sensitivity row; and r's decomposition per decade of total exposure
     (dose.total_slope, (M, seed) cells the random intercept) over the runs where they are compared (compared), outside
-    the family (left out with decompose=False: the M* rows alone, as a power simulation reads them). No rows
-    without an arm of ≥ 3 batch sizes, but an equal-steps arm still short of three says so; rows 'not run'
-    without an exposure record."""
+    the family (left out with decompose=False: the M* rows alone, as a power simulation reads them). A batch size
+    whose M = ∞ runs fail the convergence gate is left out and named, while ≥ 3 converged batch sizes remain; the
+    rows over all of them follow as sensitivity rows with that gate not applied (as a dose series' gated-out doses).
+    With fewer, the rows over all of them stand, gated. No rows without an arm of ≥ 3 batch sizes, but an
+    equal-steps arm still short of three says so; rows 'not run' without an exposure record."""
     rows = []
     for arm, runs in batch_arms(every, least=1).items():
         name = f"batch axis at {arm}, batch {', '.join(map(str, sorted(runs.batch.unique())))}"
@@ -88,37 +90,58 @@ def h1_batch_axis(every: pd.DataFrame, alpha: float, common, decompose: bool = T
                              status="not run: no M run at every batch size, so no total exposure they share"))
             continue
         d = d.assign(log10_total=lambda x: np.log10(x.batch.map(total)))
-        for point in ("r50", "midpoint"):
-            rows.append(_mstar_row(d, arm, point, alpha, gates, short))
-        name = f"batch axis at {arm}, batch {', '.join(map(str, sorted(d.batch.unique())))}" + "".join(
-            f" (left out: batch {b}, {why})" for b, why in short.items())
-        if not decompose:
+        failed = {b: f[1] for b, g in d.groupby("batch") for f in gates(g) if f[0] == "unconverged"}
+        kept = d[~d.batch.isin(failed)]
+        if not failed or kept.batch.nunique() < 3:   # the rows over every batch size, gated as they stand
+            rows += _arm_rows(d, arm, short, gates, alpha, decompose)
             continue
-        res = {"failed": {}}
-        dec = dose.decomposition(d, alpha, res)
-        for y in ("r", *dose.OUTCOMES):
-            test = f"{name}: decomposition, MixedLM {y} ~ log10(total exposure) + C(M) + (1 | M:seed)"
-            if y not in dec:
-                why = res["failed"].get(f"{y} total", "the outcome not recorded on every run, or < 2 seeds")
-                rows.append(_row("H1", test, y, family=False, status=f"not run: {why}"))
-                continue
-            e = dec[y]
-            rows.append(_row("H1", test, y, "log10 total exposure", n=len(d), estimate=e.estimate, ci_lo=e.ci_lo,
-                             ci_hi=e.ci_hi, p=e.p, effect_size=e.std_effect, mde=e.mde, fails=gates(d),
-                             family=False, power="could detect a slope of ≥ {mde:.2g} per decade of total exposure",
-                             words=(f"{y} {_direction(e.estimate, 'rises', 'falls')} with total exposure across "
-                                    "batch sizes", f"no evidence that {y} moves with total exposure")))
+        rows += _arm_rows(kept, arm, {**short, **{b: f"unconverged ({why})" for b, why in failed.items()}}, gates,
+                          alpha, decompose)
+        admits = "; ".join(f"batch {b}: {why}" for b, why in failed.items())
+
+        def ungated(used, gates=gates):
+            return [f for f in gates(used) if f[0] != "unconverged"]
+        rows += _arm_rows(d, arm, short, ungated, alpha, decompose,
+                          pre=f"sensitivity, the convergence gate not applied (admits {admits}): ")
     return rows
 
 
-def _mstar_row(d: pd.DataFrame, arm: str, point: str, alpha: float, common, short: dict | None = None) -> dict:
+def _arm_rows(d: pd.DataFrame, arm: str, short: dict, gates, alpha: float, decompose: bool,
+              pre: str | None = None) -> list[dict]:
+    """One arm's rows over its runs `d` (log10_total each batch size's x; `short`: batch sizes left out, with why):
+    the M* slope by r50 and by midpoint (_mstar_row) and, with decompose, r's decomposition; `pre` names sensitivity
+    rows (then none is in the family)."""
+    rows = [_mstar_row(d, arm, point, alpha, gates, short, pre) for point in ("r50", "midpoint")]
+    if not decompose:
+        return rows
+    name = f"{pre or ''}batch axis at {arm}, batch {', '.join(map(str, sorted(d.batch.unique())))}" + "".join(
+        f" (left out: batch {b}, {why})" for b, why in short.items())
+    res = {"failed": {}}
+    dec = dose.decomposition(d, alpha, res)
+    for y in ("r", *dose.OUTCOMES):
+        test = f"{name}: decomposition, MixedLM {y} ~ log10(total exposure) + C(M) + (1 | M:seed)"
+        if y not in dec:
+            why = res["failed"].get(f"{y} total", "the outcome not recorded on every run, or < 2 seeds")
+            rows.append(_row("H1", test, y, family=False, status=f"not run: {why}"))
+            continue
+        e = dec[y]
+        rows.append(_row("H1", test, y, "log10 total exposure", n=len(d), estimate=e.estimate, ci_lo=e.ci_lo,
+                         ci_hi=e.ci_hi, p=e.p, effect_size=e.std_effect, mde=e.mde, fails=gates(d),
+                         family=False, power="could detect a slope of ≥ {mde:.2g} per decade of total exposure",
+                         words=(f"{y} {_direction(e.estimate, 'rises', 'falls')} with total exposure across "
+                                "batch sizes", f"no evidence that {y} moves with total exposure")))
+    return rows
+
+
+def _mstar_row(d: pd.DataFrame, arm: str, point: str, alpha: float, common, short: dict | None = None,
+               pre: str | None = None) -> dict:
     """The slope of log2 M* per decade of total exposure over an arm's batch sizes (`d`: its compared runs,
     log10_total each batch size's x; `short`: batch sizes compared left out, with why): each batch size's per-seed M*
     (threshold_with_ci); a batch size without one (no threshold, a seed's fit without one, < 3 seeds) is left out
     and named with why, as are those in `short`; each seed present at
     every batch size left in gets its least-squares slope, t over seeds (dose.mstar_slope). Run on ≥ 3 batch sizes
     and ≥ 2 such seeds; the row names the batch sizes it rests on and their span in decades."""
-    fam = point == "r50"
+    fam = point == "r50" and pre is None
     per, out = [], dict(short or {})
     for b, g in d.groupby("batch"):
         est = threshold_with_ci(g, level=1 - alpha, alpha=alpha, point=point)
@@ -134,7 +157,8 @@ def _mstar_row(d: pd.DataFrame, arm: str, point: str, alpha: float, common, shor
     x = per.groupby("batch").log10_dose.first()
     span = float(x.max() - x.min()) if len(x) else 0.0
     left = "; ".join(f"{b}: {why}" for b, why in out.items())
-    test = (f"{'' if fam else 'sensitivity: '}batch axis at {arm}, batch {', '.join(map(str, used or sorted(out)))}: "
+    head = pre if pre is not None else "" if fam else "sensitivity: "
+    test = (f"{head}batch axis at {arm}, batch {', '.join(map(str, used or sorted(out)))}: "
             f"slope of log2 M* ({point}) per decade of total exposure, per seed, t over seeds ({span:.2f} decades, "
             f"M {', '.join(f'{m:g}' for m in sorted(d.M.unique()))}{'; left out: batch ' + left if left else ''})")
     if len(used) < 3 or per.seed.nunique() < 2:
