@@ -449,9 +449,14 @@ def test_an_unconverged_batch_size_is_left_out_while_three_converged_remain():
     """Batch 16 at equal steps levels off at 1.3× ridge's OOD loss (M = ∞; the gate is 1.15×): the equal-steps rows
     rest on batch 32, 64, 128, name batch 16 as left out, unconverged, hold the planted slope and are in the family;
     the rows over all four follow as sensitivity rows with the convergence gate not applied, outside the family. With
-    batch 128 gone, two converged batch sizes remain: the rows over 16, 32, 64 stand, gated inconclusive."""
+    batch 128 gone, two converged batch sizes remain: the rows over 16, 32, 64 stand, gated inconclusive. The levels
+    table marks batch 16 at equal steps unconverged, and figure 6 names it under its tick."""
+    import matplotlib.pyplot as plt
+
     from iclnoise.analysis.verdicts import hypothesis_tests
+    from iclnoise.analysis.verdicts.h1_batch import batch_levels
     from iclnoise.core.tasks import M_INF
+    from iclnoise.output.figures.stats import batch_axis_figure
 
     out = batch_axis(np.random.default_rng(3), slope=0.15)
     bad = (out.noise == "steps64") & (out.batch == 16) & (out.M == M_INF)
@@ -467,6 +472,12 @@ def test_an_unconverged_batch_size_is_left_out_while_three_converged_remain():
     assert sens.gates_passed.all() and not sens.in_family.any() and (sens.status == "run").all()
     dec = t[t.index.str.startswith("sensitivity, the convergence gate not applied") & t.index.str.contains("MixedLM")]
     assert len(dec) == 6 and not dec.in_family.any()
+    lv = batch_levels(out, 0.05, 3)   # the levels and figure 6 name it
+    assert lv.loc[~lv.converged, ["arm", "batch"]].values.tolist() == [["equal steps (batch 64's)", 16]]
+    fig = batch_axis_figure(lv)
+    ticks = [t.get_text() for t in fig.axes[3].get_xticklabels()]
+    assert [t.split("\n")[1:] for t in ticks if "unconverged" in t] == [["B16", "unconverged"]], ticks
+    plt.close(fig)
     t = hypothesis_tests(out[out.batch != 128], CFG)
     rows = t[t.test.str.contains("batch axis at equal steps (batch 64's), batch 16, 32, 64: slope", regex=False)]
     assert len(rows) == 2 and rows.verdict.str.startswith("inconclusive: unconverged (steps64/B16").all()
@@ -511,7 +522,7 @@ def test_the_batch_axis_levels_hold_the_planted_thresholds_and_are_drawn(tmp_pat
     assert sorted(lv.arm.unique()) == ["equal data", "equal steps (batch 64's)"]
     assert (lv.groupby("arm").batch.apply(sorted) == pd.Series([list(BATCHES)] * 2, index=sorted(lv.arm.unique()))
             ).all()
-    assert (lv.n_seeds == 5).all() and (lv.n_runs == 5 * len(FULL)).all()
+    assert (lv.n_seeds == 5).all() and (lv.n_runs == 5 * len(FULL)).all() and lv.converged.all()
     for r in lv.itertuples():
         k = 1.96 if r.arm == "equal data" else 0.96
         e = 0.0525 * (r.batch / 64) ** -k

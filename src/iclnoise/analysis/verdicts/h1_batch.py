@@ -9,7 +9,7 @@ import pyarrow as pa
 from ...core.tasks import M_INF
 from .. import dose
 from ..thresholds import t_interval, threshold_with_ci
-from .gates import _gate_equal_steps
+from .gates import _gate_equal_steps, convergence, gate_convergence
 from .rows import _direction, _row
 
 BATCH_LEVELS_SCHEMA = pa.schema([   # aggregate/batch_levels.parquet: one row per (optimizer, arm, batch size)
@@ -18,6 +18,7 @@ BATCH_LEVELS_SCHEMA = pa.schema([   # aggregate/batch_levels.parquet: one row pe
     pa.field("n_runs", pa.int64()), pa.field("n_seeds", pa.int64()),
     pa.field("r16", pa.float64()), pa.field("r16_lo", pa.float64()), pa.field("r16_hi", pa.float64()),
     *[pa.field(f"M_star_{p}{k}", pa.float64()) for p in ("r50", "midpoint") for k in ("", "_lo", "_hi")],
+    pa.field("converged", pa.bool_()),   # its M = ∞ runs pass the convergence gate (gates.gate_convergence)
 ])
 
 
@@ -178,15 +179,17 @@ def batch_levels(out: pd.DataFrame, alpha: float, min_seeds: int) -> pd.DataFram
     (batch_arms) and batch size, its mean total exposure (arm_exposure), r at M = 16 with its t-interval over seeds,
     and M* by r50 and by midpoint from its full M grid with their intervals (threshold_with_ci). Empty without an
     arm of ≥ 3 batch sizes. M* is fitted on the arm's compared runs (compared), as the slope's, so a batch size
-    still training has no row; without an interval (no per-seed M*) it is the pooled fit, which the slope leaves out."""
+    still training has no row; without an interval (no per-seed M*) it is the pooled fit, which the slope leaves out.
+    `converged`: its M = ∞ runs pass the convergence gate (a batch size the slope leaves out for it)."""
     rows = []
+    conv = convergence(out)
     for opt, o in out.groupby("optimizer"):
         for arm, runs in batch_arms(o[(o.M != M_INF) & ~o.diverged]).items():
             d = compared(runs)[0]
             total = arm_exposure(d)
             for b, h in d.groupby("batch"):
                 row = {"optimizer": opt, "arm": arm, "batch": int(b), "n_runs": len(h), "n_seeds": h.seed.nunique(),
-                       "total_exposure": float(total.get(b, np.nan))}
+                       "total_exposure": float(total.get(b, np.nan)), "converged": not gate_convergence(h, conv)}
                 r16 = h[h.M == 16].groupby("seed").r.mean().dropna()
                 m, se, t = t_interval(r16, 1 - alpha) if len(r16) >= 2 else (r16.mean(), np.nan, np.nan)
                 row.update(r16=m, r16_lo=m - t * se, r16_hi=m + t * se)

@@ -161,7 +161,9 @@ def batch_axis_figure(lv: pd.DataFrame) -> plt.Figure:
     """Per arm (columns: equal data, equal steps), M* against the batch noise's own total exposure (integrated
     P-NE*, log axis) with 95 % t-intervals over seeds, r50 (circles, solid) and midpoint (triangles, dotted), hollow
     where a batch size has no interval (the pooled fit, which the slope leaves out); below, r at M = 16; each tick
-    names its batch size. The columns share their exposure and each row's limits, so a batch size's point in one
+    names its batch size, and "unconverged" under a shaded band where its M = ∞ runs failed the convergence gate
+    (the slope leaves it out while three converged batch sizes remain). The columns share their exposure and each
+    row's limits, so a batch size's point in one
     arm reads against the other's: if M* follows the noise's exposure whatever the number of updates, the arms'
     points lie on one curve."""
     style.setup()
@@ -195,7 +197,11 @@ def batch_axis_figure(lv: pd.DataFrame) -> plt.Figure:
         top.set_ylabel("task-diversity threshold M* (95 % CI)")
         bottom.set_ylabel("r at M = 16 (95 % CI over seeds)")
         bottom.set_xlabel("total exposure: the batch noise's integrated P-NE* (log)")
-        bottom.set_xticks(x, [f"{v:.2g}\nB{b}" for v, b in zip(x, g.batch)])
+        ok = g.converged.to_numpy(bool) if "converged" in g else np.ones(len(g), bool)   # tables before 2026-12-07
+        bottom.set_xticks(x, [f"{v:.2g}\nB{b}" + ("" if c else "\nunconverged") for v, b, c in zip(x, g.batch, ok)])
+        for ax in (top, bottom):   # a batch size whose M = ∞ runs failed the convergence gate: shaded, named
+            for at in x[~ok]:
+                ax.axvspan(at / 1.15, at * 1.15, color="0.85", zorder=0)
         bottom.xaxis.set_minor_formatter(NullFormatter())
     xlim = min(a.get_xlim()[0] for a in axes.flat), max(a.get_xlim()[1] for a in axes.flat)
     for k, row in enumerate(axes):   # one scale across the arms (each column keeps its own batch-size ticks)
