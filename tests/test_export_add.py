@@ -34,9 +34,14 @@ def params() -> dict:
 
 
 def session(tmp: Path, runs: list[str]) -> Path:
-    """A results directory holding `runs` as a session leaves them finished (reference/science's tables)."""
+    """A results directory holding `runs` as a session leaves them finished (reference/science's tables): no probe
+    table older than the training tables. The checkout's own times cannot say that: a fresh clone writes a run's files
+    in name order (metrics.parquet after llc.parquet and mech.parquet), and where the clock ticks between them the
+    probes read as older. So every copied table gets one time."""
     for r in runs:
         shutil.copytree(SCIENCE / "runs" / r, tmp / "runs" / r)
+        for f in (tmp / "runs" / r).rglob("*"):
+            os.utime(f, (1_700_000_000, 1_700_000_000))
     return tmp
 
 
